@@ -1,0 +1,28 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+OUT    ?= out/demo
+
+.PHONY: install demo test unit clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: 2.13.0 resolves to the CPU build on the dev machines.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+demo: install
+	$(BIN)/diloco demo --out $(OUT)
+
+test: install
+	$(BIN)/pytest
+
+unit: install
+	$(BIN)/pytest tests/unit
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,65 @@
+"""Where the servers are: read once from the environment, passed explicitly afterwards.
+
+The same variable names are printed by `diloco stack up`, set by `infra/docker-compose.yml`
+and read here. Credentials are never read here: boto3 takes them from the standard AWS chain
+(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws, instance roles).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from storage.errors import ConfigError
+
+ENV_REDIS_URL = "DILOCO_REDIS_URL"
+ENV_S3_ENDPOINT = "DILOCO_S3_ENDPOINT"
+ENV_S3_BUCKET = "DILOCO_S3_BUCKET"
+ENV_S3_PREFIX = "DILOCO_S3_PREFIX"
+ENV_S3_REGION = "DILOCO_S3_REGION"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    redis_url: str
+    """Redis URL, e.g. redis://localhost:6379/0 or rediss://:password@host:6380/0."""
+    bucket: str
+    """S3 bucket that holds every run's objects."""
+    s3_endpoint: str | None = None
+    """S3 endpoint URL (MinIO, SeaweedFS, R2...); None means AWS S3 itself."""
+    prefix: str = "diloco"
+    """Key prefix inside the bucket; runs live under {prefix}/{run}/."""
+    region: str = "us-east-1"
+    """S3 region (signature v4 needs one even for MinIO)."""
+
+    def __post_init__(self) -> None:
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"{ENV_REDIS_URL} must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
+        if not self.bucket:
+            raise ConfigError(f"no bucket: set {ENV_S3_BUCKET}")
+        if self.prefix.startswith("/") or self.prefix.endswith("/"):
+            raise ConfigError(f"{ENV_S3_PREFIX} must not start or end with '/', got {self.prefix!r}")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Endpoints:
+        env = dict(os.environ if env is None else env)
+        missing = [k for k in (ENV_REDIS_URL, ENV_S3_BUCKET) if not env.get(k)]
+        if missing:
+            raise ConfigError(
+                f"missing {', '.join(missing)}: run `eval $(diloco stack up)` for a local stack, "
+                "or point them at your Redis and bucket (see README)"
+            )
+        return cls(
+            redis_url=env[ENV_REDIS_URL],
+            bucket=env[ENV_S3_BUCKET],
+            s3_endpoint=env.get(ENV_S3_ENDPOINT) or None,
+            prefix=env.get(ENV_S3_PREFIX) or "diloco",
+            region=env.get(ENV_S3_REGION) or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+        )
+
+    def to_env(self) -> dict[str, str]:
+        env = {ENV_REDIS_URL: self.redis_url, ENV_S3_BUCKET: self.bucket, ENV_S3_PREFIX: self.prefix,
+               ENV_S3_REGION: self.region}
+        if self.s3_endpoint:
+            env[ENV_S3_ENDPOINT] = self.s3_endpoint
+        return env
