@@ -1,0 +1,74 @@
+"""The coordinator's settings: how a new run is laid out and how each fragment's rounds merge.
+
+Run settings (`RunSettings`) are written into the run spec when the coordinator creates a run and
+read back from it afterwards: a restarted coordinator, or one pointed at an existing run, uses
+the stored values. Merge settings (`CoordinatorConfig`) belong to this process and are recorded
+in every manifest they shaped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from coordinator.policy import RoundConfig
+from storage.errors import ConfigError
+from storage.protocol import RunSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    num_fragments: int = 4
+    """P: fragments the model is split into; each syncs on its own staggered schedule."""
+    sync_every: int = 50
+    """H: inner steps between two contributions of the same fragment."""
+    overlap_steps: int = 5
+    """tau: inner steps a learner keeps training after a send before it merges the new version."""
+    merge_rule: str = "rebase"
+    """How learners take a new version: 'rebase' keeps progress made since the send, 'mix' blends."""
+    alpha: float = 0.5
+    """For merge_rule 'mix': local = alpha * local + (1 - alpha) * global."""
+    codec: str = "int8"
+    """Outer-gradient codec: fp32, bf16, int8 or int4."""
+    compress: bool = True
+    """zstd on top of the codec."""
+    max_object_bytes: int = 1 << 30
+    """Fragment objects larger than this are refused unread."""
+
+    def spec(self, run: str) -> RunSpec:
+        return RunSpec(run=run, num_fragments=self.num_fragments, sync_every=self.sync_every,
+                       overlap_steps=self.overlap_steps, merge_rule=self.merge_rule, alpha=self.alpha,
+                       codec=self.codec, compress=self.compress, max_object_bytes=self.max_object_bytes,
+                       created_at=time.time())
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    outer_lr: float = 0.7
+    """Outer Nesterov learning rate."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum."""
+    radial_directional: bool = False
+    """Average norms and directions of deltas separately instead of a plain weighted mean."""
+    round: RoundConfig = field(default_factory=RoundConfig)
+    """Quorum, grace window and staleness rules."""
+    consumer: str = "coordinator"
+    """Consumer name in the announcements group; a restarted coordinator re-reads its own pending entries."""
+    fetch_threads: int = 8
+    """Parallel S3 GETs when verifying a batch of contributions."""
+    claim_idle_s: float = 60.0
+    """Entries pending on another consumer for longer than this are claimed."""
+
+    def __post_init__(self) -> None:
+        if not self.outer_lr > 0:
+            raise ConfigError(f"outer_lr must be positive, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+
+    def settings(self) -> dict[str, str | int | float | bool]:
+        """What a manifest records about how its version was made."""
+        r = self.round
+        return {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "outer": "nesterov",
+                "merge": "radial_directional" if self.radial_directional else "weighted_mean",
+                "weights": "tokens*tokens/steps", "staleness_discount": r.staleness_discount,
+                "max_staleness": r.max_staleness, "min_quorum": r.min_quorum, "grace_gamma": r.grace_gamma}

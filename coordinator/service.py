@@ -1,0 +1,268 @@
+"""The coordinator process: announcements in, verified rounds, merged versions out.
+
+Loop: read announcements (own pending entries first after a restart) -> check and fetch each one
+(in parallel) -> add it to its fragment's round -> ask `decide_round` for every open round ->
+merge the due ones (token-weighted, deterministic order) -> outer Nesterov step -> publish
+(objects, manifest, fenced Redis commit). Only the policy functions decide; this module does I/O.
+
+An announcement leaves the pending list exactly once: acknowledged inside the commit of the
+version that merged it, or acknowledged together with the record of its refusal. If S3 cannot be
+read right now, the entry stays pending and is retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from coordinator.config import CoordinatorConfig, RunSettings
+from coordinator.intake import Contribution, check_announcement, fetch_tensors, to_arrival
+from coordinator.outer import NesterovState, merge_deltas, nesterov_step
+from coordinator.policy import RoundState, decide_round, merge_order, merge_weights, staleness_verdict
+from coordinator.publish import commit, decode_state, roll_forward, write_version
+from storage.bus import Bus, CommitResult
+from storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
+from storage.history import read_layout, read_manifest, read_params, read_run_spec, read_verified
+from storage.objects import ObjectStore
+from storage.protocol import MAX_RECORD_BYTES, Announcement, Contribution as Input, Layout, Refusal, RunSpec
+from storage.settings import Endpoints
+
+log = logging.getLogger(__name__)
+
+
+class Fenced(DilocoError):
+    """Another coordinator took over this run (newer epoch); this one must stop."""
+
+
+@dataclass
+class Fragment:
+    """In-memory state of one fragment: its head and the open round."""
+
+    head: int
+    params: dict[str, torch.Tensor] | None = None
+    state: NesterovState | None = None
+    round: list[Contribution] = field(default_factory=list)
+    refused: list[Refusal] = field(default_factory=list)
+    wake_at: float | None = None
+    last_reason: str = ""
+
+
+class Coordinator:
+    def __init__(self, endpoints: Endpoints, run: str, *, settings: RunSettings | None = None,
+                 config: CoordinatorConfig | None = None) -> None:
+        self.config = config or CoordinatorConfig()
+        self.store = ObjectStore(endpoints)
+        self.bus = Bus(endpoints, run)
+        self.keys = self.bus.keys
+        self.store.ensure_bucket()
+        self.spec = self._load_or_create(settings or RunSettings())
+        self.bus.ensure_group()
+        self.epoch = self.bus.set_epoch()
+        heads = roll_forward(self.store, self.bus, self.spec.num_fragments, self.epoch)
+        self.layout: Layout | None = read_layout(self.store, self.keys)
+        self.fragments = {f: Fragment(head=heads.get(f, -1)) for f in range(self.spec.num_fragments)}
+        self.sync_time_s = 0.0
+        self.live = 0
+        self._pool = ThreadPoolExecutor(self.config.fetch_threads, thread_name_prefix="fetch")
+        self._retry: list[tuple[str, Announcement]] = []
+        self._read_pending = True
+        log.info("coordinator of run %s: epoch %d, %d fragments, heads %s", run, self.epoch,
+                 self.spec.num_fragments, {f: s.head for f, s in self.fragments.items()})
+
+    def _load_or_create(self, settings: RunSettings) -> RunSpec:
+        spec = read_run_spec(self.store, self.keys)
+        if spec is not None:
+            return spec
+        spec = settings.spec(self.keys.run)
+        try:
+            self.store.put(self.keys.run_spec(), spec.to_wire(), create_only=True)
+            log.info("created run %s: %s", spec.run, spec)
+            return spec
+        except Conflict:
+            stored = read_run_spec(self.store, self.keys)
+            assert stored is not None
+            return stored
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def serve(self, stop: threading.Event) -> None:
+        """Run until `stop` is set. Raises Fenced if another coordinator takes over."""
+        last_claim = 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            if now - last_claim > self.config.claim_idle_s / 2:
+                self._intake(self.bus.autoclaim(self.config.consumer, min_idle_ms=int(self.config.claim_idle_s * 1000)))
+                last_claim = now
+            self.step(block_ms=self._block_ms())
+        self._pool.shutdown(wait=True)
+
+    def step(self, block_ms: int = 0) -> None:
+        """One iteration: read what arrived, then merge every round that is due."""
+        if self._read_pending:
+            entries = self.bus.read_announcements(self.config.consumer, pending=True, count=256)
+            self._read_pending = len(entries) == 256
+        else:
+            entries = self.bus.read_announcements(self.config.consumer, block_ms=block_ms, count=256)
+        retry, self._retry = self._retry, []
+        self._intake(list(entries) + retry)
+        self.live = len(self.bus.live_learners())
+        for fragment, frag in self.fragments.items():
+            if frag.round:
+                self._maybe_merge(fragment, frag)
+
+    def _block_ms(self) -> int:
+        wakes = [f.wake_at for f in self.fragments.values() if f.round and f.wake_at is not None]
+        if not wakes:
+            return 1000
+        return max(0, min(1000, int((min(wakes) - time.monotonic()) * 1000)))
+
+    # ---- intake ------------------------------------------------------------------------------
+    def _intake(self, entries: list) -> None:
+        to_fetch: list[tuple[str, Announcement]] = []
+        seen = {c.announcement.contribution_id for f in self.fragments.values() for c in f.round}
+        for entry_id, item in entries:
+            if isinstance(item, Refused):
+                self._refuse(entry_id, None, item)
+                continue
+            try:
+                self._check(item, seen)
+            except Refused as exc:
+                self._refuse(entry_id, item, exc)
+                continue
+            seen.add(item.contribution_id)
+            to_fetch.append((entry_id, item))
+        futures = [(eid, a, self._pool.submit(self._fetch, a)) for eid, a in to_fetch]
+        for entry_id, a, future in futures:
+            try:
+                tensors = future.result()
+            except Refused as exc:
+                self._refuse(entry_id, a, exc)
+                continue
+            except StorageUnavailable as exc:
+                log.warning("S3 unavailable reading %s, will retry: %s", a.object_key, exc)
+                self._retry.append((entry_id, a))
+                continue
+            if a.kind == "genesis":
+                self._genesis(entry_id, a, tensors)
+            else:
+                self.fragments[a.fragment].round.append(
+                    Contribution(entry_id, a, to_arrival(a, time.monotonic()), tensors))
+
+    def _check(self, a: Announcement, seen: set[str]) -> None:
+        if a.contribution_id in seen or self.bus.is_applied(a.contribution_id):
+            raise Refused("duplicate", f"contribution {a.contribution_id} from {a.learner} was already "
+                          "received (an announcement delivered twice); applied at most once")
+        frag = self.fragments.get(a.fragment)
+        head = None if frag is None or frag.head < 0 else frag.head
+        check_announcement(a, spec=self.spec, keys=self.keys, head=head, cfg=self.config.round)
+        if a.kind == "genesis" and head is not None:
+            raise Refused("genesis_superseded", f"fragment {a.fragment} already has version {head}; "
+                          f"{a.learner}'s initial parameters are not needed")
+
+    def _fetch(self, a: Announcement) -> dict[str, torch.Tensor]:
+        layout = self.layout
+        if a.kind == "genesis" and layout is None:
+            layout = self._adopt_layout(a.learner)
+        assert layout is not None
+        return fetch_tensors(self.store, a, layout, self.spec.max_object_bytes)
+
+    def _adopt_layout(self, learner: str) -> Layout:
+        """The first genesis fixes the run's layout (create-only: concurrent proposals, one winner)."""
+        proposed = Layout.from_wire(self.store.get(self.keys.genesis_layout(learner), max_bytes=MAX_RECORD_BYTES))
+        if len(proposed.fragments) != self.spec.num_fragments:
+            raise Refused("bad_layout", f"{learner} proposed {len(proposed.fragments)} fragments, "
+                          f"run {self.spec.run!r} has {self.spec.num_fragments}")
+        try:
+            self.store.put(self.keys.layout(), proposed.to_wire(), create_only=True)
+        except Conflict:
+            pass
+        layout = read_layout(self.store, self.keys)
+        assert layout is not None
+        self.layout = layout
+        return layout
+
+    def _refuse(self, entry_id: str | None, a: Announcement | None, exc: Refused) -> None:
+        refusal = Refusal(contribution_id=a.contribution_id if a else "", learner=a.learner if a else "",
+                          code=exc.code, reason=exc.reason)
+        log.warning("refused %s from %s (entry %s): %s", exc.code, refusal.learner or "?", entry_id, exc.reason)
+        self.bus.refuse(entry_id, refusal)
+        if a is not None and a.fragment in self.fragments and exc.code != "genesis_superseded":
+            self.fragments[a.fragment].refused.append(refusal)
+
+    # ---- merging -----------------------------------------------------------------------------
+    def _genesis(self, entry_id: str, a: Announcement, tensors: dict[str, torch.Tensor]) -> None:
+        frag = self.fragments[a.fragment]
+        if frag.head >= 0:
+            self._refuse(entry_id, a, Refused("genesis_superseded", f"fragment {a.fragment} already has a version"))
+            return
+        c = Contribution(entry_id, a, to_arrival(a, time.monotonic()), tensors)
+        self._publish(a.fragment, frag, [c], [1.0], tensors, NesterovState())
+
+    def _maybe_merge(self, fragment: int, frag: Fragment) -> None:
+        arrivals = tuple(c.arrival for c in frag.round)
+        state = RoundState(fragment=fragment, head_version=frag.head, arrivals=arrivals,
+                           live_learners=self.live, sync_time_s=self.sync_time_s)
+        decision = decide_round(time.monotonic(), state, self.config.round)
+        frag.wake_at = decision.wake_at
+        if decision.reason != frag.last_reason:
+            log.debug("fragment %d: %s", fragment, decision.reason)
+            frag.last_reason = decision.reason
+        if not decision.merge:
+            return
+        log.info("fragment %d v%d: %s", fragment, frag.head + 1, decision.reason)
+        self._ensure_loaded(fragment, frag)
+        ordered = merge_order(arrivals)
+        by_id = {c.announcement.contribution_id: c for c in frag.round}
+        contributions = [by_id[a.fragment_id] for a in ordered]
+        weights = merge_weights(ordered, frag.head, self.config.round)
+        delta = merge_deltas([c.delta for c in contributions], weights,
+                             radial_directional=self.config.radial_directional)
+        assert frag.params is not None and frag.state is not None
+        params, state = nesterov_step(frag.params, delta, frag.state, lr=self.config.outer_lr,
+                                      momentum=self.config.outer_momentum)
+        self._publish(fragment, frag, contributions, weights, params, state)
+
+    def _ensure_loaded(self, fragment: int, frag: Fragment) -> None:
+        if frag.params is not None:
+            return
+        assert self.layout is not None
+        manifest = read_manifest(self.store, self.keys, fragment, frag.head)
+        frag.params = read_params(self.store, self.layout, manifest)
+        limit = 2 * self.layout.fragment_bytes(fragment) + (1 << 20)
+        frag.state = decode_state(read_verified(self.store, manifest.outer_state_key, manifest.outer_state_sha256,
+                                                max_bytes=limit), limit)
+
+    def _publish(self, fragment: int, frag: Fragment, contributions: list[Contribution], weights: list[float],
+                 params: dict[str, torch.Tensor], state: NesterovState) -> None:
+        t0 = time.monotonic()
+        version = frag.head + 1
+        inputs = tuple(
+            Input(contribution_id=c.announcement.contribution_id, learner=c.announcement.learner,
+                  seq=c.announcement.seq, object_key=c.announcement.object_key, sha256=c.announcement.sha256,
+                  base_version=c.announcement.base_version,
+                  staleness=staleness_verdict(c.announcement.base_version, frag.head, self.config.round)[1]
+                  if c.announcement.kind == "delta" else 0,
+                  tokens=c.announcement.tokens, steps=c.announcement.steps, weight=w, stream_id=c.entry_id)
+            for c, w in zip(contributions, weights, strict=True))
+        settings = self.config.settings() | {"kind": contributions[0].announcement.kind}
+        try:
+            manifest = write_version(self.store, self.keys, fragment=fragment, version=version, params=params,
+                                     state=state, inputs=inputs, refused=tuple(frag.refused), settings=settings,
+                                     epoch=self.epoch)
+        except Conflict as exc:
+            raise Fenced(f"version {version} of fragment {fragment} was written by another coordinator: {exc}") from exc
+        result = commit(self.bus, manifest, epoch=self.epoch, ack_ids=[c.entry_id for c in contributions])
+        if result not in (CommitResult.COMMITTED, CommitResult.ALREADY):
+            raise Fenced(f"commit of fragment {fragment} version {version} refused by Redis: {result.name}")
+        merged = {c.announcement.contribution_id for c in contributions}
+        frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
+        frag.refused = []
+        frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
+        elapsed = time.monotonic() - t0
+        self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed
+        log.info("committed fragment %d version %d from %d contribution(s) in %.3fs", fragment, version,
+                 len(contributions), elapsed)

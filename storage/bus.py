@@ -1,0 +1,308 @@
+"""Redis adapter: the fast index of a run (announcements, versions, heads, learners, counters).
+
+Redis is the index, S3 the durable truth. Each stream entry carries one field, `m`, holding a
+msgpack record from `storage.protocol`; entries that do not decode are returned as `Refused`
+so that the reader can acknowledge and count them instead of choking.
+
+Contracts:
+- `announce` may land twice if a reply is lost and the adapter retries (the XADD was already
+  applied): the coordinator deduplicates by `contribution_id`.
+- `commit_version` is one Lua script: it checks the fencing epoch, compares-and-sets the head,
+  refuses contribution ids already applied, then writes head, commit record, versions entry,
+  XACKs and the applied set. Retrying it after a lost reply returns `ALREADY` instead of
+  committing twice. Scripts have no rollback, so every check happens before the first write.
+- Blocking reads use a `block_ms` well below the socket timeout, so a blocked read never times
+  out on the client side while entries are delivered to it.
+Transient errors (connection refused/reset, timeouts, a server still loading its AOF) are
+retried here with bounded exponential backoff and jitter.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_random_exponential
+
+from storage.errors import Refused, StorageUnavailable
+from storage.keys import RunKeys
+from storage.protocol import Announcement, Refusal, VersionEvent, pack, unpack
+from storage.settings import Endpoints
+
+log = logging.getLogger(__name__)
+
+FIELD = b"m"
+SOCKET_TIMEOUT_S = 10.0
+MAX_BLOCK_MS = 2000
+VERSIONS_MAXLEN = 100_000
+
+_TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+_retry = retry(
+    retry=retry_if_exception_type(_TRANSIENT),
+    wait=wait_random_exponential(multiplier=0.1, max=2.0),
+    stop=stop_after_delay(30.0),
+    reraise=True,
+)
+
+
+class CommitResult(enum.Enum):
+    COMMITTED = 1
+    ALREADY = 2
+    """This exact version was committed before (our own retried commit)."""
+    FENCED = -1
+    """Another coordinator holds a newer epoch: this one must stop."""
+    HEAD_MOVED = -2
+    """The head is not the parent we merged onto."""
+    VERSION_TAKEN = -3
+    """A different version with the same number exists."""
+    ALREADY_APPLIED = -4
+    """One of the contributions was applied in an earlier version."""
+
+
+_COMMIT_LUA = """
+-- KEYS: heads, commits, applied, epoch, versions, announcements, counters
+-- ARGV: fragment, expected_head, version, params_sha, epoch, event, group, maxlen, n_ids, ids..., n_acks, acks...
+local frag, expected, version, sha = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local ck = frag .. ':' .. version
+local done = redis.call('HGET', KEYS[2], ck)
+if done then
+  if done == sha then return 2 end
+  return -3
+end
+if ARGV[5] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[5] then return -1 end
+local cur = redis.call('HGET', KEYS[1], frag)
+if (cur or '') ~= expected then return -2 end
+local n = tonumber(ARGV[9])
+for i = 1, n do
+  if redis.call('SISMEMBER', KEYS[3], ARGV[9 + i]) == 1 then return -4 end
+end
+redis.call('HSET', KEYS[1], frag, version)
+redis.call('HSET', KEYS[2], ck, sha)
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[8], '*', 'm', ARGV[6])
+for i = 1, n do
+  redis.call('SADD', KEYS[3], ARGV[9 + i])
+end
+local na = tonumber(ARGV[10 + n])
+for i = 1, na do
+  redis.call('XACK', KEYS[6], ARGV[7], ARGV[10 + n + i])
+end
+redis.call('HINCRBY', KEYS[7], 'versions_committed', 1)
+redis.call('HINCRBY', KEYS[7], 'contributions_applied', n)
+return 1
+"""
+
+_ACK_LUA = """
+-- KEYS: announcements; ARGV: group, ids...
+if #ARGV > 1 then return redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2)) end
+return 0
+"""
+
+
+def connect(url: str) -> redis.Redis:
+    """A client that does not retry by itself (we retry, bounded, in one place)."""
+    return redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5.0,
+                                retry=Retry(NoBackoff(), 0), health_check_interval=30)
+
+
+Entry = tuple[str, "Announcement | Refused"]
+
+
+class Bus:
+    """The Redis side of one run. Thread-safe (redis-py pools connections)."""
+
+    def __init__(self, endpoints: Endpoints, run: str) -> None:
+        self.keys = RunKeys(endpoints.prefix, run)
+        self.run = run
+        self.r = connect(endpoints.redis_url)
+        self._commit = self.r.register_script(_COMMIT_LUA)
+        self._ack = self.r.register_script(_ACK_LUA)
+
+    @_retry
+    def ping(self) -> bool:
+        return bool(self.r.ping())
+
+    # ---- announcements (learner -> coordinator) -----------------------------------------
+    @_retry
+    def announce(self, a: Announcement) -> str:
+        return self.r.xadd(self.keys.announcements, {FIELD: a.to_wire()}).decode()
+
+    @_retry
+    def ensure_group(self) -> None:
+        """Create the consumer group (and the stream) if missing. Idempotent."""
+        try:
+            self.r.xgroup_create(self.keys.announcements, self.keys.GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    @staticmethod
+    def _parse(entry_id: bytes, fields: dict | None) -> Entry:
+        eid = entry_id.decode()
+        if not fields or FIELD not in fields:
+            return eid, Refused("bad_message", f"stream entry {eid} has no '{FIELD.decode()}' field")
+        try:
+            return eid, Announcement.from_wire(fields[FIELD])
+        except Refused as exc:
+            return eid, exc
+
+    @_retry
+    def read_announcements(self, consumer: str, *, count: int = 64, block_ms: int = 1000,
+                           pending: bool = False) -> list[Entry]:
+        """New entries for this consumer (`pending=True`: the ones delivered before but not acked)."""
+        block = None if pending else min(block_ms, MAX_BLOCK_MS)
+        reply = self.r.xreadgroup(self.keys.GROUP, consumer, {self.keys.announcements: "0" if pending else ">"},
+                                  count=count, block=block)
+        out: list[Entry] = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                if pending and not fields:
+                    # Trimmed or deleted while pending: nothing to process, acknowledge it.
+                    self.ack([entry_id.decode()])
+                    continue
+                out.append(self._parse(entry_id, fields))
+        return out
+
+    @_retry
+    def autoclaim(self, consumer: str, *, min_idle_ms: int, count: int = 64) -> list[Entry]:
+        """Take over entries left pending by other consumers for longer than min_idle_ms."""
+        reply = self.r.xautoclaim(self.keys.announcements, self.keys.GROUP, consumer, min_idle_ms,
+                                  start_id="0-0", count=count)
+        # Redis 6.2 answers [next, entries]; 7.0 adds a list of deleted ids.
+        entries = reply[1] if len(reply) > 1 else []
+        out: list[Entry] = []
+        for item in entries:
+            if item is None:
+                continue
+            entry_id, fields = item
+            if not fields:
+                self.ack([entry_id.decode()])
+                continue
+            out.append(self._parse(entry_id, fields))
+        return out
+
+    @_retry
+    def ack(self, entry_ids: Sequence[str]) -> int:
+        if not entry_ids:
+            return 0
+        return int(self._ack(keys=[self.keys.announcements], args=[self.keys.GROUP, *entry_ids]))
+
+    @_retry
+    def refuse(self, entry_id: str | None, refusal: Refusal) -> None:
+        """Record a refusal (stream + counters) and acknowledge its entry, in one transaction."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.keys.refusals, {FIELD: refusal.to_wire()}, maxlen=VERSIONS_MAXLEN, approximate=True)
+        pipe.hincrby(self.keys.counters, "contributions_refused", 1)
+        pipe.hincrby(self.keys.counters, f"refused:{refusal.code}", 1)
+        if entry_id:
+            pipe.xack(self.keys.announcements, self.keys.GROUP, entry_id)
+        pipe.execute()
+
+    @_retry
+    def refusals(self, count: int = 1000) -> list[Refusal]:
+        out = []
+        for _eid, fields in self.r.xrange(self.keys.refusals, count=count):
+            out.append(Refusal.from_wire(fields[FIELD]))
+        return out
+
+    @_retry
+    def pending_count(self) -> int:
+        try:
+            info = self.r.xpending(self.keys.announcements, self.keys.GROUP)
+        except redis.ResponseError:
+            return 0
+        return int(info["pending"])
+
+    # ---- versions (coordinator -> learners) ---------------------------------------------
+    @_retry
+    def set_epoch(self) -> int:
+        """Take a new fencing epoch: every commit of an older epoch fails from now on."""
+        return int(self.r.incr(self.keys.epoch))
+
+    @_retry
+    def heads(self) -> dict[int, int]:
+        return {int(k): int(v) for k, v in self.r.hgetall(self.keys.heads).items()}
+
+    @_retry
+    def commit_version(self, event: VersionEvent, *, expected_head: int | None, epoch: int | None,
+                       ack_ids: Sequence[str]) -> CommitResult:
+        """Make `event` the head of its fragment, fenced and atomic (see module docstring)."""
+        keys = [self.keys.heads, self.keys.commits, self.keys.applied, self.keys.epoch, self.keys.versions,
+                self.keys.announcements, self.keys.counters]
+        args: list[Any] = [event.fragment, "" if expected_head is None else expected_head, event.version,
+                           event.params_sha256, "" if epoch is None else epoch, event.to_wire(),
+                           self.keys.GROUP, VERSIONS_MAXLEN, len(event.contributions), *event.contributions,
+                           len(ack_ids), *ack_ids]
+        result = CommitResult(int(self._commit(keys=keys, args=args)))
+        if result is CommitResult.ALREADY:
+            self.ack(ack_ids)  # the first attempt acked them; acking again is harmless
+        return result
+
+    @_retry
+    def read_versions(self, after_id: str = "0", *, block_ms: int | None = None,
+                      count: int = 256) -> list[tuple[str, VersionEvent | Refused]]:
+        block = None if block_ms is None else min(block_ms, MAX_BLOCK_MS)
+        reply = self.r.xread({self.keys.versions: after_id}, count=count, block=block)
+        out: list[tuple[str, VersionEvent | Refused]] = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                try:
+                    out.append((entry_id.decode(), VersionEvent.from_wire(fields.get(FIELD, b""))))
+                except Refused as exc:
+                    out.append((entry_id.decode(), exc))
+        return out
+
+    @_retry
+    def is_applied(self, contribution_id: str) -> bool:
+        return bool(self.r.sismember(self.keys.applied, contribution_id))
+
+    # ---- learners ----------------------------------------------------------------------
+    @_retry
+    def heartbeat(self, learner: str, ttl_s: float, stats: dict[str, Any] | None = None) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zadd(self.keys.learners, {learner: time.time() + ttl_s})
+        if stats is not None:
+            pipe.hset(self.keys.learner_stats, learner, pack(stats))
+        pipe.execute()
+
+    @_retry
+    def leave(self, learner: str) -> None:
+        self.r.zrem(self.keys.learners, learner)
+
+    @_retry
+    def live_learners(self) -> list[str]:
+        return [m.decode() for m in self.r.zrangebyscore(self.keys.learners, time.time(), "+inf")]
+
+    @_retry
+    def learner_stats(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for k, v in self.r.hgetall(self.keys.learner_stats).items():
+            try:
+                stats = unpack(v)
+            except Refused:
+                continue
+            if isinstance(stats, dict):
+                out[k.decode()] = stats
+        return out
+
+    # ---- counters ----------------------------------------------------------------------
+    @_retry
+    def incr(self, name: str, amount: int = 1) -> None:
+        self.r.hincrby(self.keys.counters, name, amount)
+
+    @_retry
+    def counters(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.counters).items()}
+
+    def close(self) -> None:
+        self.r.close()
+
+
+def wrap_unavailable(exc: BaseException) -> StorageUnavailable:
+    return StorageUnavailable(f"Redis did not answer after retries: {exc}")

@@ -1,0 +1,70 @@
+"""Reading a run's durable history from S3, verified. Both sides and the tools use these.
+
+Everything here works with S3 alone (no Redis): run spec, layout, manifests, version params.
+Every object is size-bounded before it is read and checked (sha256 against the manifest, shapes
+against the layout, finite values) before it is returned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from storage import codecs
+from storage.errors import Refused
+from storage.keys import RunKeys
+from storage.objects import ObjectMissing, ObjectStore
+from storage.protocol import MAX_RECORD_BYTES, Layout, Manifest, RunSpec
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_run_spec(store: ObjectStore, keys: RunKeys) -> RunSpec | None:
+    try:
+        return RunSpec.from_wire(store.get(keys.run_spec(), max_bytes=MAX_RECORD_BYTES))
+    except ObjectMissing:
+        return None
+
+
+def read_layout(store: ObjectStore, keys: RunKeys) -> Layout | None:
+    try:
+        return Layout.from_wire(store.get(keys.layout(), max_bytes=MAX_RECORD_BYTES))
+    except ObjectMissing:
+        return None
+
+
+def read_manifest(store: ObjectStore, keys: RunKeys, fragment: int, version: int) -> Manifest:
+    manifest = Manifest.from_wire(store.get(keys.manifest(fragment, version), max_bytes=MAX_RECORD_BYTES))
+    if manifest.run != keys.run or manifest.fragment != fragment or manifest.version != version:
+        raise Refused("misaddressed", f"manifest at {keys.manifest(fragment, version)} describes run "
+                      f"{manifest.run!r} fragment {manifest.fragment} version {manifest.version}")
+    return manifest
+
+
+def read_verified(store: ObjectStore, key: str, sha256: str, *, max_bytes: int) -> bytes:
+    blob = store.get(key, max_bytes=max_bytes)
+    actual = sha256_hex(blob)
+    if actual != sha256:
+        raise Refused("sha256_mismatch", f"{key}: sha256 {actual[:12]}... does not match the recorded {sha256[:12]}...")
+    return blob
+
+
+def read_params(store: ObjectStore, layout: Layout, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """The global parameters of a committed version, checked against manifest and layout."""
+    limit = 2 * layout.fragment_bytes(manifest.fragment) + (1 << 20)
+    blob = read_verified(store, manifest.params_key, manifest.params_sha256, max_bytes=limit)
+    tensors, _ = codecs.decode(blob, max_bytes=limit, expect=layout.shapes(manifest.fragment))
+    return tensors
+
+
+def latest_version(store: ObjectStore, keys: RunKeys, fragment: int) -> int | None:
+    """Highest version of a fragment whose manifest exists in S3 (the commit record), by listing."""
+    latest = None
+    for key in store.list(keys.versions_prefix(fragment)):
+        parsed = keys.parse_version_key(key)
+        if parsed and parsed[2] == "manifest":
+            latest = parsed[1]
+    return latest

@@ -1,0 +1,153 @@
+"""Every Redis key and S3 object key, built in one place.
+
+Integers are zero-padded so that lexicographic listing order is numeric order
+(fragment: 4 digits, version: 12 digits, seq: 16 digits). Object layout under `{prefix}/{run}/`:
+
+    run.msgpack                                   RunSpec, written once by the coordinator
+    layout.msgpack                                Layout, written at genesis
+    genesis/{learner}/layout.msgpack              a learner's proposed layout
+    genesis/{learner}/{fragment}                  a learner's proposed initial params
+    fragments/{fragment}/{learner}/{seq}          one encoded outer gradient
+    versions/{fragment}/{version}/params          global params of that version
+    versions/{fragment}/{version}/outer_state     outer-optimizer state after that version
+    versions/{fragment}/{version}/manifest        the commit record (Manifest)
+
+Redis keys are `diloco:{run}:...`; see `RunKeys`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from storage.protocol import check_id
+
+FRAGMENT_DIGITS = 4
+VERSION_DIGITS = 12
+SEQ_DIGITS = 16
+
+
+def _frag(fragment: int) -> str:
+    if not 0 <= fragment < 10**FRAGMENT_DIGITS:
+        raise ValueError(f"fragment {fragment} out of range")
+    return f"{fragment:0{FRAGMENT_DIGITS}d}"
+
+
+def _num(value: int, digits: int) -> str:
+    if not 0 <= value < 10**digits:
+        raise ValueError(f"{value} out of range for {digits} digits")
+    return f"{value:0{digits}d}"
+
+
+@dataclass(frozen=True, slots=True)
+class RunKeys:
+    """Keys of one run. `prefix` is the bucket-level prefix (no leading/trailing '/')."""
+
+    prefix: str
+    run: str
+
+    def __post_init__(self) -> None:
+        check_id("run", self.run)
+
+    # ---- S3 -------------------------------------------------------------------------------
+    @property
+    def root(self) -> str:
+        return f"{self.prefix}/{self.run}/" if self.prefix else f"{self.run}/"
+
+    def run_spec(self) -> str:
+        return f"{self.root}run.msgpack"
+
+    def layout(self) -> str:
+        return f"{self.root}layout.msgpack"
+
+    def genesis_layout(self, learner: str) -> str:
+        return f"{self.root}genesis/{check_id('learner', learner)}/layout.msgpack"
+
+    def genesis_params(self, learner: str, fragment: int) -> str:
+        return f"{self.root}genesis/{check_id('learner', learner)}/{_frag(fragment)}"
+
+    def delta(self, fragment: int, learner: str, seq: int) -> str:
+        return f"{self.root}fragments/{_frag(fragment)}/{check_id('learner', learner)}/{_num(seq, SEQ_DIGITS)}"
+
+    def deltas_prefix(self, fragment: int | None = None) -> str:
+        return f"{self.root}fragments/" + ("" if fragment is None else f"{_frag(fragment)}/")
+
+    def version_dir(self, fragment: int, version: int) -> str:
+        return f"{self.root}versions/{_frag(fragment)}/{_num(version, VERSION_DIGITS)}/"
+
+    def params(self, fragment: int, version: int) -> str:
+        return self.version_dir(fragment, version) + "params"
+
+    def outer_state(self, fragment: int, version: int) -> str:
+        return self.version_dir(fragment, version) + "outer_state"
+
+    def manifest(self, fragment: int, version: int) -> str:
+        return self.version_dir(fragment, version) + "manifest"
+
+    def versions_prefix(self, fragment: int | None = None) -> str:
+        return f"{self.root}versions/" + ("" if fragment is None else f"{_frag(fragment)}/")
+
+    def parse_version_key(self, key: str) -> tuple[int, int, str] | None:
+        """Inverse of params/outer_state/manifest: (fragment, version, leaf) or None."""
+        rest = key.removeprefix(self.versions_prefix())
+        parts = rest.split("/")
+        if rest == key or len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
+            return None
+        return int(parts[0]), int(parts[1]), parts[2]
+
+    # ---- Redis ----------------------------------------------------------------------------
+    @property
+    def _r(self) -> str:
+        return f"diloco:{self.run}:"
+
+    @property
+    def announcements(self) -> str:
+        """Stream: learners XADD Announcements; the coordinator reads with a consumer group."""
+        return self._r + "announcements"
+
+    @property
+    def versions(self) -> str:
+        """Stream: the coordinator XADDs a VersionEvent per committed version."""
+        return self._r + "versions"
+
+    @property
+    def heads(self) -> str:
+        """Hash: fragment (decimal) -> latest committed version."""
+        return self._r + "heads"
+
+    @property
+    def commits(self) -> str:
+        """Hash: '{fragment}:{version}' -> params sha256, for idempotent re-commits."""
+        return self._r + "commits"
+
+    @property
+    def applied(self) -> str:
+        """Set: contribution ids already merged into a committed version."""
+        return self._r + "applied"
+
+    @property
+    def epoch(self) -> str:
+        """String: the current coordinator fencing epoch; commits carrying another epoch fail."""
+        return self._r + "epoch"
+
+    @property
+    def learners(self) -> str:
+        """Sorted set: learner -> heartbeat expiry (unix seconds)."""
+        return self._r + "learners"
+
+    @property
+    def learner_stats(self) -> str:
+        """Hash: learner -> msgpack of its last reported stats (steps, tokens, loss, step time)."""
+        return self._r + "learner_stats"
+
+    @property
+    def counters(self) -> str:
+        """Hash: counter name -> integer (contributions applied, refused:{code}, versions...)."""
+        return self._r + "counters"
+
+    @property
+    def refusals(self) -> str:
+        """Stream: one entry per refused contribution, with its reason."""
+        return self._r + "refusals"
+
+    GROUP = "coordinator"
+    """Consumer group on the announcements stream."""

@@ -1,0 +1,192 @@
+"""S3 adapter: a narrow object store over boto3 (AWS S3, MinIO, SeaweedFS, R2...).
+
+Contracts, per method:
+- `put(key, data, create_only=True)` is a create-only PUT (`If-None-Match: *`): it either
+  creates the object or raises `Conflict`; it never overwrites. Safe to retry: a retry after a
+  lost reply finds the object and compares bytes, so a duplicate of our own write is success.
+- `get(key, max_bytes)` never reads more than `max_bytes` (+1 to detect overflow) into memory;
+  raises `ObjectMissing` if absent, `Refused('too_large')` if bigger.
+- `list(prefix)` is consistent on all servers we support (S3 has been strongly consistent
+  since 2020); results are in key order.
+Transient errors (connection resets, timeouts, 5xx, throttling) are retried inside the adapter
+with bounded exponential backoff and jitter; anything else surfaces at once. Credentials come
+from the standard AWS chain and are never logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+
+import boto3
+import botocore.exceptions as bexc
+from botocore.config import Config
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
+from storage.settings import Endpoints
+
+log = logging.getLogger(__name__)
+
+
+class ObjectMissing(DilocoError):
+    """The object does not exist (yet, or any more)."""
+
+
+_TRANSIENT_CODES = {"500", "502", "503", "504", "SlowDown", "InternalError", "ServiceUnavailable",
+                    "RequestTimeout", "RequestTimeTooSkewed", "Throttling"}
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, (bexc.EndpointConnectionError, bexc.ConnectionClosedError, bexc.ReadTimeoutError,
+                        bexc.ConnectTimeoutError, bexc.ResponseStreamingError)):
+        return True
+    if isinstance(exc, bexc.ClientError):
+        err = exc.response.get("Error", {})
+        status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+        return err.get("Code") in _TRANSIENT_CODES or status in _TRANSIENT_CODES
+    return False
+
+
+def _code(exc: bexc.ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+_retry = retry(
+    retry=retry_if_exception(_transient),
+    wait=wait_random_exponential(multiplier=0.2, max=5.0),
+    stop=stop_after_attempt(8),
+    reraise=True,
+)
+
+
+def make_client(endpoints: Endpoints, *, timeout_s: float = 30.0):  # noqa: ANN201 (boto3 client type)
+    """A boto3 S3 client for the endpoint; checksums only where S3 requires them (servers differ)."""
+    config = Config(
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"addressing_style": "path" if endpoints.s3_endpoint else "auto"},
+        retries={"max_attempts": 1, "mode": "standard"},  # we retry ourselves, bounded, in one place
+        connect_timeout=min(timeout_s, 10.0),
+        read_timeout=timeout_s,
+        max_pool_connections=32,
+    )
+    return boto3.session.Session().client("s3", endpoint_url=endpoints.s3_endpoint,
+                                          region_name=endpoints.region, config=config)
+
+
+class ObjectStore:
+    """One bucket. Thread-safe (boto3 clients are); create one per process."""
+
+    def __init__(self, endpoints: Endpoints, *, timeout_s: float = 30.0) -> None:
+        self.bucket = endpoints.bucket
+        self._s3 = make_client(endpoints, timeout_s=timeout_s)
+
+    def _unavailable(self, op: str, key: str, exc: Exception) -> StorageUnavailable:
+        return StorageUnavailable(f"S3 {op} s3://{self.bucket}/{key} failed after retries: {exc}")
+
+    @_retry
+    def ensure_bucket(self) -> None:
+        """Create the bucket if it does not exist. Idempotent."""
+        try:
+            self._s3.head_bucket(Bucket=self.bucket)
+        except bexc.ClientError as exc:
+            if _code(exc) not in ("404", "NoSuchBucket", "NotFound"):
+                raise
+            try:
+                self._s3.create_bucket(Bucket=self.bucket)
+            except bexc.ClientError as exc2:
+                if _code(exc2) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise
+
+    def put(self, key: str, data: bytes, *, create_only: bool = True) -> None:
+        try:
+            self._put(key, data, create_only)
+        except bexc.ClientError as exc:
+            if _code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                # Either someone else wrote the key, or our own earlier attempt did and its reply was lost.
+                if self._same_bytes(key, data):
+                    return
+                raise Conflict(f"s3://{self.bucket}/{key} already exists with other contents") from None
+            if _transient(exc):
+                raise self._unavailable("PUT", key, exc) from exc
+            raise
+        except bexc.BotoCoreError as exc:
+            raise self._unavailable("PUT", key, exc) from exc
+
+    @_retry
+    def _put(self, key: str, data: bytes, create_only: bool) -> None:
+        extra = {"IfNoneMatch": "*"} if create_only else {}
+        self._s3.put_object(Bucket=self.bucket, Key=key, Body=data, **extra)
+
+    def _same_bytes(self, key: str, data: bytes) -> bool:
+        try:
+            existing = self.get(key, max_bytes=len(data))
+        except (ObjectMissing, Refused):
+            return False
+        return hashlib.sha256(existing).digest() == hashlib.sha256(data).digest()
+
+    def get(self, key: str, *, max_bytes: int) -> bytes:
+        try:
+            return self._get(key, max_bytes)
+        except bexc.ClientError as exc:
+            if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                raise ObjectMissing(f"s3://{self.bucket}/{key} does not exist") from None
+            if _transient(exc):
+                raise self._unavailable("GET", key, exc) from exc
+            raise
+        except bexc.BotoCoreError as exc:
+            raise self._unavailable("GET", key, exc) from exc
+
+    @_retry
+    def _get(self, key: str, max_bytes: int) -> bytes:
+        resp = self._s3.get_object(Bucket=self.bucket, Key=key)
+        body = resp["Body"]
+        try:
+            length = int(resp.get("ContentLength", -1))
+            if length > max_bytes:
+                raise Refused("too_large", f"s3://{self.bucket}/{key} is {length} bytes, over the {max_bytes}-byte limit")
+            data = body.read(max_bytes + 1)
+            if len(data) > max_bytes:
+                raise Refused("too_large", f"s3://{self.bucket}/{key} is over the {max_bytes}-byte limit")
+            return data
+        finally:
+            body.close()
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._head(key)
+            return True
+        except bexc.ClientError as exc:
+            if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return False
+            raise
+
+    @_retry
+    def _head(self, key: str) -> None:
+        self._s3.head_object(Bucket=self.bucket, Key=key)
+
+    def list(self, prefix: str) -> Iterator[str]:
+        """Keys under prefix, in key order (zero-padded keys: numeric order)."""
+        token: str | None = None
+        while True:
+            page = self._list_page(prefix, token)
+            for item in page.get("Contents", []):
+                yield item["Key"]
+            if not page.get("IsTruncated"):
+                return
+            token = page["NextContinuationToken"]
+
+    @_retry
+    def _list_page(self, prefix: str, token: str | None) -> dict:
+        kwargs = {"Bucket": self.bucket, "Prefix": prefix}
+        if token:
+            kwargs["ContinuationToken"] = token
+        return self._s3.list_objects_v2(**kwargs)
+
+    @_retry
+    def delete(self, keys: list[str]) -> None:
+        for start in range(0, len(keys), 1000):
+            chunk = keys[start:start + 1000]
+            self._s3.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True})

@@ -1,0 +1,359 @@
+"""The wire protocol: every message and record that crosses a process boundary.
+
+Each type is a frozen dataclass with `to_wire() -> bytes` (msgpack) and `from_wire(bytes)`.
+The encoded map always carries `schema` (an int) and `type` (the record's name); decoding
+refuses, with a reason, anything that is not exactly what this version writes: unknown schema,
+wrong type tag, missing or unknown fields, wrong field types, oversized bodies, msgpack
+extension types. Field validation that needs no context (ranges, identifier syntax) happens in
+`__post_init__`, so a record that exists is well-formed. Checks that need context (is this
+fragment in the run, is this base version plausible) belong to the coordinator.
+
+PROTOCOL.md documents the fields; this module is the source of truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from storage.errors import Refused
+
+SCHEMA_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20
+"""Stream entries and small records are bounded; a run layout may reach a few MB."""
+MAX_RECORD_BYTES = 64 << 20
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+Scalar = str | int | float | bool
+T = TypeVar("T", bound="Record")
+
+
+def check_id(kind: str, value: str) -> str:
+    """Run ids and learner ids go into object keys: letters, digits, '_', '.', '-', 1..64 chars."""
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise Refused("bad_id", f"{kind} id {value!r} must be 1-64 chars of [A-Za-z0-9_.-], starting alphanumeric")
+    return value
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise Refused("bad_message", f"msgpack extension type {code} is not part of the protocol")
+
+
+def unpack(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
+    """msgpack-decode untrusted bytes with a size bound and no extension types."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise Refused("bad_message", f"expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise Refused("too_large", f"message of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, ext_hook=_refuse_ext)
+    except Refused:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated exception types on garbage
+        raise Refused("bad_message", f"not valid msgpack: {exc}") from None
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` (from msgpack) against a field annotation; return it in the field's type."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except Refused as exc:
+                errors.append(exc.reason)
+        raise Refused("bad_message", f"{where}: {'; '.join(errors)}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise Refused("bad_message", f"{where}: expected a list, got {type(value).__name__}")
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        return tuple(_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise Refused("bad_message", f"{where}: expected a map, got {type(value).__name__}")
+        return {_coerce(k, key_tp, f"{where} key"): _coerce(v, val_tp, f"{where}[{k!r}]") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return tp._from_map(value, where)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise Refused("bad_message", f"{where}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise Refused("bad_message", f"{where}: expected an integer, got {type(value).__name__}")
+        return value
+    if tp in (str, bool, bytes):
+        if type(value) is not tp:
+            raise Refused("bad_message", f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+        return value
+    raise TypeError(f"unsupported field type {tp!r} at {where}")
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+class Record:
+    """Mixin: msgpack encoding with a schema version and a type tag, strict decoding."""
+
+    MAX_BYTES: ClassVar[int] = MAX_MESSAGE_BYTES
+
+    def to_wire(self) -> bytes:
+        body = _to_plain(self)
+        body["schema"] = SCHEMA_VERSION
+        body["type"] = type(self).__name__
+        return pack(body)
+
+    @classmethod
+    def from_wire(cls: type[T], data: bytes) -> T:
+        body = unpack(data, max_bytes=cls.MAX_BYTES)
+        if not isinstance(body, dict):
+            raise Refused("bad_message", f"{cls.__name__}: expected a map, got {type(body).__name__}")
+        schema = body.get("schema")
+        if schema != SCHEMA_VERSION:
+            raise Refused("unknown_schema",
+                          f"{cls.__name__} has schema version {schema!r}; this build reads {SCHEMA_VERSION}: "
+                          "upgrade the older side so both speak the same version")
+        if body.get("type") != cls.__name__:
+            raise Refused("bad_message", f"expected a {cls.__name__} record, got type {body.get('type')!r}")
+        return cls._from_map({k: v for k, v in body.items() if k not in ("schema", "type")}, cls.__name__)
+
+    @classmethod
+    def _from_map(cls: type[T], body: Any, where: str) -> T:
+        if not isinstance(body, dict):
+            raise Refused("bad_message", f"{where}: expected a map, got {type(body).__name__}")
+        hints = typing.get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        unknown = sorted(set(body) - set(names))
+        if unknown:
+            raise Refused("bad_message", f"{where}: unknown fields {unknown}")
+        required = [f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [n for n in required if n not in body]
+        if missing:
+            raise Refused("bad_message", f"{where}: missing fields {missing}")
+        kwargs = {n: _coerce(body[n], hints[n], f"{where}.{n}") for n in names if n in body}
+        try:
+            return cls(**kwargs)
+        except Refused:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise Refused("bad_message", f"{where}: {exc}") from None
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec(Record):
+    """A run's settings, written once by the coordinator that creates the run (`run.msgpack`)."""
+
+    run: str
+    num_fragments: int
+    """P: the model is split into this many fragments, each synced on its own schedule."""
+    sync_every: int
+    """H: inner steps between two contributions of the same fragment."""
+    overlap_steps: int
+    """tau: inner steps a learner keeps training before it merges the new global fragment."""
+    merge_rule: str
+    """How a learner takes a new global fragment: 'rebase' keeps its unsent progress, 'mix' blends with alpha."""
+    alpha: float
+    """For merge_rule 'mix': local = alpha * local + (1 - alpha) * global (0 = adopt)."""
+    codec: str
+    """Outer-gradient codec: fp32, bf16, int8 or int4."""
+    compress: bool
+    """zstd on top of the codec."""
+    max_object_bytes: int
+    """Objects larger than this are refused unread."""
+    created_at: float
+
+    def __post_init__(self) -> None:
+        check_id("run", self.run)
+        _require(1 <= self.num_fragments <= 9999, f"num_fragments must be in 1..9999, got {self.num_fragments}")
+        _require(self.sync_every >= 1, f"sync_every must be >= 1, got {self.sync_every}")
+        _require(0 <= self.overlap_steps < self.sync_every,
+                 f"overlap_steps must be in [0, sync_every), got {self.overlap_steps}")
+        _require(self.merge_rule in ("rebase", "mix"), f"merge_rule must be 'rebase' or 'mix', got {self.merge_rule!r}")
+        _require(0.0 <= self.alpha < 1.0, f"alpha must be in [0, 1), got {self.alpha}")
+        _require(self.codec in ("fp32", "bf16", "int8", "int4"), f"unknown codec {self.codec!r}")
+        _require(self.max_object_bytes > 0, "max_object_bytes must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec(Record):
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name), "empty parameter name")
+        _require(all(d >= 0 for d in self.shape), f"negative dimension in {self.name}: {self.shape}")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class Layout(Record):
+    """Which parameters belong to which fragment (`layout.msgpack`), fixed for the life of a run."""
+
+    MAX_BYTES: ClassVar[int] = MAX_RECORD_BYTES
+    fragments: tuple[tuple[ParamSpec, ...], ...]
+
+    def __post_init__(self) -> None:
+        names = [p.name for frag in self.fragments for p in frag]
+        _require(len(names) == len(set(names)), "a parameter appears in two fragments")
+        _require(all(frag for frag in self.fragments), "empty fragment in layout")
+
+    def shapes(self, fragment: int) -> dict[str, tuple[int, ...]]:
+        return {p.name: p.shape for p in self.fragments[fragment]}
+
+    def fragment_bytes(self, fragment: int) -> int:
+        return 4 * sum(p.numel for p in self.fragments[fragment])
+
+
+KINDS = ("delta", "genesis")
+
+
+@dataclass(frozen=True, slots=True)
+class Announcement(Record):
+    """Learner -> coordinator: "my contribution for this fragment is at object_key"."""
+
+    kind: str
+    """'delta' (an outer gradient) or 'genesis' (a learner's initial parameters, proposed as version 0)."""
+    run: str
+    fragment: int
+    learner: str
+    seq: int
+    """Per-learner counter, part of the object key."""
+    contribution_id: str
+    """Unique id of this contribution (deduplicates a re-sent XADD)."""
+    base_version: int
+    """Global version of the fragment the delta was computed against (-1 for genesis)."""
+    tokens: int
+    """Tokens trained since this learner's previous contribution to this fragment."""
+    steps: int
+    """Inner steps in that interval."""
+    step_time_s: float
+    """The learner's recent mean inner-step time, for the grace window."""
+    object_key: str
+    size_bytes: int
+    sha256: str
+    """Hex sha256 of the whole object."""
+    sent_at: float
+    """Learner wall clock, informational."""
+
+    def __post_init__(self) -> None:
+        _require(self.kind in KINDS, f"unknown kind {self.kind!r}")
+        check_id("run", self.run)
+        check_id("learner", self.learner)
+        _require(self.fragment >= 0, f"negative fragment {self.fragment}")
+        _require(self.seq >= 0, f"negative seq {self.seq}")
+        _require(bool(re.fullmatch(r"[0-9a-f]{32}", self.contribution_id)), "contribution_id must be 32 hex chars")
+        _require(self.base_version >= -1, f"base_version {self.base_version} < -1")
+        _require(self.tokens >= 0 and self.steps >= 0, "tokens and steps must be >= 0")
+        _require(self.step_time_s >= 0.0, "step_time_s must be >= 0")
+        _require(self.size_bytes > 0, "size_bytes must be positive")
+        _require(bool(re.fullmatch(r"[0-9a-f]{64}", self.sha256)), "sha256 must be 64 hex chars")
+
+
+@dataclass(frozen=True, slots=True)
+class Contribution(Record):
+    """One input of a version, as recorded in its manifest."""
+
+    contribution_id: str
+    learner: str
+    seq: int
+    object_key: str
+    sha256: str
+    base_version: int
+    staleness: int
+    tokens: int
+    steps: int
+    weight: float
+    """Normalized merge weight (the weights of a version sum to 1)."""
+    stream_id: str
+    """Redis stream entry id the announcement arrived as (informational; S3 history never needs Redis)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal(Record):
+    contribution_id: str
+    learner: str
+    code: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest(Record):
+    """The commit record of one version of one fragment (`versions/{f}/{v}/manifest`)."""
+
+    MAX_BYTES: ClassVar[int] = MAX_RECORD_BYTES
+    run: str
+    fragment: int
+    version: int
+    parent_version: int
+    """-1 for version 0 (genesis)."""
+    params_key: str
+    params_sha256: str
+    outer_state_key: str
+    outer_state_sha256: str
+    inputs: tuple[Contribution, ...]
+    """In merge order: replaying them in this order reproduces params_sha256 bit for bit."""
+    settings: dict[str, Scalar]
+    """Everything the merge and the outer step used (outer lr, momentum, merge rule, weights rule...)."""
+    refused: tuple[Refusal, ...]
+    """Contributions to this fragment refused since the parent version."""
+    committed_at: float
+    epoch: int
+    """Fencing epoch of the coordinator that wrote it."""
+
+    def __post_init__(self) -> None:
+        check_id("run", self.run)
+        _require(self.version >= 0 and self.parent_version == self.version - 1,
+                 f"version {self.version} must follow parent {self.parent_version}")
+
+
+@dataclass(frozen=True, slots=True)
+class VersionEvent(Record):
+    """Coordinator -> learners, on the versions stream: a new global version of a fragment is committed."""
+
+    run: str
+    fragment: int
+    version: int
+    params_key: str
+    params_sha256: str
+    manifest_key: str
+    contributions: tuple[str, ...] = field(default=())
+    """contribution_ids merged into this version."""
+    committed_at: float = 0.0

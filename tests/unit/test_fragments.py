@@ -1,0 +1,70 @@
+"""Fragment planning (strided over blocks, balanced by size) and the staggered schedule."""
+
+import pytest
+import torch
+
+from workers.fragments import due_fragments, layout_mismatch, model_params, plan_layout, unit_of
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Linear(d, 2 * d)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, n_blocks=8, d=16, vocab=64):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(n_blocks))
+        self.head = torch.nn.Linear(d, vocab)
+
+
+def test_units_group_blocks():
+    assert unit_of("blocks.3.attn.weight") == "blocks.3"
+    assert unit_of("model.layers.11.mlp.up_proj.weight") == "model.layers.11"
+    assert unit_of("embed.weight") == "embed.weight"
+
+
+def test_equal_blocks_are_strided_and_every_param_is_placed_once():
+    net = Net(n_blocks=8, vocab=8)  # small embeddings: blocks dominate
+    layout = plan_layout(model_params(net), 4)
+    owner = {p.name: f for f, frag in enumerate(layout.fragments) for p in frag}
+    assert sorted(owner) == sorted(n for n, _ in net.named_parameters())
+    block_owner = [owner[f"blocks.{i}.attn.weight"] for i in range(8)]
+    # all four params of a block together, and block i with block i+4
+    assert all(owner[f"blocks.{i}.mlp.bias"] == block_owner[i] for i in range(8))
+    assert block_owner[:4] == block_owner[4:]
+    assert sorted(block_owner[:4]) == [0, 1, 2, 3]
+
+
+def test_fragments_are_balanced_by_size():
+    net = Net(n_blocks=12, d=32, vocab=512)
+    layout = plan_layout(model_params(net), 4)
+    sizes = [sum(p.numel for p in frag) for frag in layout.fragments]
+    biggest_unit = 512 * 32 + 512
+    assert max(sizes) - min(sizes) <= biggest_unit
+
+
+def test_too_many_fragments_is_a_clear_error():
+    with pytest.raises(ValueError, match="--fragments"):
+        plan_layout(model_params(torch.nn.Linear(2, 2)), 3)
+
+
+def test_mismatch_names_the_first_difference():
+    a = plan_layout(model_params(Net(d=16)), 2)
+    b = plan_layout(model_params(Net(d=8)), 2)
+    assert layout_mismatch(a, a) is None
+    assert "shape" in layout_mismatch(a, b)
+
+
+def test_schedule_is_staggered_and_every_fragment_syncs_every_h_steps():
+    P, H = 4, 20
+    sends = {f: [s for s in range(1, 201) if f in due_fragments(s, P, H)] for f in range(P)}
+    for f, steps in sends.items():
+        assert steps[0] == H + f * H // P
+        assert all(b - a == H for a, b in zip(steps, steps[1:]))
+    # no two fragments on the same step when H is divisible by P: peak bandwidth is 1/P
+    assert all(len(due_fragments(s, P, H)) <= 1 for s in range(1, 201))
+    assert due_fragments(0, P, H) == []

@@ -1,0 +1,87 @@
+"""Wire protocol: round trips, and refusal of everything this version did not write."""
+
+import msgpack
+import pytest
+
+from storage.errors import Refused
+from storage.protocol import (SCHEMA_VERSION, Announcement, Contribution, Layout, Manifest, ParamSpec, Refusal,
+                              RunSpec, VersionEvent, pack)
+
+
+def announcement(**over):
+    fields = dict(kind="delta", run="r1", fragment=2, learner="l-0", seq=7, contribution_id="ab" * 16,
+                  base_version=3, tokens=4096, steps=50, step_time_s=0.02, object_key="p/r1/fragments/0002/l-0/7",
+                  size_bytes=1234, sha256="cd" * 32, sent_at=1.5)
+    fields.update(over)
+    return Announcement(**fields)
+
+
+def manifest():
+    c = Contribution(contribution_id="ab" * 16, learner="l-0", seq=7, object_key="k", sha256="cd" * 32,
+                     base_version=3, staleness=1, tokens=10, steps=2, weight=1.0, stream_id="1-0")
+    return Manifest(run="r1", fragment=0, version=4, parent_version=3, params_key="a", params_sha256="b",
+                    outer_state_key="c", outer_state_sha256="d", inputs=(c,), settings={"outer_lr": 0.7, "x": "y"},
+                    refused=(Refusal(contribution_id="", learner="?", code="bad_message", reason="r"),),
+                    committed_at=2.0, epoch=3)
+
+
+@pytest.mark.parametrize("record", [
+    announcement(),
+    announcement(kind="genesis", base_version=-1),
+    manifest(),
+    VersionEvent(run="r1", fragment=0, version=1, params_key="a", params_sha256="b", manifest_key="c",
+                 contributions=("x", "y"), committed_at=3.0),
+    RunSpec(run="r1", num_fragments=4, sync_every=50, overlap_steps=5, merge_rule="rebase", alpha=0.5,
+            codec="int4", compress=True, max_object_bytes=1 << 20, created_at=0.0),
+    Layout(fragments=((ParamSpec(name="a", shape=(2, 3), dtype="float32"),),
+                      (ParamSpec(name="b", shape=(), dtype="float32"),))),
+])
+def test_round_trip(record):
+    assert type(record).from_wire(record.to_wire()) == record
+
+
+def body(record, **over):
+    d = msgpack.unpackb(record.to_wire(), raw=False)
+    d.update(over)
+    return d
+
+
+@pytest.mark.parametrize("mutate,code", [
+    (lambda d: d.update(schema=SCHEMA_VERSION + 1), "unknown_schema"),
+    (lambda d: d.pop("schema"), "unknown_schema"),
+    (lambda d: d.update(type="VersionEvent"), "bad_message"),
+    (lambda d: d.pop("tokens"), "bad_message"),
+    (lambda d: d.update(extra=1), "bad_message"),
+    (lambda d: d.update(tokens="many"), "bad_message"),
+    (lambda d: d.update(tokens=True), "bad_message"),
+    (lambda d: d.update(tokens=-1), "bad_message"),
+    (lambda d: d.update(learner="../other"), "bad_id"),
+    (lambda d: d.update(sha256="zz"), "bad_message"),
+    (lambda d: d.update(kind="steal"), "bad_message"),
+])
+def test_malformed_announcements_are_refused_with_reason(mutate, code):
+    d = body(announcement())
+    mutate(d)
+    with pytest.raises(Refused) as err:
+        Announcement.from_wire(pack(d))
+    assert err.value.code == code
+    assert err.value.reason
+
+
+@pytest.mark.parametrize("blob,code", [
+    (b"\xc1garbage", "bad_message"),
+    (msgpack.packb([1, 2]), "bad_message"),
+    (msgpack.packb(msgpack.ExtType(5, b"x")), "bad_message"),
+    (b"\x00" * (2 << 20), "too_large"),
+])
+def test_garbage_is_refused(blob, code):
+    with pytest.raises(Refused) as err:
+        Announcement.from_wire(blob)
+    assert err.value.code == code
+
+
+def test_invalid_run_spec_is_refused():
+    d = body(RunSpec(run="r1", num_fragments=4, sync_every=50, overlap_steps=5, merge_rule="rebase", alpha=0.5,
+                     codec="int4", compress=True, max_object_bytes=1, created_at=0.0), overlap_steps=50)
+    with pytest.raises(Refused, match="overlap_steps"):
+        RunSpec.from_wire(pack(d))

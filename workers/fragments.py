@@ -1,0 +1,87 @@
+"""Split a model into P fragments and decide when each one syncs. Pure functions only.
+
+Planning: parameters are grouped into units. A *block* is every parameter under the same
+`<container>.<index>.` prefix (`blocks.3.attn.qkv.weight` and `blocks.3.mlp.fc.bias` share the
+unit `blocks.3`; a Hugging Face `model.layers.7.` works the same). Every other parameter is a unit
+of its own. Units go greedily, largest first, to the lightest fragment (ties: lowest index), which
+is balanced by size and, for equal-sized blocks, strided: block i lands in fragment i mod P as in
+Streaming DiLoCo. Order inside a fragment is the model's parameter order.
+
+Scheduling: fragment p sends every H steps at offset p*H/P (staggered, so peak bandwidth is 1/P of
+a full sync). This is a step-count cadence; a clock-driven cadence can replace it behind the same
+`due_fragments` signature.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+from storage.protocol import Layout, ParamSpec
+
+_BLOCK_RE = re.compile(r"^(.*?\.\d+)\.")
+
+
+def unit_of(name: str) -> str:
+    """The planning unit of a parameter: its first `<container>.<index>` prefix, else itself."""
+    m = _BLOCK_RE.match(name)
+    return m.group(1) if m else name
+
+
+def plan_layout(params: Iterable[tuple[str, tuple[int, ...], str]], num_fragments: int) -> Layout:
+    """Assign (name, shape, dtype) parameters to `num_fragments` fragments; see module docstring."""
+    specs = [ParamSpec(name=n, shape=tuple(int(d) for d in s), dtype=str(dt)) for n, s, dt in params]
+    if not specs:
+        raise ValueError("the model has no trainable parameters")
+    units: dict[str, list[int]] = {}
+    for i, spec in enumerate(specs):
+        units.setdefault(unit_of(spec.name), []).append(i)
+    if len(units) < num_fragments:
+        raise ValueError(f"cannot split {len(units)} parameter groups into {num_fragments} fragments: "
+                         f"use --fragments {len(units)} or fewer")
+    order = sorted(units.items(), key=lambda kv: -sum(specs[i].numel for i in kv[1]))  # stable: model order on ties
+    loads = [0] * num_fragments
+    owner: dict[int, int] = {}
+    for _unit, members in order:
+        target = min(range(num_fragments), key=lambda f: (loads[f], f))
+        loads[target] += sum(specs[i].numel for i in members)
+        for i in members:
+            owner[i] = target
+    fragments = tuple(tuple(s for i, s in enumerate(specs) if owner[i] == f) for f in range(num_fragments))
+    return Layout(fragments=fragments)
+
+
+def model_params(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every trainable parameter, in model order (shared tensors once)."""
+    return [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()
+            if p.requires_grad]
+
+
+def layout_mismatch(expected: Layout, actual: Layout) -> str | None:
+    """A sentence naming the first difference between two layouts, or None if they are equal."""
+    if len(expected.fragments) != len(actual.fragments):
+        return f"run has {len(expected.fragments)} fragments, this model was split into {len(actual.fragments)}"
+    for f, (a, b) in enumerate(zip(expected.fragments, actual.fragments, strict=True)):
+        names_a, names_b = [p.name for p in a], [p.name for p in b]
+        if names_a != names_b:
+            missing = sorted(set(names_a) - set(names_b))[:3]
+            extra = sorted(set(names_b) - set(names_a))[:3]
+            return f"fragment {f}: parameters differ (run has but model lacks {missing}, model has extra {extra})"
+        for pa, pb in zip(a, b, strict=True):
+            if pa.shape != pb.shape:
+                return f"parameter {pa.name}: run has shape {list(pa.shape)}, model has {list(pb.shape)}"
+    return None
+
+
+def sync_offset(fragment: int, num_fragments: int, sync_every: int) -> int:
+    return (fragment * sync_every) // num_fragments
+
+
+def due_fragments(step: int, num_fragments: int, sync_every: int) -> list[int]:
+    """Fragments whose contribution is due after inner step `step` (1-based, step 0 never syncs)."""
+    if step <= 0:
+        return []
+    return [f for f in range(num_fragments)
+            if step >= sync_every and (step - sync_offset(f, num_fragments, sync_every)) % sync_every == 0]

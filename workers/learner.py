@@ -1,0 +1,310 @@
+"""The learner: wrap an existing PyTorch training loop in Decoupled DiLoCo.
+
+    learner = Learner(model, optimizer, run="my-run", tokens_per_step=batch * seq_len)
+    with learner:                      # joins the run: starts from the latest global versions
+        for x, y in data:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()           # the learner hooks this: every H steps per fragment it
+            optimizer.zero_grad()      # sends global - local and later takes the new global
+
+Works with any `nn.Module` and any `torch.optim.Optimizer` (it registers a step post-hook; the
+inner optimizer's state stays local). Nothing in the loop waits on the network: uploads and
+downloads run in background threads; a new global fragment is merged at the first step boundary
+at least `overlap_steps` after the send at which it is available.
+
+Islands: if `torch.distributed` is initialized with a world size above 1 (a torchrun DDP job
+whose replicas hold identical parameters), only rank 0 talks to Redis and S3; at each step rank 0
+broadcasts which fragments it merged and then their new values, so every rank stays identical.
+
+Bookkeeping per fragment f: `anchor[f]` is the point unsent progress is measured from.
+Sending: delta = anchor - local, then anchor = local. Taking version G:
+'rebase': local = G + (local - anchor) (keeps progress made since the send), anchor = G;
+'mix':    local = alpha * local + (1 - alpha) * G, anchor = G.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from storage.bus import Bus
+from storage.errors import ConfigError, DilocoError
+from storage.history import read_layout, read_manifest, read_params, read_run_spec
+from storage.objects import ObjectStore
+from storage.protocol import Layout, RunSpec, check_id
+from storage.settings import Endpoints
+from workers.fragments import due_fragments, layout_mismatch, model_params, plan_layout
+from workers.transfer import Fetcher, TransferStats, Uploader, UploadJob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerConfig:
+    join_timeout_s: float = 300.0
+    """How long to wait for the coordinator to create the run and commit version 0."""
+    heartbeat_s: float = 1.0
+    """Seconds between heartbeats (which carry steps, tokens, loss, step time)."""
+    lease_s: float = 10.0
+    """A learner whose last heartbeat is older than this is not counted as live."""
+    close_timeout_s: float = 30.0
+    """On exit, how long to wait for queued uploads before abandoning them."""
+
+    def __post_init__(self) -> None:
+        if self.lease_s <= self.heartbeat_s:
+            raise ConfigError(f"lease_s ({self.lease_s}) must exceed heartbeat_s ({self.heartbeat_s})")
+
+
+def default_learner_id() -> str:
+    return f"{socket.gethostname().split('.')[0][:40]}-{os.getpid()}"
+
+
+class Learner:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, run: str,
+                 endpoints: Endpoints | None = None, learner_id: str | None = None, tokens_per_step: int = 0,
+                 config: LearnerConfig | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.run = check_id("run", run)
+        self.learner_id = check_id("learner", learner_id or default_learner_id())
+        self.tokens_per_step = tokens_per_step
+        self.config = config or LearnerConfig()
+        self._endpoints = endpoints
+        self.is_leader = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        self._island = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.step = 0
+        self.tokens = 0
+        self.last_loss: float | None = None
+        self.adopted = 0
+        self.stats = TransferStats()
+        self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self._pending_tokens: int | None = None
+        self._step_time_s = 0.0
+        self._last_step_at: float | None = None
+        self._since: dict[int, list[int]] = {}  # fragment -> [tokens, steps] since its last send
+        self._awaiting: dict[int, int] = {}  # fragment -> earliest step to merge a newer version
+        self._hook = None
+        self._stop = threading.Event()
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> Learner:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Join the run: wait for its spec, propose version 0 if none exists, adopt the latest versions."""
+        if self.is_leader:
+            self._join()
+        if self._island:
+            self._broadcast_all()
+        self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if not self.is_leader:
+            return
+        flushed = self.uploader.flush(self.config.close_timeout_s)
+        if not flushed:
+            log.warning("closing with %d contributions not uploaded", self.uploader.pending())
+        self._stop.set()
+        self.uploader.close()
+        self.fetcher.close()
+        try:
+            self._heartbeat()
+            self.bus.leave(self.learner_id)
+        except Exception as exc:  # leaving is best effort; the lease expires anyway
+            log.warning("could not announce leaving: %s", exc)
+
+    def report(self, *, loss: float | None = None, tokens: int | None = None) -> None:
+        """Optional, before optimizer.step(): the step's loss (for progress) and token count (else tokens_per_step)."""
+        if loss is not None:
+            self.last_loss = float(loss)
+        if tokens is not None:
+            self._pending_tokens = int(tokens)
+
+    # ---- joining ----------------------------------------------------------------------------
+    def _join(self) -> None:
+        endpoints = self._endpoints or Endpoints.from_env()
+        self.store = ObjectStore(endpoints)
+        self.bus = Bus(endpoints, self.run)
+        keys = self.bus.keys
+        deadline = time.monotonic() + self.config.join_timeout_s
+        self.spec = self._wait(lambda: read_run_spec(self.store, keys), deadline,
+                               f"run {self.run!r} to be created by a coordinator")
+        mine = plan_layout(model_params(self.model), self.spec.num_fragments)
+        layout = read_layout(self.store, keys)
+        self.uploader = Uploader(self.store, self.bus, self.spec, self.learner_id, self.stats)
+        self.uploader.start()
+        self._heartbeat()
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        if layout is None:
+            self._propose_genesis(mine)
+            layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout")
+        problem = layout_mismatch(layout, mine)
+        if problem:
+            raise ConfigError(f"this model does not fit run {self.run!r}: {problem}")
+        self.layout = layout
+        heads = self._wait(lambda: self._all_heads(layout), deadline, "version 0 of every fragment")
+        self.base_version: dict[int, int] = {}
+        self.anchor: dict[int, dict[str, torch.Tensor]] = {}
+        for fragment, version in heads.items():
+            params = read_params(self.store, layout, read_manifest(self.store, keys, fragment, version))
+            self._load(fragment, params)
+            self.base_version[fragment] = version
+        self.fetcher = Fetcher(self.store, self.bus, layout, self.stats)
+        self.fetcher.start()
+        log.info("learner %s joined run %s at versions %s", self.learner_id, self.run,
+                 [heads[f] for f in sorted(heads)])
+
+    def _all_heads(self, layout: Layout) -> dict[int, int] | None:
+        heads = self.bus.heads()
+        return heads if all(f in heads for f in range(len(layout.fragments))) else None
+
+    def _propose_genesis(self, layout: Layout) -> None:
+        self.store.put(self.bus.keys.genesis_layout(self.learner_id), layout.to_wire(), create_only=False)
+        for f, specs in enumerate(layout.fragments):
+            tensors = {s.name: self._params[s.name].detach().to("cpu", torch.float32).clone() for s in specs}
+            self.uploader.submit(UploadJob(f, tensors, base_version=-1, tokens=0, steps=0, step_time_s=0.0,
+                                           kind="genesis"))
+
+    def _wait(self, probe, deadline: float, what: str):  # noqa: ANN001, ANN202
+        delay = 0.05
+        while True:
+            value = probe()
+            if value is not None:
+                return value
+            if time.monotonic() > deadline:
+                raise DilocoError(f"gave up waiting for {what} after {self.config.join_timeout_s:.0f}s: "
+                                  "is `diloco coordinator` running against the same Redis, bucket and run?")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+
+    # ---- the step hook ------------------------------------------------------------------------
+    def _after_step(self) -> None:
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            dt = now - self._last_step_at
+            self._step_time_s = dt if self._step_time_s == 0 else 0.9 * self._step_time_s + 0.1 * dt
+        self._last_step_at = now
+        self.step += 1
+        tokens = self.tokens_per_step if self._pending_tokens is None else self._pending_tokens
+        self._pending_tokens = None
+        self.tokens += tokens
+        merged: list[int] = []
+        if self.is_leader:
+            for acc in self._since.values():
+                acc[0] += tokens
+                acc[1] += 1
+            for f in due_fragments(self.step, self.spec.num_fragments, self.spec.sync_every):
+                self._send(f)
+            merged = self._merge_arrivals()
+        if self._island:
+            self._broadcast_merged(merged)
+
+    @torch.no_grad()
+    def _send(self, fragment: int) -> None:
+        tokens, steps = self._since.get(fragment, [0, 0])
+        if steps == 0 and fragment in self._since:
+            return
+        # First send of a fragment: everything since joining counts.
+        if fragment not in self._since:
+            tokens, steps = self.tokens, self.step
+        anchor = self.anchor[fragment]
+        delta, snapshot = {}, {}
+        for name, a in anchor.items():
+            local = self._params[name].detach().to("cpu", torch.float32)
+            snapshot[name] = local.clone()
+            delta[name] = a - snapshot[name]
+        self.anchor[fragment] = snapshot
+        self._since[fragment] = [0, 0]
+        self.uploader.submit(UploadJob(fragment, delta, self.base_version[fragment], tokens, steps, self._step_time_s))
+        self._awaiting[fragment] = self.step + self.spec.overlap_steps
+        self.fetcher.want(fragment, self.base_version[fragment])
+
+    @torch.no_grad()
+    def _merge_arrivals(self) -> list[int]:
+        merged = []
+        for fragment, not_before in list(self._awaiting.items()):
+            if self.step < not_before:
+                continue
+            fetched = self.fetcher.take(fragment)
+            if fetched is None:
+                continue
+            if fetched.version <= self.base_version[fragment]:
+                self.fetcher.want(fragment, self.base_version[fragment])
+                continue
+            anchor = self.anchor[fragment]
+            for name, g in fetched.params.items():
+                p = self._params[name]
+                local = p.detach().to("cpu", torch.float32)
+                if self.spec.merge_rule == "rebase":
+                    new = g + (local - anchor[name])
+                else:
+                    new = self.spec.alpha * local + (1.0 - self.spec.alpha) * g
+                p.copy_(new.to(p.dtype))
+            self.anchor[fragment] = fetched.params
+            self.base_version[fragment] = fetched.version
+            del self._awaiting[fragment]
+            self.adopted += 1
+            merged.append(fragment)
+        return merged
+
+    @torch.no_grad()
+    def _load(self, fragment: int, params: dict[str, torch.Tensor]) -> None:
+        for name, value in params.items():
+            self._params[name].copy_(value.to(self._params[name].dtype))
+        self.anchor[fragment] = {n: v.clone() for n, v in params.items()}
+
+    # ---- islands ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _broadcast_all(self) -> None:
+        for p in self._params.values():
+            dist.broadcast(p.data, src=0)
+
+    @torch.no_grad()
+    def _broadcast_merged(self, merged: list[int]) -> None:
+        count = torch.tensor([len(merged)], dtype=torch.int64)
+        dist.broadcast(count, src=0)
+        frags = torch.tensor(merged if self.is_leader else [0] * int(count.item()), dtype=torch.int64)
+        if frags.numel():
+            dist.broadcast(frags, src=0)
+        for f in frags.tolist():
+            names = [s.name for s in self.layout.fragments[f]] if self.is_leader else None
+            box = [names]
+            dist.broadcast_object_list(box, src=0)
+            for name in box[0]:
+                dist.broadcast(self._params[name].data, src=0)
+
+    # ---- heartbeats --------------------------------------------------------------------------
+    def progress(self) -> dict[str, float | int | str]:
+        return {"learner": self.learner_id, "step": self.step, "tokens": self.tokens,
+                "loss": self.last_loss if self.last_loss is not None else float("nan"),
+                "step_time_s": self._step_time_s, "adopted": self.adopted, "uploaded": self.stats.uploaded,
+                "upload_failed": self.stats.upload_failed, "bytes_uploaded": self.stats.bytes_uploaded,
+                "pid": os.getpid(), "incarnation": self._incarnation}
+
+    _incarnation = uuid.uuid4().hex[:8]
+
+    def _heartbeat(self) -> None:
+        self.bus.heartbeat(self.learner_id, self.config.lease_s, self.progress())
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_s):
+            try:
+                self._heartbeat()
+            except Exception as exc:  # Redis down: the lease lapses, training goes on
+                log.warning("heartbeat failed: %s", exc)

@@ -1,0 +1,245 @@
+"""Background I/O of a learner: uploading outer gradients and fetching new global versions.
+
+The training loop only ever hands work to these threads and picks up results without waiting:
+- `Uploader`: encode -> create-only PUT to S3 -> XADD announcement. At most one job per fragment
+  is queued: a newer job for a fragment whose previous one has not left yet is coalesced into it
+  (deltas add, tokens and steps add, the older base version is kept), so a slow network delays
+  contributions but never grows memory or loses progress.
+- `Fetcher`: follows the versions stream; when the loop wants a fragment newer than some version,
+  it downloads the newest one (manifest, then params, verified) and parks it until taken.
+On failure (S3 or Redis unreachable past the adapters' retries) a job is dropped and counted;
+training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from storage import codecs
+from storage.bus import Bus
+from storage.errors import Conflict, DilocoError, Refused
+from storage.history import read_manifest, read_params, sha256_hex
+from storage.keys import RunKeys
+from storage.objects import ObjectStore
+from storage.protocol import Announcement, Layout, RunSpec, VersionEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class UploadJob:
+    fragment: int
+    delta: dict[str, torch.Tensor]
+    base_version: int
+    tokens: int
+    steps: int
+    step_time_s: float
+    kind: str = "delta"
+
+    def absorb(self, newer: UploadJob) -> None:
+        for name, t in newer.delta.items():
+            self.delta[name].add_(t)
+        self.tokens += newer.tokens
+        self.steps += newer.steps
+        self.step_time_s = newer.step_time_s
+
+
+@dataclass
+class TransferStats:
+    uploaded: int = 0
+    coalesced: int = 0
+    upload_failed: int = 0
+    bytes_uploaded: int = 0
+    fetched: int = 0
+    fetch_failed: int = 0
+    upload_s: float = 0.0
+    fetch_s: float = 0.0
+    last_error: str = ""
+
+
+class Uploader(threading.Thread):
+    def __init__(self, store: ObjectStore, bus: Bus, spec: RunSpec, learner: str, stats: TransferStats) -> None:
+        super().__init__(name=f"uploader-{learner}", daemon=True)
+        self.store, self.bus, self.spec, self.learner, self.stats = store, bus, spec, learner, stats
+        self.keys = RunKeys(bus.keys.prefix, spec.run)
+        self._jobs: dict[int, UploadJob] = {}  # fragment -> job; dict order = FIFO
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closed = False
+        # Sequence numbers stay unique across restarts of the same learner id: start from the clock.
+        self._seq = int(time.time() * 1000) * 1000
+
+    def submit(self, job: UploadJob) -> None:
+        with self._cv:
+            queued = self._jobs.get(job.fragment)
+            if queued is not None and job.kind == "delta" and queued.kind == "delta":
+                queued.absorb(job)
+                self.stats.coalesced += 1
+            else:
+                self._jobs[job.fragment] = job
+            self._cv.notify()
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._jobs) + int(self._busy)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued job has left (or failed); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._jobs or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closed:
+                    self._cv.wait()
+                if not self._jobs and self._closed:
+                    return
+                fragment = next(iter(self._jobs))
+                job = self._jobs.pop(fragment)
+                self._busy = True
+            try:
+                self._send(job)
+            except (DilocoError, OSError) as exc:
+                self.stats.upload_failed += 1
+                self.stats.last_error = str(exc)
+                log.warning("dropped contribution to fragment %d after retries: %s", job.fragment, exc)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _send(self, job: UploadJob) -> None:
+        t0 = time.monotonic()
+        if job.kind == "genesis":
+            codec, compress = "fp32", False
+        else:
+            codec, compress = self.spec.codec, self.spec.compress
+        contribution_id = uuid.uuid4().hex
+        meta = {"run": self.spec.run, "fragment": job.fragment, "learner": self.learner, "kind": job.kind,
+                "contribution_id": contribution_id, "base_version": job.base_version}
+        blob = codecs.encode(job.delta, codec, compress=compress, meta=meta)
+        while True:
+            self._seq += 1
+            key = (self.keys.genesis_params(self.learner, job.fragment) if job.kind == "genesis"
+                   else self.keys.delta(job.fragment, self.learner, self._seq))
+            try:
+                self.store.put(key, blob, create_only=True)
+                break
+            except Conflict:
+                if job.kind == "genesis":
+                    break  # an earlier incarnation of this learner proposed already; announce that one
+                continue  # a sequence number from an earlier incarnation: take the next one
+        if job.kind == "genesis":
+            blob = self.store.get(key, max_bytes=self.spec.max_object_bytes)
+        self.bus.announce(Announcement(
+            kind=job.kind, run=self.spec.run, fragment=job.fragment, learner=self.learner, seq=self._seq,
+            contribution_id=contribution_id, base_version=job.base_version, tokens=job.tokens, steps=job.steps,
+            step_time_s=job.step_time_s, object_key=key, size_bytes=len(blob), sha256=sha256_hex(blob),
+            sent_at=time.time()))
+        self.stats.uploaded += 1
+        self.stats.bytes_uploaded += len(blob)
+        self.stats.upload_s += time.monotonic() - t0
+
+
+@dataclass
+class Fetched:
+    version: int
+    params: dict[str, torch.Tensor]
+
+
+@dataclass
+class _Want:
+    newer_than: int
+    since: float = field(default_factory=time.monotonic)
+
+
+class Fetcher(threading.Thread):
+    def __init__(self, store: ObjectStore, bus: Bus, layout: Layout, stats: TransferStats) -> None:
+        super().__init__(name="fetcher", daemon=True)
+        self.store, self.bus, self.layout, self.stats = store, bus, layout, stats
+        self._wants: dict[int, _Want] = {}
+        self._ready: dict[int, Fetched] = {}
+        self._heads: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._last_id = "$"
+
+    def want(self, fragment: int, newer_than: int) -> None:
+        with self._lock:
+            ready = self._ready.get(fragment)
+            if ready is not None and ready.version > newer_than:
+                return
+            self._wants[fragment] = _Want(newer_than)
+
+    def take(self, fragment: int) -> Fetched | None:
+        with self._lock:
+            return self._ready.pop(fragment, None)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._poll()
+            except DilocoError as exc:
+                self.stats.last_error = str(exc)
+                log.warning("fetching new versions failed, retrying: %s", exc)
+                self._stop.wait(1.0)
+            except Exception as exc:  # redis errors past the adapter's retries
+                self.stats.last_error = str(exc)
+                log.warning("versions stream unavailable, retrying: %s", exc)
+                self._stop.wait(1.0)
+
+    def _poll(self) -> None:
+        if self._last_id == "$":
+            # Start from the heads, then follow the stream from its current end.
+            last = self.bus.r.xrevrange(self.bus.keys.versions, count=1)
+            self._last_id = last[0][0].decode() if last else "0"
+            self._heads.update(self.bus.heads())
+        with self._lock:
+            wanted = {f: w.newer_than for f, w in self._wants.items()}
+        for fragment, newer_than in wanted.items():
+            head = self._heads.get(fragment, -1)
+            if head > newer_than:
+                self._download(fragment, head)
+        for entry_id, event in self.bus.read_versions(self._last_id, block_ms=500):
+            self._last_id = entry_id
+            if isinstance(event, VersionEvent) and event.version > self._heads.get(event.fragment, -1):
+                self._heads[event.fragment] = event.version
+
+    def _download(self, fragment: int, version: int) -> None:
+        t0 = time.monotonic()
+        keys = self.bus.keys
+        try:
+            manifest = read_manifest(self.store, keys, fragment, version)
+            params = read_params(self.store, self.layout, manifest)
+        except Refused as exc:
+            self.stats.fetch_failed += 1
+            log.error("version %d of fragment %d refused: %s", version, fragment, exc.reason)
+            raise
+        with self._lock:
+            want = self._wants.get(fragment)
+            if want is not None and version > want.newer_than:
+                del self._wants[fragment]
+            self._ready[fragment] = Fetched(version, params)
+        self.stats.fetched += 1
+        self.stats.fetch_s += time.monotonic() - t0
