@@ -9,6 +9,8 @@ in every manifest they shaped.
 from __future__ import annotations
 
 import time
+
+import torch
 from dataclasses import dataclass, field
 
 from coordinator.policy import RoundConfig
@@ -65,10 +67,10 @@ class CoordinatorConfig:
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
 
-    def settings(self) -> dict[str, str | int | float | bool]:
-        """What a manifest records about how its version was made."""
-        r = self.round
-        return {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "outer": "nesterov",
+    def settings(self, r: RoundConfig) -> dict[str, str | int | float | bool]:
+        """What a manifest records about how its version was made (and on which kernels: replay needs them)."""
+        return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "outer": "nesterov",
                 "merge": "radial_directional" if self.radial_directional else "weighted_mean",
                 "weights": "tokens*tokens/steps", "staleness_discount": r.staleness_discount,
                 "max_staleness": r.max_staleness, "min_quorum": r.min_quorum, "grace_gamma": r.grace_gamma}

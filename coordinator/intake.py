@@ -81,5 +81,5 @@ def fetch_tensors(store: ObjectStore, a: Announcement, layout: Layout, max_bytes
 
 
 def to_arrival(a: Announcement, arrived_at: float) -> Arrival:
-    return Arrival(fragment_id=a.contribution_id, learner=a.learner, base_version=a.base_version, tokens=a.tokens,
+    return Arrival(contribution_id=a.contribution_id, learner=a.learner, base_version=a.base_version, tokens=a.tokens,
                    steps=a.steps, arrived_at=arrived_at, step_time_s=a.step_time_s)

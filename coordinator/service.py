@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -61,6 +62,8 @@ class Coordinator:
         self.keys = self.bus.keys
         self.store.ensure_bucket()
         self.spec = self._load_or_create(settings or RunSettings())
+        # The grace window reasons about the learners' overlap: take tau from the run itself.
+        self.round_cfg = replace(self.config.round, overlap_steps=self.spec.overlap_steps)
         self.bus.ensure_group()
         self.epoch = self.bus.set_epoch()
         heads = roll_forward(self.store, self.bus, self.spec.num_fragments, self.epoch)
@@ -158,7 +161,7 @@ class Coordinator:
                           "received (an announcement delivered twice); applied at most once")
         frag = self.fragments.get(a.fragment)
         head = None if frag is None or frag.head < 0 else frag.head
-        check_announcement(a, spec=self.spec, keys=self.keys, head=head, cfg=self.config.round)
+        check_announcement(a, spec=self.spec, keys=self.keys, head=head, cfg=self.round_cfg)
         if a.kind == "genesis" and head is not None:
             raise Refused("genesis_superseded", f"fragment {a.fragment} already has version {head}; "
                           f"{a.learner}'s initial parameters are not needed")
@@ -206,7 +209,7 @@ class Coordinator:
         arrivals = tuple(c.arrival for c in frag.round)
         state = RoundState(fragment=fragment, head_version=frag.head, arrivals=arrivals,
                            live_learners=self.live, sync_time_s=self.sync_time_s)
-        decision = decide_round(time.monotonic(), state, self.config.round)
+        decision = decide_round(time.monotonic(), state, self.round_cfg)
         frag.wake_at = decision.wake_at
         if decision.reason != frag.last_reason:
             log.debug("fragment %d: %s", fragment, decision.reason)
@@ -217,8 +220,8 @@ class Coordinator:
         self._ensure_loaded(fragment, frag)
         ordered = merge_order(arrivals)
         by_id = {c.announcement.contribution_id: c for c in frag.round}
-        contributions = [by_id[a.fragment_id] for a in ordered]
-        weights = merge_weights(ordered, frag.head, self.config.round)
+        contributions = [by_id[a.contribution_id] for a in ordered]
+        weights = merge_weights(ordered, frag.head, self.round_cfg)
         delta = merge_deltas([c.delta for c in contributions], weights,
                              radial_directional=self.config.radial_directional)
         assert frag.params is not None and frag.state is not None
@@ -244,11 +247,11 @@ class Coordinator:
             Input(contribution_id=c.announcement.contribution_id, learner=c.announcement.learner,
                   seq=c.announcement.seq, object_key=c.announcement.object_key, sha256=c.announcement.sha256,
                   base_version=c.announcement.base_version,
-                  staleness=staleness_verdict(c.announcement.base_version, frag.head, self.config.round)[1]
+                  staleness=staleness_verdict(c.announcement.base_version, frag.head, self.round_cfg)[1]
                   if c.announcement.kind == "delta" else 0,
                   tokens=c.announcement.tokens, steps=c.announcement.steps, weight=w, stream_id=c.entry_id)
             for c, w in zip(contributions, weights, strict=True))
-        settings = self.config.settings() | {"kind": contributions[0].announcement.kind}
+        settings = self.config.settings(self.round_cfg) | {"kind": contributions[0].announcement.kind}
         try:
             manifest = write_version(self.store, self.keys, fragment=fragment, version=version, params=params,
                                      state=state, inputs=inputs, refused=tuple(frag.refused), settings=settings,

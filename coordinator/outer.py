@@ -1,0 +1,127 @@
+"""The merge of a round's deltas and the outer optimizer step: deterministic, so replayable.
+
+Replay (invariant 4) rebuilds any version from the manifest's inputs; that only works if the
+same inputs in the same order give the same bits. Here is what guarantees it:
+
+- `merge_deltas` casts every delta to fp32 and each weight (a Python float64) to fp32 by
+  round-to-nearest, then computes acc = w_0*d_0, acc = acc + w_i*d_i in the given order, as
+  separate elementwise multiply and add kernels. Each element is a fixed chain of correctly
+  rounded IEEE fp32 operations, so the result is bit-identical for the same inputs in the same
+  order, whatever the thread count or CPU (checked under ATen's DEFAULT, AVX2 and AVX512 kernels).
+  Never `add(..., alpha=w)`: ATen's vectorized kernels fuse it into an FMA, whose bits differ
+  from the scalar kernels'. Norms (radial-directional merge) are exact float64 squares summed by a
+  fixed pairwise tree of elementwise adds, never a threaded reduction.
+- `nesterov_step` must equal torch.optim.SGD(nesterov=True) bit for bit, so it issues exactly
+  SGD's kernels, including `add(alpha=...)`. It is therefore bit-exact on machines running the
+  same ATen CPU kernels (`torch.backends.cpu.get_cpu_capability()`); to replay an outer step on a
+  machine with a different capability, pin it with ATEN_CPU_CAPABILITY.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def merge_deltas(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], *,
+                 radial_directional: bool = False) -> dict[str, Tensor]:
+    """Weighted sum of per-tensor deltas, in fp32, in the order given (pass `merge_order`).
+
+    `weights` are used as given (`merge_weights` normalizes them to sum 1). Every delta must hold
+    the same tensor names and shapes. Inputs are not modified. Bit-identical for the same inputs
+    in the same order (see the module docstring).
+
+    radial_directional=True averages norms and unit directions separately, per tensor: the
+    result has the weighted mean norm sum(w_m * |d_m|) along the direction of sum(w_m * d_m/|d_m|).
+    A plain mean of near-orthogonal deltas shrinks ~1/sqrt(M); this one keeps the typical step
+    length. Zero deltas add nothing to the direction; if the directions cancel, the result is 0.
+    """
+    if not deltas or len(deltas) != len(weights):
+        raise ValueError(f"need one weight per delta and at least one delta, got "
+                         f"{len(deltas)} deltas and {len(weights)} weights")
+    names = list(deltas[0])
+    for i, d in enumerate(deltas[1:], start=1):
+        if set(d) != set(names):
+            raise ValueError(f"delta {i} and delta 0 differ in tensors {sorted(set(d) ^ set(names))}")
+        for name in names:
+            if d[name].shape != deltas[0][name].shape:
+                raise ValueError(f"delta {i} has {name} of shape {tuple(d[name].shape)}, "
+                                 f"delta 0 has {tuple(deltas[0][name].shape)}")
+    merge = _radial_directional if radial_directional else _weighted_sum
+    return {name: merge([d[name].to(torch.float32) for d in deltas], list(weights)) for name in names}
+
+
+def _weighted_sum(tensors: list[Tensor], weights: list[float]) -> Tensor:
+    acc = tensors[0] * _fp32(weights[0])
+    for t, w in zip(tensors[1:], weights[1:], strict=True):
+        acc.add_(t * _fp32(w))  # alpha 1: a plain correctly rounded add, never an FMA
+    return acc
+
+
+def _radial_directional(tensors: list[Tensor], weights: list[float]) -> Tensor:
+    norms = [_norm(t) for t in tensors]
+    mean_norm = math.fsum(w * n for w, n in zip(weights, norms, strict=True))
+    live = [(t, w / n) for t, w, n in zip(tensors, weights, norms, strict=True) if n > 0.0]
+    if not live:
+        return torch.zeros_like(tensors[0])
+    direction = _weighted_sum([t for t, _ in live], [c for _, c in live])
+    length = _norm(direction)
+    if length == 0.0:
+        return torch.zeros_like(direction)
+    return direction * _fp32(mean_norm / length)
+
+
+def _fp32(x: float) -> Tensor:
+    """A float64 weight rounded to the nearest fp32, as a 0-dim tensor (one rounding, everywhere)."""
+    return torch.tensor(x, dtype=torch.float64).to(torch.float32)
+
+
+def _norm(t: Tensor) -> float:
+    """L2 norm with a fixed summation order: exact float64 squares, pairwise tree of adds."""
+    sq = t.detach().reshape(-1).to(torch.float64).square()
+    size = 1 << max(0, (sq.numel() - 1).bit_length())
+    sq = torch.nn.functional.pad(sq, (0, size - sq.numel()))
+    while sq.numel() > 1:
+        half = sq.numel() // 2
+        sq = sq[:half] + sq[half:]
+    return math.sqrt(sq.item())
+
+
+@dataclass
+class NesterovState:
+    """Outer optimizer state of one fragment: torch SGD's momentum buffers, by tensor name."""
+
+    momentum: dict[str, Tensor] = field(default_factory=dict)
+    """Momentum buffer per tensor; absent before that tensor's first step."""
+    steps: int = 0
+    """Outer steps taken."""
+
+
+def nesterov_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], state: NesterovState,
+                  lr: float = 0.7, momentum: float = 0.9) -> tuple[dict[str, Tensor], NesterovState]:
+    """One outer step: new params and state; `params`, `delta` and `state` are not modified.
+
+    Bit for bit `torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)` (dampening 0,
+    no weight decay) stepping with `p.grad = delta`, where delta = global - merged local, the
+    outer gradient. As in torch, the first step sets the buffer to the delta itself:
+        buf = delta                    (first step)  |  buf = momentum * buf + delta
+        params = params - lr * (delta + momentum * buf)
+    `params`, `delta` and the buffers share a dtype (fp32 in practice).
+    """
+    if set(params) != set(delta):
+        raise ValueError(f"delta does not match the fragment: tensors "
+                         f"{sorted(set(params) ^ set(delta))} are in one but not the other")
+    new_params: dict[str, Tensor] = {}
+    new_momentum: dict[str, Tensor] = {}
+    for name, p in params.items():
+        grad = delta[name].detach()
+        buf = state.momentum.get(name)
+        # The same kernels as torch.optim.sgd._single_tensor_sgd, out of place.
+        buf = grad.clone() if buf is None else buf.mul(momentum).add_(grad, alpha=1)
+        new_momentum[name] = buf
+        new_params[name] = p.detach().add(grad.add(buf, alpha=momentum), alpha=-lr)
+    return new_params, NesterovState(momentum=new_momentum, steps=state.steps + 1)

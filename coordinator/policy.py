@@ -1,0 +1,218 @@
+"""When to merge a fragment's round, which contributions to accept, and how to weigh them.
+
+Every function here is pure: it reads no clock, does no I/O and never sleeps. The time is an
+argument (`now`, coordinator monotonic seconds), like torchft's `quorum_compute(now, state, opt)`,
+so a test can walk a round through time without waiting, and the coordinator can log the
+returned reason verbatim.
+
+A round of fragment p, as `decide_round` sees it:
+
+    t_open            t_quorum                   t_quorum + grace
+      |--- arrivals ---|------ grace window -------|
+      first            K-th distinct learner        merge (or earlier, once every live
+      arrival          (quorum)                     learner has arrived)
+
+The grace window keeps the round open only while waiting still costs nothing: the first
+contributor keeps training `tau` (overlap_steps) inner steps after it sends, so the round can stay
+open for a fraction gamma of whatever is left of that slack once quorum is in and the sync time is
+paid: grace = clamp(gamma * (tau * t_step - (t_quorum - t_open + t_sync)), 0, max_grace_s).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from storage.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One announced contribution to one fragment, already verified by the coordinator."""
+
+    contribution_id: str
+    """Unique id of the contribution (also deduplicates announcements that landed twice)."""
+    learner: str
+    """Learner that sent it."""
+    base_version: int
+    """Global version of this fragment the delta was computed against."""
+    tokens: int
+    """Tokens trained since the learner's last contribution to this fragment."""
+    steps: int
+    """Inner steps in that interval."""
+    arrived_at: float
+    """Coordinator clock (monotonic seconds) when the announcement was read."""
+    step_time_s: float
+    """The learner's measured mean inner-step time, as reported in the announcement."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundConfig:
+    """How a fragment's round is closed and merged."""
+
+    min_quorum: int = 1
+    """K: distinct learners that must have contributed before a round may merge (lowered to the
+    number of live learners when the fleet is smaller)."""
+    grace_gamma: float = 0.5
+    """gamma (0 < gamma < 1): share of the learners' remaining overlap slack the round may stay
+    open after quorum, to gather near-simultaneous arrivals into one outer step."""
+    overlap_steps: int = 5
+    """tau: inner steps a learner keeps training after sending a delta before it wants the new
+    version of that fragment."""
+    max_grace_s: float = 30.0
+    """Hard cap on the grace window, in seconds."""
+    max_staleness: int = 4
+    """Contributions whose base version is more than this many versions behind the head are refused."""
+    staleness_discount: bool = True
+    """Scale the weight of an accepted stale contribution by 1/(1+staleness)."""
+
+    def __post_init__(self) -> None:
+        if self.min_quorum < 1:
+            raise ConfigError(f"min_quorum must be at least 1, got {self.min_quorum}")
+        if not 0.0 < self.grace_gamma < 1.0:
+            raise ConfigError(f"grace_gamma must be strictly between 0 and 1, got {self.grace_gamma}")
+        if self.overlap_steps < 0:
+            raise ConfigError(f"overlap_steps must be >= 0, got {self.overlap_steps}")
+        if not self.max_grace_s >= 0.0:
+            raise ConfigError(f"max_grace_s must be >= 0 seconds, got {self.max_grace_s}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+
+@dataclass(frozen=True, slots=True)
+class RoundState:
+    """What the coordinator knows about one fragment's open round."""
+
+    fragment: int
+    head_version: int
+    arrivals: tuple[Arrival, ...]
+    """Distinct learners' latest pending contributions to this fragment, in arrival order."""
+    live_learners: int
+    """Learners with a live heartbeat."""
+    sync_time_s: float = 0.0
+    """Recent time from merge start until learners hold the new version (EMA); 0 if unknown."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    merge: bool
+    reason: str
+    """A sentence for the log, e.g. 'wait: 1/2 learners in, quorum not reached'."""
+    wake_at: float | None = None
+    """When to ask again if not merging; None means on the next arrival."""
+
+
+def quorum_target(cfg: RoundConfig, live_learners: int) -> int:
+    """Distinct learners needed to close a round: K, or fewer when fewer learners are live."""
+    return max(1, min(cfg.min_quorum, live_learners))
+
+
+def grace_window_s(cfg: RoundConfig, t_open: float, t_quorum: float, t_step_s: float,
+                   sync_time_s: float) -> tuple[float, float]:
+    """(grace, slack): slack = tau * t_step - (t_quorum - t_open + t_sync), grace = gamma * slack clamped."""
+    slack_s = cfg.overlap_steps * t_step_s - (t_quorum - t_open + sync_time_s)
+    grace_s = min(max(cfg.grace_gamma * slack_s, 0.0), cfg.max_grace_s)
+    return grace_s, slack_s
+
+
+def decide_round(now: float, state: RoundState, cfg: RoundConfig) -> Decision:
+    """Merge now, or wait (until `wake_at`, or the next arrival); the reason says why.
+
+    A learner whose contribution is pending counts as part of the fleet even if its heartbeat has
+    lapsed since, so a fleet of 0 live learners with pending work still merges it.
+    """
+    if not state.arrivals:
+        return Decision(False, f"wait: no contributions pending (head v{state.head_version})")
+    first_seen: dict[str, float] = {}
+    for a in sorted(state.arrivals, key=lambda a: a.arrived_at):
+        first_seen.setdefault(a.learner, a.arrived_at)
+    arrived = len(first_seen)
+    fleet = max(state.live_learners, arrived)
+    target = quorum_target(cfg, fleet)
+    shrunk = (f" (lowered from min_quorum {cfg.min_quorum}: only {_n(fleet, 'learner')} live)"
+              if target < cfg.min_quorum else "")
+    if arrived < target:
+        return Decision(False, f"wait: {arrived}/{target} learners in, quorum not reached "
+                               f"({state.live_learners} live){shrunk}")
+    if arrived >= fleet:
+        return Decision(True, f"merge: quorum {target} reached and all {_n(fleet, 'live learner')} "
+                              f"arrived{shrunk}")
+
+    times = sorted(first_seen.values())
+    t_open, t_quorum = times[0], times[target - 1]
+    t_step_s = max(a.step_time_s for a in state.arrivals)
+    grace_s, slack_s = grace_window_s(cfg, t_open, t_quorum, t_step_s, state.sync_time_s)
+    why = _grace_why(cfg, slack_s)
+    deadline = t_quorum + grace_s
+    learners_in = f"{arrived}/{fleet} learners in"
+    if now >= deadline:
+        return Decision(True, f"merge: quorum {target} reached{shrunk}, grace window of {grace_s:.2f}s "
+                              f"closed ({why}), {learners_in}")
+    return Decision(False, f"wait: grace window open for {deadline - now:.2f}s more, until quorum "
+                           f"+{grace_s:.2f}s ({why}), {learners_in}", wake_at=deadline)
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _grace_why(cfg: RoundConfig, slack_s: float) -> str:
+    if cfg.grace_gamma * slack_s > cfg.max_grace_s:
+        return f"capped at max_grace_s {cfg.max_grace_s:g}s; gamma {cfg.grace_gamma:g} x slack {slack_s:.2f}s"
+    if slack_s <= 0:
+        return f"no slack left: {slack_s:.2f}s"
+    return f"gamma {cfg.grace_gamma:g} x slack {slack_s:.2f}s"
+
+
+def staleness_verdict(base_version: int, head_version: int, cfg: RoundConfig) -> tuple[bool, int, str]:
+    """(accept, staleness, reason) for a contribution computed against `base_version`.
+
+    staleness = head - base. A base ahead of the head ("from the future") is refused: no such
+    version was ever published, so the contribution is forged, corrupt or from another run.
+    """
+    staleness = head_version - base_version
+    if staleness < 0:
+        return False, staleness, (f"refused: base version {base_version} is ahead of head "
+                                  f"{head_version} (from the future)")
+    if staleness > cfg.max_staleness:
+        return False, staleness, (f"refused: base version {base_version} is {_n(staleness, 'version')} behind "
+                                  f"head {head_version}, more than max_staleness {cfg.max_staleness}")
+    if staleness == 0:
+        return True, 0, f"accepted: computed against the head version {head_version}"
+    weight = f"weight x 1/{1 + staleness}" if cfg.staleness_discount else "full weight"
+    return True, staleness, (f"accepted: {_n(staleness, 'version')} behind head {head_version} "
+                             f"(max_staleness {cfg.max_staleness}), {weight}")
+
+
+def merge_weights(arrivals: Sequence[Arrival], head_version: int, cfg: RoundConfig) -> list[float]:
+    """Normalized merge weights, one per arrival, in the order given.
+
+    w_m = tokens_m * (tokens_m / steps_m) (token weighting: more tokens, and more tokens per step,
+    weigh more), times 1/(1+staleness_m) when `cfg.staleness_discount` is on. The caller refuses
+    contributions with `staleness_verdict` first; this function does not drop any.
+
+    Deterministic, and independent of input order for each arrival's weight: the total is an
+    exactly rounded sum (math.fsum), so a permutation yields the same bits per arrival.
+    Raises ValueError for a contribution with no steps or from the future, or if every weight is 0.
+    """
+    raw: list[float] = []
+    for a in arrivals:
+        staleness = head_version - a.base_version
+        if a.steps < 1 or a.tokens < 0 or staleness < 0:
+            raise ValueError(f"contribution {a.contribution_id} from {a.learner} cannot be weighted: "
+                             f"{a.tokens} tokens, {a.steps} steps, base v{a.base_version}, head v{head_version}")
+        w = (a.tokens * a.tokens) / a.steps
+        raw.append(w / (1 + staleness) if cfg.staleness_discount else w)
+    total = math.fsum(raw)
+    if not total > 0.0:
+        raise ValueError(f"all {len(raw)} merge weights are 0: no contribution reported any tokens")
+    return [w / total for w in raw]
+
+
+def merge_order(arrivals: Sequence[Arrival]) -> list[Arrival]:
+    """The fixed order the merge sums contributions in: by (learner, contribution_id).
+
+    Independent of arrival order, so a replay from the manifest adds in the same order.
+    """
+    return sorted(arrivals, key=lambda a: (a.learner, a.contribution_id))

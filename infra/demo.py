@@ -1,0 +1,174 @@
+"""`diloco demo`: a whole run on the embedded local stack, with a learner killed midway, vs a baseline.
+
+M learner processes (one of them markedly slower) and a coordinator process train the built-in
+model through a real Redis and a real S3 server. Midway one learner is SIGKILLed and restarted;
+it rejoins from the latest global versions. At the end the same token budget is spent on a
+single-replica AdamW baseline, and both eval losses are printed next to the entropy floor of the
+synthetic language. `summary.json` in the output directory holds the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from coordinator.config import RunSettings
+from infra.fleet import Proc, diloco_command, process_env
+from infra.stack import LocalStack
+from storage.bus import Bus
+from storage.history import read_layout, read_manifest, read_params
+from storage.keys import RunKeys
+from storage.objects import ObjectStore
+from storage.settings import Endpoints
+from workers.demo.task import DemoTask, train_baseline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DemoConfig:
+    out: Path
+    learners: int = 4
+    steps: int = 400
+    """Inner steps per learner; the baseline trains learners x steps steps on one replica."""
+    slow_factor: float = 2.0
+    """Step-time multiplier of the last learner."""
+    kill_at: float = 0.5
+    """Fraction of its steps after which learner 1 is SIGKILLed (then restarted)."""
+    text: str | None = None
+    """Train on this text file (byte level) instead of the synthetic language."""
+    run: str = "demo"
+    settings: RunSettings = field(default_factory=lambda: RunSettings(num_fragments=2, sync_every=30,
+                                                                       overlap_steps=3, codec="int8"))
+    min_quorum: int = 1
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _learner_proc(cfg: DemoConfig, env: dict[str, str], index: int, steps: int, incarnation: int,
+                  task_path: Path) -> Proc:
+    name = f"learner-{index}"
+    slowdown = cfg.slow_factor if index == cfg.learners - 1 else 1.0
+    argv = diloco_command("learner", "--run", cfg.run, "--id", name, "--steps", str(steps), "--slowdown",
+                          str(slowdown), "--data-seed", str(1000 * index + incarnation), "--task", str(task_path))
+    return Proc(name, argv, cfg.out / "logs" / f"{name}.log", env)
+
+
+def _global_model(task: DemoTask, store: ObjectStore, keys: RunKeys, heads: dict[int, int]) -> torch.nn.Module:
+    model = task.make_model(0)
+    layout = read_layout(store, keys)
+    assert layout is not None, "no layout: the run never committed version 0"
+    state = dict(model.named_parameters())
+    with torch.no_grad():
+        for fragment, version in heads.items():
+            for name, value in read_params(store, layout, read_manifest(store, keys, fragment, version)).items():
+                state[name].copy_(value)
+    return model
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    started = time.monotonic()
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    task = DemoTask(text_path=cfg.text) if cfg.text else DemoTask()
+    task_path = cfg.out / "task.json"
+    task_path.write_text(json.dumps(task.to_wire()))
+    floor = task.entropy_floor()
+    say(f"demo: {cfg.learners} learners x {cfg.steps} steps, learner-{cfg.learners - 1} {cfg.slow_factor}x slower, "
+        f"learner-1 killed at {cfg.kill_at:.0%}; entropy floor "
+        + (f"{floor:.4f} nats/token" if floor is not None else "unknown (text)"))
+    with LocalStack(cfg.out / "stack") as stack:
+        endpoints = stack.start()
+        env = process_env(stack.env())
+        say(f"stack: redis {endpoints.redis_url}, s3 {endpoints.s3_endpoint} bucket {endpoints.bucket}")
+        s = cfg.settings
+        coordinator = Proc("coordinator", diloco_command(
+            "coordinator", "--run", cfg.run, "--fragments", str(s.num_fragments), "--sync-every", str(s.sync_every),
+            "--overlap-steps", str(s.overlap_steps), "--codec", s.codec, "--min-quorum", str(cfg.min_quorum)),
+            cfg.out / "logs" / "coordinator.log", env).start()
+        learners = [_learner_proc(cfg, env, i, cfg.steps, 0, task_path).start() for i in range(cfg.learners)]
+        summary = _watch(cfg, endpoints, coordinator, learners, task_path, env)
+        coordinator.terminate()
+        store = ObjectStore(endpoints)
+        bus = Bus(endpoints, cfg.run)
+        heads = bus.heads()
+        counters = bus.counters()
+        model = _global_model(task, store, bus.keys, heads)
+        eval_loss = task.eval_loss(model)
+    distributed_s = time.monotonic() - started
+    say(f"decoupled DiLoCo: eval loss {eval_loss:.4f} after {sum(heads.values())} fragment versions "
+        f"({distributed_s:.0f}s)")
+    say(f"baseline: single-replica AdamW, {cfg.learners * cfg.steps} steps on the same token budget...")
+    torch.set_num_threads(2)
+    t0 = time.monotonic()
+    curve = train_baseline(task, cfg.learners * cfg.steps, seed=0, log_every=max(1, cfg.learners * cfg.steps // 4))
+    baseline = curve[-1][1]
+    for step, loss in curve:
+        say(f"  baseline step {step}: eval {loss:.4f}")
+    result = {
+        "run": cfg.run,
+        "eval_loss": eval_loss,
+        "baseline_eval_loss": baseline,
+        "ratio_to_baseline": eval_loss / baseline,
+        "entropy_floor": floor,
+        "versions_committed": counters.get("versions_committed", 0),
+        "contributions_applied": counters.get("contributions_applied", 0),
+        "contributions_refused": counters.get("contributions_refused", 0),
+        "learner_restarts": summary["restarts"],
+        "heads": {str(k): v for k, v in sorted(heads.items())},
+        "tokens_per_learner_step": task.tokens_per_step(),
+        "learners": cfg.learners,
+        "steps_per_learner": cfg.steps,
+        "distributed_wall_s": distributed_s,
+        "baseline_wall_s": time.monotonic() - t0,
+        "wall_s": time.monotonic() - started,
+        "settings": asdict(cfg.settings),
+    }
+    (cfg.out / "summary.json").write_text(json.dumps(result, indent=2))
+    say(f"\nresult: DiLoCo eval {eval_loss:.4f} vs baseline {baseline:.4f} (ratio {eval_loss / baseline:.3f})"
+        + (f", entropy floor {floor:.4f}" if floor is not None else "")
+        + f"; {result['versions_committed']} versions, {result['contributions_applied']} contributions applied, "
+        f"{result['contributions_refused']} refused, {result['learner_restarts']} restart(s); "
+        f"{result['wall_s']:.0f}s. Summary in {cfg.out / 'summary.json'}")
+    return result
+
+
+def _watch(cfg: DemoConfig, endpoints: Endpoints, coordinator: Proc, learners: list[Proc], task_path: Path,
+           env: dict[str, str]) -> dict:
+    """Print progress, kill and restart learner 1 midway, return when every learner has finished."""
+    bus = Bus(endpoints, cfg.run)
+    victim, killed, restarts = 1 % cfg.learners, False, 0
+    last_print = 0.0
+    while any(p.alive() for p in learners):
+        time.sleep(0.5)
+        if not coordinator.alive():
+            raise RuntimeError(f"the coordinator exited ({coordinator.returncode()}):\n{coordinator.tail()}")
+        for p in learners:
+            if p.returncode() not in (None, 0):
+                raise RuntimeError(f"{p.name} failed ({p.returncode()}):\n{p.tail()}")
+        stats = bus.learner_stats()
+        if not killed and stats.get(learners[victim].name, {}).get("step", 0) >= cfg.kill_at * cfg.steps:
+            done = int(stats[learners[victim].name]["step"])
+            learners[victim].kill()
+            say(f"!! SIGKILL {learners[victim].name} at step {done}; restarting it for the remaining "
+                f"{cfg.steps - done} steps")
+            time.sleep(1.0)
+            learners[victim] = _learner_proc(cfg, env, victim, cfg.steps - done, 1, task_path).start()
+            killed, restarts = True, restarts + 1
+        if time.monotonic() - last_print > 3.0:
+            last_print = time.monotonic()
+            heads = bus.heads()
+            parts = [f"{n}: step {int(s.get('step', 0))} loss {s.get('loss', float('nan')):.3f}"
+                     for n, s in sorted(stats.items())]
+            say(f"versions {dict(sorted(heads.items()))} | " + " | ".join(parts))
+    # Let the coordinator merge what the last learners sent.
+    deadline = time.monotonic() + 15.0
+    while bus.pending_count() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return {"restarts": restarts}

@@ -1,0 +1,150 @@
+"""The merge and the outer step: bit-exact, pure, and equal to torch's own SGD."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from coordinator.outer import NesterovState, merge_deltas, nesterov_step
+
+SHAPES = {"blocks.0.w": (33, 7), "blocks.0.b": (7,), "scalar": ()}
+
+
+def random_tensors(gen: torch.Generator, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    return {k: torch.randn(s, generator=gen) * scale for k, s in SHAPES.items()}
+
+
+def clone(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in d.items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+# --- merge_deltas -------------------------------------------------------------------------
+
+
+def test_merge_is_bit_identical_for_the_same_inputs_in_the_same_order() -> None:
+    gen = torch.Generator().manual_seed(0)
+    deltas = [random_tensors(gen) for _ in range(5)]
+    weights = [0.1, 0.3, 0.2, 0.15, 0.25]
+    copies = [clone(d) for d in deltas]
+    first = merge_deltas(deltas, weights)
+    assert same(first, merge_deltas(copies, list(weights)))
+    assert all(same(d, c) for d, c in zip(deltas, copies, strict=True))  # inputs untouched
+
+
+def test_weights_are_applied_as_given_by_hand() -> None:
+    d1 = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([4.0])}
+    d2 = {"w": torch.tensor([3.0, -2.0]), "b": torch.tensor([0.0])}
+    out = merge_deltas([d1, d2], [0.75, 0.25])
+    assert same(out, {"w": torch.tensor([1.5, 1.0]), "b": torch.tensor([3.0])})
+
+
+def test_merge_accumulates_in_fp32_whatever_the_input_dtype() -> None:
+    d = {"w": torch.tensor([1.0, -0.5], dtype=torch.bfloat16)}
+    out = merge_deltas([d, d], [0.5, 0.5])
+    assert out["w"].dtype == torch.float32 and torch.equal(out["w"], torch.tensor([1.0, -0.5]))
+
+
+def test_merge_matches_a_float64_reference() -> None:
+    gen = torch.Generator().manual_seed(1)
+    deltas = [random_tensors(gen) for _ in range(4)]
+    weights = [0.4, 0.3, 0.2, 0.1]
+    out = merge_deltas(deltas, weights)
+    for k in SHAPES:
+        ref = sum(w * d[k].double() for w, d in zip(weights, deltas, strict=True))
+        torch.testing.assert_close(out[k].double(), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("deltas, weights", [
+    ([], []),
+    ([{"w": torch.zeros(2)}], [0.5, 0.5]),
+    ([{"w": torch.zeros(2)}, {"v": torch.zeros(2)}], [0.5, 0.5]),
+    ([{"w": torch.zeros(2)}, {"w": torch.zeros(1)}], [0.5, 0.5]),
+])
+def test_mismatched_deltas_are_refused(deltas: list, weights: list) -> None:
+    with pytest.raises(ValueError):
+        merge_deltas(deltas, weights)
+
+
+def l2(t: torch.Tensor) -> float:
+    return t.double().norm().item()
+
+
+def test_radial_directional_keeps_the_weighted_mean_norm() -> None:
+    gen = torch.Generator().manual_seed(2)
+    deltas = [{"w": torch.randn(10_000, generator=gen) * s} for s in (1.0, 2.0, 3.0)]
+    weights = [0.5, 0.3, 0.2]
+    mean_norm = sum(w * l2(d["w"]) for w, d in zip(weights, deltas, strict=True))
+    radial = merge_deltas(deltas, weights, radial_directional=True)["w"]
+    plain = merge_deltas(deltas, weights)["w"]
+    assert l2(radial) == pytest.approx(mean_norm, rel=1e-5)
+    assert l2(plain) < 0.7 * mean_norm  # near-orthogonal deltas: the plain mean shrinks
+    assert same({"w": radial}, merge_deltas(deltas, weights, radial_directional=True))
+
+
+def test_radial_directional_with_equal_norms_points_where_the_plain_mean_does() -> None:
+    gen = torch.Generator().manual_seed(3)
+    raw = [torch.randn(1000, generator=gen) for _ in range(3)]
+    deltas = [{"w": r / r.norm()} for r in raw]
+    radial = merge_deltas(deltas, [0.2, 0.3, 0.5], radial_directional=True)["w"]
+    plain = merge_deltas(deltas, [0.2, 0.3, 0.5])["w"]
+    cos = torch.dot(radial.double(), plain.double()).item() / (l2(radial) * l2(plain))
+    assert cos == pytest.approx(1.0, abs=1e-6) and l2(radial) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_radial_directional_zero_and_cancelling_deltas_give_zero() -> None:
+    d = {"w": torch.tensor([1.0, 2.0])}
+    neg = {"w": torch.tensor([-1.0, -2.0])}
+    zero = {"w": torch.zeros(2)}
+    assert torch.equal(merge_deltas([zero, zero], [0.5, 0.5], radial_directional=True)["w"], torch.zeros(2))
+    assert torch.equal(merge_deltas([d, neg], [0.5, 0.5], radial_directional=True)["w"], torch.zeros(2))
+    # a zero delta adds no direction but does pull the mean norm down
+    half = merge_deltas([d, zero], [0.5, 0.5], radial_directional=True)["w"]
+    assert l2(half) == pytest.approx(0.5 * math.sqrt(5.0), rel=1e-6)
+
+
+# --- nesterov_step ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lr, momentum", [(0.7, 0.9), (1.0, 0.5), (0.35, 0.95)])
+@pytest.mark.parametrize("foreach", [None, False, True])
+def test_nesterov_step_equals_torch_sgd_bit_for_bit(lr: float, momentum: float, foreach: bool | None) -> None:
+    gen = torch.Generator().manual_seed(4)
+    params = random_tensors(gen)
+    torch_params = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    opt = torch.optim.SGD(list(torch_params.values()), lr=lr, momentum=momentum, nesterov=True,
+                          foreach=foreach)
+    state = NesterovState()
+    for step in range(1, 7):
+        delta = random_tensors(gen, scale=0.1)
+        before = (clone(params), clone(delta), clone(state.momentum))
+        new_params, new_state = nesterov_step(params, delta, state, lr=lr, momentum=momentum)
+        # pure: nothing passed in changed
+        assert same(params, before[0]) and same(delta, before[1]) and same(state.momentum, before[2])
+        for k, p in torch_params.items():
+            p.grad = delta[k].clone()
+        opt.step()
+        assert same(new_params, {k: p.detach() for k, p in torch_params.items()})
+        assert same(new_state.momentum, {k: opt.state[p]["momentum_buffer"] for k, p in torch_params.items()})
+        assert new_state.steps == step
+        params, state = new_params, new_state
+
+
+def test_first_step_buffer_is_a_copy_of_the_delta() -> None:
+    params = {"w": torch.zeros(3)}
+    delta = {"w": torch.tensor([1.0, -2.0, 3.0])}
+    new_params, state = nesterov_step(params, delta, NesterovState())
+    assert torch.equal(state.momentum["w"], delta["w"])
+    assert state.momentum["w"].data_ptr() != delta["w"].data_ptr()
+    # p - lr * (g + m * g) = -0.7 * 1.9 * g
+    torch.testing.assert_close(new_params["w"], -0.7 * 1.9 * delta["w"])
+
+
+def test_delta_must_cover_the_fragment() -> None:
+    with pytest.raises(ValueError):
+        nesterov_step({"w": torch.zeros(2), "b": torch.zeros(1)}, {"w": torch.zeros(2)}, NesterovState())

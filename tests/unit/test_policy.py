@@ -1,0 +1,193 @@
+"""Round decisions, staleness and merge weights: the clock is an argument, nothing sleeps."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from coordinator.policy import (
+    Arrival,
+    Decision,
+    RoundConfig,
+    RoundState,
+    decide_round,
+    merge_order,
+    merge_weights,
+    quorum_target,
+    staleness_verdict,
+)
+from storage.errors import ConfigError
+
+HEAD = 5
+
+
+def arrival(learner: str, at: float, *, base: int = HEAD, tokens: int = 1000, steps: int = 10,
+            step_time_s: float = 1.0, fid: str | None = None) -> Arrival:
+    return Arrival(contribution_id=fid or f"{learner}-{at}", learner=learner, base_version=base,
+                   tokens=tokens, steps=steps, arrived_at=at, step_time_s=step_time_s)
+
+
+def state(*arrivals: Arrival, live: int, sync_time_s: float = 0.0) -> RoundState:
+    return RoundState(fragment=3, head_version=HEAD, arrivals=arrivals, live_learners=live,
+                      sync_time_s=sync_time_s)
+
+
+CFG = RoundConfig(min_quorum=2, grace_gamma=0.5, overlap_steps=10, max_grace_s=30.0)
+
+
+# --- decide_round -------------------------------------------------------------------------
+
+
+def test_no_arrivals_waits_for_the_next_one() -> None:
+    d = decide_round(100.0, state(live=4), CFG)
+    assert d == Decision(False, d.reason, None)
+    assert d.reason.startswith("wait:")
+
+
+def test_quorum_not_reached_waits_for_the_next_arrival() -> None:
+    d = decide_round(150.0, state(arrival("a", 100.0), live=4), CFG)
+    assert not d.merge and d.wake_at is None
+    assert "1/2" in d.reason and "quorum not reached" in d.reason
+
+
+def test_quorum_with_stragglers_waits_until_the_grace_deadline_then_merges() -> None:
+    # slack = tau * t_step - (t_quorum - t_open + t_sync) = 10 * 1.0 - (2.0 + 1.0) = 7.0 s
+    # grace = gamma * slack = 3.5 s, so the round closes at t_quorum + 3.5 = 105.5
+    s = state(arrival("a", 100.0), arrival("b", 102.0), live=4, sync_time_s=1.0)
+    d = decide_round(103.0, s, CFG)
+    assert not d.merge and d.wake_at == pytest.approx(105.5)
+    assert "2.50s more" in d.reason and "+3.50s" in d.reason and "slack 7.00s" in d.reason
+    assert "2/4 learners in" in d.reason
+    assert not decide_round(105.49, s, CFG).merge
+    for now in (105.5, 200.0):
+        d = decide_round(now, s, CFG)
+        assert d.merge and d.reason.startswith("merge:") and "3.50s" in d.reason
+
+
+def test_grace_uses_the_slowest_step_time_and_the_kth_learners_arrival() -> None:
+    # K=2: quorum at b's arrival (102), not c's (103); t_step is c's 2.0 s: slack 20 - 2 = 18, grace 9.
+    s = state(arrival("a", 100.0), arrival("b", 102.0), arrival("c", 103.0, step_time_s=2.0), live=4)
+    assert decide_round(103.0, s, CFG).wake_at == pytest.approx(111.0)
+
+
+def test_all_live_learners_in_merges_before_the_grace_deadline() -> None:
+    s = state(arrival("a", 100.0), arrival("b", 100.5), live=2)
+    d = decide_round(100.5, s, RoundConfig(min_quorum=1, overlap_steps=100))
+    assert d.merge and "all 2 live learners arrived" in d.reason
+
+
+def test_fleet_smaller_than_k_lowers_the_quorum_and_says_so() -> None:
+    cfg = RoundConfig(min_quorum=4)
+    assert quorum_target(cfg, 2) == 2 and quorum_target(cfg, 9) == 4 and quorum_target(cfg, 0) == 1
+    d = decide_round(100.0, state(arrival("a", 100.0), live=2), cfg)
+    assert not d.merge and "1/2" in d.reason and "lowered from min_quorum 4" in d.reason
+    d = decide_round(101.0, state(arrival("a", 100.0), arrival("b", 101.0), live=2), cfg)
+    assert d.merge and "lowered from min_quorum 4: only 2 learners live" in d.reason
+
+
+def test_pending_work_of_learners_whose_heartbeat_lapsed_still_merges() -> None:
+    assert decide_round(100.0, state(arrival("a", 99.0), live=0), CFG).merge
+    # b died after sending: 2 arrivals, 1 live heartbeat; nothing is left to wait for.
+    assert decide_round(100.0, state(arrival("a", 99.0), arrival("b", 99.5), live=1), CFG).merge
+
+
+def test_negative_slack_clamps_grace_to_zero() -> None:
+    # slack = 2 * 1.0 - (105 - 100) = -3 s: merging at quorum already costs the first learner time.
+    s = state(arrival("a", 100.0), arrival("b", 105.0), live=3)
+    d = decide_round(105.0, s, RoundConfig(min_quorum=2, overlap_steps=2))
+    assert d.merge and "no slack left: -3.00s" in d.reason and "0.00s" in d.reason
+
+
+def test_grace_is_capped_at_max_grace_s() -> None:
+    # slack = 100 * 10 - 1 = 999 s, gamma * slack = 499.5 s > cap 30 s
+    s = state(arrival("a", 100.0, step_time_s=10.0), arrival("b", 101.0), live=3)
+    cfg = RoundConfig(min_quorum=2, overlap_steps=100, max_grace_s=30.0)
+    d = decide_round(101.0, s, cfg)
+    assert not d.merge and d.wake_at == pytest.approx(131.0)
+    assert "capped at max_grace_s 30s" in d.reason and "slack 999.00s" in d.reason
+    assert decide_round(131.0, s, cfg).merge
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"min_quorum": 0}, {"grace_gamma": 0.0}, {"grace_gamma": 1.0}, {"grace_gamma": float("nan")},
+    {"overlap_steps": -1}, {"max_grace_s": -1.0}, {"max_grace_s": float("nan")}, {"max_staleness": -1},
+])
+def test_invalid_round_config_is_refused(kwargs: dict) -> None:
+    with pytest.raises(ConfigError):
+        RoundConfig(**kwargs)
+
+
+# --- staleness_verdict --------------------------------------------------------------------
+
+STALE = RoundConfig(max_staleness=2, staleness_discount=True)
+
+
+def test_contribution_against_the_head_is_accepted() -> None:
+    ok, s, reason = staleness_verdict(5, 5, STALE)
+    assert (ok, s) == (True, 0) and "head version 5" in reason
+
+
+def test_stale_within_bound_is_accepted_and_the_reason_tells_the_weight() -> None:
+    ok, s, reason = staleness_verdict(3, 5, STALE)
+    assert (ok, s) == (True, 2) and "2 versions behind head 5" in reason and "1/3" in reason
+    _, _, reason = staleness_verdict(3, 5, RoundConfig(max_staleness=2, staleness_discount=False))
+    assert "full weight" in reason
+
+
+def test_stale_beyond_bound_is_refused() -> None:
+    ok, s, reason = staleness_verdict(2, 5, STALE)
+    assert (ok, s) == (False, 3) and reason.startswith("refused:") and "max_staleness 2" in reason
+
+
+def test_base_from_the_future_is_refused() -> None:
+    ok, s, reason = staleness_verdict(6, 5, STALE)
+    assert (ok, s) == (False, -1) and "from the future" in reason
+
+
+# --- merge_weights / merge_order ----------------------------------------------------------
+
+NO_DISCOUNT = RoundConfig(staleness_discount=False)
+
+
+def test_token_weighting_by_hand() -> None:
+    # w = tokens * tokens/steps: a 1000*100 = 100000, b 500*50 = 25000, c 2000*50 = 100000
+    arrivals = [arrival("a", 1.0, tokens=1000, steps=10), arrival("b", 2.0, tokens=500, steps=10),
+                arrival("c", 3.0, tokens=2000, steps=40)]
+    assert merge_weights(arrivals, HEAD, NO_DISCOUNT) == pytest.approx([100 / 225, 25 / 225, 100 / 225])
+    assert merge_weights(arrivals[:2], HEAD, NO_DISCOUNT) == pytest.approx([0.8, 0.2])
+
+
+def test_staleness_discount_divides_by_one_plus_staleness() -> None:
+    arrivals = [arrival("a", 1.0), arrival("b", 2.0, base=HEAD - 1), arrival("c", 3.0, base=HEAD - 3)]
+    # raw 1, 1/2, 1/4 of the same token weight
+    assert merge_weights(arrivals, HEAD, RoundConfig()) == pytest.approx([4 / 7, 2 / 7, 1 / 7])
+    assert merge_weights(arrivals, HEAD, NO_DISCOUNT) == pytest.approx([1 / 3] * 3)
+
+
+def test_weights_are_normalized_and_per_learner_independent_of_order() -> None:
+    arrivals = [arrival(n, float(i), tokens=t, steps=s, base=HEAD - i % 2)
+                for i, (n, t, s) in enumerate([("a", 1234, 7), ("b", 999, 13), ("c", 31, 3), ("d", 4096, 64)])]
+    expected = dict(zip("abcd", merge_weights(arrivals, HEAD, RoundConfig()), strict=True))
+    assert math.fsum(expected.values()) == pytest.approx(1.0, abs=1e-15)
+    for perm in itertools.permutations(arrivals):
+        got = dict(zip((a.learner for a in perm), merge_weights(perm, HEAD, RoundConfig()), strict=True))
+        assert got == expected  # exact, not approx
+
+
+@pytest.mark.parametrize("bad", [
+    [arrival("a", 1.0, tokens=0), arrival("b", 2.0, tokens=0)],  # all weights 0
+    [arrival("a", 1.0, steps=0)],                                 # no steps
+    [arrival("a", 1.0, base=HEAD + 1)],                           # from the future
+])
+def test_unweighable_contributions_raise(bad: list[Arrival]) -> None:
+    with pytest.raises(ValueError):
+        merge_weights(bad, HEAD, RoundConfig())
+
+
+def test_merge_order_is_the_same_for_every_arrival_order() -> None:
+    arrivals = [arrival("b", 1.0, fid="x2"), arrival("a", 2.0, fid="z"), arrival("b", 3.0, fid="x1"),
+                arrival("c", 0.5, fid="a")]
+    orders = {tuple(a.contribution_id for a in merge_order(p)) for p in itertools.permutations(arrivals)}
+    assert orders == {("z", "x1", "x2", "a")}

@@ -1,0 +1,62 @@
+"""`diloco learner`: the built-in demo model trained as one learner of a run.
+
+This is also the reference for wrapping your own loop: build the model and the inner optimizer,
+wrap them in a `Learner`, train as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from storage.settings import Endpoints
+from workers.demo.task import DemoTask
+from workers.learner import Learner, LearnerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoLearnerArgs:
+    run: str
+    learner_id: str
+    steps: int
+    """Inner steps to train before leaving."""
+    slowdown: float = 1.0
+    """Step-time multiplier: 2.0 makes this learner take twice as long per step (a slower chip)."""
+    data_seed: int = 0
+    """Seed of this learner's data stream; give each learner (and each restart) its own."""
+    model_seed: int = 0
+    """Seed of the initial weights (only matters for whoever proposes version 0)."""
+    threads: int = 1
+    """torch intra-op threads."""
+
+
+def train_demo_learner(task: DemoTask, args: DemoLearnerArgs, endpoints: Endpoints | None = None,
+                       config: LearnerConfig | None = None) -> Learner:
+    torch.set_num_threads(args.threads)
+    stop = threading.Event()
+    # SIGTERM (e.g. a spot preemption notice): finish the current step, flush uploads, leave.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    model = task.make_model(args.model_seed)
+    optimizer = task.make_inner_optimizer(model)
+    batches = task.train_batches(args.data_seed)
+    learner = Learner(model, optimizer, run=args.run, endpoints=endpoints, learner_id=args.learner_id,
+                      tokens_per_step=task.tokens_per_step(), config=config)
+    with learner:
+        log.info("learner %s: %d steps, slowdown x%.2f", args.learner_id, args.steps, args.slowdown)
+        for step in range(args.steps):
+            if stop.is_set():
+                log.info("learner %s: SIGTERM, leaving after step %d", args.learner_id, step)
+                break
+            t0 = time.perf_counter()
+            loss = task.inner_step(model, optimizer, next(batches), step)
+            learner.report(loss=loss)
+            if args.slowdown > 1.0:
+                time.sleep((args.slowdown - 1.0) * (time.perf_counter() - t0))
+    return learner
