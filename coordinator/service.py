@@ -131,6 +131,9 @@ class Coordinator:
             if isinstance(item, Refused):
                 self._refuse(entry_id, None, item)
                 continue
+            if item.kind == "genesis" and self.fragments.get(item.fragment, Fragment(-1)).head >= 0:
+                self._superseded(entry_id, item)
+                continue
             try:
                 self._check(item, seen)
             except Refused as exc:
@@ -162,9 +165,6 @@ class Coordinator:
         frag = self.fragments.get(a.fragment)
         head = None if frag is None or frag.head < 0 else frag.head
         check_announcement(a, spec=self.spec, keys=self.keys, head=head, cfg=self.round_cfg)
-        if a.kind == "genesis" and head is not None:
-            raise Refused("genesis_superseded", f"fragment {a.fragment} already has version {head}; "
-                          f"{a.learner}'s initial parameters are not needed")
 
     def _fetch(self, a: Announcement) -> dict[str, torch.Tensor]:
         layout = self.layout
@@ -188,19 +188,25 @@ class Coordinator:
         self.layout = layout
         return layout
 
+    def _superseded(self, entry_id: str, a: Announcement) -> None:
+        """A genesis proposal for a fragment that already has version 0: not an error, not a contribution."""
+        log.info("fragment %d already has a version; %s's initial parameters are not needed", a.fragment, a.learner)
+        self.bus.ack([entry_id])
+        self.bus.incr("genesis_superseded")
+
     def _refuse(self, entry_id: str | None, a: Announcement | None, exc: Refused) -> None:
         refusal = Refusal(contribution_id=a.contribution_id if a else "", learner=a.learner if a else "",
                           code=exc.code, reason=exc.reason)
         log.warning("refused %s from %s (entry %s): %s", exc.code, refusal.learner or "?", entry_id, exc.reason)
         self.bus.refuse(entry_id, refusal)
-        if a is not None and a.fragment in self.fragments and exc.code != "genesis_superseded":
+        if a is not None and a.fragment in self.fragments:
             self.fragments[a.fragment].refused.append(refusal)
 
     # ---- merging -----------------------------------------------------------------------------
     def _genesis(self, entry_id: str, a: Announcement, tensors: dict[str, torch.Tensor]) -> None:
         frag = self.fragments[a.fragment]
         if frag.head >= 0:
-            self._refuse(entry_id, a, Refused("genesis_superseded", f"fragment {a.fragment} already has a version"))
+            self._superseded(entry_id, a)
             return
         c = Contribution(entry_id, a, to_arrival(a, time.monotonic()), tensors)
         self._publish(a.fragment, frag, [c], [1.0], tensors, NesterovState())

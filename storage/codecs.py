@@ -1,0 +1,438 @@
+"""Tensor object format: outer gradients (deltas) and global parameters as bytes.
+
+Decoded bytes come from S3, i.e. from the network. `decode` checks the framing, every header
+field, the payload's size and sha256, and the decoded values before it returns a tensor, and
+raises `Refused(code, reason)` otherwise. No pickle, no `torch.load`, no object arrays.
+
+Byte format, version 1
+----------------------
+Framing integers are big-endian; payload numbers are little-endian.
+
+    offset  size  field
+    0       4     magic b"DLCO"
+    4       1     format version: 1
+    5       4     header length H (uint32), H <= 1 MiB
+    9       H     header: one msgpack map (below)
+    9+H     rest  payload: exactly `payload_bytes` bytes if compression is "none"; a single zstd
+                  frame that decompresses to exactly `payload_bytes` bytes if it is "zstd"
+
+The header map has exactly these keys:
+
+    codec           str    "fp32" | "bf16" | "int8" | "int4"
+    compression     str    "none" | "zstd"
+    payload_bytes   int    size of the decompressed payload
+    payload_sha256  str    64 lowercase hex digits: sha256 of the decompressed payload
+    block_size      int    quantization block in elements: 0 for fp32/bf16, 1..2^20 for int8/int4
+    meta            map    str -> str | int | float (run, fragment, learner...)
+    tensors         array  of maps {"name": str, "shape": [int, ...], "offset": int, "nbytes": int}
+
+Tensors keep the encoder's order and have unique names. Tensor i occupies payload bytes
+[offset, offset + nbytes): the first starts at 0, each starts where the previous one ends, the
+last ends at payload_bytes. With n = prod(shape) elements (1 for shape ()), flattened in
+row-major order, and nb = ceil(n / block_size) blocks, a tensor's bytes are:
+
+    fp32  n float32                                                     nbytes = 4n
+    bf16  n bfloat16, rounded to nearest even                           nbytes = 2n
+    int8  nb float32 scales, then n int8 values in [-127, 127]          nbytes = 4nb + n
+    int4  nb float32 scales, then ceil(n/2) bytes of values in [-7, 7]  nbytes = 4nb + ceil(n/2)
+          stored as nibbles v + 8: element 2i in the low nibble of byte i, element 2i+1 in the
+          high nibble; for odd n the last high nibble is 8 (value 0)
+
+Block j covers elements [j * block_size, (j + 1) * block_size) of its tensor (the last block
+may be short). Its scale is absmax / 127 (int8) or absmax / 7 (int4) in float32, values are
+round-half-even(x / scale), and an element decodes to float32(value * scale). A block of zeros
+has scale 0. Scales of int8/int4 tensors are not 4-byte aligned in general: read them bytewise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import struct
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+import torch.nn.functional as F
+import zstandard
+
+from storage.errors import Refused
+
+CODECS = ("fp32", "bf16", "int8", "int4")
+COMPRESSIONS = ("none", "zstd")
+MAGIC = b"DLCO"
+FORMAT_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+MAX_BLOCK_SIZE = 1 << 20
+MAX_NDIM = 16
+MAX_DIM = 1 << 40
+ZSTD_LEVEL = 3
+_ZSTD_MAX_WINDOW = 1 << 24  # level 3 uses at most 2 MiB; a bigger window is refused, not allocated
+
+Meta = dict[str, str | int | float]
+
+_FRAMING = struct.Struct(">4sBI")
+_QMAX = {"int8": 127, "int4": 7}
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_HEADER_FIELDS = {"codec": str, "compression": str, "payload_bytes": int, "payload_sha256": str,
+                  "block_size": int, "meta": dict, "tensors": list}
+_TENSOR_FIELDS = {"name": str, "shape": list, "offset": int, "nbytes": int}
+
+if sys.byteorder != "little":  # payload bytes are reinterpreted in place as little-endian numbers
+    raise ImportError("storage.codecs needs a little-endian host")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Where one tensor lives in the decompressed payload."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A validated header: every field has been checked against the format above."""
+
+    codec: str
+    compression: str
+    payload_bytes: int
+    payload_sha256: str
+    tensors: tuple[TensorSpec, ...]
+    meta: Meta
+    block_size: int
+
+
+def tensor_nbytes(codec: str, shape: tuple[int, ...], block_size: int) -> int:
+    """Payload bytes of one tensor of `shape` in `codec` (see the module docstring)."""
+    n = math.prod(shape)
+    if codec == "fp32":
+        return 4 * n
+    if codec == "bf16":
+        return 2 * n
+    blocks = -(-n // block_size)
+    return 4 * blocks + (n if codec == "int8" else (n + 1) // 2)
+
+
+def error_bound(codec: str, absmax: float) -> float:
+    """Worst-case |decoded - original| of any element in a block whose largest |x| is `absmax`.
+
+    fp32: 0 (exact). bf16: absmax * 2^-8 (round-to-nearest-even keeps 8 significant bits; per
+    element the error is also <= |x| * 2^-8). int8 / int4: half a quantization step,
+    absmax / (2 * qmax), with 2^-10 relative slack for float32 rounding of scale and product.
+    Lossy bounds add 2^-126 so they also hold where the scale is subnormal or underflows to 0.
+    """
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    if not absmax >= 0:
+        raise ValueError(f"absmax must be >= 0, got {absmax}")
+    if codec == "fp32":
+        return 0.0
+    if codec == "bf16":
+        return absmax * 2.0**-8 + 2.0**-126
+    return absmax / (2 * _QMAX[codec]) * (1 + 2.0**-10) + 2.0**-126
+
+
+def encode(tensors: Mapping[str, torch.Tensor], codec: str = "fp32", *, compress: bool = False,
+           meta: Mapping[str, str | int | float] | None = None, block_size: int = 256) -> bytes:
+    """Encode floating tensors (any float dtype, any device) into one object, in mapping order.
+
+    Values are taken as float32. Raises `Refused("non_finite")` if a value is NaN/Inf (or, for
+    bf16, overflows the bfloat16 range) and `ValueError` for an unknown codec, a block size
+    outside 1..2^20 (int8/int4 only; fp32/bf16 store 0), a non-float tensor, a non-str name or a
+    meta value that is not str/int/float. Deterministic: the same input gives the same bytes
+    (for a given zstandard version when compressing; payload_sha256 never depends on it).
+    """
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    if codec in _QMAX and not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+    block = block_size if codec in _QMAX else 0
+    meta_map = dict(meta or {})
+    if (problem := _meta_problem(meta_map)) is not None:
+        raise ValueError(problem)
+    specs: list[TensorSpec] = []
+    offset = 0
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"tensor {name!r}: expected a str name and a floating-point tensor, got {t!r:.80}")
+        specs.append(TensorSpec(name, tuple(t.shape), offset, tensor_nbytes(codec, tuple(t.shape), block)))
+        offset += specs[-1].nbytes
+    buf = bytearray(offset)
+    payload = _as_uint8(buf)
+    for spec, t in zip(specs, tensors.values()):
+        x = t.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+        _encode_tensor(payload[spec.offset:spec.offset + spec.nbytes], x, codec, block, spec.name)
+    header = msgpack.packb({
+        "codec": codec, "compression": "zstd" if compress else "none", "payload_bytes": len(buf),
+        "payload_sha256": hashlib.sha256(buf).hexdigest(), "block_size": block, "meta": meta_map,
+        "tensors": [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes}
+                    for s in specs],
+    }, use_bin_type=True)
+    if len(header) > MAX_HEADER_BYTES:
+        raise ValueError(f"header is {len(header)} bytes, over the {MAX_HEADER_BYTES}-byte limit: "
+                         "split the tensors over several objects or shorten meta")
+    body = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(buf) if compress else buf
+    return b"".join((_FRAMING.pack(MAGIC, FORMAT_VERSION, len(header)), header, body))
+
+
+def read_header(blob: bytes, *, max_bytes: int) -> Header:
+    """Check the framing and the header only (no payload work), and return the header.
+
+    Refuses: blob or declared payload over `max_bytes` ("too_large"); bad magic, unknown format
+    version, truncated framing or an uncompressed payload of the wrong length ("bad_framing");
+    anything wrong in the header ("bad_header"), see the module docstring for what is valid.
+    """
+    return _parse(blob, max_bytes)[0]
+
+
+def decode(blob: bytes, *, max_bytes: int,
+           expect: Mapping[str, tuple[int, ...]] | None = None) -> tuple[dict[str, torch.Tensor], Header]:
+    """Decode an object into float32 CPU tensors (contiguous, writable, not sharing `blob`).
+
+    `max_bytes` bounds both the blob and its decompressed payload. On top of `read_header`'s
+    checks, refuses: names/shapes other than `expect` when given ("wrong_shape"); a zstd payload
+    that fails or does not decompress to exactly payload_bytes, never decompressing more
+    ("bad_payload"); a payload whose sha256 differs from the header's ("sha256_mismatch"); NaN
+    or Inf values, or scales that are NaN/Inf or whose value * qmax overflows ("non_finite");
+    negative scales, int8 -128, int4 nibble 0 or a nonzero int4 pad nibble ("bad_payload").
+    """
+    header, body = _parse(blob, max_bytes)
+    if expect is not None:
+        _check_expect(header, expect)
+    buf = _decompress(header, body)
+    digest = hashlib.sha256(buf).hexdigest()
+    if digest != header.payload_sha256:
+        raise Refused("sha256_mismatch", f"payload sha256 is {digest}, header says {header.payload_sha256}: "
+                                         "the object is corrupt or was tampered with")
+    payload = _as_uint8(buf)
+    out = {s.name: _decode_tensor(payload[s.offset:s.offset + s.nbytes], s, header.codec, header.block_size)
+           for s in header.tensors}
+    return out, header
+
+
+def _as_uint8(buf: bytearray) -> torch.Tensor:
+    """A writable uint8 tensor sharing `buf`'s memory (torch.frombuffer refuses empty buffers)."""
+    return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+
+
+def _encode_tensor(out: torch.Tensor, x: torch.Tensor, codec: str, block: int, name: str) -> None:
+    """Write flat float32 `x` into the uint8 slice `out` (the tensor's whole byte range)."""
+    if codec in ("fp32", "bf16"):
+        y = x if codec == "fp32" else x.to(torch.bfloat16)
+        if not _all_finite(y):
+            raise Refused("non_finite", f"tensor {name!r} has NaN/Inf values (or values beyond the {codec} range)")
+        out.view(y.dtype).copy_(y)  # fp32 offsets are multiples of 4, bf16 offsets of 2
+        return
+    n, qmax = x.numel(), _QMAX[codec]
+    blocks = -(-n // block)
+    grid = (F.pad(x, (0, blocks * block - n)) if n % block else x).view(blocks, block)
+    absmax = grid.abs().amax(dim=1)  # NaN propagates; not aminmax(dim=), ms-slow on small inputs
+    if not _all_finite(absmax):
+        raise Refused("non_finite", f"tensor {name!r} has NaN or Inf values")
+    scales = absmax / qmax
+    ratio = grid / torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
+    q = ratio.round_().clamp_(-qmax, qmax).view(-1)[:n]  # whole numbers, converted exactly below
+    out[:4 * blocks].copy_(scales.view(torch.uint8))
+    if codec == "int8":
+        out[4 * blocks:].view(torch.int8).copy_(q)
+        return
+    nibbles = q.add_(8).to(torch.uint8)
+    if n % 2:
+        nibbles = F.pad(nibbles, (0, 1), value=8)
+    pairs = nibbles.view(-1, 2)
+    torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=out[4 * blocks:])
+
+
+def _decode_tensor(seg: torch.Tensor, spec: TensorSpec, codec: str, block: int) -> torch.Tensor:
+    """Float32 tensor of `spec.shape` from its uint8 byte range `seg` (a fresh buffer we own)."""
+    if codec in ("fp32", "bf16"):
+        values = seg.view(torch.float32) if codec == "fp32" else seg.view(torch.bfloat16).float()
+        if not _all_finite(values):
+            raise _refused("non_finite", spec, "NaN or Inf values")
+        return values.view(spec.shape)
+    n, qmax = math.prod(spec.shape), _QMAX[codec]
+    blocks = -(-n // block)
+    scales = seg[:4 * blocks].clone().view(torch.float32)  # clone: aligned copy, scales are small
+    if not _all_finite(scales * qmax):
+        raise _refused("non_finite", spec, f"NaN/Inf scales, or scales above float32 max / {qmax}")
+    if (scales < 0).any():
+        raise _refused("bad_payload", spec, "negative scales (an encoder writes absmax / qmax >= 0)")
+    codes = seg[4 * blocks:]
+    if codec == "int8":
+        q = codes.view(torch.int8)
+        if n and q.min() < -qmax:
+            raise _refused("bad_payload", spec, "int8 value -128 (valid: -127..127)")
+    else:
+        nibbles = torch.stack((codes & 15, codes >> 4), dim=1).view(-1)
+        if n % 2 and nibbles[n] != 8:
+            raise _refused("bad_payload", spec, f"pad nibble {int(nibbles[n])} (an odd-length tensor pads with 8)")
+        q = nibbles[:n].view(torch.int8)
+        if n and q.min() == 0:
+            raise _refused("bad_payload", spec, "int4 nibble 0 (valid: 1..15, i.e. -7..7)")
+        q.sub_(8)
+    values = torch.empty(n, dtype=torch.float32)
+    full = n // block * block
+    if full:
+        torch.mul(q[:full].view(-1, block), scales[:full // block, None], out=values[:full].view(-1, block))
+    if n > full:
+        torch.mul(q[full:], scales[-1], out=values[full:])
+    return values.view(spec.shape)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN/Inf in `t`. One aminmax pass (NaN propagates); ~8x faster than isfinite().all()."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())
+
+
+def _refused(code: str, spec: TensorSpec, what: str) -> Refused:
+    return Refused(code, f"tensor {spec.name!r} {spec.shape} decodes with {what}")
+
+
+def _parse(blob: bytes, max_bytes: int) -> tuple[Header, memoryview]:
+    """Validate framing and header; return the header and a view of the (maybe compressed) payload."""
+    view = memoryview(blob).cast("B")
+    if len(view) > max_bytes:
+        raise Refused("too_large", f"object is {len(view)} bytes, over the {max_bytes}-byte limit")
+    if len(view) < _FRAMING.size:
+        raise Refused("bad_framing", f"object is {len(view)} bytes, shorter than the {_FRAMING.size}-byte framing")
+    magic, version, header_len = _FRAMING.unpack_from(view)
+    if magic != MAGIC:
+        raise Refused("bad_framing", f"object starts with {magic!r}, expected {MAGIC!r}: not a tensor object")
+    if version != FORMAT_VERSION:
+        raise Refused("bad_framing", f"format version {version}; this build reads version {FORMAT_VERSION}: "
+                                     "upgrade the reader or re-encode with this build")
+    start = _FRAMING.size + header_len
+    if header_len > MAX_HEADER_BYTES or start > len(view):
+        raise Refused("bad_header", f"header length {header_len} is over {MAX_HEADER_BYTES} or past the end "
+                                    f"of the {len(view)}-byte object")
+    header = _header_from_map(_unpack(view[_FRAMING.size:start]))
+    if header.payload_bytes > max_bytes:
+        raise Refused("too_large", f"payload decompresses to {header.payload_bytes} bytes, over the "
+                                   f"{max_bytes}-byte limit")
+    body = view[start:]
+    if header.compression == "none" and len(body) != header.payload_bytes:
+        raise Refused("bad_framing", f"payload is {len(body)} bytes, header says payload_bytes="
+                                     f"{header.payload_bytes}: truncated or padded object")
+    return header, body
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise Refused("bad_header", f"msgpack extension type {code} in the header; the format uses none")
+
+
+def _unpack(raw: memoryview) -> Any:
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_refuse_ext, max_bin_len=0,
+                               max_str_len=len(raw), max_array_len=len(raw), max_map_len=len(raw),
+                               max_ext_len=len(raw))
+    except Refused:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated exception types on garbage
+        raise Refused("bad_header", f"header is not valid msgpack ({type(exc).__name__}: {exc})") from None
+
+
+def _typed_map(m: Any, fields: dict[str, type], where: str) -> dict[str, Any]:
+    """`m` if it is a map with exactly these fields, of exactly these types (True is not an int)."""
+    if not isinstance(m, dict):
+        raise Refused("bad_header", f"{where} must be a msgpack map, found {type(m).__name__}")
+    if m.keys() != fields.keys():
+        missing, unknown = sorted(fields.keys() - m.keys()), sorted(m.keys() - fields.keys())
+        raise Refused("bad_header", f"{where} lacks fields {missing} and has unknown fields {unknown}; "
+                                    f"expected exactly {list(fields)}")
+    for key, kind in fields.items():
+        if type(m[key]) is not kind:
+            raise Refused("bad_header", f"{where} field {key!r} must be {kind.__name__}, found {type(m[key]).__name__}")
+    return m
+
+
+def _meta_problem(meta: dict[Any, Any]) -> str | None:
+    for key, value in meta.items():
+        if type(key) is not str or type(value) not in (str, int, float):
+            return f"meta entry {key!r}: {type(value).__name__} value; meta maps str to str, int or float"
+    return None
+
+
+def _header_from_map(raw: Any) -> Header:
+    m = _typed_map(raw, _HEADER_FIELDS, "header")
+    codec, compression, block, sha = m["codec"], m["compression"], m["block_size"], m["payload_sha256"]
+    if codec not in CODECS:
+        raise Refused("bad_header", f"unknown codec {codec!r}; this build reads {', '.join(CODECS)}")
+    if compression not in COMPRESSIONS:
+        raise Refused("bad_header", f"unknown compression {compression!r}; this build reads {', '.join(COMPRESSIONS)}")
+    if not _SHA256_HEX.fullmatch(sha):
+        raise Refused("bad_header", f"payload_sha256 {sha[:80]!r} is not 64 lowercase hex digits")
+    valid_block = 1 <= block <= MAX_BLOCK_SIZE if codec in _QMAX else block == 0
+    if not valid_block:
+        raise Refused("bad_header", f"block_size {block} is invalid for {codec} "
+                                    f"({'1..' + str(MAX_BLOCK_SIZE) if codec in _QMAX else 'must be 0'})")
+    if (problem := _meta_problem(m["meta"])) is not None:
+        raise Refused("bad_header", problem)
+    specs: list[TensorSpec] = []
+    offset = 0
+    names: set[str] = set()
+    for i, entry in enumerate(m["tensors"]):
+        spec = _spec_from_map(entry, f"tensors[{i}]", offset, codec, block)
+        if spec.name in names:
+            raise Refused("bad_header", f"tensors[{i}]: name {spec.name!r} appears twice")
+        names.add(spec.name)
+        specs.append(spec)
+        offset += spec.nbytes
+    if offset != m["payload_bytes"]:
+        raise Refused("bad_header", f"tensors cover {offset} bytes, header says payload_bytes={m['payload_bytes']}")
+    return Header(codec, compression, offset, sha, tuple(specs), m["meta"], block)
+
+
+def _spec_from_map(raw: Any, where: str, expected_offset: int, codec: str, block: int) -> TensorSpec:
+    m = _typed_map(raw, _TENSOR_FIELDS, where)
+    name, shape, offset, nbytes = m["name"], m["shape"], m["offset"], m["nbytes"]
+    if len(shape) > MAX_NDIM or any(type(d) is not int or not 0 <= d <= MAX_DIM for d in shape):
+        raise Refused("bad_header", f"{where} ({name!r}): shape {shape[:MAX_NDIM + 1]} is not a list of at most "
+                                    f"{MAX_NDIM} ints in 0..{MAX_DIM}")
+    if offset != expected_offset:
+        raise Refused("bad_header", f"{where} ({name!r}) starts at byte {offset}, expected {expected_offset}: "
+                                    "tensors must be contiguous, in order, without overlap")
+    expected = tensor_nbytes(codec, tuple(shape), block)
+    if nbytes != expected:
+        raise Refused("bad_header", f"{where} ({name!r}): nbytes {nbytes}, but shape {shape} in {codec} "
+                                    f"(block {block}) takes {expected}")
+    return TensorSpec(name, tuple(shape), offset, nbytes)
+
+
+def _check_expect(header: Header, expect: Mapping[str, tuple[int, ...]]) -> None:
+    found = {s.name: s.shape for s in header.tensors}
+    wanted = {name: tuple(shape) for name, shape in expect.items()}
+    if found != wanted:
+        name = next(n for n in [*wanted, *found] if wanted.get(n) != found.get(n))
+        raise Refused("wrong_shape", f"tensor {name!r}: expected shape {wanted.get(name, '(not expected)')}, "
+                                     f"found {found.get(name, '(absent)')} ({len(wanted)} tensors expected, "
+                                     f"{len(found)} present)")
+
+
+def _decompress(header: Header, body: memoryview) -> bytearray:
+    """The payload in a fresh writable buffer; zstd output is capped at payload_bytes + 1 byte."""
+    if header.compression == "none":
+        return bytearray(body)
+    buf = bytearray(header.payload_bytes)
+    got, extra = 0, b""
+    try:
+        with zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW).stream_reader(body) as reader, \
+                memoryview(buf) as out:
+            while got < len(buf) and (n := reader.readinto(out[got:])):
+                got += n
+            extra = reader.read(1)
+    except zstandard.ZstdError as exc:
+        raise Refused("bad_payload", f"zstd payload does not decompress: {exc}") from None
+    if got != len(buf) or extra:
+        found = "more than that" if extra else f"{got} bytes"
+        raise Refused("bad_payload", f"header says payload_bytes={len(buf)}, zstd payload decompresses to {found}")
+    return buf

@@ -1,0 +1,351 @@
+"""The tensor object format: round trips within the stated error bounds, and refusal of bad bytes.
+
+Every refusal test crafts the bad object by hand (truncation, flipped bytes, rewritten headers,
+payloads with a recomputed sha256) and asserts the stable `code` that operators count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zstandard
+
+from storage.codecs import CODECS, MAGIC, decode, encode, error_bound, read_header
+from storage.errors import Refused
+
+LIMIT = 64 << 20
+SHAPES = {"scalar": (), "empty": (0,), "odd": (7,), "matrix": (3, 5), "blocks": (1000,), "odd_blocks": (9, 57)}
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {name: torch.randn(shape, generator=gen) * 3 for name, shape in SHAPES.items()}
+    out["half"] = torch.randn(33, generator=gen).half()
+    out["double"] = torch.randn(4, 4, generator=gen, dtype=torch.float64)
+    out["zeros"] = torch.zeros(70)
+    return out
+
+
+def _split(blob: bytes) -> tuple[dict[str, Any], bytes]:
+    (header_len,) = struct.unpack(">I", blob[5:9])
+    return msgpack.unpackb(blob[9:9 + header_len]), blob[9 + header_len:]
+
+
+def _frame(header: dict[str, Any] | bytes, body: bytes, version: int = 1) -> bytes:
+    raw = header if isinstance(header, bytes) else msgpack.packb(header, use_bin_type=True)
+    return MAGIC + bytes([version]) + struct.pack(">I", len(raw)) + raw + body
+
+
+def _reseal(blob: bytes, edit_payload: Any) -> bytes:
+    """Apply `edit_payload(bytearray)` to an uncompressed object and recompute its sha256."""
+    header, body = _split(blob)
+    payload = bytearray(body)
+    edit_payload(payload)
+    header["payload_sha256"] = hashlib.sha256(payload).hexdigest()
+    return _frame(header, bytes(payload))
+
+
+def _refused(blob: bytes, code: str, **kwargs: Any) -> Refused:
+    with pytest.raises(Refused) as info:
+        decode(blob, max_bytes=kwargs.pop("max_bytes", LIMIT), **kwargs)
+    assert info.value.code == code, info.value.reason
+    return info.value
+
+
+def _block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per element: the absmax of the quantization block it belongs to."""
+    flat = x.detach().float().reshape(-1)
+    padded = torch.nn.functional.pad(flat, (0, -len(flat) % block)).view(-1, block)
+    return padded.abs().amax(dim=1).repeat_interleave(block)[:len(flat)]
+
+
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("codec", CODECS)
+def test_round_trip_within_stated_error_bound(codec: str, compress: bool) -> None:
+    tensors = _tensors()
+    blob = encode(tensors, codec, compress=compress, meta={"run": "r1", "fragment": 3}, block_size=64)
+    out, header = decode(blob, max_bytes=LIMIT, expect={k: tuple(v.shape) for k, v in tensors.items()})
+    assert list(out) == list(tensors)
+    assert header.codec == codec and header.compression == ("zstd" if compress else "none")
+    assert header.meta == {"run": "r1", "fragment": 3}
+    for name, x in tensors.items():
+        y, ref = out[name], x.float()
+        assert y.dtype == torch.float32 and y.shape == x.shape and y.is_contiguous()
+        err = (y - ref).abs().reshape(-1)
+        if codec == "fp32":
+            assert torch.equal(y, ref)
+        elif codec == "bf16":
+            assert bool((err <= ref.abs().reshape(-1) * 2.0**-8).all())
+        else:
+            bound = torch.tensor([error_bound(codec, float(a)) for a in _block_absmax(x, 64)])
+            assert bool((err <= bound).all()), f"{name}: max excess {float((err - bound).max())}"
+    assert torch.equal(out["zeros"], torch.zeros(70))
+
+
+def test_error_bound_values() -> None:
+    assert error_bound("fp32", 5.0) == 0.0
+    assert error_bound("bf16", 1.0) == pytest.approx(2.0**-8)
+    assert error_bound("int8", 127.0) == pytest.approx(0.5, rel=1e-3)
+    assert error_bound("int4", 7.0) == pytest.approx(0.5, rel=1e-3)
+    with pytest.raises(ValueError):
+        error_bound("int2", 1.0)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("codec", CODECS)
+def test_encoding_is_deterministic_and_leaves_input_alone(codec: str, compress: bool) -> None:
+    tensors = _tensors()
+    before = {k: v.clone() for k, v in tensors.items()}
+    assert encode(tensors, codec, compress=compress) == encode(_tensors(), codec, compress=compress)
+    assert all(torch.equal(tensors[k], before[k]) for k in tensors)
+
+
+@pytest.mark.parametrize(("codec", "limit"), [("int8", 0.01), ("int4", 0.15), ("bf16", 0.005)])
+def test_relative_rms_error_on_gaussian_data(codec: str, limit: float) -> None:
+    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1))
+    y, _ = decode(encode({"w": x}, codec), max_bytes=LIMIT)
+    rel = float((y["w"] - x).norm() / x.norm())
+    assert rel < limit
+
+
+def test_int4_packs_low_nibble_first_with_scale_before_values() -> None:
+    blob = encode({"v": torch.tensor([7.0, -7.0, 0.0])}, "int4", block_size=256)
+    _, body = _split(blob)
+    assert struct.unpack("<f", body[:4])[0] == 1.0  # absmax 7 / 7
+    assert body[4:] == bytes([0x0F | 0x10, 0x08 | 0x80])  # 7+8 low, -7+8 high; 0+8 then pad 8
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_zero_block_has_scale_zero_and_decodes_to_zeros(codec: str) -> None:
+    x = torch.cat([-torch.zeros(4), torch.tensor([1.0, -2.0, 0.5, 0.0])])  # block 0 is all -0.0
+    blob = encode({"v": x}, codec, block_size=4)
+    _, body = _split(blob)
+    assert body[:4] == bytes(4)  # +0.0, not -0.0
+    assert struct.unpack("<f", body[4:8])[0] == pytest.approx(2.0 / (127 if codec == "int8" else 7), rel=1e-7)
+    out, _ = decode(blob, max_bytes=LIMIT)
+    assert torch.equal(out["v"][:4], torch.zeros(4))
+
+
+def test_decoded_tensors_are_writable_and_do_not_alias_the_input() -> None:
+    for codec in CODECS:
+        blob = bytearray(encode({"w": torch.ones(100)}, codec))
+        out, _ = decode(blob, max_bytes=LIMIT)
+        blob[-200:] = bytes(200)  # scribble over the source buffer
+        assert torch.equal(out["w"], torch.ones(100))
+        out["w"].add_(1)  # writable
+
+
+def test_read_header_describes_the_layout() -> None:
+    header = read_header(encode({"a": torch.ones(3), "b": torch.ones(2, 2)}, "int8", block_size=2), max_bytes=LIMIT)
+    assert header.block_size == 2
+    assert [(s.name, s.shape, s.offset, s.nbytes) for s in header.tensors] == [
+        ("a", (3,), 0, 2 * 4 + 3), ("b", (2, 2), 11, 2 * 4 + 4)]
+    assert header.payload_bytes == 23
+    assert read_header(encode({"a": torch.ones(3)}, "bf16"), max_bytes=LIMIT).block_size == 0
+
+
+# --- refusals on encode ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_encode_refuses_non_finite(codec: str, bad: float) -> None:
+    x = torch.randn(300)
+    x[299] = bad
+    with pytest.raises(Refused) as info:
+        encode({"w": x}, codec)
+    assert info.value.code == "non_finite"
+
+
+def test_encode_refuses_values_beyond_bfloat16_range() -> None:
+    with pytest.raises(Refused) as info:
+        encode({"w": torch.tensor([3.4e38])}, "bf16")
+    assert info.value.code == "non_finite"
+
+
+@pytest.mark.parametrize("kwargs", [{"codec": "int2"}, {"codec": "int8", "block_size": 0},
+                                    {"meta": {"ok": [1, 2]}}, {"meta": {"flag": True}}])
+def test_encode_rejects_bad_arguments(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        encode({"w": torch.ones(3)}, **kwargs)
+    with pytest.raises(ValueError):
+        encode({"w": torch.ones(3, dtype=torch.int64)})
+
+
+# --- refusals on decode: framing and size ------------------------------------------------------
+
+
+def test_refuses_object_over_max_bytes() -> None:
+    blob = encode({"w": torch.ones(100)})
+    _refused(blob, "too_large", max_bytes=len(blob) - 1)
+    decode(blob, max_bytes=len(blob))
+
+
+def test_refuses_declared_payload_over_max_bytes() -> None:
+    blob = encode({"w": torch.zeros(100_000)}, compress=True)  # ~400 kB of zeros compress to little
+    _refused(blob, "too_large", max_bytes=100_000)
+
+
+@pytest.mark.parametrize("cut", [0, 3, 8, 20])
+def test_refuses_truncated_framing(cut: int) -> None:
+    blob = encode({"w": torch.ones(10)})
+    code = "bad_framing" if cut < 9 else "bad_header"
+    _refused(blob[:cut], code)
+
+
+def test_refuses_truncated_payload() -> None:
+    blob = encode({"w": torch.randn(1000)})
+    _refused(blob[:-1], "bad_framing")
+    _refused(blob + b"\0", "bad_framing")
+    _refused(encode({"w": torch.randn(1000)}, compress=True)[:-10], "bad_payload")
+
+
+def test_refuses_bad_magic_and_unknown_version() -> None:
+    header, body = _split(encode({"w": torch.ones(3)}))
+    _refused(b"XLCO" + _frame(header, body)[4:], "bad_framing")
+    _refused(_frame(header, body, version=2), "bad_framing")
+
+
+def test_refuses_implausible_header_length() -> None:
+    blob = encode({"w": torch.ones(3)})
+    _refused(blob[:5] + struct.pack(">I", (1 << 20) + 1) + blob[9:], "bad_header")
+    _refused(blob[:5] + struct.pack(">I", len(blob)) + blob[9:], "bad_header")
+
+
+def test_refuses_flipped_payload_byte() -> None:
+    blob = bytearray(encode({"w": torch.randn(100)}, "int8"))
+    blob[-5] ^= 0x01
+    _refused(bytes(blob), "sha256_mismatch")
+
+
+def test_refuses_flipped_header_byte() -> None:
+    blob = bytearray(encode({"w": torch.randn(100)}, "int4"))
+    blob[9] = 0xC1  # msgpack's one never-used byte, where the header map starts
+    _refused(bytes(blob), "bad_header")
+
+
+def test_any_single_byte_corruption_is_refused_or_harmless() -> None:
+    tensors = {"a": torch.randn(5), "b": torch.randn(2, 3)}
+    for codec in CODECS:
+        for compress in (False, True):
+            blob = encode(tensors, codec, compress=compress, meta={"run": "r"}, block_size=4)
+            clean, _ = decode(blob, max_bytes=LIMIT)
+            for i in range(len(blob)):
+                bad = bytearray(blob)
+                bad[i] ^= 0xFF
+                try:
+                    out, _ = decode(bytes(bad), max_bytes=LIMIT)
+                except Refused:
+                    continue
+                assert all(torch.equal(out[k], clean[k]) for k in clean), (codec, compress, i)
+
+
+# --- refusals on decode: header schema ---------------------------------------------------------
+
+
+def _edit(header: dict[str, Any], key: str, value: Any) -> None:
+    header[key] = value
+
+
+HEADER_EDITS = {
+    "unknown codec": lambda h: _edit(h, "codec", "int3"),
+    "unknown compression": lambda h: _edit(h, "compression", "lz4"),
+    "missing field": lambda h: h.pop("meta"),
+    "unknown field": lambda h: _edit(h, "extra", 1),
+    "payload_bytes as str": lambda h: _edit(h, "payload_bytes", "23"),
+    "bool for int": lambda h: _edit(h["tensors"][0], "offset", False),
+    "sha not hex": lambda h: _edit(h, "payload_sha256", "Z" * 64),
+    "block_size for int8 is 0": lambda h: _edit(h, "block_size", 0),
+    "meta with a list": lambda h: _edit(h, "meta", {"a": [1]}),
+    "tensors not a list": lambda h: _edit(h, "tensors", {}),
+    "negative dim": lambda h: _edit(h["tensors"][0], "shape", [-3]),
+    "absurd dim": lambda h: _edit(h["tensors"][0], "shape", [1 << 50]),
+    "too many dims": lambda h: _edit(h["tensors"][0], "shape", [1] * 17),
+    "shape not a list": lambda h: _edit(h["tensors"][0], "shape", 3),
+    "nbytes wrong for shape": lambda h: _edit(h["tensors"][0], "shape", [4]),
+    "overlap": lambda h: _edit(h["tensors"][1], "offset", h["tensors"][1]["offset"] - 1),
+    "gap": lambda h: _edit(h["tensors"][1], "offset", h["tensors"][1]["offset"] + 1),
+    "payload not covered": lambda h: _edit(h, "payload_bytes", h["payload_bytes"] + 1),
+    "duplicate names": lambda h: _edit(h["tensors"][1], "name", "a"),
+    "tensor entry extra key": lambda h: _edit(h["tensors"][0], "dtype", "f4"),
+    "ExtType in meta": lambda h: _edit(h, "meta", {"x": msgpack.ExtType(1, b"boom")}),
+}
+
+
+@pytest.mark.parametrize("edit", list(HEADER_EDITS), ids=list(HEADER_EDITS))
+def test_refuses_bad_header(edit: str) -> None:
+    header, body = _split(encode({"a": torch.ones(3), "b": torch.ones(5)}, "int8"))
+    HEADER_EDITS[edit](header)
+    reason = _refused(_frame(header, body), "bad_header").reason
+    assert reason  # a sentence for a person, not empty
+
+
+@pytest.mark.parametrize("raw", [msgpack.packb([1, 2]), msgpack.packb({1: 2}), msgpack.packb({"a": b"x"}),
+                                 msgpack.packb({"codec": "fp32"}) + b"\x00", b"\xc1"])
+def test_refuses_header_that_is_not_a_plain_map(raw: bytes) -> None:
+    _refused(_frame(raw, b""), "bad_header")
+
+
+# --- refusals on decode: payload ---------------------------------------------------------------
+
+
+def test_refuses_nan_in_fp32_payload_with_valid_sha() -> None:
+    blob = _reseal(encode({"w": torch.ones(4)}), lambda p: p.__setitem__(slice(4, 8), struct.pack("<f", float("nan"))))
+    _refused(blob, "non_finite")
+
+
+def test_refuses_inf_in_bf16_payload_with_valid_sha() -> None:
+    blob = _reseal(encode({"w": torch.ones(4)}, "bf16"), lambda p: p.__setitem__(slice(2, 4), b"\x80\x7f"))
+    _refused(blob, "non_finite")
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize(("scale", "code"), [(float("nan"), "non_finite"), (float("inf"), "non_finite"),
+                                            (3e38, "non_finite"), (-1.0, "bad_payload")])
+def test_refuses_bad_scale_with_valid_sha(codec: str, scale: float, code: str) -> None:
+    blob = encode({"w": torch.randn(600)}, codec, block_size=256)  # 3 scales, then values
+    _refused(_reseal(blob, lambda p: p.__setitem__(slice(4, 8), struct.pack("<f", scale))), code)
+
+
+def test_refuses_out_of_range_codes_with_valid_sha() -> None:
+    int8 = encode({"w": torch.randn(10)}, "int8", block_size=256)
+    _refused(_reseal(int8, lambda p: p.__setitem__(6, 0x80)), "bad_payload")  # int8 -128
+    int4 = encode({"w": torch.randn(10)}, "int4", block_size=256)
+    _refused(_reseal(int4, lambda p: p.__setitem__(6, p[6] & 0xF0)), "bad_payload")  # nibble 0
+    odd = encode({"w": torch.randn(9)}, "int4", block_size=256)
+    _refused(_reseal(odd, lambda p: p.__setitem__(-1, (p[-1] & 0x0F) | 0x90)), "bad_payload")  # pad nibble 9
+
+
+def test_refuses_zip_bomb() -> None:
+    honest = encode({"w": torch.zeros(250)})  # claims 1000 bytes
+    header, _ = _split(honest)
+    bomb = zstandard.ZstdCompressor(level=3).compress(bytes(64 << 20))  # 64 MiB of zeros, ~2 kB
+    header["compression"] = "zstd"
+    reason = _refused(_frame(header, bomb), "bad_payload", max_bytes=1 << 20).reason
+    assert "more than" in reason
+
+
+def test_refuses_zstd_payload_shorter_than_declared_or_with_trailing_data() -> None:
+    header, body = _split(encode({"w": torch.randn(250)}))
+    header["compression"] = "zstd"
+    _refused(_frame(header, zstandard.ZstdCompressor().compress(body[:-4])), "bad_payload")
+    _refused(_frame(header, zstandard.ZstdCompressor().compress(body) + b"junk"), "bad_payload")
+    _refused(_frame(header, b"not zstd at all"), "bad_payload")
+
+
+# --- refusals on decode: expected layout -------------------------------------------------------
+
+
+def test_refuses_unexpected_layout() -> None:
+    blob = encode({"a": torch.ones(3, 4), "b": torch.ones(2)}, "int4")
+    reason = _refused(blob, "wrong_shape", expect={"a": (4, 3), "b": (2,)}).reason
+    assert "(4, 3)" in reason and "(3, 4)" in reason
+    _refused(blob, "wrong_shape", expect={"a": (3, 4)})
+    _refused(blob, "wrong_shape", expect={"a": (3, 4), "b": (2,), "c": (1,)})
+    out, _ = decode(blob, max_bytes=LIMIT, expect={"b": (2,), "a": (3, 4)})
+    assert set(out) == {"a", "b"}
