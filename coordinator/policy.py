@@ -186,28 +186,39 @@ def staleness_verdict(base_version: int, head_version: int, cfg: RoundConfig) ->
 
 
 def merge_weights(arrivals: Sequence[Arrival], head_version: int, cfg: RoundConfig) -> list[float]:
-    """Normalized merge weights, one per arrival, in the order given.
+    """Merge weights, one per arrival, in the order given.
 
-    w_m = tokens_m * (tokens_m / steps_m) (token weighting: more tokens, and more tokens per step,
-    weigh more), times 1/(1+staleness_m) when `cfg.staleness_discount` is on. The caller refuses
-    contributions with `staleness_verdict` first; this function does not drop any.
+    Contributions are grouped by learner: one learner's contributions in the same round are
+    consecutive pieces of its progress (it sent again before the round closed), so they add up
+    rather than average. Learner g weighs w_g = T_g * (T_g / S_g) with T_g, S_g its tokens and
+    steps summed over its pieces (token weighting: more tokens, and more tokens per step, weigh
+    more); the w_g are normalized to sum 1 over learners, and each piece gets its learner's share.
+    With `cfg.staleness_discount`, a piece computed against a version `s` behind the head is also
+    scaled by 1/(1+s): a stale update is shrunk, not renormalized away, so the weights of a round
+    sum to 1 only when nothing in it is stale. The caller refuses contributions with
+    `staleness_verdict` first; this function does not drop any.
 
-    Deterministic, and independent of input order for each arrival's weight: the total is an
-    exactly rounded sum (math.fsum), so a permutation yields the same bits per arrival.
+    Deterministic, and independent of input order: group totals are exactly rounded sums
+    (math.fsum), so a permutation yields the same bits per arrival.
     Raises ValueError for a contribution with no steps or from the future, or if every weight is 0.
     """
-    raw: list[float] = []
+    tokens: dict[str, list[int]] = {}
+    steps: dict[str, list[int]] = {}
     for a in arrivals:
-        staleness = head_version - a.base_version
-        if a.steps < 1 or a.tokens < 0 or staleness < 0:
+        if a.steps < 1 or a.tokens < 0 or a.base_version > head_version:
             raise ValueError(f"contribution {a.contribution_id} from {a.learner} cannot be weighted: "
                              f"{a.tokens} tokens, {a.steps} steps, base v{a.base_version}, head v{head_version}")
-        w = (a.tokens * a.tokens) / a.steps
-        raw.append(w / (1 + staleness) if cfg.staleness_discount else w)
-    total = math.fsum(raw)
+        tokens.setdefault(a.learner, []).append(a.tokens)
+        steps.setdefault(a.learner, []).append(a.steps)
+    group = {g: math.fsum(tokens[g]) ** 2 / math.fsum(steps[g]) for g in tokens}
+    total = math.fsum(group.values())
     if not total > 0.0:
-        raise ValueError(f"all {len(raw)} merge weights are 0: no contribution reported any tokens")
-    return [w / total for w in raw]
+        raise ValueError(f"all {len(group)} learner weights are 0: no contribution reported any tokens")
+    weights = []
+    for a in arrivals:
+        w = group[a.learner] / total
+        weights.append(w / (1 + head_version - a.base_version) if cfg.staleness_discount else w)
+    return weights
 
 
 def merge_order(arrivals: Sequence[Arrival]) -> list[Arrival]:

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 class DemoConfig:
     out: Path
     learners: int = 4
+    """M: learner processes."""
     steps: int = 400
     """Inner steps per learner; the baseline trains learners x steps steps on one replica."""
     slow_factor: float = 2.0
@@ -43,9 +44,11 @@ class DemoConfig:
     text: str | None = None
     """Train on this text file (byte level) instead of the synthetic language."""
     run: str = "demo"
+    """Run id."""
     settings: RunSettings = field(default_factory=lambda: RunSettings(num_fragments=2, sync_every=30,
                                                                        overlap_steps=3, codec="int8"))
     min_quorum: int = 1
+    """K: learners a round waits for before its grace window opens."""
 
 
 def say(msg: str) -> None:

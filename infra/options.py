@@ -35,7 +35,9 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
+def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
+                flags: dict[str, str] | None = None) -> None:
+    """One option per scalar field of `cls`; `flags` renames some (field name -> flag)."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     group = parser.add_argument_group(cls.__name__)
@@ -43,8 +45,11 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, 
         tp = hints[f.name]
         if f.name in skip or tp not in (int, float, str, bool):
             continue
+        flag = (flags or {}).get(f.name) or "--" + f.name.replace("_", "-")
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            group.add_argument(flag, dest=f.name, type=tp, required=True, help=f"{docs.get(f.name, '')} (required)")
+            continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        flag = "--" + f.name.replace("_", "-")
         help_text = f"{docs.get(f.name, '')} (default: {default})"
         if tp is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,

@@ -161,19 +161,27 @@ def test_token_weighting_by_hand() -> None:
 
 def test_staleness_discount_divides_by_one_plus_staleness() -> None:
     arrivals = [arrival("a", 1.0), arrival("b", 2.0, base=HEAD - 1), arrival("c", 3.0, base=HEAD - 3)]
-    # raw 1, 1/2, 1/4 of the same token weight
-    assert merge_weights(arrivals, HEAD, RoundConfig()) == pytest.approx([4 / 7, 2 / 7, 1 / 7])
+    # equal learner shares of 1/3, shrunk by 1, 1/2, 1/4: stale updates are not renormalized away
+    assert merge_weights(arrivals, HEAD, RoundConfig()) == pytest.approx([1 / 3, 1 / 6, 1 / 12])
     assert merge_weights(arrivals, HEAD, NO_DISCOUNT) == pytest.approx([1 / 3] * 3)
 
 
 def test_weights_are_normalized_and_per_learner_independent_of_order() -> None:
     arrivals = [arrival(n, float(i), tokens=t, steps=s, base=HEAD - i % 2)
                 for i, (n, t, s) in enumerate([("a", 1234, 7), ("b", 999, 13), ("c", 31, 3), ("d", 4096, 64)])]
-    expected = dict(zip("abcd", merge_weights(arrivals, HEAD, RoundConfig()), strict=True))
+    expected = dict(zip("abcd", merge_weights(arrivals, HEAD, NO_DISCOUNT), strict=True))
     assert math.fsum(expected.values()) == pytest.approx(1.0, abs=1e-15)
+    expected = dict(zip("abcd", merge_weights(arrivals, HEAD, RoundConfig()), strict=True))
     for perm in itertools.permutations(arrivals):
         got = dict(zip((a.learner for a in perm), merge_weights(perm, HEAD, RoundConfig()), strict=True))
         assert got == expected  # exact, not approx
+
+
+def test_pieces_of_one_learner_add_up_and_share_its_weight() -> None:
+    # a sent twice in the round (500 tokens / 5 steps each), b once (1000 / 10): equal learners.
+    arrivals = [arrival("a", 1.0, tokens=500, steps=5, fid="a1"), arrival("b", 2.0, tokens=1000, steps=10),
+                arrival("a", 3.0, tokens=500, steps=5, fid="a2")]
+    assert merge_weights(arrivals, HEAD, NO_DISCOUNT) == pytest.approx([0.5, 0.5, 0.5])
 
 
 @pytest.mark.parametrize("bad", [

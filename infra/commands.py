@@ -1,0 +1,81 @@
+"""The run-time subcommands: `diloco coordinator`, `diloco learner`, `diloco demo`.
+
+Each is `add_arguments(parser)` + `run(args) -> int`, listed in `infra.cli.COMMANDS`. Options of
+the coordinator and learner come from their config dataclasses (field docstring = help text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from coordinator.config import CoordinatorConfig, RunSettings
+from coordinator.policy import RoundConfig
+from coordinator.service import Coordinator
+from infra.options import add_options, build
+from storage.settings import Endpoints
+from workers.demo.run import DemoLearnerArgs, train_demo_learner
+from workers.demo.task import DemoTask
+
+log = logging.getLogger("diloco")
+
+
+# -- coordinator ---------------------------------------------------------------------------------
+
+def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, help="run id (created with the settings below if it does not exist)")
+    add_options(parser, RunSettings, flags={"num_fragments": "--fragments"})
+    add_options(parser, CoordinatorConfig)
+    add_options(parser, RoundConfig, skip=("overlap_steps",))  # tau is a run setting
+
+
+def run_coordinator(args: argparse.Namespace) -> int:
+    config = build(CoordinatorConfig, args, round=build(RoundConfig, args, overlap_steps=args.overlap_steps))
+    coordinator = Coordinator(Endpoints.from_env(), args.run, settings=build(RunSettings, args), config=config)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    coordinator.serve(stop)
+    log.info("coordinator stopped: %s", coordinator.bus.counters())
+    return 0
+
+
+# -- learner (the built-in demo model) ---------------------------------------------------------------
+
+def add_learner_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, help="run id (the coordinator creates it)")
+    parser.add_argument("--id", dest="learner_id", required=True, help="learner id, unique in the run")
+    parser.add_argument("--task", type=Path, help="JSON of the demo task (model, data, inner optimizer); "
+                        "default: the built-in synthetic language")
+    parser.add_argument("--text", help="train on this text file (byte level) instead of the synthetic language")
+    add_options(parser, DemoLearnerArgs, skip=("run", "learner_id"))
+
+
+def run_learner(args: argparse.Namespace) -> int:
+    if args.task:
+        task = DemoTask.from_wire(json.loads(args.task.read_text()))
+    else:
+        task = DemoTask(text_path=args.text) if args.text else DemoTask()
+    learner = train_demo_learner(task, build(DemoLearnerArgs, args), Endpoints.from_env())
+    log.info("learner %s done: %s", args.learner_id, learner.progress())
+    return 0
+
+
+# -- demo ----------------------------------------------------------------------------------------
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from infra.demo import DemoConfig
+
+    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="output directory (default: %(default)s)")
+    add_options(parser, DemoConfig, skip=("out",))
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from infra.demo import DemoConfig, run_demo as demo
+
+    demo(build(DemoConfig, args))
+    return 0

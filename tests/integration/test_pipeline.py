@@ -1,0 +1,214 @@
+"""The spine end to end, against a real Redis and a real S3 server: learners -> coordinator -> versions.
+
+Learners and the coordinator run as real `diloco` processes where a process matters (training,
+SIGKILL); the checks on intake (duplicates, corruption) drive an in-process coordinator so they
+can look at exactly one announcement at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from coordinator.config import CoordinatorConfig, RunSettings
+from coordinator.policy import RoundConfig
+from coordinator.service import Coordinator
+from infra.fleet import Proc, diloco_command, process_env
+from storage import codecs
+from storage.bus import FIELD, Bus
+from storage.history import read_layout, read_manifest, read_params, sha256_hex
+from storage.objects import ObjectStore
+from storage.protocol import Announcement
+from workers.demo.task import DemoTask
+from workers.learner import Learner
+
+TASK = DemoTask(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=32, batch_size=8, eval_tokens=4096,
+                warmup_steps=10)
+
+
+def spawn_coordinator(run_id, env, tmp_path, *extra) -> Proc:
+    argv = diloco_command("coordinator", "--run", run_id, "--fragments", "2", "--sync-every", "10",
+                          "--overlap-steps", "5", "--codec", "int8", *extra)
+    return Proc("coordinator", argv, tmp_path / "coordinator.log", env).start()
+
+
+def spawn_learner(run_id, env, tmp_path, name, steps, seed=0, slowdown=1.0) -> Proc:
+    argv = diloco_command("learner", "--run", run_id, "--id", name, "--steps", str(steps), "--data-seed", str(seed),
+                          "--slowdown", str(slowdown), "--task", str(tmp_path / "task.json"))
+    return Proc(name, argv, tmp_path / f"{name}.log", env).start()
+
+
+def global_eval(endpoints, run_id, versions: dict[int, int] | None = None) -> float:
+    store, bus = ObjectStore(endpoints), Bus(endpoints, run_id)
+    heads = versions if versions is not None else bus.heads()
+    layout = read_layout(store, bus.keys)
+    model = TASK.make_model(123)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for f, v in heads.items():
+            for name, value in read_params(store, layout, read_manifest(store, bus.keys, f, v)).items():
+                params[name].copy_(value)
+    return TASK.eval_loss(model)
+
+
+def wait_all(procs, timeout_s=240):
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        rc = p.wait(max(1.0, deadline - time.monotonic()))
+        assert rc == 0, f"{p.name} exited {rc}:\n{p.tail(40)}"
+
+
+@pytest.fixture
+def fleet_env(stack, endpoints, tmp_path):
+    (tmp_path / "task.json").write_text(json.dumps(TASK.to_wire()))
+    env = process_env(endpoints.to_env() | {k: v for k, v in stack.env().items() if k.startswith("AWS_")})
+    procs: list[Proc] = []
+    yield env, procs
+    for p in procs:
+        p.kill()
+
+
+def test_three_learners_train_the_global_model(endpoints, run_id, tmp_path, fleet_env):
+    env, procs = fleet_env
+    coordinator = spawn_coordinator(run_id, env, tmp_path)
+    procs.append(coordinator)
+    learners = [spawn_learner(run_id, env, tmp_path, f"l{i}", steps=60, seed=i) for i in range(3)]
+    procs.extend(learners)
+    wait_all(learners)
+    time.sleep(1.0)
+    coordinator.terminate()
+    bus = Bus(endpoints, run_id)
+    heads, counters = bus.heads(), bus.counters()
+    assert set(heads) == {0, 1} and min(heads.values()) >= 3, heads
+    assert counters["contributions_applied"] >= 3 * 2 * 4, counters
+    assert counters.get("contributions_refused", 0) == 0, bus.refusals()
+    start, end = global_eval(endpoints, run_id, {0: 0, 1: 0}), global_eval(endpoints, run_id)
+    assert end < start - 0.3, f"global eval loss {start:.3f} -> {end:.3f}"
+    # Every version's manifest is in S3, contiguous, and names its inputs exactly once across versions.
+    store, seen = ObjectStore(endpoints), set()
+    for f, head in heads.items():
+        for v in range(head + 1):
+            m = read_manifest(store, bus.keys, f, v)
+            assert m.parent_version == v - 1
+            ids = [c.contribution_id for c in m.inputs]
+            assert not (set(ids) & seen)
+            seen.update(ids)
+            assert 0 < sum(c.weight for c in m.inputs) <= 1.0 + 1e-9
+
+
+def test_learner_sigkilled_midrun_others_go_on_and_it_rejoins(endpoints, run_id, tmp_path, fleet_env):
+    env, procs = fleet_env
+    procs.append(spawn_coordinator(run_id, env, tmp_path))
+    survivors = [spawn_learner(run_id, env, tmp_path, f"l{i}", steps=80, seed=i) for i in range(2)]
+    victim = spawn_learner(run_id, env, tmp_path, "victim", steps=80, seed=7)
+    procs.extend([*survivors, victim])
+    bus = Bus(endpoints, run_id)
+    deadline = time.monotonic() + 120
+    while bus.learner_stats().get("victim", {}).get("step", 0) < 25:
+        assert time.monotonic() < deadline and victim.alive(), victim.tail()
+        time.sleep(0.2)
+    victim.kill()
+    heads_at_kill = bus.heads()
+    # The others keep training and versions keep coming without the victim.
+    deadline = time.monotonic() + 60
+    while min(bus.heads().values()) < min(heads_at_kill.values()) + 2:
+        assert time.monotonic() < deadline, f"no progress after the kill: {bus.heads()} vs {heads_at_kill}"
+        time.sleep(0.2)
+    assert "victim" in bus.learner_stats()
+    rejoined = spawn_learner(run_id, env, tmp_path, "victim", steps=20, seed=8)
+    procs.append(rejoined)
+    wait_all([*survivors, rejoined])
+    log = (tmp_path / "victim.log").read_text()
+    joined = [line for line in log.splitlines() if "joined run" in line]
+    assert len(joined) == 2, log
+    rejoin_versions = json.loads(joined[-1].split(" at versions ")[1])
+    assert all(v >= heads_at_kill[f] for f, v in enumerate(rejoin_versions)), (rejoin_versions, heads_at_kill)
+
+
+# ---- intake, driven one announcement at a time -------------------------------------------------
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+
+def make_coordinator(endpoints, run_id) -> Coordinator:
+    return Coordinator(endpoints, run_id, settings=RunSettings(num_fragments=2, sync_every=4, overlap_steps=1,
+                                                               codec="fp32", compress=False),
+                       config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0)))
+
+
+def join(endpoints, run_id, coord, name) -> tuple[Learner, torch.optim.Optimizer]:
+    """A learner joined through genesis, with the coordinator stepped in between."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id=name, tokens_per_step=10)
+    import threading
+    t = threading.Thread(target=learner.start)
+    t.start()
+    while t.is_alive():
+        coord.step(block_ms=50)
+    return learner, opt
+
+
+def train(learner, opt, steps):
+    for _ in range(steps):
+        for p in learner.model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert learner.uploader.flush(30)
+
+
+def announcements(bus) -> list[tuple[str, Announcement]]:
+    return [(eid.decode(), Announcement.from_wire(f[FIELD])) for eid, f in bus.r.xrange(bus.keys.announcements)]
+
+
+def test_duplicate_announcement_is_applied_once(endpoints, run_id):
+    coord = make_coordinator(endpoints, run_id)
+    learner, opt = join(endpoints, run_id, coord, "l0")
+    train(learner, opt, 4)  # fragment 0 due at step 4
+    bus = coord.bus
+    _, delta = [x for x in announcements(bus) if x[1].kind == "delta"][-1]
+    bus.r.xadd(bus.keys.announcements, {FIELD: delta.to_wire()})  # what a retried XADD does
+    for _ in range(5):
+        coord.step(block_ms=50)
+    manifest = read_manifest(coord.store, bus.keys, 0, 1)
+    assert [c.contribution_id for c in manifest.inputs] == [delta.contribution_id]
+    counters = bus.counters()
+    assert counters["contributions_applied"] == 2 + 1  # two genesis versions and the delta
+    assert counters["refused:duplicate"] == 1
+    assert bus.pending_count() == 0
+    learner.close()
+
+
+def test_corrupt_fragment_is_refused_with_reason_and_run_goes_on(endpoints, run_id):
+    coord = make_coordinator(endpoints, run_id)
+    learner, opt = join(endpoints, run_id, coord, "l0")
+    bus, store = coord.bus, coord.store
+    # A forged, corrupt contribution from "mallory": valid announcement, payload bytes flipped after upload.
+    good = codecs.encode({s.name: torch.zeros(s.shape) for s in read_layout(store, bus.keys).fragments[0]}, "fp32")
+    bad = bytearray(good)
+    bad[-3] ^= 0xFF
+    key = bus.keys.delta(0, "mallory", 1)
+    store.put(key, bytes(bad))
+    bus.announce(Announcement(kind="delta", run=run_id, fragment=0, learner="mallory", seq=1,
+                              contribution_id="f" * 32, base_version=0, tokens=10, steps=1, step_time_s=0.1,
+                              object_key=key, size_bytes=len(good), sha256=sha256_hex(good), sent_at=0.0))
+    train(learner, opt, 4)
+    for _ in range(5):
+        coord.step(block_ms=50)
+    refusals = bus.refusals()
+    assert [(r.learner, r.code) for r in refusals] == [("mallory", "sha256_mismatch")]
+    assert "altered or corrupted" in refusals[0].reason
+    # The honest contribution was merged into version 1, whose manifest records the refusal.
+    manifest = read_manifest(store, bus.keys, 0, 1)
+    assert [c.learner for c in manifest.inputs] == ["l0"]
+    assert [r.code for r in manifest.refused] == ["sha256_mismatch"]
+    assert bus.counters()["refused:sha256_mismatch"] == 1
+    assert bus.pending_count() == 0
+    learner.close()
