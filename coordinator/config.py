@@ -36,12 +36,14 @@ class RunSettings:
     """zstd on top of the codec."""
     max_object_bytes: int = 1 << 30
     """Fragment objects larger than this are refused unread."""
+    cadence: str = "clock"
+    """When learners send: 'clock' (at round deadlines the coordinator publishes) or 'steps' (every H steps)."""
 
     def spec(self, run: str) -> RunSpec:
         return RunSpec(run=run, num_fragments=self.num_fragments, sync_every=self.sync_every,
                        overlap_steps=self.overlap_steps, merge_rule=self.merge_rule, alpha=self.alpha,
                        codec=self.codec, compress=self.compress, max_object_bytes=self.max_object_bytes,
-                       created_at=time.time())
+                       created_at=time.time(), cadence=self.cadence)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,10 @@ class CoordinatorConfig:
     """Average norms and directions of deltas separately instead of a plain weighted mean."""
     round: RoundConfig = field(default_factory=RoundConfig)
     """Quorum, grace window and staleness rules."""
+    round_s: float = 0.0
+    """Clock cadence: seconds between two rounds of a fragment; 0 = H inner steps of the fastest live learner."""
+    min_round_s: float = 1.0
+    """Clock cadence: the measured round period is never shorter than this."""
     consumer: str = "coordinator"
     """Consumer name in the announcements group; a restarted coordinator re-reads its own pending entries."""
     fetch_threads: int = 8

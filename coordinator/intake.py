@@ -82,4 +82,4 @@ def fetch_tensors(store: ObjectStore, a: Announcement, layout: Layout, max_bytes
 
 def to_arrival(a: Announcement, arrived_at: float) -> Arrival:
     return Arrival(contribution_id=a.contribution_id, learner=a.learner, base_version=a.base_version, tokens=a.tokens,
-                   steps=a.steps, arrived_at=arrived_at, step_time_s=a.step_time_s)
+                   steps=a.steps, arrived_at=arrived_at, step_time_s=a.step_time_s, deadline=a.deadline)

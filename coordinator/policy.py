@@ -45,6 +45,8 @@ class Arrival:
     """Coordinator clock (monotonic seconds) when the announcement was read."""
     step_time_s: float
     """The learner's measured mean inner-step time, as reported in the announcement."""
+    deadline: float = 0.0
+    """The clock round (Cadence deadline, same clock as `arrived_at`) it was sent for; 0 if sent on a step count."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,8 @@ class RoundState:
     """Learners with a live heartbeat."""
     sync_time_s: float = 0.0
     """Recent time from merge start until learners hold the new version (EMA); 0 if unknown."""
+    period_s: float = 0.0
+    """The round clock's period (clock cadence); 0 for step cadence."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +167,18 @@ def _grace_why(cfg: RoundConfig, slack_s: float) -> str:
     if slack_s <= 0:
         return f"no slack left: {slack_s:.2f}s"
     return f"gamma {cfg.grace_gamma:g} x slack {slack_s:.2f}s"
+
+
+def _clock_round(now: float, deadline: float, period_s: float, cfg: RoundConfig, learners_in: str) -> Decision:
+    """A round of the clock cadence: learners send just before `deadline`; missing ones get a grace
+    of gamma x period (capped) after it, then the round merges without them."""
+    grace_s = min(cfg.grace_gamma * period_s, cfg.max_grace_s)
+    close = deadline + grace_s
+    if now >= close:
+        return Decision(True, f"merge: round deadline +{grace_s:.2f}s grace passed "
+                              f"(gamma {cfg.grace_gamma:g} x period {period_s:.2f}s), {learners_in}")
+    return Decision(False, f"wait: round deadline grace open for {close - now:.2f}s more, {learners_in}",
+                    wake_at=close)
 
 
 def staleness_verdict(base_version: int, head_version: int, cfg: RoundConfig) -> tuple[bool, int, str]:

@@ -30,7 +30,7 @@ from storage.bus import Bus, CommitResult
 from storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
 from storage.history import read_layout, read_manifest, read_params, read_run_spec, read_verified
 from storage.objects import ObjectStore
-from storage.protocol import MAX_RECORD_BYTES, Announcement, Contribution as Input, Layout, Refusal, RunSpec
+from storage.protocol import MAX_RECORD_BYTES, Announcement, Cadence, Contribution as Input, Layout, Refusal, RunSpec
 from storage.settings import Endpoints
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,9 @@ class Coordinator:
         self.fragments = {f: Fragment(head=heads.get(f, -1)) for f in range(self.spec.num_fragments)}
         self.sync_time_s = 0.0
         self.live = 0
+        self.cadence: Cadence | None = self.bus.cadence()
+        self._clock_offset_s = self.bus.server_time() - time.time()
+        self._last_cadence_check = 0.0
         self._pool = ThreadPoolExecutor(self.config.fetch_threads, thread_name_prefix="fetch")
         self._retry: list[tuple[str, Announcement]] = []
         self._read_pending = True
@@ -113,15 +116,42 @@ class Coordinator:
         retry, self._retry = self._retry, []
         self._intake(list(entries) + retry)
         self.live = len(self.bus.live_learners())
+        if self.spec.cadence == "clock" and time.monotonic() - self._last_cadence_check > 1.0:
+            self._tend_cadence()
         for fragment, frag in self.fragments.items():
             if frag.round:
                 self._maybe_merge(fragment, frag)
+
+    def now(self) -> float:
+        """Redis server time (unix seconds): the clock that arrivals, deadlines and decisions share."""
+        return time.time() + self._clock_offset_s
 
     def _block_ms(self) -> int:
         wakes = [f.wake_at for f in self.fragments.values() if f.round and f.wake_at is not None]
         if not wakes:
             return 1000
-        return max(0, min(1000, int((min(wakes) - time.monotonic()) * 1000)))
+        return max(0, min(1000, int((min(wakes) - self.now()) * 1000)))
+
+    def _tend_cadence(self) -> None:
+        """Publish the round clock: a fixed period, or H steps of the fastest live learner (re-set
+        only when that moves by more than 30%, so that rounds keep their phase)."""
+        self._last_cadence_check = time.monotonic()
+        self._clock_offset_s = self.bus.server_time() - time.time()
+        period = self.config.round_s
+        if period <= 0:
+            live = set(self.bus.live_learners())
+            steps = [float(s["step_time_s"]) for name, s in self.bus.learner_stats().items()
+                     if name in live and float(s.get("step_time_s", 0.0)) > 0]
+            if not steps:
+                return
+            period = max(self.config.min_round_s, self.spec.sync_every * min(steps))
+        current = self.cadence
+        if current is not None and abs(period / current.period_s - 1.0) <= 0.3:
+            return
+        self.cadence = Cadence(origin=self.now() + 0.5, period_s=period)
+        self.bus.set_cadence(self.cadence)
+        log.info("round clock: a round every %.2fs per fragment (%s)", period,
+                 "fixed" if self.config.round_s > 0 else f"{self.spec.sync_every} steps of the fastest learner")
 
     # ---- intake ------------------------------------------------------------------------------
     def _intake(self, entries: list) -> None:
@@ -156,7 +186,7 @@ class Coordinator:
                 self._genesis(entry_id, a, tensors)
             else:
                 self.fragments[a.fragment].round.append(
-                    Contribution(entry_id, a, to_arrival(a, time.monotonic()), tensors))
+                    Contribution(entry_id, a, to_arrival(a, self.now()), tensors))
 
     def _check(self, a: Announcement, seen: set[str]) -> None:
         if a.contribution_id in seen or self.bus.is_applied(a.contribution_id):
@@ -208,14 +238,14 @@ class Coordinator:
         if frag.head >= 0:
             self._superseded(entry_id, a)
             return
-        c = Contribution(entry_id, a, to_arrival(a, time.monotonic()), tensors)
+        c = Contribution(entry_id, a, to_arrival(a, self.now()), tensors)
         self._publish(a.fragment, frag, [c], [1.0], tensors, NesterovState())
 
     def _maybe_merge(self, fragment: int, frag: Fragment) -> None:
         arrivals = tuple(c.arrival for c in frag.round)
-        state = RoundState(fragment=fragment, head_version=frag.head, arrivals=arrivals,
-                           live_learners=self.live, sync_time_s=self.sync_time_s)
-        decision = decide_round(time.monotonic(), state, self.round_cfg)
+        state = RoundState(fragment=fragment, head_version=frag.head, arrivals=arrivals, live_learners=self.live,
+                           sync_time_s=self.sync_time_s, period_s=self.cadence.period_s if self.cadence else 0.0)
+        decision = decide_round(self.now(), state, self.round_cfg)
         frag.wake_at = decision.wake_at
         if decision.reason != frag.last_reason:
             log.debug("fragment %d: %s", fragment, decision.reason)

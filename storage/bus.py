@@ -32,7 +32,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_rand
 
 from storage.errors import Refused, StorageUnavailable
 from storage.keys import RunKeys
-from storage.protocol import Announcement, Refusal, VersionEvent, pack, unpack
+from storage.protocol import Announcement, Cadence, Refusal, VersionEvent, pack, unpack
 from storage.settings import Endpoints
 
 log = logging.getLogger(__name__)
@@ -261,6 +261,22 @@ class Bus:
     @_retry
     def is_applied(self, contribution_id: str) -> bool:
         return bool(self.r.sismember(self.keys.applied, contribution_id))
+
+    # ---- the round clock ---------------------------------------------------------------
+    @_retry
+    def server_time(self) -> float:
+        """Redis server time, unix seconds: the one clock every process agrees on."""
+        sec, usec = self.r.time()
+        return sec + usec / 1e6
+
+    @_retry
+    def set_cadence(self, cadence: Cadence) -> None:
+        self.r.set(self.keys.cadence, cadence.to_wire())
+
+    @_retry
+    def cadence(self) -> Cadence | None:
+        raw = self.r.get(self.keys.cadence)
+        return None if raw is None else Cadence.from_wire(raw)
 
     # ---- learners ----------------------------------------------------------------------
     @_retry

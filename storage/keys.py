@@ -130,6 +130,11 @@ class RunKeys:
         return self._r + "epoch"
 
     @property
+    def cadence(self) -> str:
+        """String: msgpack Cadence, the round clock learners send by (clock cadence runs)."""
+        return self._r + "cadence"
+
+    @property
     def learners(self) -> str:
         """Sorted set: learner -> heartbeat expiry (unix seconds)."""
         return self._r + "learners"

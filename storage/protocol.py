@@ -14,6 +14,7 @@ PROTOCOL.md documents the fields; this module is the source of truth.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -192,9 +193,12 @@ class RunSpec(Record):
     max_object_bytes: int
     """Objects larger than this are refused unread."""
     created_at: float
+    cadence: str = "clock"
+    """When learners send: 'clock' (at the coordinator's round deadlines, see Cadence) or 'steps' (every H steps)."""
 
     def __post_init__(self) -> None:
         check_id("run", self.run)
+        _require(self.cadence in ("clock", "steps"), f"cadence must be 'clock' or 'steps', got {self.cadence!r}")
         _require(1 <= self.num_fragments <= 9999, f"num_fragments must be in 1..9999, got {self.num_fragments}")
         _require(self.sync_every >= 1, f"sync_every must be >= 1, got {self.sync_every}")
         _require(0 <= self.overlap_steps < self.sync_every,
@@ -272,6 +276,8 @@ class Announcement(Record):
     """Hex sha256 of the whole object."""
     sent_at: float
     """Learner wall clock, informational."""
+    deadline: float = 0.0
+    """The clock round (Cadence deadline, unix seconds) this was sent for; 0 when sent on a step count."""
 
     def __post_init__(self) -> None:
         _require(self.kind in KINDS, f"unknown kind {self.kind!r}")
@@ -342,6 +348,25 @@ class Manifest(Record):
         check_id("run", self.run)
         _require(self.version >= 0 and self.parent_version == self.version - 1,
                  f"version {self.version} must follow parent {self.parent_version}")
+
+
+@dataclass(frozen=True, slots=True)
+class Cadence(Record):
+    """The coordinator's round clock, published in Redis: fragment p of P has a deadline at
+    origin + (k + p/P) * period_s for every integer k. Learners send a fragment at their last step
+    boundary before its deadline, with however many steps they managed; the round merges then.
+    Times are Redis server time (unix seconds), so every machine reads the same clock."""
+
+    origin: float
+    period_s: float
+
+    def __post_init__(self) -> None:
+        _require(self.period_s > 0, f"period_s must be positive, got {self.period_s}")
+
+    def next_deadline(self, fragment: int, num_fragments: int, after: float) -> float:
+        """The first deadline of `fragment` strictly after `after`."""
+        phase = self.origin + self.period_s * fragment / num_fragments
+        return phase + (math.floor((after - phase) / self.period_s) + 1) * self.period_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,15 @@ of its own. Units go greedily, largest first, to the lightest fragment (ties: lo
 is balanced by size and, for equal-sized blocks, strided: block i lands in fragment i mod P as in
 Streaming DiLoCo. Order inside a fragment is the model's parameter order.
 
-Scheduling: fragment p sends every H steps at offset p*H/P (staggered, so peak bandwidth is 1/P of
-a full sync). This is a step-count cadence; a clock-driven cadence can replace it behind the same
-`due_fragments` signature.
+Scheduling, two cadences (the run spec says which):
+- steps (`due_fragments`): fragment p sends every H steps at offset p*H/P (staggered, so peak
+  bandwidth is 1/P of a full sync). Simple, but learners of different speeds drift apart and
+  their contributions arrive one by one.
+- clock (`clock_due`): the coordinator publishes a round clock (`Cadence`); a learner sends
+  fragment p at its last step boundary before p's next deadline, with however many steps it
+  managed. Every learner, fast or slow, lands in the same round; nothing drifts.
+Until the coordinator has published a clock (it needs measured step times), clock runs fall back
+on the step cadence.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
-from storage.protocol import Layout, ParamSpec
+from storage.protocol import Cadence, Layout, ParamSpec
 
 _BLOCK_RE = re.compile(r"^(.*?\.\d+)\.")
 
@@ -85,3 +91,18 @@ def due_fragments(step: int, num_fragments: int, sync_every: int) -> list[int]:
         return []
     return [f for f in range(num_fragments)
             if step >= sync_every and (step - sync_offset(f, num_fragments, sync_every)) % sync_every == 0]
+
+
+def clock_due(now: float, step_time_s: float, cadence: Cadence, num_fragments: int,
+              sent: dict[int, float]) -> list[tuple[int, float]]:
+    """(fragment, deadline) pairs to send now: the next step would end past the fragment's deadline.
+
+    `now` is on the cadence's clock; `sent` maps fragment -> the deadline it was last sent for, so a
+    deadline is served once.
+    """
+    due = []
+    for f in range(num_fragments):
+        deadline = cadence.next_deadline(f, num_fragments, after=now)
+        if now + step_time_s >= deadline and sent.get(f) != deadline:
+            due.append((f, deadline))
+    return due

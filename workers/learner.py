@@ -42,7 +42,7 @@ from storage.history import read_layout, read_manifest, read_params, read_run_sp
 from storage.objects import ObjectStore
 from storage.protocol import Layout, RunSpec, check_id
 from storage.settings import Endpoints
-from workers.fragments import due_fragments, layout_mismatch, model_params, plan_layout
+from workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout
 from workers.transfer import Fetcher, TransferStats, Uploader, UploadJob
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,9 @@ class Learner:
         self._last_step_at: float | None = None
         self._since: dict[int, list[int]] = {}  # fragment -> [tokens, steps] since its last send
         self._awaiting: dict[int, int] = {}  # fragment -> earliest step to merge a newer version
+        self._sent_deadline: dict[int, float] = {}  # fragment -> clock deadline last sent for
+        self._cadence = None
+        self._clock_offset_s = 0.0  # Redis server time - local time
         self._hook = None
         self._stop = threading.Event()
 
@@ -209,14 +212,23 @@ class Learner:
             for acc in self._since.values():
                 acc[0] += tokens
                 acc[1] += 1
-            for f in due_fragments(self.step, self.spec.num_fragments, self.spec.sync_every):
-                self._send(f)
+            for f, deadline in self._due():
+                self._send(f, deadline)
             merged = self._merge_arrivals()
         if self._island:
             self._broadcast_merged(merged)
 
+    def _due(self) -> list[tuple[int, float]]:
+        cadence = self._cadence
+        if self.spec.cadence == "clock" and cadence is not None:
+            now = time.time() + self._clock_offset_s
+            due = clock_due(now, self._step_time_s, cadence, self.spec.num_fragments, self._sent_deadline)
+            self._sent_deadline.update(due)
+            return due
+        return [(f, 0.0) for f in due_fragments(self.step, self.spec.num_fragments, self.spec.sync_every)]
+
     @torch.no_grad()
-    def _send(self, fragment: int) -> None:
+    def _send(self, fragment: int, deadline: float = 0.0) -> None:
         tokens, steps = self._since.get(fragment, [0, 0])
         if steps == 0 and fragment in self._since:
             return
@@ -231,7 +243,8 @@ class Learner:
             delta[name] = a - snapshot[name]
         self.anchor[fragment] = snapshot
         self._since[fragment] = [0, 0]
-        self.uploader.submit(UploadJob(fragment, delta, self.base_version[fragment], tokens, steps, self._step_time_s))
+        self.uploader.submit(UploadJob(fragment, delta, self.base_version[fragment], tokens, steps, self._step_time_s,
+                                       deadline=deadline))
         self._awaiting[fragment] = self.step + self.spec.overlap_steps
         self.fetcher.want(fragment, self.base_version[fragment])
 
@@ -300,7 +313,12 @@ class Learner:
     _incarnation = uuid.uuid4().hex[:8]
 
     def _heartbeat(self) -> None:
+        """Report progress, and refresh the round clock and our offset to the Redis clock."""
         self.bus.heartbeat(self.learner_id, self.config.lease_s, self.progress())
+        before = time.time()
+        server = self.bus.server_time()
+        self._clock_offset_s = server - (before + time.time()) / 2
+        self._cadence = self.bus.cadence()
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.heartbeat_s):

@@ -41,6 +41,7 @@ class UploadJob:
     steps: int
     step_time_s: float
     kind: str = "delta"
+    deadline: float = 0.0
 
     def absorb(self, newer: UploadJob) -> None:
         for name, t in newer.delta.items():
@@ -48,6 +49,7 @@ class UploadJob:
         self.tokens += newer.tokens
         self.steps += newer.steps
         self.step_time_s = newer.step_time_s
+        self.deadline = newer.deadline
 
 
 @dataclass
@@ -153,7 +155,7 @@ class Uploader(threading.Thread):
             kind=job.kind, run=self.spec.run, fragment=job.fragment, learner=self.learner, seq=self._seq,
             contribution_id=contribution_id, base_version=job.base_version, tokens=job.tokens, steps=job.steps,
             step_time_s=job.step_time_s, object_key=key, size_bytes=len(blob), sha256=sha256_hex(blob),
-            sent_at=time.time()))
+            sent_at=time.time(), deadline=job.deadline))
         self.stats.uploaded += 1
         self.stats.bytes_uploaded += len(blob)
         self.stats.upload_s += time.monotonic() - t0

@@ -75,7 +75,7 @@ def test_three_learners_train_the_global_model(endpoints, run_id, tmp_path, flee
     env, procs = fleet_env
     coordinator = spawn_coordinator(run_id, env, tmp_path)
     procs.append(coordinator)
-    learners = [spawn_learner(run_id, env, tmp_path, f"l{i}", steps=60, seed=i) for i in range(3)]
+    learners = [spawn_learner(run_id, env, tmp_path, f"l{i}", steps=200, seed=i) for i in range(3)]
     procs.extend(learners)
     wait_all(learners)
     time.sleep(1.0)
