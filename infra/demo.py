@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -88,6 +89,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         + (f"{floor:.4f} nats/token" if floor is not None else "unknown (text)"))
     with LocalStack(cfg.out / "stack") as stack:
         endpoints = stack.start()
+        os.environ.update({k: v for k, v in stack.env().items() if k.startswith("AWS_")})  # for our own S3 reads
         env = process_env(stack.env())
         say(f"stack: redis {endpoints.redis_url}, s3 {endpoints.s3_endpoint} bucket {endpoints.bucket}")
         s = cfg.settings

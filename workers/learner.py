@@ -126,6 +126,9 @@ class Learner:
         self._stop.set()
         self.uploader.close()
         self.fetcher.close()
+        # Join before the interpreter tears down: a daemon thread inside a torch op at exit aborts the process.
+        for thread in (self.uploader, self.fetcher, self._heartbeat_thread):
+            thread.join(timeout=5.0)
         try:
             self._heartbeat()
             self.bus.leave(self.learner_id)
@@ -153,7 +156,8 @@ class Learner:
         self.uploader = Uploader(self.store, self.bus, self.spec, self.learner_id, self.stats)
         self.uploader.start()
         self._heartbeat()
-        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._heartbeat_thread.start()
         if layout is None:
             self._propose_genesis(mine)
             layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout")

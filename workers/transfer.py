@@ -181,7 +181,7 @@ class Fetcher(threading.Thread):
         self._ready: dict[int, Fetched] = {}
         self._heads: dict[int, int] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._closing = threading.Event()
         self._last_id = "$"
 
     def want(self, fragment: int, newer_than: int) -> None:
@@ -196,20 +196,20 @@ class Fetcher(threading.Thread):
             return self._ready.pop(fragment, None)
 
     def close(self) -> None:
-        self._stop.set()
+        self._closing.set()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._closing.is_set():
             try:
                 self._poll()
             except DilocoError as exc:
                 self.stats.last_error = str(exc)
                 log.warning("fetching new versions failed, retrying: %s", exc)
-                self._stop.wait(1.0)
+                self._closing.wait(1.0)
             except Exception as exc:  # redis errors past the adapter's retries
                 self.stats.last_error = str(exc)
                 log.warning("versions stream unavailable, retrying: %s", exc)
-                self._stop.wait(1.0)
+                self._closing.wait(1.0)
 
     def _poll(self) -> None:
         if self._last_id == "$":
