@@ -142,6 +142,9 @@ def decide_round(now: float, state: RoundState, cfg: RoundConfig) -> Decision:
     if arrived >= fleet:
         return Decision(True, f"merge: quorum {target} reached and all {_n(fleet, 'live learner')} "
                               f"arrived{shrunk}")
+    deadline = max(a.deadline for a in state.arrivals)
+    if deadline > 0 and state.period_s > 0:
+        return _clock_round(now, deadline, state.period_s, cfg, f"{arrived}/{fleet} learners in")
 
     times = sorted(first_seen.values())
     t_open, t_quorum = times[0], times[target - 1]

@@ -68,3 +68,21 @@ def test_schedule_is_staggered_and_every_fragment_syncs_every_h_steps():
     # no two fragments on the same step when H is divisible by P: peak bandwidth is 1/P
     assert all(len(due_fragments(s, P, H)) <= 1 for s in range(1, 201))
     assert due_fragments(0, P, H) == []
+
+
+def test_clock_cadence_sends_each_fragment_once_per_deadline_at_the_last_step_before_it():
+    from storage.protocol import Cadence
+    from workers.fragments import clock_due
+    cadence = Cadence(origin=1000.0, period_s=4.0)  # fragment 0 due at 1004, 1008...; fragment 1 at 1002, 1006...
+    assert cadence.next_deadline(1, 2, after=1000.0) == pytest.approx(1002.0)
+    assert cadence.next_deadline(0, 2, after=1004.0) == pytest.approx(1008.0)
+    sent: dict[int, float] = {}
+    sends = []
+    t = 1000.0
+    while t < 1012.0:  # a learner stepping every 0.3 s
+        for f, deadline in clock_due(t, 0.3, cadence, 2, sent):
+            sent[f] = deadline
+            sends.append((f, deadline, round(t, 1)))
+        t += 0.3
+    assert [(f, d) for f, d, _ in sends] == [(1, 1002.0), (0, 1004.0), (1, 1006.0), (0, 1008.0), (1, 1010.0), (0, 1012.0)]
+    assert all(d - 0.3 <= at < d for _, d, at in sends)  # the last step boundary before each deadline

@@ -199,3 +199,26 @@ def test_merge_order_is_the_same_for_every_arrival_order() -> None:
                 arrival("c", 0.5, fid="a")]
     orders = {tuple(a.contribution_id for a in merge_order(p)) for p in itertools.permutations(arrivals)}
     assert orders == {("z", "x1", "x2", "a")}
+
+
+# --- clock cadence rounds ---------------------------------------------------------------------
+
+def clock_arrival(learner: str, at: float, deadline: float = 100.0) -> Arrival:
+    return Arrival(contribution_id=f"{learner}-{at}", learner=learner, base_version=HEAD, tokens=1000, steps=10,
+                   arrived_at=at, step_time_s=0.1, deadline=deadline)
+
+
+def test_clock_round_merges_as_soon_as_every_live_learner_sent() -> None:
+    s = RoundState(fragment=0, head_version=HEAD, arrivals=(clock_arrival("a", 99.9), clock_arrival("b", 100.05)),
+                   live_learners=2, period_s=4.0)
+    assert decide_round(100.06, s, RoundConfig()).merge
+
+
+def test_clock_round_waits_gamma_period_past_the_deadline_for_missing_learners() -> None:
+    cfg = RoundConfig(grace_gamma=0.5, max_grace_s=30.0)
+    s = RoundState(fragment=0, head_version=HEAD, arrivals=(clock_arrival("a", 99.9),), live_learners=3, period_s=4.0)
+    d = decide_round(100.1, s, cfg)
+    assert not d.merge and d.wake_at == pytest.approx(102.0) and "1/3 learners in" in d.reason
+    assert decide_round(102.0, s, cfg).merge
+    capped = decide_round(100.6, s, RoundConfig(grace_gamma=0.5, max_grace_s=0.5))
+    assert capped.merge and "grace passed" in capped.reason
