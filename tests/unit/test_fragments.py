@@ -79,10 +79,10 @@ def test_clock_cadence_sends_each_fragment_once_per_deadline_at_the_last_step_be
     sent: dict[int, float] = {}
     sends = []
     t = 1000.0
-    while t < 1012.0:  # a learner stepping every 0.3 s
-        for f, deadline in clock_due(t, 0.3, cadence, 2, sent):
+    while t < 1012.0:  # a learner stepping every 0.25 s (exact in binary)
+        for f, deadline in clock_due(t, 0.25, cadence, 2, sent):
             sent[f] = deadline
-            sends.append((f, deadline, round(t, 1)))
-        t += 0.3
+            sends.append((f, deadline, t))
+        t += 0.25
     assert [(f, d) for f, d, _ in sends] == [(1, 1002.0), (0, 1004.0), (1, 1006.0), (0, 1008.0), (1, 1010.0), (0, 1012.0)]
-    assert all(d - 0.3 <= at < d for _, d, at in sends)  # the last step boundary before each deadline
+    assert all(d - 0.25 <= at < d for _, d, at in sends)  # the last step boundary before each deadline
