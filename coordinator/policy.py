@@ -1,7 +1,7 @@
 """When to merge a fragment's round, which contributions to accept, and how to weigh them.
 
 Every function here is pure: it reads no clock, does no I/O and never sleeps. The time is an
-argument (`now`, coordinator monotonic seconds), like torchft's `quorum_compute(now, state, opt)`,
+argument (`now`, seconds on the coordinator's clock (Redis server time)), like torchft's `quorum_compute(now, state, opt)`,
 so a test can walk a round through time without waiting, and the coordinator can log the
 returned reason verbatim.
 
@@ -42,7 +42,7 @@ class Arrival:
     steps: int
     """Inner steps in that interval."""
     arrived_at: float
-    """Coordinator clock (monotonic seconds) when the announcement was read."""
+    """Coordinator clock (Redis server time, seconds) when the announcement was read."""
     step_time_s: float
     """The learner's measured mean inner-step time, as reported in the announcement."""
     deadline: float = 0.0
@@ -93,7 +93,7 @@ class RoundState:
     live_learners: int
     """Learners with a live heartbeat."""
     sync_time_s: float = 0.0
-    """Recent time from merge start until learners hold the new version (EMA); 0 if unknown."""
+    """Recent time the coordinator took from merge start to commit (EMA); 0 if unknown."""
     period_s: float = 0.0
     """The round clock's period (clock cadence); 0 for step cadence."""
 
@@ -219,7 +219,8 @@ def merge_weights(arrivals: Sequence[Arrival], head_version: int, cfg: RoundConf
 
     Deterministic, and independent of input order: group totals are exactly rounded sums
     (math.fsum), so a permutation yields the same bits per arrival.
-    Raises ValueError for a contribution with no steps or from the future, or if every weight is 0.
+    If no contribution in the round reports tokens, learners are weighed by their inner steps.
+    Raises ValueError for a contribution with no steps or from the future.
     """
     tokens: dict[str, list[int]] = {}
     steps: dict[str, list[int]] = {}
@@ -229,10 +230,11 @@ def merge_weights(arrivals: Sequence[Arrival], head_version: int, cfg: RoundConf
                              f"{a.tokens} tokens, {a.steps} steps, base v{a.base_version}, head v{head_version}")
         tokens.setdefault(a.learner, []).append(a.tokens)
         steps.setdefault(a.learner, []).append(a.steps)
-    group = {g: math.fsum(tokens[g]) ** 2 / math.fsum(steps[g]) for g in tokens}
+    if any(math.fsum(t) > 0 for t in tokens.values()):
+        group = {g: math.fsum(tokens[g]) ** 2 / math.fsum(steps[g]) for g in tokens}
+    else:  # nobody reports tokens (tokens_per_step left at 0): weigh by inner steps instead
+        group = {g: math.fsum(steps[g]) for g in steps}
     total = math.fsum(group.values())
-    if not total > 0.0:
-        raise ValueError(f"all {len(group)} learner weights are 0: no contribution reported any tokens")
     weights = []
     for a in arrivals:
         w = group[a.learner] / total

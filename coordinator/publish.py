@@ -52,9 +52,8 @@ def write_version(store: ObjectStore, keys: RunKeys, *, fragment: int, version: 
     """Steps 1 and 2. Raises Conflict if a manifest for this version already exists."""
     params_blob = encode_params(params, keys, fragment, version)
     state_blob = encode_state(state, keys, fragment, version)
-    # Not create-only: objects without a manifest are leftovers of a coordinator that crashed mid-publish.
-    store.put(keys.params(fragment, version), params_blob, create_only=False)
-    store.put(keys.outer_state(fragment, version), state_blob, create_only=False)
+    for key, blob in ((keys.params(fragment, version), params_blob), (keys.outer_state(fragment, version), state_blob)):
+        _put_uncommitted(store, keys, fragment, version, key, blob)
     manifest = Manifest(run=keys.run, fragment=fragment, version=version, parent_version=version - 1,
                         params_key=keys.params(fragment, version), params_sha256=sha256_hex(params_blob),
                         outer_state_key=keys.outer_state(fragment, version),
@@ -62,6 +61,18 @@ def write_version(store: ObjectStore, keys: RunKeys, *, fragment: int, version: 
                         refused=refused, committed_at=time.time(), epoch=epoch)
     store.put(keys.manifest(fragment, version), manifest.to_wire(), create_only=True)
     return manifest
+
+
+def _put_uncommitted(store: ObjectStore, keys: RunKeys, fragment: int, version: int, key: str, blob: bytes) -> None:
+    """Write an object of a version not committed yet. Existing objects of the same version are
+    leftovers of a coordinator that crashed mid-publish (no manifest): replaced. If the manifest
+    exists the version is committed and nothing of it may change: Conflict."""
+    try:
+        store.put(key, blob, create_only=True)
+    except Conflict:
+        if store.exists(keys.manifest(fragment, version)):
+            raise
+        store.put(key, blob, create_only=False)
 
 
 def event_of(manifest: Manifest, keys: RunKeys) -> VersionEvent:
@@ -94,7 +105,7 @@ def roll_forward(store: ObjectStore, bus: Bus, num_fragments: int, epoch: int) -
             manifest = read_manifest(store, bus.keys, fragment, version)
             stream_ids = [c.stream_id for c in manifest.inputs if c.stream_id]
             result = commit(bus, manifest, epoch=epoch, ack_ids=stream_ids)
-            if result not in (CommitResult.COMMITTED, CommitResult.ALREADY, CommitResult.ALREADY_APPLIED):
+            if result not in (CommitResult.COMMITTED, CommitResult.ALREADY):
                 raise Conflict(f"cannot roll fragment {fragment} forward to version {version}: {result.name}")
             log.warning("rolled fragment %d forward to version %d from its manifest in S3 (%s)",
                         fragment, version, result.name)

@@ -19,6 +19,7 @@ from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import redis
 import torch
 
 from coordinator.config import CoordinatorConfig, RunSettings
@@ -29,7 +30,7 @@ from coordinator.publish import commit, decode_state, roll_forward, write_versio
 from storage.bus import Bus, CommitResult
 from storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
 from storage.history import read_layout, read_manifest, read_params, read_run_spec, read_verified
-from storage.objects import ObjectStore
+from storage.objects import ObjectMissing, ObjectStore
 from storage.protocol import MAX_RECORD_BYTES, Announcement, Cadence, Contribution as Input, Layout, Refusal, RunSpec
 from storage.settings import Endpoints
 
@@ -100,10 +101,16 @@ class Coordinator:
         last_claim = 0.0
         while not stop.is_set():
             now = time.monotonic()
-            if now - last_claim > self.config.claim_idle_s / 2:
-                self._intake(self.bus.autoclaim(self.config.consumer, min_idle_ms=int(self.config.claim_idle_s * 1000)))
-                last_claim = now
-            self.step(block_ms=self._block_ms())
+            try:
+                if now - last_claim > self.config.claim_idle_s / 2:
+                    self._intake(self.bus.autoclaim(self.config.consumer,
+                                                    min_idle_ms=int(self.config.claim_idle_s * 1000)))
+                    last_claim = now
+                self.step(block_ms=self._block_ms())
+            except (redis.RedisError, StorageUnavailable) as exc:
+                # Pending entries stay pending and in-memory rounds stay open: resume when it answers.
+                log.warning("storage unavailable, retrying in 1s: %s", exc)
+                stop.wait(1.0)
         self._pool.shutdown(wait=True)
 
     def step(self, block_ms: int = 0) -> None:
@@ -205,7 +212,12 @@ class Coordinator:
 
     def _adopt_layout(self, learner: str) -> Layout:
         """The first genesis fixes the run's layout (create-only: concurrent proposals, one winner)."""
-        proposed = Layout.from_wire(self.store.get(self.keys.genesis_layout(learner), max_bytes=MAX_RECORD_BYTES))
+        try:
+            blob = self.store.get(self.keys.genesis_layout(learner), max_bytes=MAX_RECORD_BYTES)
+        except ObjectMissing:
+            raise Refused("missing_object", f"{learner} proposed version 0 but its layout "
+                          f"{self.keys.genesis_layout(learner)} does not exist") from None
+        proposed = Layout.from_wire(blob)
         if len(proposed.fragments) != self.spec.num_fragments:
             raise Refused("bad_layout", f"{learner} proposed {len(proposed.fragments)} fragments, "
                           f"run {self.spec.run!r} has {self.spec.num_fragments}")

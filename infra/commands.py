@@ -70,8 +70,10 @@ def run_learner(args: argparse.Namespace) -> int:
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     from infra.demo import DemoConfig
 
-    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="output directory (default: %(default)s)")
-    add_options(parser, DemoConfig, skip=("out",))
+    parser.add_argument("--out", type=Path, default=Path("out/demo"),
+                        help="output directory; its previous contents are replaced (default: %(default)s)")
+    parser.add_argument("--text", help="train on this text file (byte level) instead of the synthetic language")
+    add_options(parser, DemoConfig, skip=("out", "text"))
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -79,6 +80,8 @@ def _global_model(task: DemoTask, store: ObjectStore, keys: RunKeys, heads: dict
 
 def run_demo(cfg: DemoConfig) -> dict:
     started = time.monotonic()
+    if (cfg.out / "stack").exists():
+        shutil.rmtree(cfg.out / "stack")  # a demo starts from scratch, not from the previous run's servers
     cfg.out.mkdir(parents=True, exist_ok=True)
     task = DemoTask(text_path=cfg.text) if cfg.text else DemoTask()
     task_path = cfg.out / "task.json"

@@ -12,7 +12,8 @@ Integers are zero-padded so that lexicographic listing order is numeric order
     versions/{fragment}/{version}/outer_state     outer-optimizer state after that version
     versions/{fragment}/{version}/manifest        the commit record (Manifest)
 
-Redis keys are `diloco:{run}:...`; see `RunKeys`.
+Redis keys are `diloco:{prefix}/{run}:...` (the same prefix as in S3, so deployments that share a
+Redis do not collide); see `RunKeys`.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class RunKeys:
     # ---- Redis ----------------------------------------------------------------------------
     @property
     def _r(self) -> str:
-        return f"diloco:{self.run}:"
+        return f"diloco:{self.prefix}/{self.run}:" if self.prefix else f"diloco:{self.run}:"
 
     @property
     def announcements(self) -> str:

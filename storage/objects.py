@@ -81,6 +81,8 @@ class ObjectStore:
 
     def __init__(self, endpoints: Endpoints, *, timeout_s: float = 30.0) -> None:
         self.bucket = endpoints.bucket
+        self._region = endpoints.region
+        self._aws = endpoints.s3_endpoint is None
         self._s3 = make_client(endpoints, timeout_s=timeout_s)
 
     def _unavailable(self, op: str, key: str, exc: Exception) -> StorageUnavailable:
@@ -94,8 +96,10 @@ class ObjectStore:
         except bexc.ClientError as exc:
             if _code(exc) not in ("404", "NoSuchBucket", "NotFound"):
                 raise
+            extra = ({"CreateBucketConfiguration": {"LocationConstraint": self._region}}
+                     if self._aws and self._region != "us-east-1" else {})
             try:
-                self._s3.create_bucket(Bucket=self.bucket)
+                self._s3.create_bucket(Bucket=self.bucket, **extra)
             except bexc.ClientError as exc2:
                 if _code(exc2) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     raise

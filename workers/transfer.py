@@ -119,10 +119,10 @@ class Uploader(threading.Thread):
                 self._busy = True
             try:
                 self._send(job)
-            except (DilocoError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 (S3 or Redis past retries, a bug: never kill the thread)
                 self.stats.upload_failed += 1
                 self.stats.last_error = str(exc)
-                log.warning("dropped contribution to fragment %d after retries: %s", job.fragment, exc)
+                log.warning("dropped contribution to fragment %d: %s", job.fragment, exc)
             finally:
                 with self._cv:
                     self._busy = False

@@ -22,7 +22,7 @@ def test_keys_live_under_the_run_and_parse_back():
     assert key == "p/run-1/versions/0012/000000000345/outer_state"
     assert k.parse_version_key(key) == (12, 345, "outer_state")
     assert k.parse_version_key("p/run-1/fragments/0001/x/1") is None
-    assert k.announcements == "diloco:run-1:announcements"
+    assert k.announcements == "diloco:p/run-1:announcements"
     assert RunKeys("p", "run-2").heads != k.heads
 
 

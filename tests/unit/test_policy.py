@@ -177,6 +177,11 @@ def test_weights_are_normalized_and_per_learner_independent_of_order() -> None:
         assert got == expected  # exact, not approx
 
 
+def test_without_token_counts_learners_are_weighed_by_steps() -> None:
+    arrivals = [arrival("a", 1.0, tokens=0, steps=30), arrival("b", 2.0, tokens=0, steps=10)]
+    assert merge_weights(arrivals, HEAD, NO_DISCOUNT) == pytest.approx([0.75, 0.25])
+
+
 def test_pieces_of_one_learner_add_up_and_share_its_weight() -> None:
     # a sent twice in the round (500 tokens / 5 steps each), b once (1000 / 10): equal learners.
     arrivals = [arrival("a", 1.0, tokens=500, steps=5, fid="a1"), arrival("b", 2.0, tokens=1000, steps=10),
@@ -185,7 +190,6 @@ def test_pieces_of_one_learner_add_up_and_share_its_weight() -> None:
 
 
 @pytest.mark.parametrize("bad", [
-    [arrival("a", 1.0, tokens=0), arrival("b", 2.0, tokens=0)],  # all weights 0
     [arrival("a", 1.0, steps=0)],                                 # no steps
     [arrival("a", 1.0, base=HEAD + 1)],                           # from the future
 ])
