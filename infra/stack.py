@@ -449,10 +449,15 @@ class LocalStack:
 
         def not_ready() -> str | None:
             try:
-                client.list_buckets()
+                names = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+                if self.bucket in names:
+                    # After a restart, ListBuckets answers before the volume servers are back: a
+                    # write and a read through them is the real readiness test.
+                    client.put_object(Bucket=self.bucket, Key=".ready", Body=b"ok")
+                    client.get_object(Bucket=self.bucket, Key=".ready")["Body"].read()
                 return None
             except (bexc.BotoCoreError, bexc.ClientError) as exc:
-                return f"ListBuckets at {self.s3_endpoint}: {exc}"
+                return f"S3 at {self.s3_endpoint} not ready: {exc}"
 
         _wait_until(not_ready, self.s3_server, START_TIMEOUT_S)
 
