@@ -16,6 +16,7 @@ at least `overlap_steps` after the send at which it is available.
 Islands: if `torch.distributed` is initialized with a world size above 1 (a torchrun DDP job
 whose replicas hold identical parameters), only rank 0 talks to Redis and S3; at each step rank 0
 broadcasts which fragments it merged and then their new values, so every rank stays identical.
+Only rank 0 reports tokens: pass the whole island's tokens per step as `tokens_per_step`.
 
 Bookkeeping per fragment f: `anchor[f]` is the point unsent progress is measured from.
 Sending: delta = anchor - local, then anchor = local. Taking version G:
@@ -294,9 +295,10 @@ class Learner:
 
     @torch.no_grad()
     def _broadcast_merged(self, merged: list[int]) -> None:
-        count = torch.tensor([len(merged)], dtype=torch.int64)
+        device = next(iter(self._params.values())).device  # NCCL broadcasts only device tensors
+        count = torch.tensor([len(merged)], dtype=torch.int64, device=device)
         dist.broadcast(count, src=0)
-        frags = torch.tensor(merged if self.is_leader else [0] * int(count.item()), dtype=torch.int64)
+        frags = torch.tensor(merged if self.is_leader else [0] * int(count.item()), dtype=torch.int64, device=device)
         if frags.numel():
             dist.broadcast(frags, src=0)
         for f in frags.tolist():

@@ -102,7 +102,8 @@ def test_three_learners_train_the_global_model(endpoints, run_id, tmp_path, flee
 def test_learner_sigkilled_midrun_others_go_on_and_it_rejoins(endpoints, run_id, tmp_path, fleet_env):
     env, procs = fleet_env
     procs.append(spawn_coordinator(run_id, env, tmp_path))
-    survivors = [spawn_learner(run_id, env, tmp_path, f"l{i}", steps=80, seed=i) for i in range(2)]
+    # Survivors train long enough to be still at it well after the kill.
+    survivors = [spawn_learner(run_id, env, tmp_path, f"l{i}", steps=500, seed=i) for i in range(2)]
     victim = spawn_learner(run_id, env, tmp_path, "victim", steps=80, seed=7)
     procs.extend([*survivors, victim])
     bus = Bus(endpoints, run_id)

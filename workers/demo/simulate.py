@@ -26,7 +26,7 @@ from workers.demo.task import DemoTask, train_baseline
 
 DEFAULT_STEPS_PER_LEARNER = 1000
 DEFAULT_LEARNERS = 4
-DEFAULT_H = 50
+DEFAULT_H = 30
 
 
 def simulate_diloco(
@@ -68,16 +68,18 @@ def simulate_diloco(
 
 
 def _override(task: DemoTask, assignments: list[str]) -> DemoTask:
-    types = {f.name: f.type for f in dataclasses.fields(task)}
+    """Apply `--set field=value` overrides; values are JSON (3e-3, [0.9, 0.95], null) or else plain strings."""
+    names = {f.name for f in dataclasses.fields(task)}
     values = {}
     for assignment in assignments:
         name, _, raw = assignment.partition("=")
-        if name not in types:
-            raise SystemExit(f"--set {name}: not a DemoTask field ({', '.join(types)})")
-        values[name] = json.loads(raw) if raw[:1] in "[{\"" or raw in ("null", "true", "false") else (
-            float(raw) if any(c in raw for c in ".e") else int(raw))
-        if name == "betas":
-            values[name] = tuple(values[name])
+        if name not in names:
+            raise SystemExit(f"--set {name}: not a DemoTask field ({', '.join(sorted(names))})")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        values[name] = tuple(value) if isinstance(value, list) else value
     return dataclasses.replace(task, **values)
 
 

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 TASK_SCHEMA_VERSION = 1
 _EVAL_BATCH = 64
-# Seed spaces: a train stream of seed s never shares a generator seed with the eval set.
+# Generator seeds: train stream s uses 1_000_003 * (s + 1), eval set e uses 7_919 * (e + 1); both are
+# primes, so the two only meet when s + 1 is a multiple of 7_919 and e + 1 one of 1_000_003.
 _TRAIN_SEED_BASE = 1_000_003
 _EVAL_SEED_BASE = 7_919
 
@@ -77,8 +78,8 @@ class DemoTask:
     def __post_init__(self) -> None:
         if self.seq_len < 2 or self.batch_size < 1 or self.eval_tokens < self.seq_len:
             raise ValueError(f"need seq_len >= 2, batch_size >= 1, eval_tokens >= seq_len: {self}")
-        if self.lr <= 0 or self.warmup_steps < 0:
-            raise ValueError(f"need lr > 0 and warmup_steps >= 0, got {self.lr=}, {self.warmup_steps=}")
+        if self.lr <= 0 or self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"need lr > 0, warmup_steps >= 0, 0 <= min_lr_ratio <= 1: {self}")
         self.model_config  # validates the model shape early  # noqa: B018
 
     # ---- wire form (the demo passes the task to learner processes) ----

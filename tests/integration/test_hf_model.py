@@ -1,0 +1,105 @@
+"""A Hugging Face model, unmodified, trained through a run against the real Redis and S3.
+
+A tiny GPT-2 built from a config (nothing is downloaded) is wrapped as it is in a `Learner` with
+AdamW; an in-process coordinator merges its contributions. What a user of `transformers` relies
+on: its `transformer.h.<i>` blocks are planned as units, the tied embedding / LM head is one
+parameter in the run (and still tied after merging new versions into it), and training goes
+through genesis, contributions and adopted versions with a finite loss.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from coordinator.config import CoordinatorConfig, RunSettings  # noqa: E402
+from coordinator.policy import RoundConfig  # noqa: E402
+from coordinator.service import Coordinator  # noqa: E402
+from storage.history import read_layout  # noqa: E402
+from workers.learner import Learner  # noqa: E402
+
+MIN_STEPS = 40
+ADOPT_DEADLINE_S = 60.0
+BATCH, SEQ = 8, 32
+
+
+@contextmanager
+def serving(coord: Coordinator) -> Iterator[None]:
+    """The coordinator's loop in a background thread; its exception, if any, fails the test."""
+    stop, failure = threading.Event(), []
+
+    def loop() -> None:
+        try:
+            coord.serve(stop)
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the test's thread)
+            failure.append(exc)
+
+    thread = threading.Thread(target=loop, name="coordinator", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    if failure:
+        raise failure[0]
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    # bos/eos inside the tiny vocabulary: the default 50256 only makes transformers warn.
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=SEQ,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_unmodified_gpt2_trains_through_the_run(endpoints, run_id):
+    coord = Coordinator(endpoints, run_id,
+                        settings=RunSettings(num_fragments=2, sync_every=4, overlap_steps=1, cadence="steps"),
+                        config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0)))
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id="gpt2", tokens_per_step=BATCH * SEQ)
+    data = torch.Generator().manual_seed(1)
+    losses: list[float] = []
+    with serving(coord), learner:
+        deadline = time.monotonic() + ADOPT_DEADLINE_S
+        # At least MIN_STEPS, then on until every fragment has taken a version beyond 0 (or time is up).
+        while learner.step < MIN_STEPS or (min(learner.base_version.values()) < 1 and time.monotonic() < deadline):
+            tokens = torch.randint(0, 64, (BATCH, SEQ), generator=data)
+            loss = model(input_ids=tokens, labels=tokens).loss
+            learner.report(loss=loss.item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+
+    layout = read_layout(coord.store, coord.keys)
+    fragment_of = {p.name: f for f, params in enumerate(layout.fragments) for p in params}
+    # Each transformer block is one unit, and the two equal blocks are strided over the two fragments.
+    block_fragments = [{f for name, f in fragment_of.items() if name.startswith(f"transformer.h.{i}.")}
+                       for i in range(2)]
+    assert [len(fs) for fs in block_fragments] == [1, 1], block_fragments
+    assert block_fragments[0] != block_fragments[1]
+    # The tied embedding / LM head is one parameter in the run, and merging kept the tie.
+    names = [p.name for params in layout.fragments for p in params]
+    assert names.count("transformer.wte.weight") == 1 and "lm_head.weight" not in names
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+    heads = coord.bus.heads()
+    assert min(heads.values()) >= 1, heads
+    assert min(learner.base_version.values()) >= 1, learner.base_version
+    assert learner.adopted >= 2 and learner.stats.upload_failed == 0
+    assert all(math.isfinite(x) for x in losses)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert coord.bus.counters().get("contributions_refused", 0) == 0, coord.bus.refusals()
