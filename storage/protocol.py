@@ -58,7 +58,7 @@ def unpack(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
     except Refused:
         raise
     except Exception as exc:  # msgpack raises several unrelated exception types on garbage
-        raise Refused("bad_message", f"not valid msgpack: {exc}") from None
+        raise Refused("bad_message", f"not valid msgpack ({type(exc).__name__}: {exc})") from None
 
 
 def pack(obj: Any) -> bytes:

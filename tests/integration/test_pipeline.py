@@ -213,3 +213,25 @@ def test_corrupt_fragment_is_refused_with_reason_and_run_goes_on(endpoints, run_
     assert bus.counters()["refused:sha256_mismatch"] == 1
     assert bus.pending_count() == 0
     learner.close()
+
+
+def test_malformed_and_misaddressed_entries_are_refused_and_the_run_goes_on(endpoints, run_id):
+    coord = make_coordinator(endpoints, run_id)
+    learner, opt = join(endpoints, run_id, coord, "l0")
+    bus = coord.bus
+    _, genesis = announcements(bus)[0]
+    bus.r.xadd(bus.keys.announcements, {FIELD: b"\xc1 not msgpack"})
+    bus.r.xadd(bus.keys.announcements, {b"other": b"x"})
+    # An announcement for a fragment the run does not have, pointing at someone else's object.
+    forged = Announcement(**{**{f: getattr(genesis, f) for f in genesis.__dataclass_fields__},
+                             "kind": "delta", "fragment": 7, "contribution_id": "e" * 32, "steps": 1})
+    bus.announce(forged)
+    train(learner, opt, 4)
+    for _ in range(5):
+        coord.step(block_ms=50)
+    codes = sorted(r.code for r in bus.refusals())
+    assert codes == ["bad_message", "bad_message", "unknown_fragment"], bus.refusals()
+    assert all(r.reason for r in bus.refusals())
+    assert bus.heads()[0] == 1  # the honest contribution was merged meanwhile
+    assert bus.pending_count() == 0
+    learner.close()
