@@ -153,7 +153,10 @@ def _pid_runs(pid: int, exe: str) -> bool:
         return False
     if not Path("/proc/self/exe").exists():
         return True  # no /proc (macOS): trust the pid
-    return os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath(exe)
+    try:
+        return os.path.realpath(f"/proc/{pid}/exe", strict=True) == os.path.realpath(exe)
+    except OSError:
+        return False  # it exited while we looked
 
 
 @dataclass
