@@ -10,10 +10,7 @@ through genesis, contributions and adopted versions with a finite loss.
 from __future__ import annotations
 
 import math
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -23,34 +20,13 @@ transformers = pytest.importorskip("transformers")
 from coordinator.config import CoordinatorConfig, RunSettings  # noqa: E402
 from coordinator.policy import RoundConfig  # noqa: E402
 from coordinator.service import Coordinator  # noqa: E402
+from harness import serving  # noqa: E402
 from storage.history import read_layout  # noqa: E402
 from workers.learner import Learner  # noqa: E402
 
 MIN_STEPS = 40
 ADOPT_DEADLINE_S = 60.0
 BATCH, SEQ = 8, 32
-
-
-@contextmanager
-def serving(coord: Coordinator) -> Iterator[None]:
-    """The coordinator's loop in a background thread; its exception, if any, fails the test."""
-    stop, failure = threading.Event(), []
-
-    def loop() -> None:
-        try:
-            coord.serve(stop)
-        except BaseException as exc:  # noqa: BLE001 (re-raised in the test's thread)
-            failure.append(exc)
-
-    thread = threading.Thread(target=loop, name="coordinator", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-    if failure:
-        raise failure[0]
 
 
 def tiny_gpt2() -> torch.nn.Module:

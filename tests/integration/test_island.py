@@ -13,10 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,6 +24,7 @@ import torch.multiprocessing as mp
 from coordinator.config import CoordinatorConfig, RunSettings
 from coordinator.policy import RoundConfig
 from coordinator.service import Coordinator
+from harness import serving
 from infra.stack import free_ports
 from storage.bus import Bus
 from storage.objects import ObjectStore
@@ -99,28 +97,6 @@ def rank_main(rank: int, endpoints_by_rank: list[Endpoints], run_id: str, init_p
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
-
-
-@contextmanager
-def serving(coord: Coordinator) -> Iterator[None]:
-    """The coordinator's loop in a background thread; its exception, if any, fails the test."""
-    stop, failure = threading.Event(), []
-
-    def loop() -> None:
-        try:
-            coord.serve(stop)
-        except BaseException as exc:  # noqa: BLE001 (re-raised in the test's thread)
-            failure.append(exc)
-
-    thread = threading.Thread(target=loop, name="coordinator", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-    if failure:
-        raise failure[0]
 
 
 def unusable(endpoints: Endpoints) -> Endpoints:
