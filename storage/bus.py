@@ -30,7 +30,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
-from storage.errors import Refused, StorageUnavailable
+from storage.errors import Refused
 from storage.keys import RunKeys
 from storage.protocol import Announcement, Cadence, Refusal, VersionEvent, pack, unpack
 from storage.settings import Endpoints
@@ -319,6 +319,3 @@ class Bus:
     def close(self) -> None:
         self.r.close()
 
-
-def wrap_unavailable(exc: BaseException) -> StorageUnavailable:
-    return StorageUnavailable(f"Redis did not answer after retries: {exc}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import boto3
 import botocore.exceptions as bexc
@@ -104,20 +105,28 @@ class ObjectStore:
                 if _code(exc2) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     raise
 
-    def put(self, key: str, data: bytes, *, create_only: bool = True) -> None:
+    @contextmanager
+    def _errors(self, op: str, key: str) -> Iterator[None]:
+        """Transient failures that outlived the retries become StorageUnavailable; others pass."""
         try:
-            self._put(key, data, create_only)
+            yield
         except bexc.ClientError as exc:
-            if _code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-                # Either someone else wrote the key, or our own earlier attempt did and its reply was lost.
-                if self._same_bytes(key, data):
-                    return
-                raise Conflict(f"s3://{self.bucket}/{key} already exists with other contents") from None
             if _transient(exc):
-                raise self._unavailable("PUT", key, exc) from exc
+                raise self._unavailable(op, key, exc) from exc
             raise
         except bexc.BotoCoreError as exc:
-            raise self._unavailable("PUT", key, exc) from exc
+            raise self._unavailable(op, key, exc) from exc
+
+    def put(self, key: str, data: bytes, *, create_only: bool = True) -> None:
+        with self._errors("PUT", key):
+            try:
+                self._put(key, data, create_only)
+            except bexc.ClientError as exc:
+                if _code(exc) not in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                    raise
+                # Either someone else wrote the key, or our own earlier attempt did and its reply was lost.
+                if not self._same_bytes(key, data):
+                    raise Conflict(f"s3://{self.bucket}/{key} already exists with other contents") from None
 
     @_retry
     def _put(self, key: str, data: bytes, create_only: bool) -> None:
@@ -132,16 +141,13 @@ class ObjectStore:
         return hashlib.sha256(existing).digest() == hashlib.sha256(data).digest()
 
     def get(self, key: str, *, max_bytes: int) -> bytes:
-        try:
-            return self._get(key, max_bytes)
-        except bexc.ClientError as exc:
-            if _code(exc) in ("NoSuchKey", "404", "NotFound"):
-                raise ObjectMissing(f"s3://{self.bucket}/{key} does not exist") from None
-            if _transient(exc):
-                raise self._unavailable("GET", key, exc) from exc
-            raise
-        except bexc.BotoCoreError as exc:
-            raise self._unavailable("GET", key, exc) from exc
+        with self._errors("GET", key):
+            try:
+                return self._get(key, max_bytes)
+            except bexc.ClientError as exc:
+                if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                    raise ObjectMissing(f"s3://{self.bucket}/{key} does not exist") from None
+                raise
 
     @_retry
     def _get(self, key: str, max_bytes: int) -> bytes:
