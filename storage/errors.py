@@ -27,7 +27,7 @@ class ConfigError(DilocoError):
 
 
 class StorageUnavailable(DilocoError):
-    """S3 or Redis did not answer after the adapter's bounded retries."""
+    """S3 did not answer after the adapter's bounded retries (the Redis adapter re-raises redis-py's own errors)."""
 
 
 class Conflict(DilocoError):
