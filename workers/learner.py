@@ -13,10 +13,12 @@ inner optimizer's state stays local). Nothing in the loop waits on the network: 
 downloads run in background threads; a new global fragment is merged at the first step boundary
 at least `overlap_steps` after the send at which it is available.
 
-Islands: if `torch.distributed` is initialized with a world size above 1 (a torchrun DDP job
-whose replicas hold identical parameters), only rank 0 talks to Redis and S3; at each step rank 0
-broadcasts which fragments it merged and then their new values, so every rank stays identical.
-Only rank 0 reports tokens: pass the whole island's tokens per step as `tokens_per_step`.
+Islands: if `torch.distributed` is initialized with a world size above 1 (a torchrun job), only
+rank 0 talks to Redis and S3. Construct the Learner on every rank. At each step rank 0 decides
+which fragments to send and to merge and broadcasts that plan; every rank then takes part in
+gathering the fragment (sharded DTensor parameters: FSDP2, tensor parallelism) and in receiving
+its new values (`workers.island.Replica`). Replicated parameters (DDP) cost a broadcast per merge
+only. Only rank 0 reports tokens: pass the whole island's tokens per step as `tokens_per_step`.
 
 Bookkeeping per fragment f: `anchor[f]` is the point unsent progress is measured from.
 Sending: delta = anchor - local, then anchor = local. Taking version G:
@@ -35,7 +37,6 @@ import uuid
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from storage.bus import Bus
 from storage.errors import ConfigError, DilocoError
@@ -44,7 +45,8 @@ from storage.objects import ObjectStore
 from storage.protocol import Layout, RunSpec, check_id
 from storage.settings import Endpoints
 from workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout
-from workers.transfer import Fetcher, TransferStats, Uploader, UploadJob
+from workers.island import Replica
+from workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +82,14 @@ class Learner:
         self.tokens_per_step = tokens_per_step
         self.config = config or LearnerConfig()
         self._endpoints = endpoints
-        self.is_leader = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-        self._island = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.step = 0
         self.tokens = 0
         self.last_loss: float | None = None
         self.adopted = 0
         self.stats = TransferStats()
-        self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.replica = Replica({n: p for n, p in model.named_parameters() if p.requires_grad})
+        self.is_leader = self.replica.is_leader
+        self._names: list[list[str]] = []  # fragment -> its parameter names (every rank)
         self._pending_tokens: int | None = None
         self._step_time_s = 0.0
         self._last_step_at: float | None = None
@@ -108,11 +110,30 @@ class Learner:
         self.close()
 
     def start(self) -> None:
-        """Join the run: wait for its spec, propose version 0 if none exists, adopt the latest versions."""
+        """Join the run: wait for its spec, propose version 0 if none exists, adopt the latest versions.
+
+        On an island every rank calls this; rank 0 joins and the others receive its parameters.
+        If rank 0 fails to join, every rank raises."""
+        values: dict[str, torch.Tensor] | None = None
+        failure: BaseException | None = None
+        initial = self.replica.read(self.replica.params)  # collective; rank 0 may propose these as version 0
         if self.is_leader:
-            self._join()
-        if self._island:
-            self._broadcast_all()
+            try:
+                values = self._join(initial)
+            except BaseException as exc:  # noqa: BLE001 (re-raised below, after telling the other ranks)
+                failure = exc
+        status = self.replica.share(None if not self.is_leader else
+                                    [int(failure is not None), 0 if failure else len(self.layout.fragments)], 2)
+        if failure is not None:
+            raise failure
+        if status[0]:
+            raise DilocoError(f"rank 0 of learner {self.learner_id} could not join run {self.run!r}: see its log")
+        if not self.is_leader:
+            layout = plan_layout(model_params(self.model), status[1])  # rank 0 checked it against the run's
+        else:
+            layout = self.layout
+        self._names = [[s.name for s in specs] for specs in layout.fragments]
+        self.replica.write(values, [n for names in self._names for n in names])
         self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
 
     def close(self) -> None:
@@ -144,7 +165,8 @@ class Learner:
             self._pending_tokens = int(tokens)
 
     # ---- joining ----------------------------------------------------------------------------
-    def _join(self) -> None:
+    def _join(self, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank 0: join the run and return the latest global values of every parameter."""
         endpoints = self._endpoints or Endpoints.from_env()
         self.store = ObjectStore(endpoints)
         self.bus = Bus(endpoints, self.run)
@@ -160,7 +182,7 @@ class Learner:
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._heartbeat_thread.start()
         if layout is None:
-            self._propose_genesis(mine)
+            self._propose_genesis(mine, initial)
             layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout")
         problem = layout_mismatch(layout, mine)
         if problem:
@@ -169,23 +191,26 @@ class Learner:
         heads = self._wait(lambda: self._all_heads(layout), deadline, "version 0 of every fragment")
         self.base_version: dict[int, int] = {}
         self.anchor: dict[int, dict[str, torch.Tensor]] = {}
+        values: dict[str, torch.Tensor] = {}
         for fragment, version in heads.items():
             params = read_params(self.store, layout, read_manifest(self.store, keys, fragment, version))
-            self._load(fragment, params)
+            values.update(params)
+            self.anchor[fragment] = {n: v.clone() for n, v in params.items()}
             self.base_version[fragment] = version
         self.fetcher = Fetcher(self.store, self.bus, layout, self.stats)
         self.fetcher.start()
         log.info("learner %s joined run %s at versions %s", self.learner_id, self.run,
                  [heads[f] for f in sorted(heads)])
+        return values
 
     def _all_heads(self, layout: Layout) -> dict[int, int] | None:
         heads = self.bus.heads()
         return heads if all(f in heads for f in range(len(layout.fragments))) else None
 
-    def _propose_genesis(self, layout: Layout) -> None:
+    def _propose_genesis(self, layout: Layout, initial: dict[str, torch.Tensor]) -> None:
         self.store.put(self.bus.keys.genesis_layout(self.learner_id), layout.to_wire(), create_only=False)
         for f, specs in enumerate(layout.fragments):
-            tensors = {s.name: self._params[s.name].detach().to("cpu", torch.float32).clone() for s in specs}
+            tensors = {s.name: initial[s.name] for s in specs}
             self.uploader.submit(UploadJob(f, tensors, base_version=-1, tokens=0, steps=0, step_time_s=0.0,
                                            kind="genesis"))
 
@@ -212,50 +237,35 @@ class Learner:
         tokens = self.tokens_per_step if self._pending_tokens is None else self._pending_tokens
         self._pending_tokens = None
         self.tokens += tokens
-        merged: list[int] = []
+        due: dict[int, float] = {}
+        ready: dict[int, Fetched] = {}
         if self.is_leader:
             for acc in self._since.values():
                 acc[0] += tokens
                 acc[1] += 1
-            for f, deadline in self._due():
-                self._send(f, deadline)
-            merged = self._merge_arrivals()
-        if self._island:
-            self._broadcast_merged(merged)
+            due, ready = self._due(), self._ready()
+        # Rank 0 decides; on an island every rank then takes part in the same gathers and writes.
+        to_send, to_merge = self.replica.share_plan(list(due), list(ready), len(self._names))
+        for f in to_send:
+            self._send(f, due.get(f, 0.0))
+        for f in to_merge:
+            self._merge(f, ready.get(f))
 
-    def _due(self) -> list[tuple[int, float]]:
+    def _due(self) -> dict[int, float]:
+        """Rank 0: fragments to send after this step -> the clock deadline they serve (0 on the step cadence)."""
         cadence = self._cadence
         if self.spec.cadence == "clock" and cadence is not None:
             now = time.time() + self._clock_offset_s
             due = clock_due(now, self._step_time_s, cadence, self.spec.num_fragments, self._sent_deadline)
             self._sent_deadline.update(due)
-            return due
-        return [(f, 0.0) for f in due_fragments(self.step, self.spec.num_fragments, self.spec.sync_every)]
+        else:
+            due = [(f, 0.0) for f in due_fragments(self.step, self.spec.num_fragments, self.spec.sync_every)]
+        # Nothing to send for a fragment with no step since its last send.
+        return {f: deadline for f, deadline in due if self._since.get(f, [0, 1])[1] > 0}
 
-    @torch.no_grad()
-    def _send(self, fragment: int, deadline: float = 0.0) -> None:
-        tokens, steps = self._since.get(fragment, [0, 0])
-        if steps == 0 and fragment in self._since:
-            return
-        # First send of a fragment: everything since joining counts.
-        if fragment not in self._since:
-            tokens, steps = self.tokens, self.step
-        anchor = self.anchor[fragment]
-        delta, snapshot = {}, {}
-        for name, a in anchor.items():
-            local = self._params[name].detach().to("cpu", torch.float32)
-            snapshot[name] = local.clone()
-            delta[name] = a - snapshot[name]
-        self.anchor[fragment] = snapshot
-        self._since[fragment] = [0, 0]
-        self.uploader.submit(UploadJob(fragment, delta, self.base_version[fragment], tokens, steps, self._step_time_s,
-                                       deadline=deadline))
-        self._awaiting[fragment] = self.step + self.spec.overlap_steps
-        self.fetcher.want(fragment, self.base_version[fragment])
-
-    @torch.no_grad()
-    def _merge_arrivals(self) -> list[int]:
-        merged = []
+    def _ready(self) -> dict[int, Fetched]:
+        """Rank 0: fetched versions to merge now (at least `overlap_steps` after the send that awaits them)."""
+        ready = {}
         for fragment, not_before in list(self._awaiting.items()):
             if self.step < not_before:
                 continue
@@ -265,48 +275,41 @@ class Learner:
             if fetched.version <= self.base_version[fragment]:
                 self.fetcher.want(fragment, self.base_version[fragment])
                 continue
-            anchor = self.anchor[fragment]
-            for name, g in fetched.params.items():
-                p = self._params[name]
-                local = p.detach().to("cpu", torch.float32)
-                if self.spec.merge_rule == "rebase":
-                    new = g + (local - anchor[name])
-                else:
-                    new = self.spec.alpha * local + (1.0 - self.spec.alpha) * g
-                p.copy_(new.to(p.dtype))
+            del self._awaiting[fragment]
+            ready[fragment] = fetched
+        return ready
+
+    @torch.no_grad()
+    def _send(self, fragment: int, deadline: float) -> None:
+        snapshot = self.replica.read(self._names[fragment])
+        if snapshot is None:
+            return  # not rank 0: the gather was our part
+        # First send of a fragment: everything since joining counts.
+        tokens, steps = self._since.get(fragment, [self.tokens, self.step])
+        anchor = self.anchor[fragment]
+        delta = {name: anchor[name] - local for name, local in snapshot.items()}
+        self.anchor[fragment] = snapshot
+        self._since[fragment] = [0, 0]
+        self.uploader.submit(UploadJob(fragment, delta, self.base_version[fragment], tokens, steps, self._step_time_s,
+                                       deadline=deadline))
+        self._awaiting[fragment] = self.step + self.spec.overlap_steps
+        self.fetcher.want(fragment, self.base_version[fragment])
+
+    @torch.no_grad()
+    def _merge(self, fragment: int, fetched: Fetched | None) -> None:
+        names = self._names[fragment]
+        local = self.replica.read(names)
+        new = None
+        if local is not None and fetched is not None:  # rank 0
+            anchor, g = self.anchor[fragment], fetched.params
+            if self.spec.merge_rule == "rebase":
+                new = {n: g[n] + (local[n] - anchor[n]) for n in names}
+            else:
+                new = {n: self.spec.alpha * local[n] + (1.0 - self.spec.alpha) * g[n] for n in names}
             self.anchor[fragment] = fetched.params
             self.base_version[fragment] = fetched.version
-            del self._awaiting[fragment]
             self.adopted += 1
-            merged.append(fragment)
-        return merged
-
-    @torch.no_grad()
-    def _load(self, fragment: int, params: dict[str, torch.Tensor]) -> None:
-        for name, value in params.items():
-            self._params[name].copy_(value.to(self._params[name].dtype))
-        self.anchor[fragment] = {n: v.clone() for n, v in params.items()}
-
-    # ---- islands ----------------------------------------------------------------------------
-    @torch.no_grad()
-    def _broadcast_all(self) -> None:
-        for p in self._params.values():
-            dist.broadcast(p.data, src=0)
-
-    @torch.no_grad()
-    def _broadcast_merged(self, merged: list[int]) -> None:
-        device = next(iter(self._params.values())).device  # NCCL broadcasts only device tensors
-        count = torch.tensor([len(merged)], dtype=torch.int64, device=device)
-        dist.broadcast(count, src=0)
-        frags = torch.tensor(merged if self.is_leader else [0] * int(count.item()), dtype=torch.int64, device=device)
-        if frags.numel():
-            dist.broadcast(frags, src=0)
-        for f in frags.tolist():
-            names = [s.name for s in self.layout.fragments[f]] if self.is_leader else None
-            box = [names]
-            dist.broadcast_object_list(box, src=0)
-            for name in box[0]:
-                dist.broadcast(self._params[name].data, src=0)
+        self.replica.write(new, names)
 
     # ---- heartbeats --------------------------------------------------------------------------
     def progress(self) -> dict[str, float | int | str]:

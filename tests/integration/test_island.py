@@ -1,11 +1,21 @@
 """A torchrun-style island: two gloo ranks are one learner; only rank 0 talks to Redis and S3.
 
-The two ranks are real processes (spawned, `init_process_group("gloo")` on 127.0.0.1) and the
-coordinator runs in this process against the session's real Redis and S3. The ranks start from
-different random weights on purpose: the learner's start broadcast must align them, and the
-per-step broadcast of merged fragments must keep them bit-identical while rank 0 alone adopts new
-global versions. Rank 1 is handed endpoints that cannot work (a Redis port nobody listens on, a
-bucket that does not exist): if its learner touched the network the rank would fail.
+Two ways of holding the parameters, one test each:
+- replicated (what DDP does): every rank holds the whole model. The ranks start from different
+  random weights on purpose: the learner's start broadcast must align them, and the writes of
+  merged fragments must keep them bit-identical while rank 0 alone adopts new global versions.
+- sharded (FSDP2 `fully_shard` on a CPU mesh): every parameter is a DTensor, each rank holds a
+  shard. Rank 0 must gather whole fragments to send them and scatter new versions back.
+
+The run merges with `mix` and alpha = 0, so right after a merge a fragment must equal the global
+version exactly: after every step in which rank 0 merged, every rank takes part in gathering the
+whole model and rank 0 compares the fragment with the version's params in S3. A rank whose shard
+was not written would show up as a mismatch.
+
+The ranks are real processes (spawned, `init_process_group("gloo")` on 127.0.0.1); the
+coordinator runs in this process against the session's real Redis and S3. Rank 1 is handed
+endpoints that cannot work (a Redis port nobody listens on, a bucket that does not exist): if its
+learner touched the network the rank would fail.
 """
 
 from __future__ import annotations
@@ -17,9 +27,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from coordinator.config import CoordinatorConfig, RunSettings
 from coordinator.policy import RoundConfig
@@ -27,6 +39,7 @@ from coordinator.service import Coordinator
 from harness import serving
 from infra.stack import free_ports
 from storage.bus import Bus
+from storage.history import read_layout, read_manifest, read_params
 from storage.objects import ObjectStore
 from storage.settings import Endpoints
 from workers.learner import Learner
@@ -41,59 +54,93 @@ RANK_IDS = [f"island-r{r}" for r in range(WORLD)]
 class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        # 5 rows: shards of 3 and 2 rows on two ranks, so uneven sharding is exercised.
         self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
-        self.head = torch.nn.Linear(8, 1)
+        self.proj = torch.nn.Linear(8, 5)
+        self.head = torch.nn.Linear(5, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = torch.relu(block(x))
-        return self.head(x)
+        return self.head(torch.relu(self.proj(x)))
 
 
-def checksum(model: torch.nn.Module) -> str:
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model on every rank (a collective for sharded parameters)."""
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def checksum(state: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
-    for name, p in model.named_parameters():
+    for name, t in state.items():
         h.update(name.encode())
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(t.contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
-def rank_main(rank: int, endpoints_by_rank: list[Endpoints], run_id: str, init_port: int, out_dir: str) -> None:
+def build(mode: str, rank: int) -> torch.nn.Module:
+    torch.manual_seed(rank)  # different weights per rank: the learner's start must align them
+    model = Net()
+    if mode == "sharded":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def rank_main(rank: int, mode: str, endpoints_by_rank: list[Endpoints], run_id: str, init_port: int,
+              out_dir: str) -> None:
     """One rank of the island: a plain data-parallel loop with the Learner hooked into its optimizer."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{init_port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))
     try:
-        torch.manual_seed(rank)  # different weights per rank: the learner's start broadcast must align them
-        model = Net()
-        before = checksum(model)
+        model = build(mode, rank)
+        before = checksum(full_state(model))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         learner = Learner(model, opt, run=run_id, endpoints=endpoints_by_rank[rank], learner_id=RANK_IDS[rank],
                           tokens_per_step=8 * WORLD)
         data = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of data
         deadline = time.monotonic() + TRAIN_DEADLINE_S
+        checked = mismatched = 0
         with learner:
-            started = checksum(model)
+            started = checksum(full_state(model))
             steps = 0
             while True:
                 x = torch.randn(8, 8, generator=data)
                 loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
                 loss.backward()
-                # What DDP does to gradients (not DDP itself: its constructor would align the weights
-                # and hide whether the learner does).
-                for p in model.parameters():
-                    dist.all_reduce(p.grad)
-                    p.grad /= WORLD
+                if mode == "replicated":
+                    # What DDP does to gradients (not DDP itself: its constructor would align the
+                    # weights and hide whether the learner does). FSDP2 reduces in backward.
+                    for p in model.parameters():
+                        dist.all_reduce(p.grad)
+                        p.grad /= WORLD
+                versions = dict(learner.base_version) if rank == 0 else {}
                 opt.step()
                 opt.zero_grad()
                 steps += 1
-                # Rank 0 decides when to stop: every rank must run the same collectives.
-                done = torch.tensor([int(rank == 0 and steps >= MIN_STEPS
-                                         and (learner.adopted >= WANT_ADOPTED or time.monotonic() > deadline))])
-                dist.broadcast(done, src=0)
-                if done.item():
+                merged = [f for f, v in versions.items() if learner.base_version[f] != v]
+                # Rank 0 decides whether to check and when to stop: every rank runs the same collectives.
+                done = int(rank == 0 and steps >= MIN_STEPS
+                           and (learner.adopted >= WANT_ADOPTED or time.monotonic() > deadline))
+                control = torch.tensor([done, merged[0] if merged else -1])
+                dist.broadcast(control, src=0)
+                if control[1].item() >= 0:
+                    state = full_state(model)
+                    if rank == 0:
+                        f = int(control[1].item())
+                        manifest = read_manifest(learner.store, learner.bus.keys, f, learner.base_version[f])
+                        expected = read_params(learner.store, learner.layout, manifest)
+                        checked += 1
+                        mismatched += sum(not torch.equal(state[n], v) for n, v in expected.items())
+                if control[0].item():
                     break
-        result = {"before": before, "started": started, "final": checksum(model), "steps": steps,
-                  "adopted": learner.adopted}
+        result = {"before": before, "started": started, "final": checksum(full_state(model)), "steps": steps,
+                  "adopted": learner.adopted, "checked": checked, "mismatched": mismatched}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -106,14 +153,16 @@ def unusable(endpoints: Endpoints) -> Endpoints:
                                bucket="no-such-bucket-island")
 
 
-def test_island_ranks_stay_identical_and_only_rank0_talks_to_the_run(endpoints, run_id, tmp_path):
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_island_ranks_stay_consistent_and_only_rank0_talks_to_the_run(mode, endpoints, run_id, tmp_path):
     coord = Coordinator(endpoints, run_id,
                         settings=RunSettings(num_fragments=2, sync_every=4, overlap_steps=1, codec="fp32",
-                                             compress=False, cadence="steps"),
+                                             compress=False, cadence="steps", merge_rule="mix", alpha=0.0),
                         config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0)))
     (init_port,) = free_ports(1)
     with serving(coord):
-        ctx = mp.start_processes(rank_main, args=([endpoints, unusable(endpoints)], run_id, init_port, str(tmp_path)),
+        ctx = mp.start_processes(rank_main, args=(mode, [endpoints, unusable(endpoints)], run_id, init_port,
+                                                  str(tmp_path)),
                                  nprocs=WORLD, join=False, start_method="spawn")
         try:
             deadline = time.monotonic() + 90
@@ -125,15 +174,21 @@ def test_island_ranks_stay_identical_and_only_rank0_talks_to_the_run(endpoints, 
                     p.kill()
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD))
 
-    assert r0["before"] != r1["before"]  # the ranks really started apart
-    assert r0["started"] == r1["started"]  # aligned by the start broadcast
+    if mode == "replicated":
+        assert r0["before"] != r1["before"]  # the ranks really started apart
+    assert r0["started"] == r1["started"]  # aligned at the start
     assert r0["steps"] == r1["steps"]
     assert r0["adopted"] >= WANT_ADOPTED, r0  # rank 0 merged global versions beyond 0 ...
     assert r1["adopted"] == 0  # ... rank 1 never merged anything by itself ...
-    assert r0["final"] == r1["final"]  # ... and still holds exactly rank 0's parameters
+    assert r0["checked"] >= 1 and r0["mismatched"] == 0, r0  # ... every rank holds the merged version exactly
+    assert r0["final"] == r1["final"]
 
     bus, store = Bus(endpoints, run_id), ObjectStore(endpoints)
     assert min(bus.heads().values()) >= 1, bus.heads()
+    # The run's layout has the whole parameters' shapes, not a shard's.
+    layout = read_layout(store, bus.keys)
+    assert {s.name: s.shape for specs in layout.fragments for s in specs} == {
+        n: tuple(p.shape) for n, p in Net().named_parameters()}
     assert set(bus.learner_stats()) == {RANK_IDS[0]}
     assert bus.learner_stats()[RANK_IDS[0]]["step"] == r0["steps"]
     objects = list(store.list(bus.keys.root))

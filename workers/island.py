@@ -1,0 +1,95 @@
+"""A learner's view of its parameters: one process, or a torchrun island of several ranks.
+
+The learner reads and writes parameters only through `Replica`, as full, unsharded CPU fp32
+tensors that exist on the leader (rank 0) alone; the other ranks take part in the collectives and
+get `None`. What a read or a write costs depends on how a parameter is held:
+
+- plain tensors, one process: a local copy;
+- plain tensors in an island (DDP-style: every rank holds the same values): reads are local to
+  rank 0, writes are broadcast from rank 0;
+- DTensors (FSDP2 `fully_shard`, tensor parallelism, HSDP: any mesh and placements): reads
+  all-gather the full tensor (`full_tensor()`, every rank takes part), writes broadcast the full
+  value from rank 0 and each rank keeps its own shard of it.
+
+Everything here is collective on an island: every rank must make the same calls in the same
+order. The learner guarantees that by letting rank 0 decide each step's plan (`share_plan`) and
+every rank then carry it out. Control messages are int64 tensors on the parameters' device
+(NCCL broadcasts only device tensors); nothing is pickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def in_island() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class Replica:
+    def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
+        self.params = params
+        self.island = in_island()
+        self.is_leader = not self.island or dist.get_rank() == 0
+        self.device = next(iter(params.values())).device
+
+    @torch.no_grad()
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor] | None:
+        """Full values of `names` as CPU fp32 copies on the leader, None on the other ranks."""
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            p = self.params[name]
+            if isinstance(p, DTensor):
+                value = p.full_tensor()  # collective: every rank gathers
+            elif self.is_leader:
+                value = p.detach()
+            else:
+                continue
+            if self.is_leader:
+                out[name] = value.to("cpu", torch.float32, copy=True)
+        return out if self.is_leader else None
+
+    @torch.no_grad()
+    def write(self, values: dict[str, torch.Tensor] | None, names: Sequence[str]) -> None:
+        """Set `names` on every rank to the leader's `values` (full tensors; ignored on other ranks)."""
+        for name in names:
+            p = self.params[name]
+            if not self.island:
+                self._assign(p, values[name])  # type: ignore[index]
+                continue
+            full = (values[name].to(self.device, p.dtype) if self.is_leader  # type: ignore[index]
+                    else torch.empty(p.shape, dtype=p.dtype, device=self.device))
+            dist.broadcast(full, src=0)
+            self._assign(p, full)
+
+    @staticmethod
+    def _assign(p: torch.nn.Parameter, full: torch.Tensor) -> None:
+        if isinstance(p, DTensor):
+            # Every rank holds the full value: cut out this rank's shard without communicating.
+            p.copy_(distribute_tensor(full.to(p.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None))
+        else:
+            p.copy_(full.to(p.device, p.dtype))
+
+    def share(self, values: list[int] | None, length: int) -> list[int]:
+        """The leader's `values` (at most `length` ints) on every rank; a no-op outside an island."""
+        if not self.island:
+            assert values is not None
+            return values
+        box = torch.zeros(length + 1, dtype=torch.int64, device=self.device)
+        if self.is_leader:
+            assert values is not None and len(values) <= length
+            box[0] = len(values)
+            box[1:1 + len(values)] = torch.tensor(values, dtype=torch.int64)
+        dist.broadcast(box, src=0)
+        return box[1:1 + int(box[0].item())].tolist()
+
+    def share_plan(self, due: list[int] | None, merge: list[int] | None, num_fragments: int) -> tuple[list[int], list[int]]:
+        """Rank 0's plan for this step (fragments to send, fragments to merge) on every rank, in one broadcast."""
+        packed = None if due is None or merge is None else [len(due), *due, *merge]
+        got = self.share(packed, 2 * num_fragments + 1)
+        n_due = got[0]
+        return got[1:1 + n_due], got[1 + n_due:]
