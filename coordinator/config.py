@@ -66,12 +66,19 @@ class CoordinatorConfig:
     """Parallel S3 GETs when verifying a batch of contributions."""
     claim_idle_s: float = 60.0
     """Entries pending on another consumer for longer than this are claimed."""
+    lease_s: float = 10.0
+    """The coordinator lease: a coordinator that stops renewing it is replaced after this long."""
+    standby: bool = False
+    """Wait as a hot standby while another coordinator holds the run, and take over when its lease lapses.
+    Without it, a coordinator that finds the lease held and renewed exits."""
 
     def __post_init__(self) -> None:
         if not self.outer_lr > 0:
             raise ConfigError(f"outer_lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if not self.lease_s >= 1.0:
+            raise ConfigError(f"lease_s must be at least 1 second, got {self.lease_s}")
 
     def settings(self, r: RoundConfig) -> dict[str, str | int | float | bool]:
         """What a manifest records about how its version was made (and on which kernels: replay needs them)."""

@@ -6,10 +6,12 @@ Commit order (invariant 2):
    version whose manifest exists is committed, even if the Redis step below never ran.
 3. Redis: one Lua script, fenced by the coordinator epoch: head compare-and-set, versions stream
    entry, applied-set update, XACK of the merged announcements.
-A crash before 2 leaves orphan objects that the next coordinator overwrites (they are not
-committed: no manifest). A crash between 2 and 3 is rolled forward on restart by
-`roll_forward`, which replays the Redis step from the manifest; the inputs' announcements are
-then acknowledged as applied instead of being merged a second time.
+Version objects are named with the writer's epoch, so two coordinators never write the same one.
+A crash before 2 leaves orphan objects (not committed: no manifest names them). A crash between
+2 and 3 is rolled forward by `roll_forward` (on start) or `commit_existing` (a live coordinator
+that finds the manifest already written by a deposed one): the Redis step is replayed from the
+manifest, and the inputs' announcements are acknowledged as applied instead of being merged a
+second time.
 """
 
 from __future__ import annotations
@@ -52,11 +54,12 @@ def write_version(store: ObjectStore, keys: RunKeys, *, fragment: int, version: 
     """Steps 1 and 2. Raises Conflict if a manifest for this version already exists."""
     params_blob = encode_params(params, keys, fragment, version)
     state_blob = encode_state(state, keys, fragment, version)
-    for key, blob in ((keys.params(fragment, version), params_blob), (keys.outer_state(fragment, version), state_blob)):
+    params_key, state_key = keys.params(fragment, version, epoch), keys.outer_state(fragment, version, epoch)
+    for key, blob in ((params_key, params_blob), (state_key, state_blob)):
         _put_uncommitted(store, keys, fragment, version, key, blob)
     manifest = Manifest(run=keys.run, fragment=fragment, version=version, parent_version=version - 1,
-                        params_key=keys.params(fragment, version), params_sha256=sha256_hex(params_blob),
-                        outer_state_key=keys.outer_state(fragment, version),
+                        params_key=params_key, params_sha256=sha256_hex(params_blob),
+                        outer_state_key=state_key,
                         outer_state_sha256=sha256_hex(state_blob), inputs=inputs, settings=settings,
                         refused=refused, committed_at=time.time(), epoch=epoch)
     store.put(keys.manifest(fragment, version), manifest.to_wire(), create_only=True)
@@ -83,31 +86,45 @@ def event_of(manifest: Manifest, keys: RunKeys) -> VersionEvent:
                         committed_at=manifest.committed_at)
 
 
-def commit(bus: Bus, manifest: Manifest, *, epoch: int, ack_ids: list[str]) -> CommitResult:
-    """Step 3."""
-    expected = None if manifest.parent_version < 0 else manifest.parent_version
+def commit(bus: Bus, manifest: Manifest, *, epoch: int, ack_ids: list[str], rebuild: bool = False) -> CommitResult:
+    """Step 3. The head must be the manifest's parent; with `rebuild`, Redis must have no head yet."""
+    expected = None if rebuild or manifest.parent_version < 0 else manifest.parent_version
     return bus.commit_version(event_of(manifest, bus.keys), expected_head=expected, epoch=epoch, ack_ids=ack_ids)
 
 
-def roll_forward(store: ObjectStore, bus: Bus, num_fragments: int, epoch: int) -> dict[int, int]:
+def commit_existing(bus: Bus, manifest: Manifest, *, epoch: int, rebuild: bool = False) -> None:
+    """Commit a version whose manifest is already in S3; its announcements are acknowledged as applied."""
+    stream_ids = [c.stream_id for c in manifest.inputs if c.stream_id]
+    result = commit(bus, manifest, epoch=epoch, ack_ids=stream_ids, rebuild=rebuild)
+    if result not in (CommitResult.COMMITTED, CommitResult.ALREADY):
+        raise Conflict(f"cannot commit fragment {manifest.fragment} version {manifest.version} from its "
+                       f"manifest: {result.name}")
+    log.warning("committed fragment %d version %d from its manifest in S3 (%s)", manifest.fragment,
+                manifest.version, result.name)
+
+
+def roll_forward(store: ObjectStore, bus: Bus, num_fragments: int, epoch: int, *, keep_applied: int) -> dict[int, int]:
     """Make Redis heads agree with the manifests in S3 (the truth); returns the heads.
 
-    Handles both a crash between manifest and Redis commit (S3 one version ahead) and a Redis
-    that lost its data (heads missing): every manifest above the Redis head is committed in order.
+    - S3 ahead of Redis by a few versions (a crash between manifest and Redis commit): every
+      manifest above the Redis head is committed in order.
+    - Redis has no head for a fragment that S3 has versions of (Redis lost its data): the latest
+      version becomes the head directly, and the contributions of the `keep_applied` versions
+      before it are marked applied again. Older ones cannot come back: they are staler than
+      max_staleness and would be refused anyway.
     """
     heads = bus.heads()
     for fragment in range(num_fragments):
         latest = latest_version(store, bus.keys, fragment)
         if latest is None:
             continue
-        start = heads.get(fragment, -1) + 1
-        for version in range(start, latest + 1):
-            manifest = read_manifest(store, bus.keys, fragment, version)
-            stream_ids = [c.stream_id for c in manifest.inputs if c.stream_id]
-            result = commit(bus, manifest, epoch=epoch, ack_ids=stream_ids)
-            if result not in (CommitResult.COMMITTED, CommitResult.ALREADY):
-                raise Conflict(f"cannot roll fragment {fragment} forward to version {version}: {result.name}")
-            log.warning("rolled fragment %d forward to version %d from its manifest in S3 (%s)",
-                        fragment, version, result.name)
+        if fragment not in heads:
+            for version in range(max(0, latest - keep_applied), latest):
+                bus.mark_applied([c.contribution_id for c in read_manifest(store, bus.keys, fragment, version).inputs])
+            commit_existing(bus, read_manifest(store, bus.keys, fragment, latest), epoch=epoch, rebuild=True)
+            heads[fragment] = latest
+            continue
+        for version in range(heads[fragment] + 1, latest + 1):
+            commit_existing(bus, read_manifest(store, bus.keys, fragment, version), epoch=epoch)
             heads[fragment] = version
     return heads

@@ -24,21 +24,18 @@ import torch
 
 from coordinator.config import CoordinatorConfig, RunSettings
 from coordinator.intake import Contribution, check_announcement, fetch_tensors, to_arrival
+from coordinator.leadership import Fenced, Leadership
 from coordinator.outer import NesterovState, merge_deltas, nesterov_step
 from coordinator.policy import RoundState, decide_round, merge_order, merge_weights, staleness_verdict
-from coordinator.publish import commit, decode_state, roll_forward, write_version
+from coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
 from storage.bus import Bus, CommitResult
-from storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
+from storage.errors import Conflict, Refused, StorageUnavailable
 from storage.history import read_layout, read_manifest, read_params, read_run_spec, read_verified
 from storage.objects import ObjectMissing, ObjectStore
 from storage.protocol import MAX_RECORD_BYTES, Announcement, Cadence, Contribution as Input, Layout, Refusal, RunSpec
 from storage.settings import Endpoints
 
 log = logging.getLogger(__name__)
-
-
-class Fenced(DilocoError):
-    """Another coordinator took over this run (newer epoch); this one must stop."""
 
 
 @dataclass
@@ -56,7 +53,9 @@ class Fragment:
 
 class Coordinator:
     def __init__(self, endpoints: Endpoints, run: str, *, settings: RunSettings | None = None,
-                 config: CoordinatorConfig | None = None) -> None:
+                 config: CoordinatorConfig | None = None, stop: threading.Event | None = None) -> None:
+        """Create or load the run, take the coordinator lease (waiting for it if another coordinator
+        holds it; `stop` ends the wait) and bring Redis up to date with the manifests in S3."""
         self.config = config or CoordinatorConfig()
         self.store = ObjectStore(endpoints)
         self.bus = Bus(endpoints, run)
@@ -65,9 +64,12 @@ class Coordinator:
         self.spec = self._load_or_create(settings or RunSettings())
         # The grace window reasons about the learners' overlap: take tau from the run itself.
         self.round_cfg = replace(self.config.round, overlap_steps=self.spec.overlap_steps)
+        self.leadership = Leadership(self.bus, self.store, self.config.lease_s)
+        self.epoch = self.leadership.take(standby=self.config.standby, stop=stop or threading.Event())
         self.bus.ensure_group()
-        self.epoch = self.bus.set_epoch()
-        heads = roll_forward(self.store, self.bus, self.spec.num_fragments, self.epoch)
+        heads = roll_forward(self.store, self.bus, self.spec.num_fragments, self.epoch,
+                             keep_applied=self.round_cfg.max_staleness + 1)
+        self.leadership.start_renewing()
         self.layout: Layout | None = read_layout(self.store, self.keys)
         self.fragments = {f: Fragment(head=heads.get(f, -1)) for f in range(self.spec.num_fragments)}
         self.sync_time_s = 0.0
@@ -78,8 +80,8 @@ class Coordinator:
         self._pool = ThreadPoolExecutor(self.config.fetch_threads, thread_name_prefix="fetch")
         self._retry: list[tuple[str, Announcement]] = []
         self._read_pending = True
-        log.info("coordinator of run %s: epoch %d, %d fragments, heads %s", run, self.epoch,
-                 self.spec.num_fragments, {f: s.head for f, s in self.fragments.items()})
+        log.info("coordinator %s of run %s: epoch %d, %d fragments, heads %s", self.leadership.holder, run,
+                 self.epoch, self.spec.num_fragments, {f: s.head for f, s in self.fragments.items()})
 
     def _load_or_create(self, settings: RunSettings) -> RunSpec:
         spec = read_run_spec(self.store, self.keys)
@@ -97,11 +99,26 @@ class Coordinator:
 
     # ---- the loop ----------------------------------------------------------------------------
     def serve(self, stop: threading.Event) -> None:
-        """Run until `stop` is set. Raises Fenced if another coordinator takes over."""
+        """Run until `stop` is set, then hand the lease over. Raises Fenced if another coordinator takes over."""
+        try:
+            self._serve(stop)
+        except Fenced:
+            self.close(release=False)
+            raise
+        self.close(release=True)
+
+    def close(self, *, release: bool = True) -> None:
+        """Stop renewing the lease (and give it up at once, so that a standby need not wait for it to lapse)."""
+        self.leadership.close(release=release)
+        self._pool.shutdown(wait=True)
+
+    def _serve(self, stop: threading.Event) -> None:
         last_claim = 0.0
         while not stop.is_set():
             now = time.monotonic()
             try:
+                if self.leadership.check():
+                    self._rebuild()
                 if now - last_claim > self.config.claim_idle_s / 2:
                     self._intake(self.bus.autoclaim(self.config.consumer,
                                                     min_idle_ms=int(self.config.claim_idle_s * 1000)))
@@ -111,7 +128,23 @@ class Coordinator:
                 # Pending entries stay pending and in-memory rounds stay open: resume when it answers.
                 log.warning("storage unavailable, retrying in 1s: %s", exc)
                 stop.wait(1.0)
-        self._pool.shutdown(wait=True)
+
+    def _rebuild(self) -> None:
+        """Redis lost the run's keys: take the lease again, then rebuild heads, applied set, the
+        consumer group and the round clock from S3 and from what this process holds."""
+        self.epoch = self.leadership.retake()
+        self.bus.ensure_group()
+        heads = roll_forward(self.store, self.bus, self.spec.num_fragments, self.epoch,
+                             keep_applied=self.round_cfg.max_staleness + 1)
+        for fragment, frag in self.fragments.items():
+            if heads.get(fragment, -1) != frag.head:
+                frag.head, frag.params, frag.state = heads.get(fragment, -1), None, None
+            frag.round = [c for c in frag.round if not self.bus.is_applied(c.announcement.contribution_id)]
+        if self.cadence is not None:
+            self.bus.set_cadence(self.cadence)
+        self._read_pending = True
+        self.bus.incr("redis_rebuilds")
+        log.warning("rebuilt Redis from S3 at epoch %d: heads %s", self.epoch, heads)
 
     def step(self, block_ms: int = 0) -> None:
         """One iteration: read what arrived, then merge every round that is due."""
@@ -277,6 +310,19 @@ class Coordinator:
                                       momentum=self.config.outer_momentum)
         self._publish(fragment, frag, contributions, weights, params, state)
 
+    def _adopt_written(self, fragment: int, frag: Fragment, version: int) -> None:
+        """The manifest of `version` exists already: a deposed coordinator wrote it just before its
+        commit was fenced. It is committed (S3 is the truth): commit it in Redis with our epoch,
+        start from it, and keep only the round's contributions it did not merge."""
+        manifest = read_manifest(self.store, self.keys, fragment, version)
+        log.warning("fragment %d version %d was written by the coordinator of epoch %d: adopting it", fragment,
+                    version, manifest.epoch)
+        commit_existing(self.bus, manifest, epoch=self.epoch)
+        merged = {c.contribution_id for c in manifest.inputs}
+        frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
+        frag.head, frag.params, frag.state, frag.wake_at = version, None, None, None
+        self.bus.incr("versions_adopted")
+
     def _ensure_loaded(self, fragment: int, frag: Fragment) -> None:
         if frag.params is not None:
             return
@@ -304,10 +350,17 @@ class Coordinator:
             manifest = write_version(self.store, self.keys, fragment=fragment, version=version, params=params,
                                      state=state, inputs=inputs, refused=tuple(frag.refused), settings=settings,
                                      epoch=self.epoch)
-        except Conflict as exc:
-            raise Fenced(f"version {version} of fragment {fragment} was written by another coordinator: {exc}") from exc
+        except Conflict:
+            self._adopt_written(fragment, frag, version)
+            return
         result = commit(self.bus, manifest, epoch=self.epoch, ack_ids=[c.entry_id for c in contributions])
-        if result not in (CommitResult.COMMITTED, CommitResult.ALREADY):
+        if result is CommitResult.WIPED:
+            self._rebuild()  # rolls our manifest forward: it is the latest in S3
+        elif result is CommitResult.FENCED:
+            self.leadership.deposed()
+            raise Fenced(f"commit of fragment {fragment} version {version} refused: another coordinator holds "
+                         f"run {self.spec.run!r} now (this one had epoch {self.epoch})")
+        elif result not in (CommitResult.COMMITTED, CommitResult.ALREADY):
             raise Fenced(f"commit of fragment {fragment} version {version} refused by Redis: {result.name}")
         merged = {c.announcement.contribution_id for c in contributions}
         frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]

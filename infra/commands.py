@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from coordinator.config import CoordinatorConfig, RunSettings
+from coordinator.leadership import Stopped
 from coordinator.policy import RoundConfig
 from coordinator.service import Coordinator
 from infra.options import add_options, build
@@ -35,10 +36,15 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_coordinator(args: argparse.Namespace) -> int:
     config = build(CoordinatorConfig, args, round=build(RoundConfig, args, overlap_steps=args.overlap_steps))
-    coordinator = Coordinator(Endpoints.from_env(), args.run, settings=build(RunSettings, args), config=config)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        coordinator = Coordinator(Endpoints.from_env(), args.run, settings=build(RunSettings, args), config=config,
+                                  stop=stop)
+    except Stopped:
+        log.info("stopped before taking over run %s", args.run)
+        return 0
     coordinator.serve(stop)
     log.info("coordinator stopped: %s", coordinator.bus.counters())
     return 0

@@ -44,7 +44,7 @@ VERSIONS_MAXLEN = 100_000
 
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
-_retry = retry(
+redis_retry = retry(
     retry=retry_if_exception_type(_TRANSIENT),
     wait=wait_random_exponential(multiplier=0.1, max=2.0),
     stop=stop_after_delay(30.0),
@@ -64,6 +64,8 @@ class CommitResult(enum.Enum):
     """A different version with the same number exists."""
     ALREADY_APPLIED = -4
     """One of the contributions was applied in an earlier version."""
+    WIPED = -5
+    """The epoch key is gone: Redis lost its data (restarted empty). Rebuild from S3, then retry."""
 
 
 _COMMIT_LUA = """
@@ -76,7 +78,11 @@ if done then
   if done == sha then return 2 end
   return -3
 end
-if ARGV[5] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[5] then return -1 end
+if ARGV[5] ~= '' then
+  local e = redis.call('GET', KEYS[4])
+  if not e then return -5 end
+  if e ~= ARGV[5] then return -1 end
+end
 local cur = redis.call('HGET', KEYS[1], frag)
 if (cur or '') ~= expected then return -2 end
 local n = tonumber(ARGV[9])
@@ -124,16 +130,16 @@ class Bus:
         self._commit = self.r.register_script(_COMMIT_LUA)
         self._ack = self.r.register_script(_ACK_LUA)
 
-    @_retry
+    @redis_retry
     def ping(self) -> bool:
         return bool(self.r.ping())
 
     # ---- announcements (learner -> coordinator) -----------------------------------------
-    @_retry
+    @redis_retry
     def announce(self, a: Announcement) -> str:
         return self.r.xadd(self.keys.announcements, {FIELD: a.to_wire()}).decode()
 
-    @_retry
+    @redis_retry
     def ensure_group(self) -> None:
         """Create the consumer group (and the stream) if missing. Idempotent."""
         try:
@@ -152,7 +158,7 @@ class Bus:
         except Refused as exc:
             return eid, exc
 
-    @_retry
+    @redis_retry
     def read_announcements(self, consumer: str, *, count: int = 64, block_ms: int = 1000,
                            pending: bool = False) -> list[Entry]:
         """New entries for this consumer (`pending=True`: the ones delivered before but not acked)."""
@@ -169,7 +175,7 @@ class Bus:
                 out.append(self._parse(entry_id, fields))
         return out
 
-    @_retry
+    @redis_retry
     def autoclaim(self, consumer: str, *, min_idle_ms: int, count: int = 64) -> list[Entry]:
         """Take over entries left pending by other consumers for longer than min_idle_ms."""
         reply = self.r.xautoclaim(self.keys.announcements, self.keys.GROUP, consumer, min_idle_ms,
@@ -187,13 +193,13 @@ class Bus:
             out.append(self._parse(entry_id, fields))
         return out
 
-    @_retry
+    @redis_retry
     def ack(self, entry_ids: Sequence[str]) -> int:
         if not entry_ids:
             return 0
         return int(self._ack(keys=[self.keys.announcements], args=[self.keys.GROUP, *entry_ids]))
 
-    @_retry
+    @redis_retry
     def refuse(self, entry_id: str | None, refusal: Refusal) -> None:
         """Record a refusal (stream + counters) and acknowledge its entry, in one transaction."""
         pipe = self.r.pipeline(transaction=True)
@@ -204,14 +210,14 @@ class Bus:
             pipe.xack(self.keys.announcements, self.keys.GROUP, entry_id)
         pipe.execute()
 
-    @_retry
+    @redis_retry
     def refusals(self, count: int = 1000) -> list[Refusal]:
         out = []
         for _eid, fields in self.r.xrange(self.keys.refusals, count=count):
             out.append(Refusal.from_wire(fields[FIELD]))
         return out
 
-    @_retry
+    @redis_retry
     def pending_count(self) -> int:
         try:
             info = self.r.xpending(self.keys.announcements, self.keys.GROUP)
@@ -220,16 +226,11 @@ class Bus:
         return int(info["pending"])
 
     # ---- versions (coordinator -> learners) ---------------------------------------------
-    @_retry
-    def set_epoch(self) -> int:
-        """Take a new fencing epoch: every commit of an older epoch fails from now on."""
-        return int(self.r.incr(self.keys.epoch))
-
-    @_retry
+    @redis_retry
     def heads(self) -> dict[int, int]:
         return {int(k): int(v) for k, v in self.r.hgetall(self.keys.heads).items()}
 
-    @_retry
+    @redis_retry
     def commit_version(self, event: VersionEvent, *, expected_head: int | None, epoch: int | None,
                        ack_ids: Sequence[str]) -> CommitResult:
         """Make `event` the head of its fragment, fenced and atomic (see module docstring)."""
@@ -244,7 +245,7 @@ class Bus:
             self.ack(ack_ids)  # the first attempt acked them; acking again is harmless
         return result
 
-    @_retry
+    @redis_retry
     def read_versions(self, after_id: str = "0", *, block_ms: int | None = None,
                       count: int = 256) -> list[tuple[str, VersionEvent | Refused]]:
         block = None if block_ms is None else min(block_ms, MAX_BLOCK_MS)
@@ -258,28 +259,34 @@ class Bus:
                     out.append((entry_id.decode(), exc))
         return out
 
-    @_retry
+    @redis_retry
+    def mark_applied(self, contribution_ids: Sequence[str]) -> None:
+        """Record contributions as applied (rebuilding Redis from the manifests in S3)."""
+        if contribution_ids:
+            self.r.sadd(self.keys.applied, *contribution_ids)
+
+    @redis_retry
     def is_applied(self, contribution_id: str) -> bool:
         return bool(self.r.sismember(self.keys.applied, contribution_id))
 
     # ---- the round clock ---------------------------------------------------------------
-    @_retry
+    @redis_retry
     def server_time(self) -> float:
         """Redis server time, unix seconds: the one clock every process agrees on."""
         sec, usec = self.r.time()
         return sec + usec / 1e6
 
-    @_retry
+    @redis_retry
     def set_cadence(self, cadence: Cadence) -> None:
         self.r.set(self.keys.cadence, cadence.to_wire())
 
-    @_retry
+    @redis_retry
     def cadence(self) -> Cadence | None:
         raw = self.r.get(self.keys.cadence)
         return None if raw is None else Cadence.from_wire(raw)
 
     # ---- learners ----------------------------------------------------------------------
-    @_retry
+    @redis_retry
     def heartbeat(self, learner: str, ttl_s: float, stats: dict[str, Any] | None = None) -> None:
         pipe = self.r.pipeline(transaction=False)
         pipe.zadd(self.keys.learners, {learner: time.time() + ttl_s})
@@ -287,15 +294,15 @@ class Bus:
             pipe.hset(self.keys.learner_stats, learner, pack(stats))
         pipe.execute()
 
-    @_retry
+    @redis_retry
     def leave(self, learner: str) -> None:
         self.r.zrem(self.keys.learners, learner)
 
-    @_retry
+    @redis_retry
     def live_learners(self) -> list[str]:
         return [m.decode() for m in self.r.zrangebyscore(self.keys.learners, time.time(), "+inf")]
 
-    @_retry
+    @redis_retry
     def learner_stats(self) -> dict[str, dict[str, Any]]:
         out = {}
         for k, v in self.r.hgetall(self.keys.learner_stats).items():
@@ -308,11 +315,11 @@ class Bus:
         return out
 
     # ---- counters ----------------------------------------------------------------------
-    @_retry
+    @redis_retry
     def incr(self, name: str, amount: int = 1) -> None:
         self.r.hincrby(self.keys.counters, name, amount)
 
-    @_retry
+    @redis_retry
     def counters(self) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.counters).items()}
 

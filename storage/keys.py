@@ -5,12 +5,16 @@ Integers are zero-padded so that lexicographic listing order is numeric order
 
     run.msgpack                                   RunSpec, written once by the coordinator
     layout.msgpack                                Layout, written at genesis
+    epochs/{epoch}                                the holder of each coordinator epoch, claimed once
     genesis/{learner}/layout.msgpack              a learner's proposed layout
     genesis/{learner}/{fragment}                  a learner's proposed initial params
     fragments/{fragment}/{learner}/{seq}          one encoded outer gradient
-    versions/{fragment}/{version}/params          global params of that version
-    versions/{fragment}/{version}/outer_state     outer-optimizer state after that version
-    versions/{fragment}/{version}/manifest        the commit record (Manifest)
+    versions/{fragment}/{version}/params.{epoch}       global params of that version
+    versions/{fragment}/{version}/outer_state.{epoch}  outer-optimizer state after that version
+    versions/{fragment}/{version}/manifest             the commit record (Manifest): names the two above
+
+Version objects carry the writer's fencing epoch, so a deposed coordinator racing the current one
+never overwrites the objects that a committed manifest points to.
 
 Redis keys are `diloco:{prefix}/{run}:...` (the same prefix as in S3, so deployments that share a
 Redis do not collide); see `RunKeys`.
@@ -25,6 +29,7 @@ from storage.protocol import check_id
 FRAGMENT_DIGITS = 4
 VERSION_DIGITS = 12
 SEQ_DIGITS = 16
+EPOCH_DIGITS = 10
 
 
 def _frag(fragment: int) -> str:
@@ -66,6 +71,12 @@ class RunKeys:
     def genesis_params(self, learner: str, fragment: int) -> str:
         return f"{self.root}genesis/{check_id('learner', learner)}/{_frag(fragment)}"
 
+    def epoch_claim(self, epoch: int) -> str:
+        return f"{self.root}epochs/{_num(epoch, EPOCH_DIGITS)}"
+
+    def epochs_prefix(self) -> str:
+        return f"{self.root}epochs/"
+
     def delta(self, fragment: int, learner: str, seq: int) -> str:
         return f"{self.root}fragments/{_frag(fragment)}/{check_id('learner', learner)}/{_num(seq, SEQ_DIGITS)}"
 
@@ -75,11 +86,12 @@ class RunKeys:
     def version_dir(self, fragment: int, version: int) -> str:
         return f"{self.root}versions/{_frag(fragment)}/{_num(version, VERSION_DIGITS)}/"
 
-    def params(self, fragment: int, version: int) -> str:
-        return self.version_dir(fragment, version) + "params"
+    def params(self, fragment: int, version: int, epoch: int) -> str:
+        """Written by the coordinator of `epoch`: two coordinators never write the same object."""
+        return self.version_dir(fragment, version) + f"params.{_num(epoch, EPOCH_DIGITS)}"
 
-    def outer_state(self, fragment: int, version: int) -> str:
-        return self.version_dir(fragment, version) + "outer_state"
+    def outer_state(self, fragment: int, version: int, epoch: int) -> str:
+        return self.version_dir(fragment, version) + f"outer_state.{_num(epoch, EPOCH_DIGITS)}"
 
     def manifest(self, fragment: int, version: int) -> str:
         return self.version_dir(fragment, version) + "manifest"
@@ -129,6 +141,11 @@ class RunKeys:
     def epoch(self) -> str:
         """String: the current coordinator fencing epoch; commits carrying another epoch fail."""
         return self._r + "epoch"
+
+    @property
+    def lease(self) -> str:
+        """String with a TTL: the name of the coordinator that holds the run (storage.lease)."""
+        return self._r + "lease"
 
     @property
     def cadence(self) -> str:

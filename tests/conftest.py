@@ -8,12 +8,15 @@ never by flushing: a test that needs to stop or kill a server starts its own `Lo
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from harness import TASK
+from infra.fleet import Proc, process_env
 from infra.stack import LocalStack, create_bucket
 from storage.settings import Endpoints
 
@@ -56,3 +59,15 @@ def endpoints(stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> Endpoints:
 @pytest.fixture
 def run_id() -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def fleet_env(stack: LocalStack, endpoints: Endpoints, tmp_path: Path) -> Iterator[tuple[dict[str, str], list[Proc]]]:
+    """The environment for `diloco` processes on this test's bucket, and a list of processes
+    that are SIGKILLed at the end of the test whatever happened."""
+    (tmp_path / "task.json").write_text(json.dumps(TASK.to_wire()))
+    env = process_env(endpoints.to_env() | {k: v for k, v in stack.env().items() if k.startswith("AWS_")})
+    procs: list[Proc] = []
+    yield env, procs
+    for p in procs:
+        p.kill()

@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+import torch
+
+from coordinator.config import CoordinatorConfig, RunSettings
+from coordinator.policy import RoundConfig
 from coordinator.service import Coordinator
+from infra.fleet import Proc, diloco_command
+from storage.bus import FIELD, Bus
+from storage.history import read_layout, read_manifest, read_params
+from storage.objects import ObjectStore
+from storage.protocol import Announcement
+from storage.settings import Endpoints
+from workers.demo.task import DemoTask
+from workers.learner import Learner
 
 
 @contextmanager
@@ -29,3 +43,85 @@ def serving(coord: Coordinator) -> Iterator[None]:
         thread.join(timeout=10)
     if failure:
         raise failure[0]
+
+
+# ---- an in-process coordinator driven one step at a time, and a tiny learner ---------------------
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+
+def make_coordinator(endpoints, run_id, **config) -> Coordinator:  # noqa: ANN001
+    """Two fragments, H = 4 steps, fp32; rounds merge as soon as one contribution is in."""
+    return Coordinator(endpoints, run_id, settings=RunSettings(num_fragments=2, sync_every=4, overlap_steps=1,
+                                                               codec="fp32", compress=False),
+                       config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0), **config))
+
+
+def join(endpoints, run_id, coord, name) -> tuple[Learner, torch.optim.Optimizer]:  # noqa: ANN001
+    """A learner joined through genesis, with the coordinator stepped in between."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id=name, tokens_per_step=10)
+    t = threading.Thread(target=learner.start)
+    t.start()
+    while t.is_alive():
+        coord.step(block_ms=50)
+    return learner, opt
+
+
+def train(learner: Learner, opt: torch.optim.Optimizer, steps: int) -> None:
+    """`steps` optimizer steps on random gradients, then wait until every contribution is announced."""
+    for _ in range(steps):
+        for p in learner.model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert learner.uploader.flush(30)
+
+
+def announcements(bus) -> list[tuple[str, Announcement]]:  # noqa: ANN001
+    return [(eid.decode(), Announcement.from_wire(f[FIELD])) for eid, f in bus.r.xrange(bus.keys.announcements)]
+
+
+# ---- real `diloco` processes on the demo task ------------------------------------------------------
+
+TASK = DemoTask(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=32, batch_size=8, eval_tokens=4096,
+                warmup_steps=10)
+
+
+def spawn_coordinator(run_id: str, env: dict[str, str], log_dir: Path, *extra: str) -> Proc:
+    argv = diloco_command("coordinator", "--run", run_id, "--fragments", "2", "--sync-every", "10",
+                          "--overlap-steps", "5", "--codec", "int8", *extra)
+    return Proc("coordinator", argv, log_dir / "coordinator.log", env).start()
+
+
+def spawn_learner(run_id: str, env: dict[str, str], tmp_path: Path, name: str, steps: int, seed: int = 0,
+                  slowdown: float = 1.0) -> Proc:
+    """A demo learner on TASK (the `fleet_env` fixture writes tmp_path/task.json)."""
+    argv = diloco_command("learner", "--run", run_id, "--id", name, "--steps", str(steps), "--data-seed", str(seed),
+                          "--slowdown", str(slowdown), "--task", str(tmp_path / "task.json"))
+    return Proc(name, argv, tmp_path / f"{name}.log", env).start()
+
+
+def global_eval(endpoints: Endpoints, run_id: str, versions: dict[int, int] | None = None) -> float:
+    """TASK's eval loss of the global model at `versions` (default: the heads)."""
+    store, bus = ObjectStore(endpoints), Bus(endpoints, run_id)
+    heads = versions if versions is not None else bus.heads()
+    layout = read_layout(store, bus.keys)
+    model = TASK.make_model(123)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for f, v in heads.items():
+            for name, value in read_params(store, layout, read_manifest(store, bus.keys, f, v)).items():
+                params[name].copy_(value)
+    return TASK.eval_loss(model)
+
+
+def wait_all(procs: list[Proc], timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        rc = p.wait(max(1.0, deadline - time.monotonic()))
+        assert rc == 0, f"{p.name} exited {rc}:\n{p.tail(40)}"

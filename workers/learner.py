@@ -42,7 +42,7 @@ from storage.bus import Bus
 from storage.errors import ConfigError, DilocoError
 from storage.history import read_layout, read_manifest, read_params, read_run_spec
 from storage.objects import ObjectStore
-from storage.protocol import Layout, RunSpec, check_id
+from storage.protocol import Layout, check_id
 from storage.settings import Endpoints
 from workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout
 from workers.island import Replica

@@ -10,66 +10,15 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
 import torch
 
-from coordinator.config import CoordinatorConfig, RunSettings
-from coordinator.policy import RoundConfig
-from coordinator.service import Coordinator
-from infra.fleet import Proc, diloco_command, process_env
 from storage import codecs
 from storage.bus import FIELD, Bus
-from storage.history import read_layout, read_manifest, read_params, sha256_hex
+from storage.history import read_layout, read_manifest, sha256_hex
 from storage.objects import ObjectStore
 from storage.protocol import Announcement
-from workers.demo.task import DemoTask
-from workers.learner import Learner
-
-TASK = DemoTask(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=32, batch_size=8, eval_tokens=4096,
-                warmup_steps=10)
-
-
-def spawn_coordinator(run_id, env, tmp_path, *extra) -> Proc:
-    argv = diloco_command("coordinator", "--run", run_id, "--fragments", "2", "--sync-every", "10",
-                          "--overlap-steps", "5", "--codec", "int8", *extra)
-    return Proc("coordinator", argv, tmp_path / "coordinator.log", env).start()
-
-
-def spawn_learner(run_id, env, tmp_path, name, steps, seed=0, slowdown=1.0) -> Proc:
-    argv = diloco_command("learner", "--run", run_id, "--id", name, "--steps", str(steps), "--data-seed", str(seed),
-                          "--slowdown", str(slowdown), "--task", str(tmp_path / "task.json"))
-    return Proc(name, argv, tmp_path / f"{name}.log", env).start()
-
-
-def global_eval(endpoints, run_id, versions: dict[int, int] | None = None) -> float:
-    store, bus = ObjectStore(endpoints), Bus(endpoints, run_id)
-    heads = versions if versions is not None else bus.heads()
-    layout = read_layout(store, bus.keys)
-    model = TASK.make_model(123)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for f, v in heads.items():
-            for name, value in read_params(store, layout, read_manifest(store, bus.keys, f, v)).items():
-                params[name].copy_(value)
-    return TASK.eval_loss(model)
-
-
-def wait_all(procs, timeout_s=240):
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        rc = p.wait(max(1.0, deadline - time.monotonic()))
-        assert rc == 0, f"{p.name} exited {rc}:\n{p.tail(40)}"
-
-
-@pytest.fixture
-def fleet_env(stack, endpoints, tmp_path):
-    (tmp_path / "task.json").write_text(json.dumps(TASK.to_wire()))
-    env = process_env(endpoints.to_env() | {k: v for k, v in stack.env().items() if k.startswith("AWS_")})
-    procs: list[Proc] = []
-    yield env, procs
-    for p in procs:
-        p.kill()
-
+from harness import (announcements, global_eval, join, make_coordinator, spawn_coordinator, spawn_learner, train,
+                     wait_all)
 
 def test_three_learners_train_the_global_model(endpoints, run_id, tmp_path, fleet_env):
     env, procs = fleet_env
@@ -138,44 +87,6 @@ def test_learner_sigkilled_midrun_others_go_on_and_it_rejoins(endpoints, run_id,
 
 
 # ---- intake, driven one announcement at a time -------------------------------------------------
-
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
-
-
-def make_coordinator(endpoints, run_id) -> Coordinator:
-    return Coordinator(endpoints, run_id, settings=RunSettings(num_fragments=2, sync_every=4, overlap_steps=1,
-                                                               codec="fp32", compress=False),
-                       config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0)))
-
-
-def join(endpoints, run_id, coord, name) -> tuple[Learner, torch.optim.Optimizer]:
-    """A learner joined through genesis, with the coordinator stepped in between."""
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id=name, tokens_per_step=10)
-    import threading
-    t = threading.Thread(target=learner.start)
-    t.start()
-    while t.is_alive():
-        coord.step(block_ms=50)
-    return learner, opt
-
-
-def train(learner, opt, steps):
-    for _ in range(steps):
-        for p in learner.model.parameters():
-            p.grad = torch.randn_like(p)
-        opt.step()
-    assert learner.uploader.flush(30)
-
-
-def announcements(bus) -> list[tuple[str, Announcement]]:
-    return [(eid.decode(), Announcement.from_wire(f[FIELD])) for eid, f in bus.r.xrange(bus.keys.announcements)]
-
 
 def test_duplicate_announcement_is_applied_once(endpoints, run_id):
     coord = make_coordinator(endpoints, run_id)

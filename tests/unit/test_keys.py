@@ -12,15 +12,15 @@ def test_listing_order_is_numeric_order():
     assert sorted(versions) == versions
     seqs = [k.delta(3, "l0", s) for s in (1, 2, 10, 1_700_000_000_000_000)]
     assert sorted(seqs) == seqs
-    frags = [k.params(f, 0) for f in (0, 1, 10, 100)]
+    frags = [k.params(f, 0, 1) for f in (0, 1, 10, 100)]
     assert sorted(frags) == frags
 
 
 def test_keys_live_under_the_run_and_parse_back():
     k = RunKeys("p", "run-1")
-    key = k.outer_state(12, 345)
-    assert key == "p/run-1/versions/0012/000000000345/outer_state"
-    assert k.parse_version_key(key) == (12, 345, "outer_state")
+    key = k.outer_state(12, 345, 7)
+    assert key == "p/run-1/versions/0012/000000000345/outer_state.0000000007"
+    assert k.parse_version_key(key) == (12, 345, "outer_state.0000000007")
     assert k.parse_version_key("p/run-1/fragments/0001/x/1") is None
     assert k.announcements == "diloco:p/run-1:announcements"
     assert RunKeys("p", "run-2").heads != k.heads
@@ -35,6 +35,6 @@ def test_ids_cannot_escape_their_prefix(bad):
 def test_out_of_range_numbers_are_refused():
     k = RunKeys("p", "r")
     with pytest.raises(ValueError):
-        k.params(10_000, 0)
+        k.params(10_000, 0, 1)
     with pytest.raises(ValueError):
-        k.params(0, -1)
+        k.params(0, -1, 1)
