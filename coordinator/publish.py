@@ -24,6 +24,7 @@ import torch
 from coordinator.outer import NesterovState
 from storage import codecs
 from storage.bus import Bus, CommitResult
+from storage.crashpoints import crash_point
 from storage.errors import Conflict
 from storage.history import latest_version, read_manifest, sha256_hex
 from storage.keys import RunKeys
@@ -57,12 +58,14 @@ def write_version(store: ObjectStore, keys: RunKeys, *, fragment: int, version: 
     params_key, state_key = keys.params(fragment, version, epoch), keys.outer_state(fragment, version, epoch)
     for key, blob in ((params_key, params_blob), (state_key, state_blob)):
         _put_uncommitted(store, keys, fragment, version, key, blob)
+    crash_point("params_written")
     manifest = Manifest(run=keys.run, fragment=fragment, version=version, parent_version=version - 1,
                         params_key=params_key, params_sha256=sha256_hex(params_blob),
                         outer_state_key=state_key,
                         outer_state_sha256=sha256_hex(state_blob), inputs=inputs, settings=settings,
                         refused=refused, committed_at=time.time(), epoch=epoch)
     store.put(keys.manifest(fragment, version), manifest.to_wire(), create_only=True)
+    crash_point("manifest_written")
     return manifest
 
 

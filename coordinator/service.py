@@ -29,6 +29,7 @@ from coordinator.outer import NesterovState, merge_deltas, nesterov_step
 from coordinator.policy import RoundState, decide_round, merge_order, merge_weights, staleness_verdict
 from coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
 from storage.bus import Bus, CommitResult
+from storage.crashpoints import crash_point
 from storage.errors import Conflict, Refused, StorageUnavailable
 from storage.history import read_layout, read_manifest, read_params, read_run_spec, read_verified
 from storage.objects import ObjectMissing, ObjectStore
@@ -299,6 +300,7 @@ class Coordinator:
             return
         log.info("fragment %d v%d: %s", fragment, frag.head + 1, decision.reason)
         self._ensure_loaded(fragment, frag)
+        crash_point("fetched")
         ordered = merge_order(arrivals)
         by_id = {c.announcement.contribution_id: c for c in frag.round}
         contributions = [by_id[a.contribution_id] for a in ordered]
@@ -354,6 +356,7 @@ class Coordinator:
             self._adopt_written(fragment, frag, version)
             return
         result = commit(self.bus, manifest, epoch=self.epoch, ack_ids=[c.entry_id for c in contributions])
+        crash_point("committed")
         if result is CommitResult.WIPED:
             self._rebuild()  # rolls our manifest forward: it is the latest in S3
         elif result is CommitResult.FENCED:

@@ -60,12 +60,17 @@ def make_coordinator(endpoints, run_id, **config) -> Coordinator:  # noqa: ANN00
                        config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0), **config))
 
 
-def join(endpoints, run_id, coord, name) -> tuple[Learner, torch.optim.Optimizer]:  # noqa: ANN001
-    """A learner joined through genesis, with the coordinator stepped in between."""
+def tiny_learner(endpoints: Endpoints, run_id: str, name: str) -> tuple[Learner, torch.optim.Optimizer]:
+    """A learner around Tiny and SGD, not started."""
     torch.manual_seed(0)
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id=name, tokens_per_step=10)
+    return Learner(model, opt, run=run_id, endpoints=endpoints, learner_id=name, tokens_per_step=10), opt
+
+
+def join(endpoints, run_id, coord, name) -> tuple[Learner, torch.optim.Optimizer]:  # noqa: ANN001
+    """A learner joined through genesis, with the coordinator stepped in between."""
+    learner, opt = tiny_learner(endpoints, run_id, name)
     t = threading.Thread(target=learner.start)
     t.start()
     while t.is_alive():

@@ -7,13 +7,17 @@ test SIGKILLs a real `diloco coordinator` while a `--standby` one waits and lear
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
 
 from coordinator.leadership import Fenced
-from harness import announcements, join, make_coordinator, spawn_coordinator, spawn_learner, train, wait_all
+from harness import (announcements, join, make_coordinator, spawn_coordinator, spawn_learner, tiny_learner, train,
+                     wait_all)
+from infra.fleet import Proc, diloco_command
 from storage.bus import Bus
+from storage.crashpoints import ENV as CRASH_ENV, POINTS
 from storage.history import read_manifest
 from storage.objects import ObjectStore
 
@@ -108,4 +112,46 @@ def test_standby_takes_over_within_the_lease_when_the_coordinator_is_killed(endp
             seen |= ids
             epochs.add(m.epoch)
     assert len(epochs) == 2  # both coordinators committed versions
+    assert bus.counters().get("contributions_refused", 0) == 0, bus.refusals()
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_coordinator_killed_at_each_commit_step_resumes_and_applies_everything_once(point, endpoints, run_id,
+                                                                                    tmp_path, fleet_env):
+    env, procs = fleet_env
+    argv = diloco_command("coordinator", "--run", run_id, "--fragments", "2", "--sync-every", "4",
+                          "--overlap-steps", "1", "--codec", "fp32", "--cadence", "steps", "--min-quorum", "1",
+                          "--max-grace-s", "0", "--lease-s", "1")
+    # Versions 0 of both fragments pass the publish points first: die at the first delta's version.
+    hit = 1 if point == "fetched" else 3
+    doomed = Proc("doomed", argv, tmp_path / "doomed.log", env | {CRASH_ENV: f"{point}:{hit}"}).start()
+    procs.append(doomed)
+    learner, opt = tiny_learner(endpoints, run_id, "l0")
+    learner.start()  # genesis, committed by the doomed coordinator
+    train(learner, opt, 4)  # fragment 0's first delta: the coordinator dies on its way to version 1
+    assert doomed.wait(30) == -signal.SIGKILL, doomed.tail()
+    assert f"crash point {point} reached" in doomed.tail()
+    bus, store = Bus(endpoints, run_id), ObjectStore(endpoints)
+    manifest_written = store.exists(bus.keys.manifest(0, 1))
+    assert manifest_written == (point in ("manifest_written", "committed")), point
+
+    procs.append(Proc("successor", argv, tmp_path / "successor.log", env).start())
+    train(learner, opt, 12)  # more deltas for both fragments while the successor takes over
+    learner.close()
+    announced = {a.contribution_id for _, a in announcements(bus) if a.kind == "delta"}
+    assert len(announced) >= 3  # the first one, then at least one per fragment (fast sends coalesce)
+    deadline = time.monotonic() + 60
+    while bus.pending_count() or not all(bus.is_applied(c) for c in announced):
+        assert time.monotonic() < deadline, (bus.heads(), bus.pending_count(), procs[-1].tail())
+        time.sleep(0.1)
+
+    # Every delta the learner announced is in exactly one manifest; versions are contiguous.
+    applied: list[str] = []
+    for f, head in bus.heads().items():
+        for v in range(head + 1):
+            m = read_manifest(store, bus.keys, f, v)
+            assert m.parent_version == v - 1
+            applied += [c.contribution_id for c in m.inputs if v > 0]
+    assert len(applied) == len(set(applied)), "a contribution was applied twice"
+    assert set(applied) == announced
     assert bus.counters().get("contributions_refused", 0) == 0, bus.refusals()
