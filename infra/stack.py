@@ -428,6 +428,16 @@ class LocalStack:
         if self.redis_server is not None:
             self.redis_server.kill()
 
+    def wipe_redis(self) -> None:
+        """SIGKILL Redis and delete its data, then start it empty: a Redis that lost everything
+        (no persistence, a replaced machine). Runs must rebuild their Redis state from S3."""
+        self.kill_redis()
+        data = self.data_dir / "redis"
+        for path in data.iterdir():
+            if path.name not in ("redis.conf", "redis.log"):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        self.start_redis()
+
     # -- S3 -------------------------------------------------------------------------------------
 
     def start_s3(self) -> None:

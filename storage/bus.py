@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -104,6 +103,14 @@ redis.call('HINCRBY', KEYS[7], 'contributions_applied', n)
 return 1
 """
 
+_HEARTBEAT_LUA = """
+-- KEYS: learners, learner_stats; ARGV: learner, ttl_s, [stats]
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[2]), ARGV[1])
+if ARGV[3] then redis.call('HSET', KEYS[2], ARGV[1], ARGV[3]) end
+return 1
+"""
+
 _ACK_LUA = """
 -- KEYS: announcements; ARGV: group, ids...
 if #ARGV > 1 then return redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2)) end
@@ -129,6 +136,7 @@ class Bus:
         self.r = connect(endpoints.redis_url)
         self._commit = self.r.register_script(_COMMIT_LUA)
         self._ack = self.r.register_script(_ACK_LUA)
+        self._heartbeat = self.r.register_script(_HEARTBEAT_LUA)
 
     @redis_retry
     def ping(self) -> bool:
@@ -288,11 +296,9 @@ class Bus:
     # ---- learners ----------------------------------------------------------------------
     @redis_retry
     def heartbeat(self, learner: str, ttl_s: float, stats: dict[str, Any] | None = None) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        pipe.zadd(self.keys.learners, {learner: time.time() + ttl_s})
-        if stats is not None:
-            pipe.hset(self.keys.learner_stats, learner, pack(stats))
-        pipe.execute()
+        """Live until `ttl_s` from now on the Redis server's clock (machines' clocks may disagree)."""
+        args: list[Any] = [learner, ttl_s] + ([] if stats is None else [pack(stats)])
+        self._heartbeat(keys=[self.keys.learners, self.keys.learner_stats], args=args)
 
     @redis_retry
     def leave(self, learner: str) -> None:
@@ -300,7 +306,8 @@ class Bus:
 
     @redis_retry
     def live_learners(self) -> list[str]:
-        return [m.decode() for m in self.r.zrangebyscore(self.keys.learners, time.time(), "+inf")]
+        """Learners whose last heartbeat has not expired, on the Redis server's clock."""
+        return [m.decode() for m in self.r.zrangebyscore(self.keys.learners, self.server_time(), "+inf")]
 
     @redis_retry
     def learner_stats(self) -> dict[str, dict[str, Any]]:

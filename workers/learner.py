@@ -60,7 +60,10 @@ class LearnerConfig:
     lease_s: float = 10.0
     """A learner whose last heartbeat is older than this is not counted as live."""
     close_timeout_s: float = 30.0
-    """On exit, how long to wait for queued uploads before abandoning them."""
+    """On exit (also on SIGTERM, a preemption notice): how long to wait for queued uploads before
+    abandoning them and leaving. Exiting takes at most about this long."""
+    upload_deadline_s: float = 120.0
+    """A contribution that cannot be stored and announced for this long (S3 or Redis down) is dropped and counted."""
 
     def __post_init__(self) -> None:
         if self.lease_s <= self.heartbeat_s:
@@ -142,15 +145,17 @@ class Learner:
             self._hook = None
         if not self.is_leader:
             return
-        flushed = self.uploader.flush(self.config.close_timeout_s)
-        if not flushed:
-            log.warning("closing with %d contributions not uploaded", self.uploader.pending())
+        deadline = time.monotonic() + self.config.close_timeout_s
+        if not self.uploader.flush(self.config.close_timeout_s):
+            log.warning("leaving with %d contribution(s) not uploaded after %.0fs: abandoned", self.uploader.pending(),
+                        self.config.close_timeout_s)
         self._stop.set()
         self.uploader.close()
         self.fetcher.close()
-        # Join before the interpreter tears down: a daemon thread inside a torch op at exit aborts the process.
+        # Join before the interpreter tears down: a daemon thread inside a torch op at exit aborts the
+        # process. A thread stuck on an unreachable server is abandoned at the deadline.
         for thread in (self.uploader, self.fetcher, self._heartbeat_thread):
-            thread.join(timeout=5.0)
+            thread.join(timeout=max(0.5, deadline - time.monotonic()))
         try:
             self._heartbeat()
             self.bus.leave(self.learner_id)
@@ -176,7 +181,8 @@ class Learner:
                                f"run {self.run!r} to be created by a coordinator")
         mine = plan_layout(model_params(self.model), self.spec.num_fragments)
         layout = read_layout(self.store, keys)
-        self.uploader = Uploader(self.store, self.bus, self.spec, self.learner_id, self.stats)
+        self.uploader = Uploader(self.store, self.bus, self.spec, self.learner_id, self.stats,
+                                 deadline_s=self.config.upload_deadline_s)
         self.uploader.start()
         self._heartbeat()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)

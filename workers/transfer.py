@@ -1,14 +1,16 @@
 """Background I/O of a learner: uploading outer gradients and fetching new global versions.
 
 The training loop only ever hands work to these threads and picks up results without waiting:
-- `Uploader`: encode -> create-only PUT to S3 -> XADD announcement. At most one job per fragment
-  is queued: a newer job for a fragment whose previous one has not left yet is coalesced into it
-  (deltas add, tokens and steps add, the older base version is kept), so a slow network delays
-  contributions but never grows memory or loses progress.
+- `Uploader`: encode -> create-only PUT to S3 -> XADD announcement. A newer job for a fragment
+  whose previous one has not been stored yet is coalesced into it (deltas add, tokens and steps
+  add, the older base version is kept), so a slow network delays contributions but never grows
+  memory or loses progress. A job that fails (S3 or Redis unreachable past the adapters' own
+  retries) is retried with the same object key and contribution id, so that an object stored
+  before its announcement failed is announced, never stored twice under two ids; once a job is
+  older than `deadline_s` it is dropped and counted (`TransferStats.upload_failed`).
 - `Fetcher`: follows the versions stream; when the loop wants a fragment newer than some version,
   it downloads the newest one (manifest, then params, verified) and parks it until taken.
-On failure (S3 or Redis unreachable past the adapters' retries) a job is dropped and counted;
-training goes on.
+Training goes on whatever happens here.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import torch
 
 from storage import codecs
 from storage.bus import Bus
-from storage.errors import Conflict, DilocoError, Refused
+import redis
+
+from storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
 from storage.history import read_manifest, read_params, sha256_hex
 from storage.keys import RunKeys
 from storage.objects import ObjectStore
@@ -42,6 +46,14 @@ class UploadJob:
     step_time_s: float
     kind: str = "delta"
     deadline: float = 0.0
+    created_at: float = field(default_factory=time.monotonic)
+    contribution_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    blob: bytes | None = None
+    """The encoded object, once encoded."""
+    key: str | None = None
+    """Where the object is stored, once stored: from then on only the announcement is retried."""
+    seq: int = 0
+    attempts: int = 0
 
     def absorb(self, newer: UploadJob) -> None:
         for name, t in newer.delta.items():
@@ -57,6 +69,8 @@ class TransferStats:
     uploaded: int = 0
     coalesced: int = 0
     upload_failed: int = 0
+    """Contributions dropped: not stored and announced before the uploader's deadline."""
+    upload_retries: int = 0
     bytes_uploaded: int = 0
     fetched: int = 0
     fetch_failed: int = 0
@@ -66,11 +80,15 @@ class TransferStats:
 
 
 class Uploader(threading.Thread):
-    def __init__(self, store: ObjectStore, bus: Bus, spec: RunSpec, learner: str, stats: TransferStats) -> None:
+    RETRY_PAUSE_S = 1.0
+
+    def __init__(self, store: ObjectStore, bus: Bus, spec: RunSpec, learner: str, stats: TransferStats, *,
+                 deadline_s: float = 120.0) -> None:
         super().__init__(name=f"uploader-{learner}", daemon=True)
         self.store, self.bus, self.spec, self.learner, self.stats = store, bus, spec, learner, stats
+        self.deadline_s = deadline_s
         self.keys = RunKeys(bus.keys.prefix, spec.run)
-        self._jobs: dict[int, UploadJob] = {}  # fragment -> job; dict order = FIFO
+        self._jobs: list[UploadJob] = []  # FIFO
         self._cv = threading.Condition()
         self._busy = False
         self._closed = False
@@ -79,12 +97,14 @@ class Uploader(threading.Thread):
 
     def submit(self, job: UploadJob) -> None:
         with self._cv:
-            queued = self._jobs.get(job.fragment)
-            if queued is not None and job.kind == "delta" and queued.kind == "delta":
-                queued.absorb(job)
+            open_job = next((q for q in self._jobs if q.fragment == job.fragment and q.key is None
+                             and q.kind == "delta"), None)
+            if open_job is not None and job.kind == "delta":
+                open_job.absorb(job)
+                open_job.blob = None  # re-encode with the new content
                 self.stats.coalesced += 1
             else:
-                self._jobs[job.fragment] = job
+                self._jobs.append(job)
             self._cv.notify()
 
     def pending(self) -> int:
@@ -114,51 +134,80 @@ class Uploader(threading.Thread):
                     self._cv.wait()
                 if not self._jobs and self._closed:
                     return
-                fragment = next(iter(self._jobs))
-                job = self._jobs.pop(fragment)
+                job = self._jobs.pop(0)
                 self._busy = True
+            retry = False
+            job.attempts += 1
             try:
                 self._send(job)
-            except Exception as exc:  # noqa: BLE001 (S3 or Redis past retries, a bug: never kill the thread)
-                self.stats.upload_failed += 1
-                self.stats.last_error = str(exc)
-                log.warning("dropped contribution to fragment %d: %s", job.fragment, exc)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+            except (StorageUnavailable, redis.RedisError) as exc:  # unreachable past the adapters' retries
+                retry = self._failed(job, exc)
+            except Exception as exc:  # noqa: BLE001 (a refusal or a bug: never kill the thread)
+                self._drop(job, exc)
+            with self._cv:
+                if retry:
+                    self._jobs.insert(0, job)  # first in line again: keeps a fragment's order
+                self._busy = False
+                self._cv.notify_all()
+                if retry and not self._closed:
+                    self._cv.wait(self.RETRY_PAUSE_S)
+
+    def _failed(self, job: UploadJob, exc: BaseException) -> bool:
+        """True to retry the job; False when it is past its deadline (then dropped)."""
+        age_s = time.monotonic() - job.created_at
+        if age_s < self.deadline_s and not self._closed:
+            self.stats.upload_retries += 1
+            self.stats.last_error = str(exc)
+            log.warning("contribution to fragment %d not %s yet (attempt %d, %.0fs old), retrying: %s", job.fragment,
+                        "announced" if job.key else "stored", job.attempts, age_s, exc)
+            return True
+        self._drop(job, exc)
+        return False
+
+    def _drop(self, job: UploadJob, exc: BaseException) -> None:
+        self.stats.upload_failed += 1
+        self.stats.last_error = str(exc)
+        log.warning("dropped contribution to fragment %d after %d attempt(s): %s", job.fragment, job.attempts, exc)
 
     def _send(self, job: UploadJob) -> None:
         t0 = time.monotonic()
-        if job.kind == "genesis":
-            codec, compress = "fp32", False
-        else:
-            codec, compress = self.spec.codec, self.spec.compress
-        contribution_id = uuid.uuid4().hex
+        if job.blob is None:
+            job.blob = self._encode(job)
+        if job.key is None:
+            self._store(job)
+        blob = job.blob
+        self.bus.announce(Announcement(
+            kind=job.kind, run=self.spec.run, fragment=job.fragment, learner=self.learner, seq=job.seq,
+            contribution_id=job.contribution_id, base_version=job.base_version, tokens=job.tokens, steps=job.steps,
+            step_time_s=job.step_time_s, object_key=job.key, size_bytes=len(blob), sha256=sha256_hex(blob),
+            sent_at=time.time(), deadline=job.deadline))
+        self.stats.uploaded += 1
+        self.stats.bytes_uploaded += len(blob)
+        self.stats.upload_s += time.monotonic() - t0
+
+    def _encode(self, job: UploadJob) -> bytes:
+        codec, compress = ("fp32", False) if job.kind == "genesis" else (self.spec.codec, self.spec.compress)
         meta = {"run": self.spec.run, "fragment": job.fragment, "learner": self.learner, "kind": job.kind,
-                "contribution_id": contribution_id, "base_version": job.base_version}
-        blob = codecs.encode(job.delta, codec, compress=compress, meta=meta)
+                "contribution_id": job.contribution_id, "base_version": job.base_version}
+        return codecs.encode(job.delta, codec, compress=compress, meta=meta)
+
+    def _store(self, job: UploadJob) -> None:
+        """Create-only PUT under a fresh key; sets job.key (and, for genesis, the stored bytes)."""
+        assert job.blob is not None
         while True:
             self._seq += 1
             key = (self.keys.genesis_params(self.learner, job.fragment) if job.kind == "genesis"
                    else self.keys.delta(job.fragment, self.learner, self._seq))
             try:
-                self.store.put(key, blob, create_only=True)
+                self.store.put(key, job.blob, create_only=True)
                 break
             except Conflict:
                 if job.kind == "genesis":
-                    break  # an earlier incarnation of this learner proposed already; announce that one
+                    # An earlier incarnation of this learner proposed already: announce that one.
+                    job.blob = self.store.get(key, max_bytes=self.spec.max_object_bytes)
+                    break
                 continue  # a sequence number from an earlier incarnation: take the next one
-        if job.kind == "genesis":
-            blob = self.store.get(key, max_bytes=self.spec.max_object_bytes)
-        self.bus.announce(Announcement(
-            kind=job.kind, run=self.spec.run, fragment=job.fragment, learner=self.learner, seq=self._seq,
-            contribution_id=contribution_id, base_version=job.base_version, tokens=job.tokens, steps=job.steps,
-            step_time_s=job.step_time_s, object_key=key, size_bytes=len(blob), sha256=sha256_hex(blob),
-            sent_at=time.time(), deadline=job.deadline))
-        self.stats.uploaded += 1
-        self.stats.bytes_uploaded += len(blob)
-        self.stats.upload_s += time.monotonic() - t0
+        job.key, job.seq = key, self._seq
 
 
 @dataclass

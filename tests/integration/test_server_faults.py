@@ -1,0 +1,148 @@
+"""Learners and servers failing under a live run: preemption, S3 down, Redis restarted or emptied.
+
+The session stack must never be stopped, so the tests that stop a server start a `LocalStack` of
+their own. The coordinator and the learners are real `diloco` processes; the test only looks at
+Redis and S3 from outside, and kills or restarts servers for real.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness import TASK, announcements, spawn_coordinator, spawn_learner
+from infra.fleet import Proc, process_env
+from infra.stack import LocalStack
+from storage.bus import Bus
+from storage.history import latest_version, read_manifest
+from storage.objects import ObjectStore
+from storage.settings import Endpoints
+
+RUN = "faults"
+
+
+@pytest.fixture
+def own_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LocalStack, dict[str, str], list[Proc]]]:
+    """A stack this test may stop and restart, the env for `diloco` processes, and a process list
+    that is SIGKILLed at the end whatever happened."""
+    (tmp_path / "task.json").write_text(json.dumps(TASK.to_wire()))
+    procs: list[Proc] = []
+    with LocalStack(tmp_path / "stack") as stack:
+        for name, value in stack.env().items():
+            if name.startswith("AWS_"):
+                monkeypatch.setenv(name, value)  # for this test's own S3 reads
+        try:
+            yield stack, process_env(stack.env()), procs
+        finally:
+            for p in procs:
+                p.kill()
+
+
+def wait_for(what: str, condition, timeout_s: float = 60.0, procs: list[Proc] = ()) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        for p in procs:
+            assert p.alive(), f"{p.name} exited {p.returncode()} while waiting for {what}:\n{p.tail(30)}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def steps_of(bus: Bus, learner: str) -> int:
+    return int(bus.learner_stats().get(learner, {}).get("step", 0))
+
+
+def assert_every_announcement_applied_once(endpoints: Endpoints) -> None:
+    bus, store = Bus(endpoints, RUN), ObjectStore(endpoints)
+    wait_for("the coordinator to drain", lambda: bus.pending_count() == 0)
+    applied: list[str] = []
+    for f in range(2):
+        for v in range((latest_version(store, bus.keys, f) or 0) + 1):
+            applied += [c.contribution_id for c in read_manifest(store, bus.keys, f, v).inputs]
+    assert len(applied) == len(set(applied)), "a contribution was applied twice"
+    announced = {a.contribution_id for _, a in announcements(bus) if a.kind == "delta"}
+    assert announced <= set(applied), f"{len(announced - set(applied))} announced contribution(s) never applied"
+
+
+def test_heartbeats_expire_on_the_redis_clock(endpoints, run_id):
+    bus = Bus(endpoints, run_id)
+    bus.heartbeat("short", 1.0)
+    bus.heartbeat("long", 30.0)
+    assert set(bus.live_learners()) == {"short", "long"}
+    time.sleep(1.2)
+    assert bus.live_learners() == ["long"]
+
+
+def test_sigterm_learner_finishes_its_uploads_leaves_and_exits_0(endpoints, run_id, tmp_path, fleet_env):
+    env, procs = fleet_env
+    procs.append(spawn_coordinator(run_id, env, tmp_path))
+    learner = spawn_learner(run_id, env, tmp_path, "spot", steps=5000, slowdown=2.0)
+    procs.append(learner)
+    bus = Bus(endpoints, run_id)
+    wait_for("the learner to train 40 steps", lambda: steps_of(bus, "spot") >= 40, procs=procs)
+    assert "spot" in bus.live_learners()
+    t0 = time.monotonic()
+    assert learner.terminate(timeout_s=30) == 0, learner.tail()
+    print(f"preempted learner exited {time.monotonic() - t0:.2f}s after SIGTERM")
+    assert "SIGTERM" in learner.tail(50)
+    assert "spot" not in bus.live_learners()  # it announced leaving instead of letting its lease lapse
+    assert bus.learner_stats()["spot"]["upload_failed"] == 0
+    ours = [a.contribution_id for _, a in announcements(bus) if a.learner == "spot" and a.kind == "delta"]
+    assert ours
+    wait_for("its last contributions to be merged", lambda: all(bus.is_applied(c) for c in ours), procs=procs)
+
+
+def test_s3_down_for_a_while_training_goes_on_and_nothing_is_lost(own_stack, tmp_path):
+    stack, env, procs = own_stack
+    procs.append(spawn_coordinator(RUN, env, tmp_path))
+    learner = spawn_learner(RUN, env, tmp_path, "l0", steps=100_000, slowdown=2.0)
+    procs.append(learner)
+    bus = Bus(stack.endpoints, RUN)
+    wait_for("two versions", lambda: bus.heads() and min(bus.heads().values()) >= 2, procs=procs)
+    stack.stop_s3()
+    down_at_step = steps_of(bus, "l0")
+    time.sleep(8.0)  # S3 is down: uploads fail and are retried, the loop must not wait for them
+    during = steps_of(bus, "l0")
+    heads_before = bus.heads()
+    stack.start_s3()
+    print(f"learner trained {during - down_at_step} steps while S3 was down")
+    assert during - down_at_step >= 20, "training stalled while S3 was down"
+    wait_for("new versions after S3 came back", lambda: min(bus.heads().values()) > min(heads_before.values()) + 1,
+             procs=procs)
+    assert learner.terminate() == 0, learner.tail()
+    stats = bus.learner_stats()["l0"]
+    assert stats["upload_failed"] == 0, stats
+    assert procs[0].alive(), procs[0].tail()
+    assert_every_announcement_applied_once(stack.endpoints)
+
+
+def test_redis_restarted_then_emptied_both_sides_go_on(own_stack, tmp_path):
+    stack, env, procs = own_stack
+    coordinator = spawn_coordinator(RUN, env, tmp_path, "--lease-s", "2")
+    learner = spawn_learner(RUN, env, tmp_path, "l0", steps=100_000, slowdown=2.0)
+    procs.extend([coordinator, learner])
+    bus = Bus(stack.endpoints, RUN)
+    wait_for("two versions", lambda: bus.heads() and min(bus.heads().values()) >= 2, procs=procs)
+
+    stack.kill_redis()  # SIGKILL; its append-only file brings everything back
+    time.sleep(2.0)
+    stack.start_redis()
+    restarted = bus.heads()
+    wait_for("versions after the restart", lambda: min(bus.heads().values()) >= min(restarted.values()) + 2,
+             procs=procs)
+
+    store = ObjectStore(stack.endpoints)
+    stack.wipe_redis()  # everything Redis knew is gone
+    wait_for("the coordinator to rebuild Redis from S3", lambda: bus.counters().get("redis_rebuilds", 0) >= 1,
+             procs=procs)
+    in_s3 = {f: latest_version(store, bus.keys, f) for f in range(2)}
+    assert all(bus.heads()[f] >= in_s3[f] for f in range(2)), (bus.heads(), in_s3)
+    wait_for("versions after the wipe", lambda: min(bus.heads().values()) >= min(in_s3.values()) + 2, procs=procs)
+    adopted = bus.learner_stats()["l0"]["adopted"]
+    wait_for("the learner to take new versions", lambda: bus.learner_stats()["l0"]["adopted"] > adopted, procs=procs)
+    assert learner.terminate() == 0, learner.tail()
+    assert coordinator.alive(), coordinator.tail()
+    assert_every_announcement_applied_once(stack.endpoints)
