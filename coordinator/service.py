@@ -272,6 +272,7 @@ class Coordinator:
 
     def _refuse(self, entry_id: str | None, a: Announcement | None, exc: Refused) -> None:
         refusal = Refusal(contribution_id=a.contribution_id if a else "", learner=a.learner if a else "",
+                          object_key=a.object_key if a else "",
                           code=exc.code, reason=exc.reason)
         log.warning("refused %s from %s (entry %s): %s", exc.code, refusal.learner or "?", entry_id, exc.reason)
         self.bus.refuse(entry_id, refusal)

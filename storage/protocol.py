@@ -318,6 +318,8 @@ class Refusal(Record):
     learner: str
     code: str
     reason: str
+    object_key: str = ""
+    """The refused contribution's object ("" when the entry named none, e.g. a malformed entry)."""
 
 
 @dataclass(frozen=True, slots=True)

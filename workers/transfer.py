@@ -187,8 +187,11 @@ class Uploader(threading.Thread):
 
     def _encode(self, job: UploadJob) -> bytes:
         codec, compress = ("fp32", False) if job.kind == "genesis" else (self.spec.codec, self.spec.compress)
+        # The object describes itself: after Redis lost an announcement, the coordinator can make
+        # it again from the object alone (coordinator/recovery.py).
         meta = {"run": self.spec.run, "fragment": job.fragment, "learner": self.learner, "kind": job.kind,
-                "contribution_id": job.contribution_id, "base_version": job.base_version}
+                "contribution_id": job.contribution_id, "base_version": job.base_version, "tokens": job.tokens,
+                "steps": job.steps, "step_time_s": job.step_time_s, "deadline": job.deadline}
         return codecs.encode(job.delta, codec, compress=compress, meta=meta)
 
     def _store(self, job: UploadJob) -> None:
