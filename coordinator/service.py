@@ -28,6 +28,7 @@ from coordinator.leadership import Fenced, Leadership
 from coordinator.outer import NesterovState, merge_deltas, nesterov_step
 from coordinator.policy import RoundState, decide_round, merge_order, merge_weights, staleness_verdict
 from coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
+from coordinator.recovery import reannounce_lost
 from storage.bus import Bus, CommitResult
 from storage.crashpoints import crash_point
 from storage.errors import Conflict, Refused, StorageUnavailable
@@ -143,9 +144,17 @@ class Coordinator:
             frag.round = [c for c in frag.round if not self.bus.is_applied(c.announcement.contribution_id)]
         if self.cadence is not None:
             self.bus.set_cadence(self.cadence)
+        known = {c.announcement.object_key for f in self.fragments.values() for c in f.round}
+        known |= {r.object_key for f in self.fragments.values() for r in f.refused}
+        again, unreadable = reannounce_lost(self.store, self.bus, heads, known=known,
+                                            keep=self.round_cfg.max_staleness + 1,
+                                            max_bytes=self.spec.max_object_bytes)
         self._read_pending = True
         self.bus.incr("redis_rebuilds")
-        log.warning("rebuilt Redis from S3 at epoch %d: heads %s", self.epoch, heads)
+        self.bus.incr("reannounced_from_s3", again)
+        self.bus.incr("unreadable_in_s3", unreadable)
+        log.warning("rebuilt Redis from S3 at epoch %d: heads %s, %d contribution(s) announced again", self.epoch,
+                    heads, again)
 
     def step(self, block_ms: int = 0) -> None:
         """One iteration: read what arrived, then merge every round that is due."""

@@ -179,11 +179,16 @@ class ObjectStore:
 
     def list(self, prefix: str) -> Iterator[str]:
         """Keys under prefix, in key order (zero-padded keys: numeric order)."""
+        for key, _modified in self.list_modified(prefix):
+            yield key
+
+    def list_modified(self, prefix: str) -> Iterator[tuple[str, float]]:
+        """(key, last-modified unix time on the server's clock) under prefix, in key order."""
         token: str | None = None
         while True:
             page = self._list_page(prefix, token)
             for item in page.get("Contents", []):
-                yield item["Key"]
+                yield item["Key"], item["LastModified"].timestamp()
             if not page.get("IsTruncated"):
                 return
             token = page["NextContinuationToken"]

@@ -13,12 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from harness import TASK, announcements, spawn_coordinator, spawn_learner
+from harness import TASK, announcements, join, make_coordinator, serving, spawn_coordinator, spawn_learner, train
 from infra.fleet import Proc, process_env
 from infra.stack import LocalStack
+from storage import codecs
 from storage.bus import Bus
-from storage.history import latest_version, read_manifest
+from storage.history import latest_version, read_layout, read_manifest
 from storage.objects import ObjectStore
 from storage.settings import Endpoints
 
@@ -146,3 +148,39 @@ def test_redis_restarted_then_emptied_both_sides_go_on(own_stack, tmp_path):
     assert learner.terminate() == 0, learner.tail()
     assert coordinator.alive(), coordinator.tail()
     assert_every_announcement_applied_once(stack.endpoints)
+
+
+def test_announcements_lost_with_redis_are_found_in_s3_and_merged_once(own_stack):
+    stack, _env, _procs = own_stack
+    endpoints = stack.endpoints
+    coord = make_coordinator(endpoints, RUN, lease_s=1.0)
+    learner, opt = join(endpoints, RUN, coord, "l0")
+    train(learner, opt, 4)  # fragment 0's delta, merged into version 1
+    for _ in range(5):
+        coord.step(block_ms=50)
+    assert coord.bus.heads()[0] == 1
+    train(learner, opt, 4)  # more, for both fragments: announced, but the coordinator does not read them before ...
+    unread = [a.contribution_id for _, a in announcements(coord.bus)
+              if a.kind == "delta" and not coord.bus.is_applied(a.contribution_id)]
+    assert len(unread) == 2
+    # ... and one stored by a learner that died before it could announce it.
+    store, keys = ObjectStore(endpoints), coord.keys
+    layout = read_layout(store, keys)
+    orphan_key = keys.delta(1, "gone", 7)
+    meta = {"run": RUN, "fragment": 1, "learner": "gone", "kind": "delta", "contribution_id": "d" * 32,
+            "base_version": 0, "tokens": 40, "steps": 4, "step_time_s": 0.1, "deadline": 0.0}
+    store.put(orphan_key, codecs.encode({s.name: torch.full(s.shape, 0.01) for s in layout.fragments[1]}, "fp32",
+                                        meta=meta))
+    stack.wipe_redis()  # ... Redis loses everything
+
+    with serving(coord):
+        bus = Bus(endpoints, RUN)
+        wait_for("the lost contributions to be merged",
+                 lambda: all(bus.is_applied(c) for c in [*unread, "d" * 32]))
+    counters = bus.counters()
+    assert counters["redis_rebuilds"] == 1 and counters["reannounced_from_s3"] == 3, counters
+    applied = [c.contribution_id for f in range(2) for v in range(bus.heads()[f] + 1)
+               for c in read_manifest(store, keys, f, v).inputs]
+    assert len(applied) == len(set(applied)), "a contribution was applied twice"
+    assert {*unread, "d" * 32} <= set(applied)
+    learner.close()

@@ -1,0 +1,86 @@
+"""After Redis lost its data: find the contributions whose announcements were lost with it.
+
+Learners store a contribution in S3 before they announce it, and every contribution object
+describes itself in its header (run, fragment, learner, contribution id, base version, tokens,
+steps, step time, deadline). So the bucket knows what Redis forgot: a contribution object that
+no recent manifest accounts for (merged or refused) and that the coordinator is not holding in an
+open round was announced into the lost stream, or never announced. `reannounce_lost` announces
+each such object again, on the learner's behalf, with the ids from its header: it then goes
+through the same checks as any announcement (a learner that re-announces it too is refused as a
+duplicate; one too old is refused as stale, i.e. dropped and recorded).
+
+Only objects stored after the oldest manifest still within `max_staleness` of the head (minus a
+margin for clock skew between S3 and the coordinator) are looked at: anything older would be
+refused as stale anyway, and was most likely merged long ago.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from storage import codecs
+from storage.bus import Bus
+from storage.errors import Refused
+from storage.history import read_manifest, sha256_hex
+from storage.keys import RunKeys
+from storage.objects import ObjectMissing, ObjectStore
+from storage.protocol import Announcement
+
+log = logging.getLogger(__name__)
+
+CLOCK_MARGIN_S = 60.0
+
+
+def accounted_since(store: ObjectStore, keys: RunKeys, heads: dict[int, int], keep: int) -> tuple[set[str], float]:
+    """Object keys that the last `keep` + 1 manifests of each fragment merged or refused, and the
+    commit time of the oldest of those manifests."""
+    accounted: set[str] = set()
+    since = time.time()
+    for fragment, head in heads.items():
+        for version in range(max(0, head - keep), head + 1):
+            m = read_manifest(store, keys, fragment, version)
+            accounted.update(c.object_key for c in m.inputs)
+            accounted.update(r.object_key for r in m.refused if r.object_key)
+            since = min(since, m.committed_at)
+    return accounted, since
+
+
+def announcement_from_object(key: str, blob: bytes, *, max_bytes: int) -> Announcement:
+    """The announcement a learner made (or meant to make) for this stored contribution."""
+    meta = codecs.read_header(blob, max_bytes=max_bytes).meta
+    try:
+        return Announcement(
+            kind="delta", run=str(meta["run"]), fragment=int(meta["fragment"]), learner=str(meta["learner"]),
+            seq=int(key.rsplit("/", 1)[1]), contribution_id=str(meta["contribution_id"]),
+            base_version=int(meta["base_version"]), tokens=int(meta["tokens"]), steps=int(meta["steps"]),
+            step_time_s=float(meta["step_time_s"]), object_key=key, size_bytes=len(blob), sha256=sha256_hex(blob),
+            sent_at=time.time(), deadline=float(meta.get("deadline", 0.0)))
+    except (KeyError, ValueError) as exc:
+        raise Refused("bad_header", f"{key}: its header does not describe a contribution ({exc})") from None
+
+
+def reannounce_lost(store: ObjectStore, bus: Bus, heads: dict[int, int], *, known: set[str], keep: int,
+                    max_bytes: int) -> tuple[int, int]:
+    """Announce again every recent contribution object nobody accounts for. `known` holds the
+    object keys the coordinator still has in memory (open rounds, refusals not yet in a manifest).
+    Returns (announced again, unreadable)."""
+    accounted, since = accounted_since(store, bus.keys, heads, keep)
+    accounted |= known
+    again = unreadable = 0
+    for key, modified in store.list_modified(bus.keys.deltas_prefix()):
+        if key in accounted or modified < since - CLOCK_MARGIN_S:
+            continue
+        try:
+            a = announcement_from_object(key, store.get(key, max_bytes=max_bytes), max_bytes=max_bytes)
+        except (Refused, ObjectMissing) as exc:
+            # Left in the bucket, not merged: counted, and visible in the log with its reason.
+            unreadable += 1
+            log.warning("cannot announce %s again: %s", key, exc)
+            continue
+        bus.announce(a)
+        again += 1
+    if again or unreadable:
+        log.warning("announced %d contribution(s) again from S3 (%d unreadable) after Redis lost its data",
+                    again, unreadable)
+    return again, unreadable
