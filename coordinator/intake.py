@@ -73,7 +73,12 @@ def fetch_tensors(store: ObjectStore, a: Announcement, layout: Layout, max_bytes
         raise Refused("sha256_mismatch", f"{a.object_key} has sha256 {actual[:16]}..., the announcement "
                       f"says {a.sha256[:16]}...: the object was altered or corrupted after upload")
     tensors, header = codecs.decode(blob, max_bytes=max_bytes, expect=layout.shapes(a.fragment))
-    for field_name, want in (("run", a.run), ("fragment", a.fragment), ("learner", a.learner)):
+    checked = [("run", a.run), ("fragment", a.fragment), ("learner", a.learner)]
+    if a.kind == "delta":  # a delta's object names the one contribution it is: re-announcing it under
+        # a new id (a replay, to count it twice) or another base (to dodge staleness) is refused.
+        # A genesis object may be re-announced by a restarted learner, under a new id.
+        checked += [("contribution_id", a.contribution_id), ("base_version", a.base_version)]
+    for field_name, want in checked:
         got = header.meta.get(field_name)
         if got is not None and got != want:
             raise Refused("misaddressed", f"{a.object_key} says {field_name}={got!r}, the announcement {want!r}")

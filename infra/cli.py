@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from storage.errors import DilocoError
+from storage.settings import redact_url
 
 log = logging.getLogger("diloco")
 
@@ -35,6 +36,11 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
                              "(use as `eval $(diloco stack up)`); down: stop them; env: print the exports again")
     parser.add_argument("--dir", type=Path, default=DEFAULT_STACK_DIR,
                         help=f"data and state directory of the stack (default: {DEFAULT_STACK_DIR})")
+    parser.add_argument("--redis-auth", action="store_true",
+                        help="up: Redis requires ACL user `diloco` with a new random password (in the exported URL)")
+    parser.add_argument("--redis-tls", action="store_true",
+                        help="up: Redis speaks TLS only (rediss://), with a CA made under <dir>/redis/tls/ whose "
+                             "path is in the exported URL; needs a redis-server built with TLS (Debian's)")
 
 
 def run_stack(args: argparse.Namespace) -> int:
@@ -42,9 +48,9 @@ def run_stack(args: argparse.Namespace) -> int:
 
     data_dir: Path = args.dir
     if args.action == "up":
-        env, started = stack_up(data_dir)
+        env, started = stack_up(data_dir, redis_auth=args.redis_auth, redis_tls=args.redis_tls)
         log.info("%s in %s: redis %s, s3 %s, bucket %s", "started a stack" if started else "a stack already runs",
-                 data_dir, env["DILOCO_REDIS_URL"], env.get("DILOCO_S3_ENDPOINT"), env["DILOCO_S3_BUCKET"])
+                 data_dir, redact_url(env["DILOCO_REDIS_URL"]), env.get("DILOCO_S3_ENDPOINT"), env["DILOCO_S3_BUCKET"])
         _print_exports(env)
         return 0
     if args.action == "down":

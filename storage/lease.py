@@ -74,6 +74,7 @@ class Holder:
 class Lease:
     def __init__(self, bus: Bus, holder: str, ttl_s: float) -> None:
         self.bus, self.holder, self.ttl_ms = bus, holder, max(1, int(ttl_s * 1000))
+        self.url = bus.url  # for redis_retry's messages (no password)
         self._keys = [bus.keys.lease, bus.keys.epoch]
         self._acquire = bus.r.register_script(_ACQUIRE_LUA)
         self._renew = bus.r.register_script(_RENEW_LUA)

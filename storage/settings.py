@@ -1,14 +1,17 @@
 """Where the servers are: read once from the environment, passed explicitly afterwards.
 
 The same variable names are printed by `diloco stack up`, set by `infra/docker-compose.yml`
-and read here. Credentials are never read here: boto3 takes them from the standard AWS chain
-(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws, instance roles).
+and read here. S3 credentials are never read here: boto3 takes them from the standard AWS chain
+(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws, instance roles). The Redis URL may carry a
+password (`rediss://user:password@host:port/0`): `redact_url` is the only form of it that may be
+logged or printed, and `Endpoints`' repr uses it.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from storage.errors import ConfigError
 
@@ -18,8 +21,28 @@ ENV_S3_BUCKET = "DILOCO_S3_BUCKET"
 ENV_S3_PREFIX = "DILOCO_S3_PREFIX"
 ENV_S3_REGION = "DILOCO_S3_REGION"
 
+REDACTED = "***"
 
-@dataclass(frozen=True, slots=True)
+
+def redact_url(url: str) -> str:
+    """`url` without its secrets, for logs and messages: the password in the user part and the value
+    of any query parameter whose name contains "password" become `***`. Works on the raw text (a
+    password with an unescaped `#`, `?` or `@` still ends at the last `@`), erring towards hiding more."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return REDACTED
+    userinfo, at, rest = rest.rpartition("@")
+    if at:
+        user, has_password, _ = userinfo.partition(":")
+        rest = f"{user}:{REDACTED}@{rest}" if has_password else f"{userinfo}@{rest}"
+    location, question, query = rest.partition("?")
+    query, hash_, _fragment = query.partition("#")
+    params = [f"{name}={REDACTED}" if "password" in unquote(name).lower() else f"{name}{eq}{value}"
+              for name, eq, value in (p.partition("=") for p in query.split("&") if p)]
+    return f"{scheme}://{location}{question}{'&'.join(params)}{hash_ and '#' + REDACTED}"
+
+
+@dataclass(frozen=True, slots=True, repr=False)
 class Endpoints:
     redis_url: str
     """Redis URL, e.g. redis://localhost:6379/0 or rediss://:password@host:6380/0."""
@@ -34,11 +57,16 @@ class Endpoints:
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"{ENV_REDIS_URL} must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
+            raise ConfigError(f"{ENV_REDIS_URL} must be a redis://, rediss:// or unix:// URL, "
+                              f"got {redact_url(self.redis_url)!r}")
         if not self.bucket:
             raise ConfigError(f"no bucket: set {ENV_S3_BUCKET}")
         if self.prefix.startswith("/") or self.prefix.endswith("/"):
             raise ConfigError(f"{ENV_S3_PREFIX} must not start or end with '/', got {self.prefix!r}")
+
+    def __repr__(self) -> str:
+        return (f"Endpoints(redis_url={redact_url(self.redis_url)!r}, bucket={self.bucket!r}, "
+                f"s3_endpoint={self.s3_endpoint!r}, prefix={self.prefix!r}, region={self.region!r})")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Endpoints:

@@ -53,10 +53,12 @@ class Tiny(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
 
 
-def make_coordinator(endpoints, run_id, **config) -> Coordinator:  # noqa: ANN001
-    """Two fragments, H = 4 steps, fp32; rounds merge as soon as one contribution is in."""
-    return Coordinator(endpoints, run_id, settings=RunSettings(num_fragments=2, sync_every=4, overlap_steps=1,
-                                                               codec="fp32", compress=False),
+TINY_RUN = RunSettings(num_fragments=2, sync_every=4, overlap_steps=1, codec="fp32", compress=False)
+
+
+def make_coordinator(endpoints, run_id, *, settings: RunSettings = TINY_RUN, **config) -> Coordinator:  # noqa: ANN001
+    """Two fragments, H = 4 steps, fp32 (`settings`); rounds merge as soon as one contribution is in."""
+    return Coordinator(endpoints, run_id, settings=settings,
                        config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0), **config))
 
 

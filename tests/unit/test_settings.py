@@ -1,0 +1,30 @@
+"""Endpoints and URLs as they appear in logs and messages: never with a password."""
+
+import pytest
+
+from storage.errors import ConfigError
+from storage.settings import Endpoints, redact_url
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    ("redis://:s3cret@host:6379/0", "redis://:***@host:6379/0"),
+    ("rediss://learner:s3cret@host:6380/0?ssl_ca_certs=/etc/ca%20dir/ca.pem&ssl_cert_reqs=required",
+     "rediss://learner:***@host:6380/0?ssl_ca_certs=/etc/ca%20dir/ca.pem&ssl_cert_reqs=required"),
+    ("rediss://learner@host/0", "rediss://learner@host/0"),
+    ("redis://u:pa#s?s@w@host/0", "redis://u:***@host/0"),  # unescaped #, ? and @ in the password
+    ("unix:///run/redis.sock?password=s3cret&db=2", "unix:///run/redis.sock?password=***&db=2"),
+    ("rediss://host/0?ssl_password=s3cret", "rediss://host/0?ssl_password=***"),
+    ("s3cret", "***"),
+])
+def test_redact_url_hides_passwords_and_keeps_the_rest(url, shown):
+    assert redact_url(url) == shown
+
+
+def test_endpoints_never_show_the_redis_password():
+    e = Endpoints(redis_url="rediss://learner:s3cret@host:6380/0", bucket="b")
+    assert "s3cret" not in repr(e) and "s3cret" not in str(e) and "learner:***@host" in repr(e)
+    assert e.to_env()["DILOCO_REDIS_URL"] == e.redis_url  # children still get the real one
+    with pytest.raises(ConfigError) as err:
+        Endpoints(redis_url="http://learner:s3cret@host", bucket="b")
+    assert "s3cret" not in str(err.value)
