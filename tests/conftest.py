@@ -7,7 +7,6 @@ never by flushing: a test that needs to stop or kill a server starts its own `Lo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 from collections.abc import Iterator
@@ -15,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import TASK
+from harness import TASK, fresh_endpoints
 from infra.fleet import Proc, process_env
-from infra.stack import LocalStack, create_bucket
+from infra.stack import LocalStack
 from storage.settings import Endpoints
 
 _TESTS = Path(__file__).parent
@@ -47,13 +46,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 @pytest.fixture
 def endpoints(stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> Endpoints:
     """The session stack with a bucket and a key prefix of this test's own; AWS_* env set for boto3."""
-    for name, value in stack.env().items():
-        if name.startswith("AWS_"):
-            monkeypatch.setenv(name, value)
-    tag = uuid.uuid4().hex[:12]
-    bucket = f"test-{tag}"  # valid S3 name: lowercase, 3-63 chars, no underscores
-    create_bucket(stack.client(), bucket)
-    return dataclasses.replace(stack.endpoints, bucket=bucket, prefix=f"t{tag}")
+    return fresh_endpoints(stack, monkeypatch)
 
 
 @pytest.fixture

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 from coordinator.config import CoordinatorConfig, RunSettings
 from coordinator.policy import RoundConfig
 from coordinator.service import Coordinator
 from infra.fleet import Proc, diloco_command
+from infra.stack import LocalStack, create_bucket
 from storage.bus import FIELD, Bus
 from storage.history import read_layout, read_manifest, read_params
 from storage.objects import ObjectStore
@@ -43,6 +47,17 @@ def serving(coord: Coordinator) -> Iterator[None]:
         thread.join(timeout=10)
     if failure:
         raise failure[0]
+
+
+def fresh_endpoints(stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> Endpoints:
+    """`stack` with a bucket and a key prefix of the calling test's own; AWS_* set for boto3."""
+    for name, value in stack.env().items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    tag = uuid.uuid4().hex[:12]
+    bucket = f"test-{tag}"  # valid S3 name: lowercase, 3-63 chars, no underscores
+    create_bucket(stack.client(), bucket)
+    return dataclasses.replace(stack.endpoints, bucket=bucket, prefix=f"t{tag}")
 
 
 # ---- an in-process coordinator driven one step at a time, and a tiny learner ---------------------

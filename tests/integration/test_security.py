@@ -17,7 +17,6 @@ import stat
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,8 +26,8 @@ import torch
 
 from coordinator.outer import NesterovState
 from coordinator.publish import write_version
-from harness import TINY_RUN, announcements, join, make_coordinator, train
-from infra.stack import LocalStack, StackError, create_bucket, find_redis_server
+from harness import TINY_RUN, announcements, fresh_endpoints, join, make_coordinator, train
+from infra.stack import LocalStack, StackError, find_redis_server
 from storage.bus import Bus, connect
 from storage.errors import ConfigError, Conflict
 from storage.history import read_layout, read_manifest, read_params
@@ -59,12 +58,7 @@ def secure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStac
 @pytest.fixture
 def secure_endpoints(secure_stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> Endpoints:
     """Like conftest's `endpoints`, on the secure stack: a bucket and prefix of this test's own."""
-    for name, value in secure_stack.env().items():
-        if name.startswith("AWS_"):
-            monkeypatch.setenv(name, value)
-    tag = uuid.uuid4().hex[:12]
-    create_bucket(secure_stack.client(), f"test-{tag}")
-    return dataclasses.replace(secure_stack.endpoints, bucket=f"test-{tag}", prefix=f"t{tag}")
+    return fresh_endpoints(secure_stack, monkeypatch)
 
 
 def run_rounds(endpoints: Endpoints, run_id: str, rounds: int) -> tuple[Bus, dict[int, int]]:
