@@ -1,10 +1,11 @@
 """Checking one announced contribution before it may touch the global state.
 
 `check_announcement` is pure: it decides from the announcement and what the coordinator knows
-(run, layout, head, applied ids) whether the contribution may be fetched. `fetch_contribution`
-then reads the object (size-bounded), checks its sha256 against the announcement and decodes it
-against the layout (shapes, finite values). Each failure is a `Refused` whose reason a person can
-act on; the caller records it and the run goes on.
+(run, layout, head, applied ids) whether the contribution may be fetched. `fetch_tensors`
+then reads the object (size-bounded), checks its sha256 against the announcement, decodes it
+against the run and the layout (codec, shapes, finite values) and checks that its header names what
+the announcement says. Each failure is a `Refused` whose reason a person can act on; the caller
+records it and the run goes on.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from coordinator.policy import Arrival, RoundConfig, staleness_verdict
 from storage import codecs
 from storage.errors import Refused
 from storage.history import sha256_hex
-from storage.keys import RunKeys
+from storage.keys import SEQ_DIGITS, RunKeys
 from storage.objects import ObjectMissing, ObjectStore
 from storage.protocol import Announcement, Layout, RunSpec
 
@@ -36,18 +37,22 @@ def check_announcement(a: Announcement, *, spec: RunSpec, keys: RunKeys, head: i
                        cfg: RoundConfig) -> None:
     """Refuse what can be refused without reading the object. `head` is None before genesis."""
     if a.run != spec.run:
-        raise Refused("misaddressed", f"announcement for run {a.run!r} arrived on run {spec.run!r}'s stream")
+        raise Refused("misaddressed", f"announcement for run {a.run!r} arrived on run {spec.run!r}'s stream: "
+                      "the learner is configured for another run")
     if a.fragment >= spec.num_fragments:
         raise Refused("unknown_fragment", f"fragment {a.fragment} does not exist: run {spec.run!r} has "
                       f"{spec.num_fragments} fragments (0..{spec.num_fragments - 1})")
-    if a.size_bytes > spec.max_object_bytes:
-        raise Refused("too_large", f"object of {a.size_bytes} bytes exceeds the run's limit of "
-                      f"{spec.max_object_bytes} bytes")
+    if a.kind == "delta" and not a.seq < 10**SEQ_DIGITS:
+        raise Refused("bad_message", f"seq {a.seq} from {a.learner} does not fit the {SEQ_DIGITS} digits of an "
+                      "object key, so no object of this learner can be at the announced key")
     expected_key = (keys.genesis_params(a.learner, a.fragment) if a.kind == "genesis"
                     else keys.delta(a.fragment, a.learner, a.seq))
     if a.object_key != expected_key:
         raise Refused("misaddressed", f"{a.kind} from {a.learner} points at {a.object_key!r}; "
                       f"a learner may only announce its own object {expected_key!r}")
+    if a.size_bytes > spec.max_object_bytes:
+        raise Refused("too_large", f"{a.object_key} is announced as {a.size_bytes} bytes, over run {spec.run!r}'s "
+                      f"max_object_bytes of {spec.max_object_bytes}: refused unread")
     if a.kind == "genesis":
         return
     if head is None:
@@ -56,32 +61,48 @@ def check_announcement(a: Announcement, *, spec: RunSpec, keys: RunKeys, head: i
         raise Refused("empty", f"contribution reports {a.steps} inner steps: nothing to merge")
     ok, _staleness, reason = staleness_verdict(a.base_version, head, cfg)
     if not ok:
-        code = "future_base" if a.base_version > head else "stale"
-        raise Refused(code, reason.removeprefix("refused: "))
+        future = a.base_version > head
+        hint = ("; no such version was published on this run" if future
+                else " (raise --max-staleness to accept contributions this late)")
+        raise Refused("future_base" if future else "stale",
+                      f"fragment {a.fragment}: {reason.removeprefix('refused: ')}{hint}")
 
 
-def fetch_tensors(store: ObjectStore, a: Announcement, layout: Layout, max_bytes: int) -> dict[str, torch.Tensor]:
-    """Read, check and decode the announced object against the fragment's layout."""
+def fetch_tensors(store: ObjectStore, a: Announcement, layout: Layout, max_bytes: int, *,
+                  codec: str) -> dict[str, torch.Tensor]:
+    """Read, check and decode the announced object against the fragment's layout.
+
+    `codec` is the run's codec: a delta must be encoded with it, a genesis proposal with fp32."""
     try:
         blob = store.get(a.object_key, max_bytes=max_bytes)
     except ObjectMissing:
-        raise Refused("missing_object", f"announced object {a.object_key} does not exist in the bucket") from None
+        raise Refused("missing_object", f"announced object {a.object_key} does not exist in the bucket "
+                      "(never uploaded, or deleted since)") from None
     if len(blob) != a.size_bytes:
         raise Refused("size_mismatch", f"{a.object_key} is {len(blob)} bytes, the announcement says {a.size_bytes}")
     actual = sha256_hex(blob)
     if actual != a.sha256:
         raise Refused("sha256_mismatch", f"{a.object_key} has sha256 {actual[:16]}..., the announcement "
                       f"says {a.sha256[:16]}...: the object was altered or corrupted after upload")
-    tensors, header = codecs.decode(blob, max_bytes=max_bytes, expect=layout.shapes(a.fragment))
-    checked = [("run", a.run), ("fragment", a.fragment), ("learner", a.learner)]
+    try:
+        header = codecs.read_header(blob, max_bytes=max_bytes)
+        want = codec if a.kind == "delta" else "fp32"
+        if header.codec != want:
+            raise Refused("wrong_dtype", f"{a.kind} encoded as {header.codec}, but run {a.run!r} takes "
+                          f"{a.kind}s encoded as {want!r}")
+        tensors, header = codecs.decode(blob, max_bytes=max_bytes, expect=layout.shapes(a.fragment))
+    except Refused as exc:
+        raise Refused(exc.code, f"{a.object_key}: {exc.reason}") from None
+    labels: dict[str, str | int] = {"run": a.run, "fragment": a.fragment, "learner": a.learner, "kind": a.kind}
     if a.kind == "delta":  # a delta's object names the one contribution it is: re-announcing it under
         # a new id (a replay, to count it twice) or another base (to dodge staleness) is refused.
         # A genesis object may be re-announced by a restarted learner, under a new id.
-        checked += [("contribution_id", a.contribution_id), ("base_version", a.base_version)]
-    for field_name, want in checked:
+        labels |= {"contribution_id": a.contribution_id, "base_version": a.base_version}
+    for field_name, want_value in labels.items():
         got = header.meta.get(field_name)
-        if got is not None and got != want:
-            raise Refused("misaddressed", f"{a.object_key} says {field_name}={got!r}, the announcement {want!r}")
+        if got is not None and got != want_value:
+            raise Refused("misaddressed", f"{a.object_key} says {field_name}={got!r}, the announcement "
+                          f"{want_value!r}: an object may only be announced as what it was encoded for")
     return tensors
 
 

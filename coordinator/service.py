@@ -39,6 +39,24 @@ from storage.settings import Endpoints
 
 log = logging.getLogger(__name__)
 
+MAX_REASON_CHARS = 2000
+"""A refusal's reason quotes what it refuses (keys, names), which the sender chose: it is cut to this
+length so that refusal records and the manifests that list them stay small."""
+MAX_KEY_CHARS = 1024
+"""A refusal's object key is the announced one, cut to S3's own limit on key length."""
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def _finite(tensors: dict[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors.values())
+
+
+def _absmax(tensors: dict[str, torch.Tensor]) -> float:
+    return max((float(t.abs().max()) for t in tensors.values() if t.numel()), default=0.0)
+
 
 @dataclass
 class Fragment:
@@ -81,6 +99,7 @@ class Coordinator:
         self._last_cadence_check = 0.0
         self._pool = ThreadPoolExecutor(self.config.fetch_threads, thread_name_prefix="fetch")
         self._retry: list[tuple[str, Announcement]] = []
+        self._unplaced: list[Refusal] = []  # refusals of entries that name no fragment of the run
         self._read_pending = True
         log.info("coordinator %s of run %s: epoch %d, %d fragments, heads %s", self.leadership.holder, run,
                  self.epoch, self.spec.num_fragments, {f: s.head for f, s in self.fragments.items()})
@@ -146,6 +165,7 @@ class Coordinator:
             self.bus.set_cadence(self.cadence)
         known = {c.announcement.object_key for f in self.fragments.values() for c in f.round}
         known |= {r.object_key for f in self.fragments.values() for r in f.refused}
+        known |= {r.object_key for r in self._unplaced}
         again, unreadable = reannounce_lost(self.store, self.bus, heads, known=known,
                                             keep=self.round_cfg.max_staleness + 1,
                                             max_bytes=self.spec.max_object_bytes)
@@ -240,8 +260,9 @@ class Coordinator:
 
     def _check(self, a: Announcement, seen: set[str]) -> None:
         if a.contribution_id in seen or self.bus.is_applied(a.contribution_id):
-            raise Refused("duplicate", f"contribution {a.contribution_id} from {a.learner} was already "
-                          "received (an announcement delivered twice); applied at most once")
+            where = "is already in an open round" if a.contribution_id in seen else "was applied in a committed version"
+            raise Refused("duplicate", f"contribution {a.contribution_id} from {a.learner} {where}: this is "
+                          "the same announcement delivered again, and it is applied at most once")
         frag = self.fragments.get(a.fragment)
         head = None if frag is None or frag.head < 0 else frag.head
         check_announcement(a, spec=self.spec, keys=self.keys, head=head, cfg=self.round_cfg)
@@ -251,7 +272,7 @@ class Coordinator:
         if a.kind == "genesis" and layout is None:
             layout = self._adopt_layout(a.learner)
         assert layout is not None
-        return fetch_tensors(self.store, a, layout, self.spec.max_object_bytes)
+        return fetch_tensors(self.store, a, layout, self.spec.max_object_bytes, codec=self.spec.codec)
 
     def _adopt_layout(self, learner: str) -> Layout:
         """The first genesis fixes the run's layout (create-only: concurrent proposals, one winner)."""
@@ -280,13 +301,15 @@ class Coordinator:
         self.bus.incr("genesis_superseded")
 
     def _refuse(self, entry_id: str | None, a: Announcement | None, exc: Refused) -> None:
+        """Record a refusal (stream, counters, ack) and list it in the next manifest: its fragment's,
+        or the next one committed if the entry names no fragment of this run."""
         refusal = Refusal(contribution_id=a.contribution_id if a else "", learner=a.learner if a else "",
-                          object_key=a.object_key if a else "",
-                          code=exc.code, reason=exc.reason)
-        log.warning("refused %s from %s (entry %s): %s", exc.code, refusal.learner or "?", entry_id, exc.reason)
+                          object_key=_clip(a.object_key, MAX_KEY_CHARS) if a else "",
+                          code=exc.code, reason=_clip(exc.reason, MAX_REASON_CHARS))
+        log.warning("refused %s from %s (entry %s): %s", exc.code, refusal.learner or "?", entry_id, refusal.reason)
         self.bus.refuse(entry_id, refusal)
-        if a is not None and a.fragment in self.fragments:
-            self.fragments[a.fragment].refused.append(refusal)
+        frag = self.fragments.get(a.fragment) if a is not None else None
+        (frag.refused if frag is not None else self._unplaced).append(refusal)
 
     # ---- merging -----------------------------------------------------------------------------
     def _genesis(self, entry_id: str, a: Announcement, tensors: dict[str, torch.Tensor]) -> None:
@@ -311,16 +334,30 @@ class Coordinator:
         log.info("fragment %d v%d: %s", fragment, frag.head + 1, decision.reason)
         self._ensure_loaded(fragment, frag)
         crash_point("fetched")
-        ordered = merge_order(arrivals)
-        by_id = {c.announcement.contribution_id: c for c in frag.round}
-        contributions = [by_id[a.contribution_id] for a in ordered]
-        weights = merge_weights(ordered, frag.head, self.round_cfg)
-        delta = merge_deltas([c.delta for c in contributions], weights,
-                             radial_directional=self.config.radial_directional)
         assert frag.params is not None and frag.state is not None
-        params, state = nesterov_step(frag.params, delta, frag.state, lr=self.config.outer_lr,
-                                      momentum=self.config.outer_momentum)
-        self._publish(fragment, frag, contributions, weights, params, state)
+        while frag.round:
+            ordered = merge_order(tuple(c.arrival for c in frag.round))
+            by_id = {c.announcement.contribution_id: c for c in frag.round}
+            contributions = [by_id[a.contribution_id] for a in ordered]
+            weights = merge_weights(ordered, frag.head, self.round_cfg)
+            delta = merge_deltas([c.delta for c in contributions], weights,
+                                 radial_directional=self.config.radial_directional)
+            params, state = nesterov_step(frag.params, delta, frag.state, lr=self.config.outer_lr,
+                                          momentum=self.config.outer_momentum)
+            if _finite(params) and _finite(state.momentum):
+                self._publish(fragment, frag, contributions, weights, params, state)
+                return
+            self._refuse_overflow(fragment, frag, contributions)
+
+    def _refuse_overflow(self, fragment: int, frag: Fragment, contributions: list[Contribution]) -> None:
+        """Each delta is finite, yet the outer step overflowed float32: refuse the largest one (the
+        first in merge order on a tie) and let the others merge without it."""
+        culprit = max(contributions, key=lambda c: _absmax(c.delta))
+        frag.round = [c for c in frag.round if c is not culprit]
+        a = culprit.announcement
+        self._refuse(culprit.entry_id, a, Refused(
+            "non_finite", f"{a.object_key}: merging it into fragment {fragment} version {frag.head} overflows "
+            f"float32 (its largest |value| is {_absmax(culprit.delta):.3g}): the learner has likely diverged"))
 
     def _adopt_written(self, fragment: int, frag: Fragment, version: int) -> None:
         """The manifest of `version` exists already: a deposed coordinator wrote it just before its
@@ -358,9 +395,10 @@ class Coordinator:
                   tokens=c.announcement.tokens, steps=c.announcement.steps, weight=w, stream_id=c.entry_id)
             for c, w in zip(contributions, weights, strict=True))
         settings = self.config.settings(self.round_cfg) | {"kind": contributions[0].announcement.kind}
+        refused = (*frag.refused, *self._unplaced)
         try:
             manifest = write_version(self.store, self.keys, fragment=fragment, version=version, params=params,
-                                     state=state, inputs=inputs, refused=tuple(frag.refused), settings=settings,
+                                     state=state, inputs=inputs, refused=refused, settings=settings,
                                      epoch=self.epoch)
         except Conflict:
             self._adopt_written(fragment, frag, version)
@@ -377,7 +415,7 @@ class Coordinator:
             raise Fenced(f"commit of fragment {fragment} version {version} refused by Redis: {result.name}")
         merged = {c.announcement.contribution_id for c in contributions}
         frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
-        frag.refused = []
+        frag.refused, self._unplaced = [], []
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
         elapsed = time.monotonic() - t0
         self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed

@@ -12,7 +12,7 @@ Contracts:
   XACKs and the applied set. Retrying it after a lost reply returns `ALREADY` instead of
   committing twice. Scripts have no rollback, so every check happens before the first write.
 - Blocking reads use a `block_ms` well below the socket timeout, so a blocked read never times
-  out on the client side while entries are delivered to it.
+  out on the client side while entries are delivered to it; `block_ms=0` does not block.
 Transient errors (connection refused/reset, timeouts, a server still loading its AOF) are
 retried here with bounded exponential backoff and jitter. A refused identity (wrong user or
 password, an ACL without the right) or a server certificate the client does not trust is not
@@ -163,6 +163,12 @@ return 0
 """
 
 
+def _block(block_ms: int) -> int | None:
+    """The BLOCK argument of a stream read: at most MAX_BLOCK_MS, and none at all for 0 (which
+    Redis would take as "block until an entry arrives", i.e. until the socket times out)."""
+    return min(block_ms, MAX_BLOCK_MS) if block_ms > 0 else None
+
+
 def connect(url: str) -> redis.Redis:
     """A client that does not retry by itself (we retry, bounded, in one place)."""
     return redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5.0,
@@ -211,13 +217,17 @@ class Bus:
         try:
             return eid, Announcement.from_wire(fields[FIELD])
         except Refused as exc:
-            return eid, exc
+            # Nothing in the entry can be trusted (not even its learner): name the entry, XRANGE finds it.
+            return eid, Refused(exc.code, f"stream entry {eid}: {exc.reason}")
 
     @redis_retry
     def read_announcements(self, consumer: str, *, count: int = 64, block_ms: int = 1000,
                            pending: bool = False) -> list[Entry]:
-        """New entries for this consumer (`pending=True`: the ones delivered before but not acked)."""
-        block = None if pending else min(block_ms, MAX_BLOCK_MS)
+        """New entries for this consumer (`pending=True`: the ones delivered before but not acked).
+
+        Waits up to `block_ms` for new entries; `block_ms <= 0` returns at once (Redis itself reads
+        BLOCK 0 as "wait forever")."""
+        block = None if pending else _block(block_ms)
         reply = self.r.xreadgroup(self.keys.GROUP, consumer, {self.keys.announcements: "0" if pending else ">"},
                                   count=count, block=block)
         out: list[Entry] = []
@@ -303,7 +313,7 @@ class Bus:
     @redis_retry
     def read_versions(self, after_id: str = "0", *, block_ms: int | None = None,
                       count: int = 256) -> list[tuple[str, VersionEvent | Refused]]:
-        block = None if block_ms is None else min(block_ms, MAX_BLOCK_MS)
+        block = None if block_ms is None else _block(block_ms)
         reply = self.r.xread({self.keys.versions: after_id}, count=count, block=block)
         out: list[tuple[str, VersionEvent | Refused]] = []
         for _stream, entries in reply or []:

@@ -411,11 +411,18 @@ def _spec_from_map(raw: Any, where: str, expected_offset: int, codec: str, block
 def _check_expect(header: Header, expect: Mapping[str, tuple[int, ...]]) -> None:
     found = {s.name: s.shape for s in header.tensors}
     wanted = {name: tuple(shape) for name, shape in expect.items()}
-    if found != wanted:
-        name = next(n for n in [*wanted, *found] if wanted.get(n) != found.get(n))
-        raise Refused("wrong_shape", f"tensor {name!r}: expected shape {wanted.get(name, '(not expected)')}, "
-                                     f"found {found.get(name, '(absent)')} ({len(wanted)} tensors expected, "
-                                     f"{len(found)} present)")
+    if found == wanted:
+        return
+    missing, unexpected = [n for n in wanted if n not in found], [n for n in found if n not in wanted]
+    if missing or unexpected:
+        raise Refused("wrong_shape", f"tensors are not the expected ones: missing {_few(missing)}, unexpected "
+                                     f"{_few(unexpected)} ({len(wanted)} tensors expected, {len(found)} present)")
+    name = next(n for n in wanted if wanted[n] != found[n])
+    raise Refused("wrong_shape", f"tensor {name!r}: expected shape {wanted[name]}, found {found[name]}")
+
+
+def _few(names: list[str]) -> str:
+    return f"{names[:3]}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _decompress(header: Header, body: memoryview) -> bytearray:
@@ -434,5 +441,6 @@ def _decompress(header: Header, body: memoryview) -> bytearray:
         raise Refused("bad_payload", f"zstd payload does not decompress: {exc}") from None
     if got != len(buf) or extra:
         found = "more than that" if extra else f"{got} bytes"
-        raise Refused("bad_payload", f"header says payload_bytes={len(buf)}, zstd payload decompresses to {found}")
+        raise Refused("bad_payload", f"header says payload_bytes={len(buf)}, zstd payload decompresses to {found}: "
+                                     "the object is truncated or corrupt")
     return buf

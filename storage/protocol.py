@@ -289,6 +289,9 @@ class Announcement(Record):
         _require(self.base_version >= -1, f"base_version {self.base_version} < -1")
         _require(self.tokens >= 0 and self.steps >= 0, "tokens and steps must be >= 0")
         _require(self.step_time_s >= 0.0, "step_time_s must be >= 0")
+        for name in ("step_time_s", "sent_at", "deadline"):
+            value = getattr(self, name)
+            _require(math.isfinite(value), f"{name} must be a finite number of seconds, got {value}")
         _require(self.size_bytes > 0, "size_bytes must be positive")
         _require(bool(re.fullmatch(r"[0-9a-f]{64}", self.sha256)), "sha256 must be 64 hex chars")
 

@@ -58,6 +58,9 @@ def body(record, **over):
     (lambda d: d.update(learner="../other"), "bad_id"),
     (lambda d: d.update(sha256="zz"), "bad_message"),
     (lambda d: d.update(kind="steal"), "bad_message"),
+    (lambda d: d.update(deadline=float("inf")), "bad_message"),
+    (lambda d: d.update(step_time_s=float("nan")), "bad_message"),
+    (lambda d: d.update(sent_at=float("-inf")), "bad_message"),
 ])
 def test_malformed_announcements_are_refused_with_reason(mutate, code):
     d = body(announcement())

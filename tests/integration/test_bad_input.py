@@ -1,0 +1,531 @@
+"""Bad input at the coordinator's door: each kind is refused with a reason, counted, and the run goes on.
+
+Every test drives a real `Coordinator` against the session's real Redis and S3 servers, one
+`step()` at a time. A bad contribution and a good one from an honest learner (the real `Uploader`
+that learners send with) are on the announcements stream together; one step reads both, checks
+them and merges the round. Then `Rig.assert_refused` checks what a user relies on:
+
+- the bad one is refused with the right code, and the reason names what is wrong (object key,
+  tensor, versions, stream entry...) in words a person can act on;
+- `refused:{code}` and `contributions_refused` went up by exactly one, and the refusal was logged;
+- the refusal is on the refusals stream and in the `refused` list of the next committed manifest;
+- its stream entry is acknowledged, not left pending;
+- the good contribution was merged into a new committed version: the run goes on.
+
+Bad objects are built honestly: a valid delta encoded the way a learner encodes it, then cut
+short, altered, encoded against another layout or codec, or patched to hold NaN, and uploaded
+under the sender's own key with an announcement that describes the uploaded bytes unless the
+test is about an announcement that lies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import struct
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import msgpack
+import pytest
+import torch
+import zstandard
+
+from coordinator.config import CoordinatorConfig, RunSettings
+from coordinator.policy import RoundConfig
+from coordinator.service import MAX_REASON_CHARS, Coordinator
+from storage import codecs
+from storage.bus import FIELD
+from storage.history import read_manifest, sha256_hex
+from storage.protocol import Announcement, pack
+from storage.settings import Endpoints
+from workers.fragments import model_params, plan_layout
+from workers.transfer import TransferStats, UploadJob, Uploader
+from harness import Tiny
+
+LIMIT = 64 << 10
+"""The runs' max_object_bytes: every honest object here is a few hundred bytes."""
+BAD = "mallory"
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class Before:
+    counters: dict[str, int]
+    refusals: int
+    head: int
+
+
+class Rig:
+    """A coordinator whose run has version 0 of both fragments, honest learners and a forger."""
+
+    def __init__(self, endpoints: Endpoints, run_id: str, caplog: pytest.LogCaptureFixture, *, codec: str = "int8",
+                 compress: bool = True, max_staleness: int = 4) -> None:
+        settings = RunSettings(num_fragments=2, sync_every=4, overlap_steps=1, codec=codec, compress=compress,
+                               max_object_bytes=LIMIT, cadence="steps")
+        config = CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0, max_staleness=max_staleness))
+        self.coord = Coordinator(endpoints, run_id, settings=settings, config=config)
+        self.bus, self.store, self.keys, self.spec = self.coord.bus, self.coord.store, self.coord.keys, self.coord.spec
+        self.caplog = caplog
+        self._uploaders: dict[str, Uploader] = {}
+        self._seq = 0
+        torch.manual_seed(0)
+        # Genesis the way a learner proposes it: its layout, then fp32 parameters per fragment.
+        layout = plan_layout(model_params(Tiny()), 2)
+        first = self.uploader("good")
+        self.store.put(self.keys.genesis_layout("good"), layout.to_wire(), create_only=False)
+        for f, specs in enumerate(layout.fragments):
+            first.submit(UploadJob(f, {s.name: torch.randn(s.shape) for s in specs}, base_version=-1, tokens=0,
+                                   steps=0, step_time_s=0.0, kind="genesis"))
+        assert first.flush(30)
+        self.coord.step()  # after a start, the first step reads only the coordinator's own pending entries
+        self.coord.step()
+        assert self.bus.heads() == {0: 0, 1: 0}
+        assert self.coord.layout is not None
+        self.layout = self.coord.layout
+
+    def close(self) -> None:
+        for u in self._uploaders.values():
+            u.close()
+            u.join(5)
+        self.coord.close()
+
+    # ---- honest learners -----------------------------------------------------------------------
+    def uploader(self, learner: str) -> Uploader:
+        if learner not in self._uploaders:
+            self._uploaders[learner] = Uploader(self.store, self.bus, self.spec, learner, TransferStats())
+            self._uploaders[learner].start()
+        return self._uploaders[learner]
+
+    def head(self, fragment: int = 0) -> int:
+        return self.bus.heads()[fragment]
+
+    def send_good(self, learner: str = "good", fragment: int = 0, base_version: int | None = None
+                  ) -> tuple[str, Announcement]:
+        """An honest contribution based on the head (unless told otherwise), sent as learners send it."""
+        u = self.uploader(learner)
+        delta = {s.name: 0.01 * torch.randn(s.shape) for s in self.layout.fragments[fragment]}
+        base = self.head(fragment) if base_version is None else base_version
+        u.submit(UploadJob(fragment, delta, base_version=base, tokens=40, steps=4, step_time_s=0.01))
+        assert u.flush(30) and u.stats.upload_failed == 0, u.stats.last_error
+        return self.last_entry()
+
+    def last_entry(self) -> tuple[str, Announcement]:
+        [(eid, fields)] = self.bus.r.xrevrange(self.keys.announcements, count=1)
+        return eid.decode(), Announcement.from_wire(fields[FIELD])
+
+    def advance(self, versions: int) -> None:
+        for _ in range(versions):
+            head = self.head()
+            self.send_good()
+            self.coord.step()
+            assert self.head() == head + 1
+
+    # ---- the forger ------------------------------------------------------------------------------
+    def delta_blob(self, cid: str, *, learner: str = BAD, fragment: int = 0, base_version: int | None = None,
+                   codec: str | None = None, tensors: dict[str, torch.Tensor] | None = None, **meta) -> bytes:
+        """A valid delta object, encoded and labelled the way workers/transfer.py does it."""
+        if tensors is None:
+            tensors = {s.name: 0.01 * torch.randn(s.shape) for s in self.layout.fragments[fragment]}
+        labels = {"run": self.spec.run, "fragment": fragment, "learner": learner, "kind": "delta",
+                  "contribution_id": cid, "base_version": self.head(fragment) if base_version is None else base_version}
+        return codecs.encode(tensors, codec or self.spec.codec, compress=self.spec.compress, meta=labels | meta)
+
+    def forge(self, blob: bytes, *, cid: str, learner: str = BAD, fragment: int = 0, upload: bytes | None = None,
+              **fields) -> tuple[str, Announcement]:
+        """Upload `upload` (default: `blob`; b"" uploads nothing) under the learner's own key and announce
+        `blob` truthfully (size, sha256), except for the announcement `fields` given."""
+        self._seq += 1
+        key = self.keys.delta(fragment, learner, self._seq)
+        body = blob if upload is None else upload
+        if body:
+            self.store.put(key, body)
+        a = Announcement(kind="delta", run=self.spec.run, fragment=fragment, learner=learner, seq=self._seq,
+                         contribution_id=cid, base_version=self.bus.heads().get(fragment, 0), tokens=40, steps=4,
+                         step_time_s=0.01, object_key=key, size_bytes=len(blob), sha256=sha256_hex(blob), sent_at=0.0)
+        a = replace(a, **fields)
+        return self.bus.announce(a), a
+
+    def bad_delta(self, base_version: int) -> tuple[str, Announcement]:
+        cid = new_id()
+        return self.forge(self.delta_blob(cid, base_version=base_version), cid=cid, base_version=base_version)
+
+    def xadd(self, fields: dict[bytes, bytes]) -> str:
+        return self.bus.r.xadd(self.keys.announcements, fields).decode()
+
+    # ---- what the user relies on -----------------------------------------------------------------
+    def before(self) -> Before:
+        return Before(self.bus.counters(), len(self.bus.refusals()), self.head(0))
+
+    def assert_refused(self, before: Before, entry_id: str, *, code: str, learner: str, cid: str,
+                       says: list[str], good: Announcement, copies_merged: int = 0) -> None:
+        """The bad entry `entry_id` was refused as `code` and the good contribution (fragment 0) merged."""
+        # Refused with this code and a reason that names the offending thing.
+        new = self.bus.refusals()[before.refusals:]
+        assert [(r.code, r.learner, r.contribution_id) for r in new] == [(code, learner, cid)], new
+        reason = new[0].reason
+        for phrase in says:
+            assert phrase in reason, f"{phrase!r} not in the reason {reason!r}"
+        assert any(reason in r.getMessage() and r.levelno == logging.WARNING for r in self.caplog.records)
+        # Counted, exactly once.
+        after = self.bus.counters()
+        for counter in (f"refused:{code}", "contributions_refused"):
+            assert after.get(counter, 0) == before.counters.get(counter, 0) + 1, (counter, after)
+        # Acknowledged: nothing is left pending, this entry least of all.
+        pending = self.bus.r.xpending_range(self.keys.announcements, self.keys.GROUP, "-", "+", 100)
+        assert [p["message_id"].decode() for p in pending] == [], f"entry {entry_id} and others left pending"
+        # The run went on: the good contribution is in a new committed version, whose manifest lists the refusal.
+        assert self.head(0) == before.head + 1
+        manifest = read_manifest(self.store, self.keys, 0, before.head + 1)
+        ids = [c.contribution_id for c in manifest.inputs]
+        assert good.contribution_id in ids and len(ids) == len(set(ids)), ids
+        assert ids.count(cid) == copies_merged, ids
+        assert list(manifest.refused) == new
+
+
+@pytest.fixture
+def make_rig(endpoints: Endpoints, run_id: str, caplog: pytest.LogCaptureFixture) -> Iterator[Callable[..., Rig]]:
+    caplog.set_level(logging.WARNING, logger="coordinator")
+    rigs: list[Rig] = []
+
+    def make(**kw) -> Rig:
+        rigs.append(Rig(endpoints, run_id, caplog, **kw))
+        return rigs[-1]
+
+    yield make
+    for rig in rigs:
+        rig.close()
+
+
+@pytest.fixture
+def rig(make_rig: Callable[..., Rig]) -> Rig:
+    return make_rig()
+
+
+def edit_payload(blob: bytes, edit: Callable[[bytearray], None], *, fix_sha: bool = True) -> bytes:
+    """The object with its (decompressed) payload edited; the header's payload_sha256 follows the edit
+    unless `fix_sha` is False. What an encoder without the finiteness check would write."""
+    magic, version, header_len = struct.unpack_from(">4sBI", blob)
+    header = msgpack.unpackb(blob[9:9 + header_len], raw=False)
+    body = blob[9 + header_len:]
+    zstd = header["compression"] == "zstd"
+    payload = bytearray(zstandard.ZstdDecompressor().decompress(body) if zstd else body)
+    edit(payload)
+    if fix_sha:
+        header["payload_sha256"] = hashlib.sha256(payload).hexdigest()
+    packed = msgpack.packb(header, use_bin_type=True)
+    body = zstandard.ZstdCompressor().compress(bytes(payload)) if zstd else bytes(payload)
+    return struct.pack(">4sBI", magic, version, len(packed)) + packed + body
+
+
+# ---- truncated object ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("compress, cut, announced, code, says", [
+    (False, "payload", "as uploaded", "bad_framing", ["truncated", "header says payload_bytes="]),
+    (True, "payload", "as uploaded", "bad_payload", ["zstd payload", "truncated"]),
+    (True, "header", "as uploaded", "bad_header", ["past the end"]),
+    (True, "payload", "whole object", "size_mismatch", ["the announcement says"]),
+], ids=["raw-payload", "zstd-payload", "header", "upload-cut-short"])
+def test_truncated_object_is_refused(make_rig, compress, cut, announced, code, says):
+    rig = make_rig(compress=compress)
+    before = rig.before()
+    cid = new_id()
+    whole = rig.delta_blob(cid)
+    short = whole[:-8] if cut == "payload" else whole[:24]
+    if announced == "as uploaded":
+        eid, a = rig.forge(short, cid=cid)
+    else:
+        eid, a = rig.forge(whole, cid=cid, upload=short)
+    _, good = rig.send_good()
+    rig.coord.step()
+    rig.assert_refused(before, eid, code=code, learner=BAD, cid=cid, says=[a.object_key, *says], good=good)
+
+
+# ---- wrong sha256 --------------------------------------------------------------------------------
+
+def _flip_a_byte(blob: bytes) -> bytes:
+    bad = bytearray(blob)
+    bad[-3] ^= 0xFF
+    return bytes(bad)
+
+
+@pytest.mark.parametrize("how, code, says", [
+    ("altered after upload", "sha256_mismatch", ["altered or corrupted after upload"]),
+    ("announcement lies", "sha256_mismatch", ["the announcement says"]),
+    ("payload differs from its header", "sha256_mismatch", ["payload sha256", "corrupt or was tampered with"]),
+], ids=["altered", "lying-announcement", "payload-vs-header"])
+def test_wrong_sha256_is_refused(rig, how, code, says):
+    before = rig.before()
+    cid = new_id()
+    blob = rig.delta_blob(cid)
+    if how == "altered after upload":
+        eid, a = rig.forge(blob, cid=cid, upload=_flip_a_byte(blob))
+    elif how == "announcement lies":
+        eid, a = rig.forge(blob, cid=cid, sha256=sha256_hex(b"some other object"))
+    else:
+        eid, a = rig.forge(edit_payload(blob, lambda p: p.__setitem__(-1, p[-1] ^ 1), fix_sha=False), cid=cid)
+    _, good = rig.send_good()
+    rig.coord.step()
+    rig.assert_refused(before, eid, code=code, learner=BAD, cid=cid, says=[a.object_key, *says], good=good)
+
+
+# ---- wrong shape or dtype ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["reshaped", "tensor missing", "other fragment's tensors", "fp32 in an int8 run"])
+def test_wrong_shape_or_dtype_is_refused(rig, how):
+    before = rig.before()
+    specs = rig.layout.fragments[0]
+    tensors = {s.name: 0.01 * torch.randn(s.shape) for s in specs}
+    codec = None
+    first, last = specs[0], specs[-1]
+    if how == "reshaped":
+        tensors[first.name] = tensors[first.name].reshape(-1)
+        code, says = "wrong_shape", [first.name, f"expected shape {first.shape}", f"found {(first.numel,)}"]
+    elif how == "tensor missing":
+        del tensors[last.name]
+        code, says = "wrong_shape", [f"missing [{last.name!r}]", "unexpected []"]
+    elif how == "other fragment's tensors":
+        others = rig.layout.fragments[1]
+        tensors = {s.name: torch.zeros(s.shape) for s in others}
+        code, says = "wrong_shape", [f"missing [{first.name!r}", f"unexpected [{others[0].name!r}"]
+    else:
+        codec = "fp32"
+        code, says = "wrong_dtype", ["fp32", "'int8'"]
+    cid = new_id()
+    eid, a = rig.forge(rig.delta_blob(cid, tensors=tensors, codec=codec), cid=cid)
+    _, good = rig.send_good()
+    rig.coord.step()
+    rig.assert_refused(before, eid, code=code, learner=BAD, cid=cid, says=[a.object_key, *says], good=good)
+
+
+# ---- NaN / Inf -----------------------------------------------------------------------------------
+
+def _poison(codec: str, value: float) -> Callable[[bytearray], None]:
+    """Put `value` in the first element (fp32, bf16) or the first block's scale (int8, int4)."""
+    f32 = struct.pack("<f", value)
+
+    def edit(payload: bytearray) -> None:
+        if codec == "bf16":
+            payload[0:2] = f32[2:4]  # bfloat16 is the upper half of a float32
+        else:
+            payload[0:4] = f32
+    return edit
+
+
+@pytest.mark.parametrize("codec, value", [
+    ("fp32", math.nan), ("fp32", math.inf), ("bf16", math.nan), ("bf16", -math.inf), ("int8", math.nan),
+    ("int4", math.inf),
+])
+def test_nan_or_inf_is_refused(make_rig, codec, value):
+    rig = make_rig(codec=codec)
+    before = rig.before()
+    cid = new_id()
+    eid, a = rig.forge(edit_payload(rig.delta_blob(cid), _poison(codec, value)), cid=cid)
+    _, good = rig.send_good()
+    rig.coord.step()
+    first = rig.layout.fragments[0][0].name
+    rig.assert_refused(before, eid, code="non_finite", learner=BAD, cid=cid, good=good,
+                       says=[a.object_key, repr(first), "NaN", "Inf"])
+
+
+def test_finite_delta_whose_merge_overflows_is_refused(make_rig):
+    """Every value is finite, but so large (and so heavily weighted) that the outer step overflows
+    float32: refused, instead of a crash at publish that would come back after every restart."""
+    rig = make_rig(codec="fp32")
+    before = rig.before()
+    cid = new_id()
+    huge = {s.name: torch.full(s.shape, 3e38) for s in rig.layout.fragments[0]}
+    eid, a = rig.forge(rig.delta_blob(cid, tensors=huge), cid=cid, tokens=10**6)
+    _, good = rig.send_good()
+    rig.coord.step()
+    rig.assert_refused(before, eid, code="non_finite", learner=BAD, cid=cid, good=good,
+                       says=[a.object_key, "overflows float32", "3e+38"])
+
+
+# ---- object over the size limit ------------------------------------------------------------------
+
+@pytest.fixture
+def gets(rig: Rig) -> dict[str, object]:
+    """Every GetObject the coordinator's S3 client makes: key -> bytes it read from the response body."""
+    bodies: dict[str, object] = {}
+    events = rig.store._s3.meta.events  # instrumentation of the real client, no stand-in
+
+    def on_params(params, context, **_):
+        context["diloco_key"] = params["Key"]
+
+    def on_reply(parsed, context, **_):
+        bodies[context["diloco_key"]] = parsed.get("Body")
+
+    events.register("provide-client-params.s3.GetObject", on_params)
+    events.register("after-call.s3.GetObject", on_reply)
+    return bodies
+
+
+@pytest.mark.parametrize("announced", ["truthfully", "understated"])
+def test_object_over_the_size_limit_is_refused_unread(rig, gets, announced):
+    before = rig.before()
+    cid = new_id()
+    big = rig.delta_blob(cid, padding="x" * (8 * LIMIT))  # a valid object, 8x the run's limit
+    assert len(big) > 8 * LIMIT
+    if announced == "truthfully":
+        eid, a = rig.forge(big, cid=cid)
+        says = [a.object_key, f"{len(big)} bytes", f"max_object_bytes of {LIMIT}"]
+    else:
+        eid, a = rig.forge(big, cid=cid, size_bytes=1000)
+        says = [a.object_key, f"{len(big)} bytes", f"{LIMIT}-byte limit"]
+    _, good = rig.send_good()
+    rig.coord.step()
+    rig.assert_refused(before, eid, code="too_large", learner=BAD, cid=cid, says=says, good=good)
+    if announced == "truthfully":
+        assert a.object_key not in gets  # refused on the announcement alone
+    else:
+        assert gets[a.object_key].tell() <= LIMIT + 1  # refused on ContentLength, or after limit + 1 bytes
+
+
+# ---- unknown run or fragment ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["other run", "fragment out of range", "object says other run",
+                                 "someone else's object"])
+def test_unknown_run_or_fragment_is_refused(rig, how):
+    before = rig.before()
+    cid = new_id()
+    blob = rig.delta_blob(cid)
+    if how == "other run":
+        eid, a = rig.forge(blob, cid=cid, run="other-run")
+        code, says = "misaddressed", ["'other-run'", repr(rig.spec.run)]
+    elif how == "fragment out of range":
+        eid, a = rig.forge(blob, cid=cid, fragment=2)
+        code, says = "unknown_fragment", ["fragment 2", "0..1"]
+    elif how == "object says other run":
+        cid = new_id()
+        eid, a = rig.forge(rig.delta_blob(cid, run="other-run"), cid=cid)
+        code, says = "misaddressed", [a.object_key, "run='other-run'"]
+    else:
+        _, theirs = rig.send_good("l1")
+        eid, a = rig.forge(blob, cid=cid, object_key=theirs.object_key, size_bytes=theirs.size_bytes,
+                           sha256=theirs.sha256)
+        code, says = "misaddressed", [theirs.object_key, rig.keys.delta(0, BAD, a.seq)]
+    _, good = rig.send_good()
+    rig.coord.step()
+    rig.assert_refused(before, eid, code=code, learner=BAD, cid=cid, says=says, good=good)
+
+
+# ---- base version from the future, too stale ----------------------------------------------------
+
+def test_base_version_from_the_future_is_refused(rig):
+    rig.advance(1)
+    before = rig.before()
+    eid, a = rig.bad_delta(base_version=2)
+    _, good = rig.send_good()
+    rig.coord.step()
+    rig.assert_refused(before, eid, code="future_base", learner=BAD, cid=a.contribution_id, good=good,
+                       says=["fragment 0", "base version 2", "head 1"])
+
+
+def test_base_more_than_max_staleness_behind_is_refused_and_one_at_the_limit_merged(make_rig):
+    rig = make_rig(max_staleness=1)
+    rig.advance(3)
+    before = rig.before()
+    eid, a = rig.bad_delta(base_version=1)
+    _, at_limit = rig.send_good("l1", base_version=2)
+    _, good = rig.send_good()
+    rig.coord.step()
+    rig.assert_refused(before, eid, code="stale", learner=BAD, cid=a.contribution_id, good=good,
+                       says=["fragment 0", "base version 1", "2 versions behind head 3", "max_staleness 1"])
+    merged = read_manifest(rig.store, rig.keys, 0, 4).inputs
+    assert {(c.learner, c.staleness) for c in merged} == {("good", 0), ("l1", 1)}
+    assert at_limit.contribution_id in {c.contribution_id for c in merged}
+
+
+# ---- duplicate announcement ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("when", ["in the same read", "after it was applied", "same object, new id"])
+def test_duplicate_announcement_is_applied_once(rig, when):
+    _, first = rig.send_good("l1")
+    if when != "in the same read":
+        rig.coord.step()
+        assert first.contribution_id in [c.contribution_id for c in read_manifest(rig.store, rig.keys, 0, 1).inputs]
+    before = rig.before()
+    if when == "same object, new id":
+        # A learner may not announce one object twice under two ids: its header names the first.
+        replay = replace(first, contribution_id=new_id())
+        eid = rig.bus.announce(replay)
+        code, cid, says = "misaddressed", replay.contribution_id, [first.object_key, first.contribution_id]
+    else:
+        eid = rig.xadd({FIELD: first.to_wire()})  # what redis-py does when it retries an XADD
+        code, cid, says = "duplicate", first.contribution_id, [first.contribution_id, "l1"]
+    _, good = rig.send_good()
+    rig.coord.step()
+    rig.assert_refused(before, eid, code=code, learner="l1", cid=cid, says=says, good=good,
+                       copies_merged=1 if when == "in the same read" else 0)
+    assert rig.bus.counters()["contributions_applied"] == 2 + 2  # two genesis, l1's once, the good one
+
+
+# ---- malformed stream entry ----------------------------------------------------------------------
+
+def _wire(rig: Rig, **over) -> bytes:
+    a = Announcement(kind="delta", run=rig.spec.run, fragment=0, learner=BAD, seq=1, contribution_id="e" * 32,
+                     base_version=0, tokens=40, steps=4, step_time_s=0.01, object_key=rig.keys.delta(0, BAD, 1),
+                     size_bytes=100, sha256="0" * 64, sent_at=0.0)
+    body = msgpack.unpackb(a.to_wire(), raw=False)
+    body.update(over)
+    for name in [k for k, v in over.items() if v is None]:
+        del body[name]
+    return pack(body)
+
+
+@pytest.mark.parametrize("entry, code, says", [
+    (lambda rig: {FIELD: b"\xc1 not msgpack"}, "bad_message", ["not valid msgpack"]),
+    (lambda rig: {b"other": b"x"}, "bad_message", ["no 'm' field"]),
+    (lambda rig: {FIELD: pack([1, 2])}, "bad_message", ["expected a map"]),
+    (lambda rig: {FIELD: _wire(rig, schema=2)}, "unknown_schema", ["schema version 2", "upgrade"]),
+    (lambda rig: {FIELD: _wire(rig, sha256=None)}, "bad_message", ["missing fields ['sha256']"]),
+    (lambda rig: {FIELD: _wire(rig, fragment="0")}, "bad_message", ["Announcement.fragment", "integer"]),
+    (lambda rig: {FIELD: _wire(rig, learner="../root")}, "bad_id", ["'../root'"]),
+    (lambda rig: {FIELD: _wire(rig, deadline=math.inf)}, "bad_message", ["deadline", "inf"]),
+], ids=["not-msgpack", "no-m-field", "not-a-map", "unknown-schema", "missing-field", "wrong-type", "bad-id",
+        "infinite-deadline"])
+def test_malformed_stream_entry_is_refused(rig, entry, code, says):
+    before = rig.before()
+    eid = rig.xadd(entry(rig))
+    _, good = rig.send_good()
+    rig.coord.step()
+    # Nothing in the entry can be trusted, so the reason names the entry: XRANGE finds it.
+    rig.assert_refused(before, eid, code=code, learner="", cid="", says=[f"stream entry {eid}", *says], good=good)
+
+
+def test_sequence_number_beyond_the_key_format_is_refused(rig):
+    before = rig.before()
+    eid = rig.xadd({FIELD: _wire(rig, seq=10**17, contribution_id="d" * 32)})
+    _, good = rig.send_good()
+    rig.coord.step()
+    rig.assert_refused(before, eid, code="bad_message", learner=BAD, cid="d" * 32, good=good,
+                       says=[f"seq {10**17}", "16 digits"])
+
+
+def test_refusal_of_an_entry_a_megabyte_long_stays_small(rig):
+    before = rig.before()
+    cid = new_id()
+    eid, a = rig.forge(rig.delta_blob(cid), cid=cid, object_key="k" * ((1 << 20) - 1000))
+    _, good = rig.send_good()
+    rig.coord.step()
+    rig.assert_refused(before, eid, code="misaddressed", learner=BAD, cid=cid, good=good,
+                       says=[f"delta from {BAD} points at 'kkkk", "more characters"])
+    assert len(rig.bus.refusals()[-1].reason) < MAX_REASON_CHARS + 100
+
+
+# ---- announcement whose object is missing ---------------------------------------------------------
+
+def test_announced_object_that_is_missing_is_refused(rig):
+    before = rig.before()
+    cid = new_id()
+    eid, a = rig.forge(rig.delta_blob(cid), cid=cid, upload=b"")
+    _, good = rig.send_good()
+    rig.coord.step()
+    rig.assert_refused(before, eid, code="missing_object", learner=BAD, cid=cid, good=good,
+                       says=[a.object_key, "does not exist"])
