@@ -156,10 +156,17 @@ class Learner:
         # process. A thread stuck on an unreachable server is abandoned at the deadline.
         for thread in (self.uploader, self.fetcher, self._heartbeat_thread):
             thread.join(timeout=max(0.5, deadline - time.monotonic()))
+        # Leaving is best effort (the lease expires anyway) and must not outlast the deadline
+        # while Redis is unreachable: it runs in a thread that is abandoned then.
+        leaving = threading.Thread(target=self._leave, name="leave", daemon=True)
+        leaving.start()
+        leaving.join(timeout=max(0.5, deadline - time.monotonic()))
+
+    def _leave(self) -> None:
         try:
             self._heartbeat()
             self.bus.leave(self.learner_id)
-        except Exception as exc:  # leaving is best effort; the lease expires anyway
+        except Exception as exc:  # noqa: BLE001
             log.warning("could not announce leaving: %s", exc)
 
     def report(self, *, loss: float | None = None, tokens: int | None = None) -> None:
