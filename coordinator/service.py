@@ -25,7 +25,7 @@ import torch
 from coordinator.config import CoordinatorConfig, RunSettings
 from coordinator.intake import Contribution, check_announcement, fetch_tensors, to_arrival
 from coordinator.leadership import Fenced, Leadership
-from coordinator.outer import NesterovState, merge_deltas, nesterov_step
+from coordinator.outer import NesterovState, apply_round
 from coordinator.policy import RoundState, decide_round, merge_order, merge_weights, staleness_verdict
 from coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
 from coordinator.recovery import reannounce_lost
@@ -318,7 +318,7 @@ class Coordinator:
             self._superseded(entry_id, a)
             return
         c = Contribution(entry_id, a, to_arrival(a, self.now()), tensors)
-        self._publish(a.fragment, frag, [c], [1.0], tensors, NesterovState())
+        self._publish(a.fragment, frag, [c], [1.0], tensors, NesterovState(), self._settings("genesis"))
 
     def _maybe_merge(self, fragment: int, frag: Fragment) -> None:
         arrivals = tuple(c.arrival for c in frag.round)
@@ -335,17 +335,16 @@ class Coordinator:
         self._ensure_loaded(fragment, frag)
         crash_point("fetched")
         assert frag.params is not None and frag.state is not None
+        settings = self._settings("delta")
         while frag.round:
             ordered = merge_order(tuple(c.arrival for c in frag.round))
             by_id = {c.announcement.contribution_id: c for c in frag.round}
             contributions = [by_id[a.contribution_id] for a in ordered]
             weights = merge_weights(ordered, frag.head, self.round_cfg)
-            delta = merge_deltas([c.delta for c in contributions], weights,
-                                 radial_directional=self.config.radial_directional)
-            params, state = nesterov_step(frag.params, delta, frag.state, lr=self.config.outer_lr,
-                                          momentum=self.config.outer_momentum)
+            # The settings the manifest records configure the merge itself: a replay runs the same call.
+            params, state = apply_round(frag.params, frag.state, [c.delta for c in contributions], weights, settings)
             if _finite(params) and _finite(state.momentum):
-                self._publish(fragment, frag, contributions, weights, params, state)
+                self._publish(fragment, frag, contributions, weights, params, state, settings)
                 return
             self._refuse_overflow(fragment, frag, contributions)
 
@@ -382,8 +381,12 @@ class Coordinator:
         frag.state = decode_state(read_verified(self.store, manifest.outer_state_key, manifest.outer_state_sha256,
                                                 max_bytes=limit), limit)
 
+    def _settings(self, kind: str) -> dict[str, str | int | float | bool]:
+        """What the manifest of a version of this `kind` records, and what its merge is configured by."""
+        return self.config.settings(self.round_cfg) | {"kind": kind}
+
     def _publish(self, fragment: int, frag: Fragment, contributions: list[Contribution], weights: list[float],
-                 params: dict[str, torch.Tensor], state: NesterovState) -> None:
+                 params: dict[str, torch.Tensor], state: NesterovState, settings: dict) -> None:
         t0 = time.monotonic()
         version = frag.head + 1
         inputs = tuple(
@@ -394,7 +397,6 @@ class Coordinator:
                   if c.announcement.kind == "delta" else 0,
                   tokens=c.announcement.tokens, steps=c.announcement.steps, weight=w, stream_id=c.entry_id)
             for c, w in zip(contributions, weights, strict=True))
-        settings = self.config.settings(self.round_cfg) | {"kind": contributions[0].announcement.kind}
         refused = (*frag.refused, *self._unplaced)
         try:
             manifest = write_version(self.store, self.keys, fragment=fragment, version=version, params=params,

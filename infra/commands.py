@@ -1,4 +1,4 @@
-"""The run-time subcommands: `diloco coordinator`, `diloco learner`, `diloco demo`.
+"""The run-time subcommands: `diloco coordinator`, `diloco learner`, `diloco demo`, `diloco replay`.
 
 Each is `add_arguments(parser)` + `run(args) -> int`, listed in `infra.cli.COMMANDS`. Options of
 the coordinator and learner come from their config dataclasses (field docstring = help text).
@@ -18,6 +18,9 @@ from coordinator.leadership import Stopped
 from coordinator.policy import RoundConfig
 from coordinator.service import Coordinator
 from infra.options import add_options, build
+from infra.replay import VersionCheck, replay_run
+from storage.keys import RunKeys
+from storage.objects import ObjectStore
 from storage.settings import Endpoints
 from workers.demo.run import DemoLearnerArgs, train_demo_learner
 from workers.demo.task import DemoTask
@@ -87,3 +90,33 @@ def run_demo(args: argparse.Namespace) -> int:
 
     demo(build(DemoConfig, args))
     return 0
+
+
+# -- replay --------------------------------------------------------------------------------------
+
+def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, help="run id to replay")
+    parser.add_argument("--fragment", type=int, help="replay only this fragment (default: every fragment)")
+    parser.add_argument("--from", dest="start", type=int, default=0, metavar="V",
+                        help="first version to replay (default: %(default)s, the genesis)")
+    parser.add_argument("--to", dest="end", type=int, metavar="W", help="last version to replay (default: the latest)")
+    parser.add_argument("--json", dest="json_path", type=Path, metavar="PATH",
+                        help="also write the results, version by version, to this JSON file")
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """Exit 0 only if at least one version was checked and every one is bit-exact."""
+    endpoints = Endpoints.from_env(redis=False)  # S3 is the history: replay never needs Redis
+
+    def progress(check: VersionCheck) -> None:
+        (log.info if check.bit_exact else log.error)("%s", check.line())
+
+    report = replay_run(ObjectStore(endpoints), RunKeys(endpoints.prefix, args.run), fragment=args.fragment,
+                        start=args.start, end=args.end, progress=progress)
+    print(report.summary())
+    if args.json_path is not None:
+        args.json_path.parent.mkdir(parents=True, exist_ok=True)
+        args.json_path.write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    if not report.checks:
+        log.error("no committed version of run %s in the range asked for", args.run)
+    return 0 if report.ok else 1

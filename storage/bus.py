@@ -182,6 +182,8 @@ class Bus:
     """The Redis side of one run. Thread-safe (redis-py pools connections)."""
 
     def __init__(self, endpoints: Endpoints, run: str) -> None:
+        if not endpoints.redis_url:
+            raise ConfigError(f"no Redis configured: set {ENV_REDIS_URL}")
         self.keys = RunKeys(endpoints.prefix, run)
         self.run = run
         self.url = redact_url(endpoints.redis_url)

@@ -15,7 +15,7 @@ from storage import codecs
 from storage.errors import Refused
 from storage.keys import RunKeys
 from storage.objects import ObjectMissing, ObjectStore
-from storage.protocol import MAX_RECORD_BYTES, Layout, Manifest, RunSpec
+from storage.protocol import MAX_RECORD_BYTES, Contribution, Layout, Manifest, RunSpec
 
 
 def sha256_hex(data: bytes) -> str:
@@ -54,17 +54,38 @@ def read_verified(store: ObjectStore, key: str, sha256: str, *, max_bytes: int) 
 
 def read_params(store: ObjectStore, layout: Layout, manifest: Manifest) -> dict[str, torch.Tensor]:
     """The global parameters of a committed version, checked against manifest and layout."""
-    limit = 2 * layout.fragment_bytes(manifest.fragment) + (1 << 20)
+    limit = params_limit(layout, manifest.fragment)
     blob = read_verified(store, manifest.params_key, manifest.params_sha256, max_bytes=limit)
     tensors, _ = codecs.decode(blob, max_bytes=limit, expect=layout.shapes(manifest.fragment))
     return tensors
 
 
-def latest_version(store: ObjectStore, keys: RunKeys, fragment: int) -> int | None:
-    """Highest version of a fragment whose manifest exists in S3 (the commit record), by listing."""
-    latest = None
+def params_limit(layout: Layout, fragment: int) -> int:
+    """Read bound of a version's params and outer-state objects: two fp32 copies of the fragment + 1 MiB."""
+    return 2 * layout.fragment_bytes(fragment) + (1 << 20)
+
+
+def read_input(store: ObjectStore, layout: Layout, fragment: int, contribution: Contribution, *,
+               max_bytes: int) -> dict[str, torch.Tensor]:
+    """One input of a committed version (a delta, or the genesis proposal of version 0), checked
+    against the sha256 its manifest records and decoded against the layout. Raises ObjectMissing
+    if the object is gone and Refused if it is not what the manifest says."""
+    blob = read_verified(store, contribution.object_key, contribution.sha256, max_bytes=max_bytes)
+    tensors, _ = codecs.decode(blob, max_bytes=max_bytes, expect=layout.shapes(fragment))
+    return tensors
+
+
+def list_versions(store: ObjectStore, keys: RunKeys, fragment: int) -> list[int]:
+    """Versions of a fragment whose manifest exists in S3 (the commit record), ascending, by listing."""
+    versions = []
     for key in store.list(keys.versions_prefix(fragment)):
         parsed = keys.parse_version_key(key)
         if parsed and parsed[2] == "manifest":
-            latest = parsed[1]
-    return latest
+            versions.append(parsed[1])
+    return versions
+
+
+def latest_version(store: ObjectStore, keys: RunKeys, fragment: int) -> int | None:
+    """Highest version of a fragment whose manifest exists in S3 (the commit record), by listing."""
+    versions = list_versions(store, keys, fragment)
+    return versions[-1] if versions else None

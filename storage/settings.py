@@ -45,7 +45,8 @@ def redact_url(url: str) -> str:
 @dataclass(frozen=True, slots=True, repr=False)
 class Endpoints:
     redis_url: str
-    """Redis URL, e.g. redis://localhost:6379/0 or rediss://:password@host:6380/0."""
+    """Redis URL, e.g. redis://localhost:6379/0 or rediss://:password@host:6380/0; "" for a process that
+    reads S3 only (`diloco replay`), which then cannot open a `Bus`."""
     bucket: str
     """S3 bucket that holds every run's objects."""
     s3_endpoint: str | None = None
@@ -56,7 +57,7 @@ class Endpoints:
     """S3 region (signature v4 needs one even for MinIO)."""
 
     def __post_init__(self) -> None:
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"{ENV_REDIS_URL} must be a redis://, rediss:// or unix:// URL, "
                               f"got {redact_url(self.redis_url)!r}")
         if not self.bucket:
@@ -69,16 +70,19 @@ class Endpoints:
                 f"s3_endpoint={self.s3_endpoint!r}, prefix={self.prefix!r}, region={self.region!r})")
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> Endpoints:
+    def from_env(cls, env: dict[str, str] | None = None, *, redis: bool = True) -> Endpoints:
+        """The endpoints the environment names. With `redis=False` (tools that read S3 only),
+        DILOCO_REDIS_URL may be missing."""
         env = dict(os.environ if env is None else env)
-        missing = [k for k in (ENV_REDIS_URL, ENV_S3_BUCKET) if not env.get(k)]
+        required = (ENV_REDIS_URL, ENV_S3_BUCKET) if redis else (ENV_S3_BUCKET,)
+        missing = [k for k in required if not env.get(k)]
         if missing:
             raise ConfigError(
                 f"missing {', '.join(missing)}: run `eval $(diloco stack up)` for a local stack, "
                 "or point them at your Redis and bucket (see README)"
             )
         return cls(
-            redis_url=env[ENV_REDIS_URL],
+            redis_url=env.get(ENV_REDIS_URL, ""),
             bucket=env[ENV_S3_BUCKET],
             s3_endpoint=env.get(ENV_S3_ENDPOINT) or None,
             prefix=env.get(ENV_S3_PREFIX) or "diloco",
@@ -86,8 +90,9 @@ class Endpoints:
         )
 
     def to_env(self) -> dict[str, str]:
-        env = {ENV_REDIS_URL: self.redis_url, ENV_S3_BUCKET: self.bucket, ENV_S3_PREFIX: self.prefix,
-               ENV_S3_REGION: self.region}
+        env = {ENV_S3_BUCKET: self.bucket, ENV_S3_PREFIX: self.prefix, ENV_S3_REGION: self.region}
+        if self.redis_url:
+            env[ENV_REDIS_URL] = self.redis_url
         if self.s3_endpoint:
             env[ENV_S3_ENDPOINT] = self.s3_endpoint
         return env

@@ -1,0 +1,214 @@
+"""`diloco replay`: re-derive committed versions from S3 alone and check them bit for bit.
+
+For each fragment and each version in the range, in order: read the manifest, fetch every input
+object it names (checked against the recorded sha256, decoded against the layout), take the
+parent's params and outer state, and let `coordinator.replay.rederive` recompute the version and
+compare sha256s. The stored params and outer-state objects are also checked against the
+manifest, since learners and a restarted coordinator read those. Redis is never contacted.
+
+The parent of a version is the re-derived previous version when that one was bit-exact (then its
+bytes equal the stored ones), else the stored objects, verified: each version is checked on its
+own, so one divergence does not hide another later one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from coordinator.outer import NesterovState
+from coordinator.publish import decode_state
+from coordinator.replay import Problem, rederive
+from storage import codecs
+from storage.errors import Refused
+from storage.history import (list_versions, params_limit, read_input, read_layout, read_manifest, read_run_spec,
+                             read_verified)
+from storage.keys import RunKeys
+from storage.objects import ObjectMissing, ObjectStore
+from storage.protocol import Layout, Manifest, RunSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class VersionCheck:
+    """The outcome of replaying one version."""
+
+    fragment: int
+    version: int
+    inputs: int
+    problems: tuple[Problem, ...]
+    seconds: float
+
+    @property
+    def bit_exact(self) -> bool:
+        return not self.problems
+
+    def line(self) -> str:
+        head = f"fragment {self.fragment} version {self.version}"
+        if self.bit_exact:
+            return f"{head}: bit-exact ({self.inputs} input(s), {self.seconds:.2f}s)"
+        return f"{head}: DIVERGED: " + "; ".join(f"{p.code}: {p.detail}" for p in self.problems)
+
+
+@dataclass
+class ReplayReport:
+    run: str
+    fragments: list[int]
+    checks: list[VersionCheck] = field(default_factory=list)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    """Things a reader of a divergence should know (another torch build or CPU kernel than recorded)."""
+
+    @property
+    def diverged(self) -> list[VersionCheck]:
+        return [c for c in self.checks if not c.bit_exact]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and not self.diverged
+
+    def summary(self) -> str:
+        exact = len(self.checks) - len(self.diverged)
+        lines = [f"replay of run {self.run}: {len(self.checks)} version(s) checked over "
+                 f"{len(self.fragments)} fragment(s), {exact} bit-exact, {len(self.diverged)} diverged, "
+                 f"in {self.seconds:.1f}s"]
+        firsts: dict[int, VersionCheck] = {}
+        for c in self.diverged:
+            firsts.setdefault(c.fragment, c)
+        for i, c in enumerate(firsts.values()):
+            p = c.problems[0]
+            more = f" (+{len(c.problems) - 1} more)" if len(c.problems) > 1 else ""
+            label = "first divergence" if i == 0 else "first divergence of another fragment"
+            lines.append(f"{label}: fragment {c.fragment} version {c.version}: {p.code}: {p.detail}{more}")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        first = self.diverged[0] if self.diverged else None
+        return {"run": self.run, "fragments": self.fragments, "checked": len(self.checks),
+                "bit_exact": len(self.checks) - len(self.diverged), "diverged": len(self.diverged),
+                "ok": self.ok, "seconds": round(self.seconds, 3), "notes": self.notes,
+                "first_divergence": None if first is None else _check_json(first),
+                "versions": [_check_json(c) for c in self.checks]}
+
+
+def _check_json(c: VersionCheck) -> dict:
+    return {"fragment": c.fragment, "version": c.version, "inputs": c.inputs, "bit_exact": c.bit_exact,
+            "seconds": round(c.seconds, 4), "problems": [asdict(p) for p in c.problems]}
+
+
+class _Fragment:
+    """Replays the versions of one fragment in order, carrying the parent forward."""
+
+    def __init__(self, store: ObjectStore, keys: RunKeys, spec: RunSpec, layout: Layout, fragment: int) -> None:
+        self.store, self.keys, self.spec, self.layout, self.fragment = store, keys, spec, layout, fragment
+        self.limit = params_limit(layout, fragment)
+        self.parent: tuple[dict[str, torch.Tensor], NesterovState] | None = None
+
+    def check(self, version: int, present: bool) -> tuple[VersionCheck, Manifest | None]:
+        t0 = time.monotonic()
+        # Set again only by a bit-exact re-derivation; else the next version starts from the stored objects.
+        parent, self.parent = self.parent, None
+        manifest, problems, n_inputs = None, [], 0
+        try:
+            if not present:
+                raise ObjectMissing("no such object, although a later version of the fragment has a manifest")
+            manifest = read_manifest(self.store, self.keys, self.fragment, version)
+            n_inputs = len(manifest.inputs)
+            problems = self._replay(manifest, parent)
+        except (ObjectMissing, Refused) as exc:
+            problems = [Problem("manifest", f"{self.keys.manifest(self.fragment, version)}: {exc}")]
+        return VersionCheck(self.fragment, version, n_inputs, tuple(problems), time.monotonic() - t0), manifest
+
+    def _replay(self, manifest: Manifest, parent: tuple[dict[str, torch.Tensor], NesterovState] | None
+                ) -> list[Problem]:
+        problems: list[Problem] = []
+        inputs = []
+        for i, c in enumerate(manifest.inputs):
+            try:
+                inputs.append(read_input(self.store, self.layout, self.fragment, c,
+                                         max_bytes=self.spec.max_object_bytes))
+            except ObjectMissing:
+                problems.append(Problem("missing_input", f"input {i} ({c.learner}) {c.object_key} is missing "
+                                        "from the bucket"))
+            except Refused as exc:
+                problems.append(Problem("corrupt_input", f"input {i} ({c.learner}) {c.object_key}: {exc}"))
+        if manifest.version > 0 and parent is None:
+            try:
+                parent = self._stored(manifest.version - 1)
+            except (ObjectMissing, Refused) as exc:
+                problems.append(Problem("parent", f"the parent version {manifest.version - 1} cannot be read: {exc}"))
+        if not problems:
+            params, state = parent if parent is not None else (None, None)
+            result = rederive(manifest, self.keys, inputs, parent_params=params, parent_state=state)
+            problems.extend(result.problems)
+            if result.bit_exact:
+                assert result.params is not None and result.state is not None
+                self.parent = (result.params, result.state)
+        problems.extend(self._check_stored(manifest))
+        return problems
+
+    def _stored(self, version: int) -> tuple[dict[str, torch.Tensor], NesterovState]:
+        """A version's stored params and outer state, checked against its manifest."""
+        m = read_manifest(self.store, self.keys, self.fragment, version)
+        blob = read_verified(self.store, m.params_key, m.params_sha256, max_bytes=self.limit)
+        params, _ = codecs.decode(blob, max_bytes=self.limit, expect=self.layout.shapes(self.fragment))
+        state = decode_state(read_verified(self.store, m.outer_state_key, m.outer_state_sha256, max_bytes=self.limit),
+                             self.limit)
+        return params, state
+
+    def _check_stored(self, m: Manifest) -> list[Problem]:
+        """The stored objects learners read must be the ones the manifest names."""
+        problems = []
+        for code, key, sha in (("stored_params", m.params_key, m.params_sha256),
+                               ("stored_outer_state", m.outer_state_key, m.outer_state_sha256)):
+            try:
+                read_verified(self.store, key, sha, max_bytes=self.limit)
+            except ObjectMissing:
+                problems.append(Problem(code, f"{key} is missing from the bucket"))
+            except Refused as exc:
+                problems.append(Problem(code, str(exc)))
+        return problems
+
+
+def replay_run(store: ObjectStore, keys: RunKeys, *, fragment: int | None = None, start: int = 0,
+               end: int | None = None, progress: Callable[[VersionCheck], None] | None = None) -> ReplayReport:
+    """Replay versions `start`..`end` (default: the latest) of one fragment or all of them.
+
+    Raises Refused('missing_object') if the run has no spec or layout in the bucket."""
+    t0 = time.monotonic()
+    spec, layout = read_run_spec(store, keys), read_layout(store, keys)
+    if spec is None or layout is None:
+        raise Refused("missing_object", f"run {keys.run!r} has no {'run spec' if spec is None else 'layout'} under "
+                      f"s3://{store.bucket}/{keys.root}: wrong run, bucket or DILOCO_S3_PREFIX?")
+    if fragment is not None and not 0 <= fragment < spec.num_fragments:
+        raise Refused("unknown_fragment", f"run {keys.run!r} has fragments 0..{spec.num_fragments - 1}, not {fragment}")
+    fragments = list(range(spec.num_fragments)) if fragment is None else [fragment]
+    report = ReplayReport(run=keys.run, fragments=fragments)
+    recorded: set[tuple[str, str]] = set()
+    for f in fragments:
+        stored = list_versions(store, keys, f)
+        if not stored:
+            continue
+        replayer = _Fragment(store, keys, spec, layout, f)
+        present = set(stored)
+        last = stored[-1] if end is None else min(end, stored[-1])
+        for version in range(start, last + 1):
+            check, manifest = replayer.check(version, version in present)
+            report.checks.append(check)
+            if manifest is not None:
+                recorded.add((str(manifest.settings.get("torch")), str(manifest.settings.get("cpu_capability"))))
+            if progress is not None:
+                progress(check)
+    here = (torch.__version__, str(torch.backends.cpu.get_cpu_capability()))
+    for torch_version, capability in sorted(recorded - {here}):
+        report.notes.append(f"some versions were made with torch {torch_version} on {capability} kernels; this "
+                            f"replay ran torch {here[0]} on {here[1]} (pin ATEN_CPU_CAPABILITY={capability.lower()} "
+                            "if outer steps diverge)")
+    report.seconds = time.monotonic() - t0
+    return report
