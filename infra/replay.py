@@ -137,7 +137,7 @@ class _Fragment:
                 problems.append(Problem("missing_input", f"input {i} ({c.learner}) {c.object_key} is missing "
                                         "from the bucket"))
             except Refused as exc:
-                problems.append(Problem("corrupt_input", f"input {i} ({c.learner}) {c.object_key}: {exc}"))
+                problems.append(Problem("corrupt_input", f"input {i} ({c.learner}): {exc}"))
         if manifest.version > 0 and parent is None:
             try:
                 parent = self._stored(manifest.version - 1)

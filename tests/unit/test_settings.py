@@ -28,3 +28,15 @@ def test_endpoints_never_show_the_redis_password():
     with pytest.raises(ConfigError) as err:
         Endpoints(redis_url="http://learner:s3cret@host", bucket="b")
     assert "s3cret" not in str(err.value)
+
+
+def test_s3_only_tools_need_no_redis_url_but_a_bus_refuses_to_start_without_one():
+    from storage.bus import Bus
+
+    env = {"DILOCO_S3_BUCKET": "b"}
+    with pytest.raises(ConfigError, match="DILOCO_REDIS_URL"):
+        Endpoints.from_env(env)
+    e = Endpoints.from_env(env, redis=False)
+    assert e.redis_url == "" and "DILOCO_REDIS_URL" not in e.to_env()
+    with pytest.raises(ConfigError, match="no Redis configured"):
+        Bus(e, "run")

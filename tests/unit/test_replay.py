@@ -1,0 +1,94 @@
+"""Re-deriving a version from its manifest (coordinator/replay.py), on hand-made manifests: pure, no servers."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import pytest
+import torch
+
+from coordinator.config import CoordinatorConfig
+from coordinator.outer import NesterovState, apply_round
+from coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
+from coordinator.publish import encode_params, encode_state
+from coordinator.replay import rederive
+from storage.history import sha256_hex
+from storage.keys import RunKeys
+from storage.protocol import Contribution, Manifest
+
+KEYS = RunKeys("p", "run")
+SHAPES = {"w": (5, 3), "b": (3,)}
+
+
+def tensors(gen: torch.Generator, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    return {k: torch.randn(s, generator=gen) * scale for k, s in SHAPES.items()}
+
+
+def a_version(radial: bool = False) -> tuple[Manifest, list[dict[str, torch.Tensor]], dict, NesterovState]:
+    """Version 3 of fragment 0 made the way the coordinator makes one: three inputs from two
+    learners (one of them stale), merged after a first outer step (so with momentum)."""
+    gen = torch.Generator().manual_seed(7)
+    cfg = RoundConfig()
+    settings = CoordinatorConfig(radial_directional=radial).settings(cfg) | {"kind": "delta"}
+    parent = tensors(gen)
+    _, state = apply_round(parent, NesterovState(), [tensors(gen, 0.1)], [1.0], settings)
+    arrivals = [Arrival(uuid.uuid4().hex, learner, base, tokens, steps, 0.0, 0.0)
+                for learner, base, tokens, steps in (("b", 2, 40, 4), ("a", 1, 90, 9), ("b", 2, 40, 4))]
+    ordered = merge_order(arrivals)
+    weights = merge_weights(ordered, 2, cfg)
+    deltas = [tensors(gen, 0.01) for _ in ordered]
+    params, new_state = apply_round(parent, state, deltas, weights, settings)
+    inputs = tuple(Contribution(contribution_id=a.contribution_id, learner=a.learner, seq=i, object_key=f"k/{i}",
+                                sha256="0" * 64, base_version=a.base_version, staleness=2 - a.base_version,
+                                tokens=a.tokens, steps=a.steps, weight=w, stream_id="")
+                   for i, (a, w) in enumerate(zip(ordered, weights)))
+    manifest = Manifest(run="run", fragment=0, version=3, parent_version=2, params_key="x", outer_state_key="y",
+                        params_sha256=sha256_hex(encode_params(params, KEYS, 0, 3)),
+                        outer_state_sha256=sha256_hex(encode_state(new_state, KEYS, 0, 3)),
+                        inputs=inputs, settings=settings, refused=(), committed_at=0.0, epoch=1)
+    return manifest, deltas, parent, state
+
+
+@pytest.mark.parametrize("radial", [False, True])
+def test_a_version_rederives_bit_exact(radial):
+    manifest, deltas, parent, state = a_version(radial)
+    assert {c.staleness for c in manifest.inputs} == {0, 1}  # a stale input: its weight is discounted
+    result = rederive(manifest, KEYS, deltas, parent_params=parent, parent_state=state)
+    assert result.bit_exact, result.problems
+
+
+def test_each_kind_of_difference_is_named():
+    manifest, deltas, parent, state = a_version()
+
+    def problems(m: Manifest, d=deltas) -> list[str]:  # noqa: ANN001
+        return [p.code for p in rederive(m, KEYS, d, parent_params=parent, parent_state=state).problems]
+
+    other = [{k: v + 1e-3 for k, v in deltas[0].items()}, *deltas[1:]]
+    assert problems(manifest, other) == ["params", "outer_state"]
+    first = manifest.inputs[0]
+    heavier = dataclasses.replace(manifest, inputs=(dataclasses.replace(first, weight=first.weight * 2),
+                                                    *manifest.inputs[1:]))
+    assert problems(heavier) == ["weights", "params", "outer_state"]
+    swapped = dataclasses.replace(manifest, inputs=manifest.inputs[::-1])
+    assert problems(swapped, deltas[::-1])[0] == "order"
+    fresh = dataclasses.replace(manifest, inputs=tuple(dataclasses.replace(c, staleness=0) for c in manifest.inputs))
+    assert problems(fresh) == ["staleness"]
+    # The recorded settings are the ones replayed: another lr gives other params (the momentum does not use it).
+    assert problems(dataclasses.replace(manifest, settings=manifest.settings | {"outer_lr": 0.5})) == ["params"]
+    assert problems(dataclasses.replace(manifest, settings=manifest.settings | {"merge": "median"})) == ["settings"]
+
+
+def test_genesis_is_its_proposal_unchanged():
+    gen = torch.Generator().manual_seed(1)
+    proposal = tensors(gen)
+    inputs = (Contribution(contribution_id=uuid.uuid4().hex, learner="a", seq=0, object_key="g", sha256="0" * 64,
+                           base_version=-1, staleness=0, tokens=0, steps=0, weight=1.0, stream_id=""),)
+    manifest = Manifest(run="run", fragment=0, version=0, parent_version=-1, params_key="x", outer_state_key="y",
+                        params_sha256=sha256_hex(encode_params(proposal, KEYS, 0, 0)),
+                        outer_state_sha256=sha256_hex(encode_state(NesterovState(), KEYS, 0, 0)),
+                        inputs=inputs, settings={"kind": "genesis"}, refused=(), committed_at=0.0, epoch=1)
+    assert rederive(manifest, KEYS, [proposal]).bit_exact
+    changed = {k: v.clone() for k, v in proposal.items()}
+    changed["b"][0] += 1
+    assert [p.code for p in rederive(manifest, KEYS, [changed]).problems] == ["params"]
