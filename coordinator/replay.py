@@ -122,7 +122,7 @@ def rederive(manifest: Manifest, keys: RunKeys, inputs: Sequence[Mapping[str, Te
     if len(inputs) != len(manifest.inputs):
         raise ValueError(f"{len(inputs)} inputs given for the {len(manifest.inputs)} the manifest records")
     problems = recorded_problems(manifest)
-    if any(p.code == "settings" for p in problems):
+    if not manifest.inputs or any(p.code == "settings" for p in problems):
         return Rederived(None, None, tuple(problems))
     if manifest.version == 0:
         params, state = {name: t for name, t in inputs[0].items()}, NesterovState()

@@ -23,10 +23,9 @@ import torch
 from coordinator.outer import NesterovState
 from coordinator.publish import decode_state
 from coordinator.replay import Problem, rederive
-from storage import codecs
 from storage.errors import Refused
-from storage.history import (list_versions, params_limit, read_input, read_layout, read_manifest, read_run_spec,
-                             read_verified)
+from storage.history import (list_versions, params_limit, read_input, read_layout, read_manifest, read_params,
+                             read_run_spec, read_verified)
 from storage.keys import RunKeys
 from storage.objects import ObjectMissing, ObjectStore
 from storage.protocol import Layout, Manifest, RunSpec
@@ -156,8 +155,7 @@ class _Fragment:
     def _stored(self, version: int) -> tuple[dict[str, torch.Tensor], NesterovState]:
         """A version's stored params and outer state, checked against its manifest."""
         m = read_manifest(self.store, self.keys, self.fragment, version)
-        blob = read_verified(self.store, m.params_key, m.params_sha256, max_bytes=self.limit)
-        params, _ = codecs.decode(blob, max_bytes=self.limit, expect=self.layout.shapes(self.fragment))
+        params = read_params(self.store, self.layout, m)
         state = decode_state(read_verified(self.store, m.outer_state_key, m.outer_state_sha256, max_bytes=self.limit),
                              self.limit)
         return params, state

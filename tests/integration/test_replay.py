@@ -13,7 +13,6 @@ import dataclasses
 import json
 import socket
 import subprocess
-from pathlib import Path
 
 
 from harness import TINY_RUN, join, make_coordinator, train
