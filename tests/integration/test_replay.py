@@ -16,7 +16,7 @@ import subprocess
 
 
 from harness import TINY_RUN, join, make_coordinator, train
-from infra.cli import main
+from infra.cli import build_parser
 from infra.fleet import diloco_command, process_env
 from infra.replay import ReplayReport, replay_run
 from storage import codecs
@@ -108,7 +108,9 @@ def test_tampering_is_reported_at_exactly_that_version_and_fails_the_command(end
         monkeypatch.setenv(name, value)
     monkeypatch.delenv(ENV_REDIS_URL)  # S3 only
     out = tmp_path / "replay.json"
-    assert main(["replay", "--run", run_id, "--json", str(out)]) == 1
+    argv = ["replay", "--run", run_id, "--json", str(out)]
+    args = build_parser(argv).parse_args(argv)  # not cli.main: it would configure this process's logging
+    assert args.handler(args) == 1
     result = json.loads(out.read_text())
     assert result["checked"] == sum(h + 1 for h in heads.values()) and not result["ok"]
     diverged = [v for v in result["versions"] if not v["bit_exact"]]
