@@ -8,7 +8,7 @@ renews the lease every third of its TTL. The loop asks `check()` each iteration:
   refuse our commits anyway, this only stops us sooner;
 - wiped (Redis restarted empty) -> True: the caller re-takes the lease and rebuilds Redis from S3.
 If Redis is unreachable the thread keeps trying; a lease that lapsed meanwhile is taken back as
-long as nobody else took over.
+long as nobody else took over. Waiting for the lease outlives Redis and S3 outages the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import uuid
 import redis
 
 from storage.bus import Bus
-from storage.errors import Conflict, DilocoError
+from storage.errors import Conflict, DilocoError, StorageUnavailable
 from storage.lease import Holder, Lease, Renewal
 from storage.objects import ObjectStore
 
@@ -61,7 +61,14 @@ class Leadership:
         after its current TTL has run out means another coordinator is alive: DilocoError."""
         waited_for: str | None = None
         while True:
-            got = self._try()
+            try:
+                got = self._try()
+            except (StorageUnavailable, redis.RedisError) as exc:
+                # A standby outlives outages: it may be the one the run needs once they end.
+                log.warning("waiting for the coordinator lease: storage unreachable, retrying in 1s: %s", exc)
+                if stop.wait(1.0):
+                    raise Stopped("stopped while waiting for the coordinator lease") from None
+                continue
             if not isinstance(got, Holder):
                 return got
             if waited_for == got.name and not standby:

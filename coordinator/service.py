@@ -89,13 +89,13 @@ class Coordinator:
         self.bus.ensure_group()
         heads = roll_forward(self.store, self.bus, self.spec.num_fragments, self.epoch,
                              keep_applied=self.round_cfg.max_staleness + 1)
-        self.leadership.start_renewing()
         self.layout: Layout | None = read_layout(self.store, self.keys)
         self.fragments = {f: Fragment(head=heads.get(f, -1)) for f in range(self.spec.num_fragments)}
         self.sync_time_s = 0.0
         self.live = 0
         self.cadence: Cadence | None = self.bus.cadence()
         self._clock_offset_s = self.bus.server_time() - time.time()
+        self.leadership.start_renewing()  # only now: a start-up that failed leaves the lease to lapse
         self._last_cadence_check = 0.0
         self._pool = ThreadPoolExecutor(self.config.fetch_threads, thread_name_prefix="fetch")
         self._retry: list[tuple[str, Announcement]] = []

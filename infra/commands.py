@@ -11,7 +11,10 @@ import json
 import logging
 import signal
 import threading
+from dataclasses import replace
 from pathlib import Path
+
+import redis
 
 from coordinator.config import CoordinatorConfig, RunSettings
 from coordinator.leadership import Stopped
@@ -19,6 +22,7 @@ from coordinator.policy import RoundConfig
 from coordinator.service import Coordinator
 from infra.options import add_options, build
 from infra.replay import VersionCheck, replay_run
+from storage.errors import StorageUnavailable
 from storage.keys import RunKeys
 from storage.objects import ObjectStore
 from storage.settings import Endpoints
@@ -42,15 +46,32 @@ def run_coordinator(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
-        coordinator = Coordinator(Endpoints.from_env(), args.run, settings=build(RunSettings, args), config=config,
-                                  stop=stop)
-    except Stopped:
+    coordinator = _start_coordinator(args, config, stop)
+    if coordinator is None:
         log.info("stopped before taking over run %s", args.run)
         return 0
     coordinator.serve(stop)
     log.info("coordinator stopped: %s", coordinator.bus.counters())
     return 0
+
+
+def _start_coordinator(args: argparse.Namespace, config: CoordinatorConfig,
+                       stop: threading.Event) -> Coordinator | None:
+    """The run's coordinator once it holds the lease; None if stopped first. S3 or Redis being
+    unreachable meanwhile is waited out, so that a coordinator or standby started during an outage
+    is there when it ends. Attempts after a failed one wait for the lease like a standby: the
+    failed one may have taken the lease, which then lapses (it is renewed only once start-up is done)."""
+    while True:
+        try:
+            return Coordinator(Endpoints.from_env(), args.run, settings=build(RunSettings, args), config=config,
+                               stop=stop)
+        except Stopped:
+            return None
+        except (StorageUnavailable, redis.RedisError) as exc:
+            log.warning("could not start coordinating run %s, storage unreachable; retrying in 1s: %s", args.run, exc)
+            config = replace(config, standby=True)
+            if stop.wait(1.0):
+                return None
 
 
 # -- learner (the built-in demo model) ---------------------------------------------------------------

@@ -9,7 +9,8 @@ Contracts, per method:
 - `list(prefix)` is consistent on all servers we support (S3 has been strongly consistent
   since 2020); results are in key order.
 Transient errors (connection resets, timeouts, 5xx, throttling) are retried inside the adapter
-with bounded exponential backoff and jitter; anything else surfaces at once. Credentials come
+with bounded exponential backoff and jitter; once the retries are spent, `put`, `get`, `exists`,
+`list` and `ensure_bucket` raise `StorageUnavailable`. Anything else surfaces at once. Credentials come
 from the standard AWS chain and are never logged.
 """
 
@@ -89,9 +90,13 @@ class ObjectStore:
     def _unavailable(self, op: str, key: str, exc: Exception) -> StorageUnavailable:
         return StorageUnavailable(f"S3 {op} s3://{self.bucket}/{key} failed after retries: {exc}")
 
-    @_retry
     def ensure_bucket(self) -> None:
         """Create the bucket if it does not exist. Idempotent."""
+        with self._errors("HEAD", ""):
+            self._ensure_bucket()
+
+    @_retry
+    def _ensure_bucket(self) -> None:
         try:
             self._s3.head_bucket(Bucket=self.bucket)
         except bexc.ClientError as exc:
@@ -165,13 +170,14 @@ class ObjectStore:
             body.close()
 
     def exists(self, key: str) -> bool:
-        try:
-            self._head(key)
-            return True
-        except bexc.ClientError as exc:
-            if _code(exc) in ("NoSuchKey", "404", "NotFound"):
-                return False
-            raise
+        with self._errors("HEAD", key):
+            try:
+                self._head(key)
+                return True
+            except bexc.ClientError as exc:
+                if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                    return False
+                raise
 
     @_retry
     def _head(self, key: str) -> None:
@@ -186,7 +192,8 @@ class ObjectStore:
         """(key, last-modified unix time on the server's clock) under prefix, in key order."""
         token: str | None = None
         while True:
-            page = self._list_page(prefix, token)
+            with self._errors("LIST", prefix):
+                page = self._list_page(prefix, token)
             for item in page.get("Contents", []):
                 yield item["Key"], item["LastModified"].timestamp()
             if not page.get("IsTruncated"):

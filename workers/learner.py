@@ -36,10 +36,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import redis
 import torch
 
 from storage.bus import Bus
-from storage.errors import ConfigError, DilocoError
+from storage.errors import ConfigError, DilocoError, StorageUnavailable
 from storage.history import read_layout, read_manifest, read_params, read_run_spec
 from storage.objects import ObjectStore
 from storage.protocol import Layout, check_id
@@ -187,7 +188,7 @@ class Learner:
         self.spec = self._wait(lambda: read_run_spec(self.store, keys), deadline,
                                f"run {self.run!r} to be created by a coordinator")
         mine = plan_layout(model_params(self.model), self.spec.num_fragments)
-        layout = read_layout(self.store, keys)
+        layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout", found=False)
         self.uploader = Uploader(self.store, self.bus, self.spec, self.learner_id, self.stats,
                                  deadline_s=self.config.upload_deadline_s)
         self.uploader.start()
@@ -206,7 +207,9 @@ class Learner:
         self.anchor: dict[int, dict[str, torch.Tensor]] = {}
         values: dict[str, torch.Tensor] = {}
         for fragment, version in heads.items():
-            params = read_params(self.store, layout, read_manifest(self.store, keys, fragment, version))
+            params = self._wait(lambda f=fragment, v=version: read_params(self.store, layout,
+                                                                          read_manifest(self.store, keys, f, v)),
+                                deadline, f"version {version} of fragment {fragment}")
             values.update(params)
             self.anchor[fragment] = {n: v.clone() for n, v in params.items()}
             self.base_version[fragment] = version
@@ -227,15 +230,24 @@ class Learner:
             self.uploader.submit(UploadJob(f, tensors, base_version=-1, tokens=0, steps=0, step_time_s=0.0,
                                            kind="genesis"))
 
-    def _wait(self, probe, deadline: float, what: str):  # noqa: ANN001, ANN202
+    def _wait(self, probe, deadline: float, what: str, *, found: bool = True):  # noqa: ANN001, ANN202
+        """Call `probe` until it returns a value (`found=False`: until it returns at all). S3 or
+        Redis being unreachable meanwhile is waited out as well: a learner may start during an
+        outage, and joins once it is over (within `join_timeout_s`)."""
         delay = 0.05
         while True:
-            value = probe()
-            if value is not None:
-                return value
+            error = None
+            try:
+                value = probe()
+                if value is not None or not found:
+                    return value
+            except (StorageUnavailable, redis.RedisError) as exc:
+                error = exc
+                log.warning("waiting for %s: storage unreachable, retrying: %s", what, exc)
             if time.monotonic() > deadline:
-                raise DilocoError(f"gave up waiting for {what} after {self.config.join_timeout_s:.0f}s: "
-                                  "is `diloco coordinator` running against the same Redis, bucket and run?")
+                raise DilocoError(f"gave up waiting for {what} after {self.config.join_timeout_s:.0f}s: " +
+                                  (f"last error: {error}" if error else "is `diloco coordinator` running against "
+                                   "the same Redis, bucket and run?"))
             time.sleep(delay)
             delay = min(delay * 1.5, 1.0)
 

@@ -1,0 +1,90 @@
+"""Processes started while S3 is down wait for it instead of exiting (found by the chaos suite).
+
+A learner restarted during an S3 outage used to exit 1 when its first read of the run gave up,
+and a standby coordinator polling for the lease died the same way (S3 listings were not even
+mapped to StorageUnavailable). Both must ride the outage out: the learner joins and trains once S3
+is back, the standby takes over when the active coordinator dies.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness import TASK, announcements, spawn_coordinator, spawn_learner
+from infra.fleet import Proc, process_env
+from infra.stack import LocalStack
+from storage.bus import Bus
+
+RUN = "outage"
+
+
+@pytest.fixture
+def own_stack(tmp_path: Path,
+              monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LocalStack, dict[str, str], list[Proc]]]:
+    """A stack this test may stop, the env for `diloco` processes, and processes SIGKILLed at the end."""
+    (tmp_path / "task.json").write_text(json.dumps(TASK.to_wire()))
+    procs: list[Proc] = []
+    with LocalStack(tmp_path / "stack") as stack:
+        for name, value in stack.env().items():
+            if name.startswith("AWS_"):
+                monkeypatch.setenv(name, value)
+        try:
+            yield stack, process_env(stack.env()), procs
+        finally:
+            for p in procs:
+                p.kill()
+
+
+def wait_for(what: str, condition, procs: list[Proc], timeout_s: float = 90.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        for p in procs:
+            assert p.alive(), f"{p.name} exited {p.returncode()} while waiting for {what}:\n{p.tail(30)}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def holder_pid(bus: Bus) -> int | None:
+    """The pid in the coordinator lease holder's name (host-pid-suffix), if anyone holds it."""
+    raw = bus.r.get(bus.keys.lease)
+    return None if raw is None else int(raw.decode().rsplit("-", 2)[1])
+
+
+def test_standbys_and_a_learner_ride_out_an_s3_outage_and_take_over_after_it(own_stack, tmp_path):
+    stack, env, procs = own_stack
+    lease = ("--lease-s", "2")
+    active = spawn_coordinator(RUN, env, tmp_path / "active", *lease)
+    first = spawn_learner(RUN, env, tmp_path, "first", steps=100_000, slowdown=3.0)
+    procs.extend([active, first])
+    bus = Bus(stack.endpoints, RUN)
+    wait_for("two versions", lambda: bus.heads() and min(bus.heads().values()) >= 2, procs)
+    waiting = spawn_coordinator(RUN, env, tmp_path / "waiting", *lease, "--standby")
+    procs.append(waiting)
+    wait_for("the standby to stand by", lambda: "standing by" in waiting.tail(100), procs)
+
+    stack.stop_s3()
+    started = spawn_coordinator(RUN, env, tmp_path / "started", *lease, "--standby")  # its start-up reads S3
+    late = spawn_learner(RUN, env, tmp_path, "late", steps=100_000, slowdown=3.0, seed=1)
+    procs.extend([started, late])
+    # Each gives up on S3 at least once (the adapter's retries last about 10 s) and stays alive.
+    wait_for("all three to find S3 unreachable",
+             lambda: all("storage unreachable" in p.tail(100) for p in (waiting, started, late)), procs)
+    stack.start_s3()
+    wait_for("the late learner to join", lambda: "joined run" in late.tail(100), procs)
+
+    active.kill()
+    survivors = [first, waiting, started, late]
+    wait_for("a standby to take over", lambda: holder_pid(bus) in (waiting.pid, started.pid), survivors)
+    heads = bus.heads()
+    wait_for("versions from the new coordinator", lambda: min(bus.heads().values()) >= min(heads.values()) + 2,
+             survivors)
+    wait_for("a contribution of the late learner to be merged",
+             lambda: any(bus.is_applied(a.contribution_id) for _, a in announcements(bus)
+                         if a.learner == "late" and a.kind == "delta"), survivors)
+    for p in survivors:
+        assert p.terminate() == 0, p.tail()
