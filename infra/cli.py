@@ -90,6 +90,8 @@ COMMANDS: list[Command] = [
      _lazy("add_demo_arguments"), _lazy("run_demo")),
     ("replay", "re-derive committed versions from S3 alone and check them bit for bit against their manifests",
      _lazy("add_replay_arguments"), _lazy("run_replay")),
+    ("chaos", "a run of real processes on a local stack under a seeded schedule of faults, then an audit of "
+     "every contribution", _lazy("add_chaos_arguments"), _lazy("run_chaos")),
 ]
 
 

@@ -1,4 +1,5 @@
-"""The run-time subcommands: `diloco coordinator`, `diloco learner`, `diloco demo`, `diloco replay`.
+"""The run-time subcommands: `diloco coordinator`, `diloco learner`, `diloco demo`, `diloco replay`,
+`diloco chaos`.
 
 Each is `add_arguments(parser)` + `run(args) -> int`, listed in `infra.cli.COMMANDS`. Options of
 the coordinator and learner come from their config dataclasses (field docstring = help text).
@@ -141,3 +142,30 @@ def run_replay(args: argparse.Namespace) -> int:
     if not report.checks:
         log.error("no committed version of run %s in the range asked for", args.run)
     return 0 if report.ok else 1
+
+
+# -- chaos ---------------------------------------------------------------------------------------
+
+def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
+    from infra.chaos import ChaosConfig
+
+    parser.add_argument("--out", type=Path, default=Path("out/chaos"),
+                        help="output directory: the stack's data and every process's log; its stack is "
+                             "replaced (default: %(default)s)")
+    parser.add_argument("--json", type=Path, help="write the figures (faults by kind, versions, contributions "
+                        "applied/refused/dropped/pending/announced, lost, duplicated) to this file")
+    add_options(parser, ChaosConfig, skip=("out",))
+
+
+def run_chaos(args: argparse.Namespace) -> int:
+    """Exit 0 only if nothing was lost or applied twice, every fault kind fired, versions are
+    contiguous and the global model's loss is finite and below its start."""
+    from infra.chaos import ChaosConfig, run_chaos as chaos
+
+    report = chaos(build(ChaosConfig, args))
+    if args.json:
+        args.json.write_text(json.dumps(report.figures(), indent=2) + "\n")
+    for problem in report.problems():
+        log.error("chaos: %s", problem)
+    print(report.line(), flush=True)
+    return 0 if not report.problems() else 1

@@ -67,7 +67,8 @@ def _learner_proc(cfg: DemoConfig, env: dict[str, str], index: int, steps: int, 
     return Proc(name, argv, cfg.out / "logs" / f"{name}.log", env)
 
 
-def _global_model(task: DemoTask, store: ObjectStore, keys: RunKeys, heads: dict[int, int]) -> torch.nn.Module:
+def global_model(task: DemoTask, store: ObjectStore, keys: RunKeys, heads: dict[int, int]) -> torch.nn.Module:
+    """The task's model holding the global parameters at `heads` (fragment -> version), read from S3."""
     model = task.make_model(0)
     layout = read_layout(store, keys)
     assert layout is not None, "no layout: the run never committed version 0"
@@ -108,7 +109,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         bus = Bus(endpoints, cfg.run)
         heads = bus.heads()
         counters = bus.counters()
-        model = _global_model(task, store, bus.keys, heads)
+        model = global_model(task, store, bus.keys, heads)
         eval_loss = task.eval_loss(model)
     distributed_s = time.monotonic() - started
     say(f"decoupled DiLoCo: eval loss {eval_loss:.4f} after {sum(heads.values())} fragment versions "

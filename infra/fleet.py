@@ -1,6 +1,6 @@
 """Starting and stopping `diloco` processes: the coordinator and learners as real OS processes.
 
-Used by the demo, the tests and (later) the chaos harness, so that all of them exercise the same
+Used by the demo, the tests and the chaos harness, so that all of them exercise the same
 command lines a user runs.
 """
 
@@ -54,6 +54,16 @@ class Proc:
         if self.alive():
             os.killpg(self.pid, signal.SIGKILL)
             self.popen.wait()
+
+    def send(self, sig: signal.Signals) -> bool:
+        """Send `sig` to the process group without waiting; False if it had exited already."""
+        if not self.alive():
+            return False
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
 
     def terminate(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM, then SIGKILL after the deadline. Returns the exit code."""

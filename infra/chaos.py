@@ -1,0 +1,367 @@
+"""`diloco chaos`: a whole run of real processes on real servers while a seeded schedule breaks things.
+
+The fleet: a `LocalStack` of its own (Redis + S3 under `<out>/stack`), one coordinator holding the
+run plus one `--standby`, and a few learner processes training the demo task. For `seconds`, the
+faults of `infra.faults.schedule(seed, seconds)` are carried out:
+
+- `learner_kill` / `learner_term`: SIGKILL / SIGTERM a learner (a preempted learner must exit 0);
+  either way it is restarted under the same id, with a new data seed, `restart_delay_s` later.
+- `coordinator_kill:<step>`: the standby is started with `DILOCO_CRASH_AT=<step>:1`; when the fault
+  is due the active coordinator is SIGKILLed, the armed standby takes over once the lease lapses
+  and SIGKILLs itself at that commit step of its first merge, and the next standby takes over.
+- `redis_restart`: Redis SIGKILLed and restarted (its append-only file brings the data back).
+- `s3_restart`: the S3 server stopped for a few seconds, then started again.
+- `corrupt_object:<variant>`: a corrupt object under a learner-looking key of a real fragment,
+  announced with a valid-looking announcement; the coordinator must refuse it with a reason.
+
+The processes are supervised by `infra.chaos_fleet`, which also arms the coordinators with their
+crash points. Heavy faults (servers, coordinator) wait for the one before to play out; light ones
+do not. Then
+the learners are stopped (SIGTERM), the coordinator drains what is pending and is stopped, and
+`infra.ledger` accounts for every announced contribution from S3 and Redis. The global model is
+evaluated at version 0 and at the heads. `ChaosReport.problems()` lists everything that went
+wrong; an empty list is a pass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from infra.chaos_fleet import ChaosFleet, Tally
+from infra.demo import global_model
+from infra.faults import CORRUPTIONS, HEAVY, Fault, forge, labels, schedule
+from infra.fleet import process_env
+from infra.ledger import Ledger, StreamWatcher, account, backlog, gather
+from infra.stack import LocalStack
+from storage.bus import Bus
+from storage.errors import DilocoError
+from storage.history import read_layout, read_run_spec
+from storage.objects import ObjectStore
+from storage.protocol import Announcement, Layout, RunSpec
+from workers.demo.task import DemoTask
+
+log = logging.getLogger(__name__)
+
+TASK = DemoTask(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=32, batch_size=8, eval_tokens=4096,
+                warmup_steps=10)
+"""A small demo task: the fleet trains it within seconds, on a CPU shared with the servers."""
+FORGER = "forger"
+"""The learner id corrupt objects are announced under."""
+READY_TIMEOUT_S = 180.0
+TICK_S = 0.2
+
+
+class ChaosError(DilocoError):
+    """The fleet could not be brought up; the message says what was missing."""
+
+
+@dataclass
+class ChaosConfig:
+    out: Path
+    """Output directory: the stack's data (replaced at start), every process's log, report.json."""
+    seconds: float = 60.0
+    """Seconds of fault injection once the fleet is up (start-up and the final drain come on top)."""
+    seed: int = 1
+    """Seed of the fault schedule."""
+    learners: int = 3
+    """Learner processes (each restarted after a kill or a preemption)."""
+    slowdown: float = 3.0
+    """Step-time multiplier of every learner: keeps the fleet from saturating a small machine."""
+    lease_s: float = 2.0
+    """Coordinator lease: a killed coordinator's standby takes over after this long."""
+    restart_delay_s: float = 1.0
+    """A killed or preempted learner is restarted (same id, new data seed) after this long."""
+    drain_s: float = 60.0
+    """At the end: how long the coordinator may take to merge or refuse what is still pending."""
+    run: str = "chaos"
+    """Run id."""
+
+
+@dataclass
+class ChaosReport:
+    seed: int
+    seconds: float
+    faults: dict[str, int]
+    ledger: Ledger
+    loss_start: float
+    loss_end: float
+    forged: dict[str, str]
+    """Contribution id -> corruption variant, for every corrupt object announced."""
+    failures: list[str]
+    """Processes that exited when they should not have, faults that could not be carried out."""
+    restarts: int = 0
+    deposed: int = 0
+    skipped: int = 0
+    """Scheduled faults that could not be carried out in time (every label fired all the same, or
+    `problems()` says which did not)."""
+    wall_s: float = 0.0
+
+    def figures(self) -> dict:
+        """The figures written by `--json`."""
+        return {"faults": {label: self.faults.get(label, 0) for label in labels()}, **self.ledger.figures()}
+
+    def to_wire(self) -> dict:
+        """Everything, for `<out>/report.json`."""
+        codes = Counter(self.ledger.refusal_codes.values())
+        return {"seed": self.seed, "seconds": self.seconds, **self.figures(),
+                "refused_by_code": dict(sorted(codes.items())), "forged": self.forged,
+                "loss_start": self.loss_start, "loss_end": self.loss_end, "learner_restarts": self.restarts,
+                "coordinators_deposed": self.deposed, "faults_skipped": self.skipped, "wall_s": self.wall_s,
+                "problems": self.problems()}
+
+    def problems(self) -> list[str]:
+        led = self.ledger
+        out = list(self.failures)
+        out += [f"fault {label} never fired" for label in labels() if not self.faults.get(label)]
+        out += led.problems
+        if led.lost:
+            out.append(f"{len(led.lost)} announced contribution(s) lost: {sorted(led.lost)[:5]}")
+        if led.duplicated:
+            out.append(f"{len(led.duplicated)} contribution(s) applied twice: {sorted(led.duplicated)[:5]}")
+        if led.unannounced:
+            out.append(f"{len(led.unannounced)} applied contribution(s) never announced: {sorted(led.unannounced)[:5]}")
+        parts = len(led.applied) + len(led.refused) + len(led.dropped) + len(led.pending) + len(led.lost)
+        if parts != len(led.announced):
+            out.append(f"outcomes add up to {parts}, not to the {len(led.announced)} announced")
+        for cid, variant in sorted(self.forged.items()):
+            code = led.refusal_codes.get(cid)
+            if cid not in led.refused or code not in CORRUPTIONS[variant]:
+                out.append(f"corrupt object ({variant}) {cid}: {code or 'not refused'}, expected one of "
+                           f"{sorted(CORRUPTIONS[variant])}")
+        honest = sorted((cid, led.refusal_codes[cid]) for cid in led.refused if cid not in self.forged)
+        out += [f"contribution {cid} of a learner refused: {code}" for cid, code in honest]
+        if not (math.isfinite(self.loss_end) and self.loss_end < self.loss_start):
+            out.append(f"global eval loss {self.loss_start:.4f} -> {self.loss_end:.4f}: must be finite and below the "
+                       "start")
+        return out
+
+    def line(self) -> str:
+        f = self.figures()
+        faults = " ".join(f"{k}={v}" for k, v in f["faults"].items())
+        problems = self.problems()
+        return (f"chaos seed {self.seed}, {self.seconds:g}s: faults {faults}; {f['versions_committed']} versions "
+                f"committed; {f['announced']} contributions announced: {f['applied']} applied, {f['refused']} refused, "
+                f"{f['dropped']} dropped as stale, {f['pending']} pending; lost {f['lost']}, duplicated "
+                f"{f['duplicated']}; eval loss {self.loss_start:.3f} -> {self.loss_end:.3f}; {self.restarts} learner "
+                f"restarts, {self.deposed} coordinators deposed; {self.wall_s:.0f}s; "
+                + ("OK" if not problems else f"FAILED ({len(problems)} problems)"))
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+class Chaos:
+    """Brings the fleet up, carries out a fault schedule, drains and stops it. One use."""
+
+    def __init__(self, cfg: ChaosConfig, stack: LocalStack) -> None:
+        self.cfg, self.stack = cfg, stack
+        self.bus = Bus(stack.endpoints, cfg.run)
+        self.store = ObjectStore(stack.endpoints)
+        # For decisions taken every tick: answers fast or fails fast while Redis is down.
+        self.quick = redis.Redis.from_url(stack.endpoints.redis_url, socket_timeout=2.0, socket_connect_timeout=1.0)
+        self.tally = Tally()
+        self.fleet = ChaosFleet(cfg, process_env(stack.env()), self.quick, self.bus.keys.lease,
+                                cfg.out / "task.json", self.tally)
+        self.forged: dict[str, str] = {}
+        self.skipped = 0
+        self.server_fault: threading.Thread | None = None
+        self.spec: RunSpec | None = None
+        self.layout: Layout | None = None
+
+    def run(self) -> Ledger:
+        faults = schedule(self.cfg.seed, self.cfg.seconds, learners=tuple(s.name for s in self.fleet.slots))
+        self.fleet.coordinator_faults = [f for f in faults if f.kind == "coordinator_kill"]
+        log.info("chaos: %d faults scheduled over %gs (seed %d)", len(faults), self.cfg.seconds, self.cfg.seed)
+        watcher = StreamWatcher(Bus(self.stack.endpoints, self.cfg.run))
+        try:
+            self._bring_up()
+            watcher.start()
+            self._inject([f for f in faults if f.kind != "coordinator_kill"])
+            self._drain()
+        finally:
+            self.fleet.kill_all()
+            seen = watcher.stop()
+        assert self.spec is not None
+        return account(gather(self.store, self.bus, self.spec.num_fragments, seen))
+
+    def _bring_up(self) -> None:
+        self.fleet.task_path.write_text(json.dumps(TASK.to_wire()))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            self.fleet.supervise(0.0, arming=False, restart=True, may_kill=False)
+            heads = self._heads()
+            self.spec = self.spec or read_run_spec(self.store, self.bus.keys)
+            if self.spec and len(heads) == self.spec.num_fragments and min(heads.values()) >= 1 \
+                    and self.fleet.all_joined():
+                break
+            if time.monotonic() > deadline:
+                raise ChaosError(f"the fleet was not up after {READY_TIMEOUT_S:.0f}s: heads {heads}, learners "
+                                 f"joined: {[s.name for s in self.fleet.slots if s.joined()]}; logs in "
+                                 f"{self.cfg.out / 'logs'}")
+            time.sleep(TICK_S)
+        self.layout = read_layout(self.store, self.bus.keys)
+        log.info("chaos: fleet up, heads %s", heads)
+
+    def _inject(self, faults: list[Fault]) -> None:
+        """Carry out the faults. A fault waits while it cannot be carried out (a heavy one while the
+        previous one plays out, a learner fault while no learner qualifies); past `seconds`, the run
+        goes on only while a fault of a label that has not fired yet is still waiting."""
+        todo = sorted(faults, key=lambda f: f.at_s)
+        t0 = time.monotonic()
+        overtime = self.cfg.seconds * 0.5 + 30.0
+        while True:
+            elapsed = time.monotonic() - t0
+            self.fleet.supervise(elapsed, arming=True, restart=True, may_kill=not self._server_busy())
+            for fault in [f for f in todo if f.at_s <= elapsed]:
+                if self._execute(fault):
+                    todo.remove(fault)
+                    log.info("chaos: t=%.1fs %s %s", elapsed, fault.label, fault.target if fault.kind not in
+                             ("coordinator_kill", "corrupt_object") else "")
+            waiting = todo + self.fleet.coordinator_faults
+            unfired = [f for f in waiting if not self.tally.fired[f.label]]
+            if elapsed >= self.cfg.seconds and (not unfired or elapsed > self.cfg.seconds + overtime):
+                break
+            time.sleep(TICK_S)
+        self.skipped = len(waiting)
+        if self.skipped:
+            log.info("chaos: %d scheduled fault(s) did not run in time", self.skipped)
+
+    def _drain(self) -> None:
+        """Stop the learners (SIGTERM, exit 0 expected), let the coordinator merge or refuse what is
+        pending, then stop it (SIGTERM)."""
+        if self.server_fault is not None:
+            self.server_fault.join()
+        self.fleet.stop_learners()
+        while not self.fleet.learners_gone():  # each one exits, or is SIGKILLed after TERM_TIMEOUT_S
+            self.fleet.supervise(math.inf, arming=False, restart=False, may_kill=False)
+            time.sleep(TICK_S)
+        deadline = time.monotonic() + self.cfg.drain_s
+        while True:
+            self.fleet.supervise(math.inf, arming=False, restart=False, may_kill=False)
+            try:
+                left = backlog(self.quick, self.bus.keys)
+            except redis.RedisError:
+                left = -1
+            if left == 0:
+                break
+            if time.monotonic() > deadline:
+                self.tally.fail(f"{left} announcement(s) still pending {self.cfg.drain_s:.0f}s after the learners "
+                                "stopped")
+                break
+            time.sleep(TICK_S)
+        self.fleet.stop_coordinators()
+
+    # ---- faults --------------------------------------------------------------------------------
+    def _execute(self, fault: Fault) -> bool:
+        """Carry out a due fault; False to try again on the next tick."""
+        if fault.kind in ("learner_kill", "learner_term"):
+            done = self.fleet.learner_fault(fault)
+        elif fault.kind == "corrupt_object":
+            done = not self._server_busy() and self._corrupt(fault)
+        elif fault.kind in HEAVY:  # a server restart: in a thread, the fleet is supervised meanwhile
+            done = not self._server_busy() and self.fleet.coordinator_settled()
+            if done:
+                self.server_fault = threading.Thread(target=self._restart_server, args=(fault,), daemon=True,
+                                                     name=fault.kind)
+                self.server_fault.start()
+            return done
+        else:
+            raise ValueError(f"unknown fault kind {fault.kind!r}")
+        if done:
+            self.tally.count(fault.label)
+        return done
+
+    def _server_busy(self) -> bool:
+        return self.server_fault is not None and self.server_fault.is_alive()
+
+    def _restart_server(self, fault: Fault) -> None:
+        try:
+            if fault.kind == "redis_restart":
+                self.stack.kill_redis()
+                time.sleep(fault.down_s)
+                self.stack.start_redis()
+            else:
+                self.stack.stop_s3()
+                time.sleep(fault.down_s)
+                self.stack.start_s3()
+            self.tally.count(fault.label)
+        except Exception as exc:  # noqa: BLE001 (recorded: the run reports it and fails)
+            self.tally.fail(f"{fault.label}: {exc!r}")
+
+    def _corrupt(self, fault: Fault) -> bool:
+        """Upload a corrupt object as a learner would and announce it; False if a server did not answer."""
+        assert self.spec is not None and self.layout is not None
+        fragment = len(self.forged) % self.spec.num_fragments
+        try:
+            base = self.bus.heads()[fragment]
+            cid, seq = uuid.uuid4().hex, int(time.time() * 1000) * 1000
+            meta = {"run": self.cfg.run, "fragment": fragment, "learner": FORGER, "kind": "delta",
+                    "contribution_id": cid, "base_version": base}
+            blob, size, sha = forge(fault.target, self.layout.shapes(fragment), codec=self.spec.codec,
+                                    compress=self.spec.compress, meta=meta, seed=seq)
+            key = self.bus.keys.delta(fragment, FORGER, seq)
+            self.store.put(key, blob)
+            self.bus.announce(Announcement(kind="delta", run=self.cfg.run, fragment=fragment, learner=FORGER, seq=seq,
+                                           contribution_id=cid, base_version=base, tokens=1, steps=1, step_time_s=0.05,
+                                           object_key=key, size_bytes=size, sha256=sha, sent_at=time.time()))
+        except (DilocoError, redis.RedisError) as exc:
+            log.warning("chaos: could not plant a corrupt object yet: %s", exc)
+            return False
+        self.forged[cid] = fault.target
+        return True
+
+    def _heads(self) -> dict[int, int]:
+        try:
+            return {int(k): int(v) for k, v in self.quick.hgetall(self.bus.keys.heads).items()}
+        except redis.RedisError:
+            return {}
+
+
+@contextmanager
+def _aws_env(env: dict[str, str]) -> Iterator[None]:
+    """The stack's credentials for this process's own S3 reads, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in env if k.startswith("AWS_")}
+    os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_chaos(cfg: ChaosConfig) -> ChaosReport:
+    """A whole chaos run on a fresh local stack under `cfg.out`; see the module docstring."""
+    started = time.monotonic()
+    for old in ("stack", "logs"):  # from scratch: no earlier run's data in the ledger, nor its logs
+        if (cfg.out / old).exists():
+            shutil.rmtree(cfg.out / old)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    with LocalStack(cfg.out / "stack") as stack, _aws_env(stack.env()):
+        chaos = Chaos(cfg, stack)
+        ledger = chaos.run()
+        store, keys = chaos.store, chaos.bus.keys
+        heads = chaos.bus.heads()
+        start = TASK.eval_loss(global_model(TASK, store, keys, {f: 0 for f in heads}))
+        end = TASK.eval_loss(global_model(TASK, store, keys, heads))
+    report = ChaosReport(seed=cfg.seed, seconds=cfg.seconds, faults=dict(chaos.tally.fired), ledger=ledger,
+                         loss_start=start, loss_end=end, forged=dict(chaos.forged), failures=list(chaos.tally.failures),
+                         restarts=chaos.fleet.restarts, deposed=chaos.fleet.deposed, skipped=chaos.skipped,
+                         wall_s=time.monotonic() - started)
+    (cfg.out / "report.json").write_text(json.dumps(report.to_wire(), indent=2) + "\n")
+    return report

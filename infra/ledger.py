@@ -1,0 +1,215 @@
+"""The chaos suite's accounting: what became of every announced contribution, from S3 and Redis.
+
+Identity is the announcement's `contribution_id`. The sources of truth:
+- announced: every distinct id of a `delta` entry on the announcements stream (XRANGE at the end;
+  the stream is never trimmed), united with what a `StreamWatcher` saw while the run went on;
+- applied: the `inputs` of every manifest in S3;
+- refused, and dropped as stale (code `stale`): the refusals stream in Redis and the `refused`
+  lists of the manifests (a refusal reaches a manifest only once a version is committed after it);
+- pending: entries still in the consumer group's pending list, or not delivered to it yet.
+
+`account(evidence)` is pure and sorts every announced id into exactly one outcome, in this
+order: applied (in some manifest), dropped (refused as stale), refused (any other code except
+`duplicate`), pending, else lost. A `duplicate` refusal is not an outcome: it refuses a second
+copy of an entry (redis-py may send an XADD twice), and the first copy must have an outcome of its
+own. An id in the inputs of two manifests, or twice in one, is duplicated.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import redis
+
+from storage.bus import FIELD, Bus
+from storage.errors import Refused
+from storage.history import read_manifest
+from storage.keys import RunKeys
+from storage.objects import ObjectStore
+from storage.protocol import Announcement, Manifest, Refusal
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Evidence:
+    """Everything the accounting reads, gathered from S3 and Redis once the run has stopped."""
+
+    announced: set[str]
+    manifests: dict[int, list[Manifest]]
+    """Fragment -> its manifests found in S3, by version."""
+    s3_versions: dict[int, list[int]]
+    """Fragment -> the version numbers whose manifest exists in S3 (listing)."""
+    redis_heads: dict[int, int]
+    refusals: list[Refusal]
+    """The refusals stream (the manifests' `refused` lists are read from `manifests`)."""
+    pending: set[str]
+
+
+@dataclass
+class Ledger:
+    announced: set[str]
+    applied: set[str]
+    refused: set[str]
+    dropped: set[str]
+    pending: set[str]
+    lost: set[str]
+    duplicated: set[str]
+    unannounced: set[str]
+    """Applied ids that no announcement names (other than genesis): should be empty."""
+    refusal_codes: dict[str, str] = field(default_factory=dict)
+    """id -> the code of the refusal that decided its outcome (refused or dropped)."""
+    versions_committed: int = 0
+    problems: list[str] = field(default_factory=list)
+    """Broken version chains: gaps, wrong parents, Redis heads that disagree with S3."""
+
+    def figures(self) -> dict[str, int]:
+        return {"versions_committed": self.versions_committed, "applied": len(self.applied),
+                "refused": len(self.refused), "dropped": len(self.dropped), "pending": len(self.pending),
+                "announced": len(self.announced), "lost": len(self.lost), "duplicated": len(self.duplicated)}
+
+
+def account(ev: Evidence) -> Ledger:
+    inputs = Counter(c.contribution_id for ms in ev.manifests.values() for m in ms for c in m.inputs)
+    genesis = {c.contribution_id for ms in ev.manifests.values() for m in ms if m.version == 0 for c in m.inputs}
+    applied = ev.announced & set(inputs)
+    codes: dict[str, str] = {}
+    for r in [*ev.refusals, *(r for ms in ev.manifests.values() for m in ms for r in m.refused)]:
+        if r.contribution_id and r.code != "duplicate" and codes.get(r.contribution_id) != "stale":
+            codes[r.contribution_id] = r.code  # a stale verdict wins: the id is dropped, whatever else
+    left = ev.announced - applied
+    dropped = {i for i in left if codes.get(i) == "stale"}
+    refused = {i for i in left - dropped if i in codes}
+    pending = (left - dropped - refused) & ev.pending
+    lost = left - dropped - refused - pending
+    return Ledger(announced=set(ev.announced), applied=applied, refused=refused, dropped=dropped, pending=pending,
+                  lost=lost, duplicated={i for i, n in inputs.items() if n > 1},
+                  unannounced=set(inputs) - ev.announced - genesis,
+                  refusal_codes={i: codes[i] for i in refused | dropped},
+                  versions_committed=sum(len(v) for v in ev.s3_versions.values()),
+                  problems=chain_problems(ev))
+
+
+def chain_problems(ev: Evidence) -> list[str]:
+    """Versions contiguous per fragment: manifests 0..head all in S3, and Redis's head the last
+    one. (Each manifest names version - 1 as its parent: `Manifest` refuses anything else.)"""
+    problems = []
+    for fragment, versions in sorted(ev.s3_versions.items()):
+        if versions != list(range(len(versions))):
+            missing = sorted(set(range(max(versions, default=-1) + 1)) - set(versions))
+            problems.append(f"fragment {fragment}: versions {missing} missing in S3")
+        head = versions[-1] if versions else None
+        if ev.redis_heads.get(fragment) != head:
+            problems.append(f"fragment {fragment}: Redis head {ev.redis_heads.get(fragment)}, S3 head {head}")
+    return problems
+
+
+# ---- gathering the evidence ----------------------------------------------------------------
+
+def _announcement(fields: dict) -> Announcement | None:
+    try:
+        return Announcement.from_wire(fields.get(FIELD, b""))
+    except Refused:
+        return None
+
+
+def gather(store: ObjectStore, bus: Bus, num_fragments: int, watched: set[str]) -> Evidence:
+    """Read S3 and Redis once the run has stopped (no coordinator or learner running)."""
+    keys = bus.keys
+    stream = {eid.decode(): _announcement(f) for eid, f in bus.r.xrange(keys.announcements)}
+    announced = {a.contribution_id for a in stream.values() if a is not None and a.kind == "delta"} | watched
+    s3_versions: dict[int, list[int]] = {}
+    manifests: dict[int, list[Manifest]] = {}
+    for fragment in range(num_fragments):
+        found = [keys.parse_version_key(k) for k in store.list(keys.versions_prefix(fragment))]
+        s3_versions[fragment] = sorted(p[1] for p in found if p and p[2] == "manifest")
+        manifests[fragment] = [read_manifest(store, keys, fragment, v) for v in s3_versions[fragment]]
+    refusals = bus.refusals(count=10**7)
+    pending_ids = _pending_entries(bus.r, keys) | _undelivered_entries(bus.r, keys, list(stream))
+    pending = {a.contribution_id for eid, a in stream.items() if eid in pending_ids and a is not None}
+    return Evidence(announced=announced, manifests=manifests, s3_versions=s3_versions, redis_heads=bus.heads(),
+                    refusals=refusals, pending=pending)
+
+
+def backlog(r: redis.Redis, keys: RunKeys) -> int:
+    """Announcements not dealt with yet: pending in the consumer group, or not delivered to it."""
+    last = r.xrevrange(keys.announcements, count=1)
+    undelivered = _undelivered_entries(r, keys, [last[0][0].decode()]) if last else set()
+    try:
+        pending = int(r.xpending(keys.announcements, keys.GROUP)["pending"])
+    except redis.ResponseError:
+        pending = 0
+    return pending + len(undelivered)
+
+
+def _pending_entries(r: redis.Redis, keys: RunKeys) -> set[str]:
+    try:
+        rows = r.xpending_range(keys.announcements, keys.GROUP, min="-", max="+", count=10**7)
+    except redis.ResponseError:  # no group: nothing was ever read
+        return set()
+    return {row["message_id"].decode() for row in rows}
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _undelivered_entries(r: redis.Redis, keys: RunKeys, entry_ids: list[str]) -> set[str]:
+    try:
+        groups = r.xinfo_groups(keys.announcements)
+    except redis.ResponseError:
+        return set(entry_ids)
+    group = next((g for g in groups if g["name"].decode() == keys.GROUP), None)
+    if group is None:
+        return set(entry_ids)
+    last = _stream_id(group["last-delivered-id"].decode())
+    return {e for e in entry_ids if _stream_id(e) > last}
+
+
+class StreamWatcher(threading.Thread):
+    """Tails the announcements stream while the run goes on, so that an entry Redis forgot later
+    (a restart that lost writes) still counts as announced. Rides out Redis restarts."""
+
+    def __init__(self, bus: Bus) -> None:
+        super().__init__(name="stream-watcher", daemon=True)
+        self.bus = bus
+        self.seen: set[str] = set()
+        self.errors = 0
+        self._halt = threading.Event()
+        self._last = "0"
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self.poll(block_ms=500)
+            except redis.RedisError:
+                self.errors += 1
+                self._halt.wait(0.5)
+
+    def poll(self, block_ms: int | None = None) -> None:
+        reply = self.bus.r.xread({self.bus.keys.announcements: self._last}, count=1000, block=block_ms)
+        for _stream, entries in reply or []:
+            for eid, fields in entries:
+                self._last = eid.decode()
+                a = _announcement(fields)
+                if a is not None and a.kind == "delta":
+                    self.seen.add(a.contribution_id)
+
+    def stop(self) -> set[str]:
+        """Stop, after one last read to the end of the stream; what it saw."""
+        self._halt.set()
+        if self.ident is not None:  # started
+            self.join(timeout=5.0)
+        try:
+            while True:
+                before = self._last
+                self.poll()
+                if self._last == before:
+                    break
+        except redis.RedisError as exc:
+            log.warning("stream watcher: last read failed: %s", exc)
+        return set(self.seen)
