@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 
 import redis
@@ -60,6 +61,7 @@ class Leadership:
         """Our epoch once we hold the lease. Without `standby`, a lease that is still renewed
         after its current TTL has run out means another coordinator is alive: DilocoError."""
         waited_for: str | None = None
+        lapses_at = 0.0  # when the lease we saw should lapse if its holder is dead (monotonic)
         while True:
             try:
                 got = self._try()
@@ -71,14 +73,19 @@ class Leadership:
                 continue
             if not isinstance(got, Holder):
                 return got
-            if waited_for == got.name and not standby:
+            now = time.monotonic()
+            if waited_for == got.name and not standby and now >= lapses_at:
                 raise DilocoError(f"run {self.lease.bus.run!r} is coordinated by {got.name}, which keeps renewing "
                                   f"its lease: stop it first, or start this one with --standby")
             if waited_for != got.name:
                 log.info("run %s is coordinated by %s; %s until its lease lapses (in %.1fs)", self.lease.bus.run,
                          got.name, "standing by" if standby else "waiting", got.expires_in_s)
+                lapses_at = now + got.expires_in_s
             waited_for = got.name
-            if stop.wait(min(got.expires_in_s, self.ttl_s / 3) + 0.05):
+            # A standby polls a few times per TTL; a plain start waits exactly until the lease we
+            # saw would lapse: if the same holder still has it then, it renewed it.
+            wait_s = min(got.expires_in_s, self.ttl_s / 3) if standby else max(0.0, lapses_at - now)
+            if stop.wait(wait_s + 0.05):
                 raise Stopped("stopped while waiting for the coordinator lease")
 
     def retake(self) -> int:
@@ -89,6 +96,9 @@ class Leadership:
         return got
 
     def _try(self) -> int | Holder:
+        held = self.lease.held_by_other()
+        if held is not None:
+            return held  # cheap check first: a standby polls this for as long as another holds the run
         keys = self.lease.bus.keys
         names = (key.rsplit("/", 1)[1] for key in self.store.list(keys.epochs_prefix()))
         floor = max([self.epoch, *(int(n) for n in names if n.isdigit())])

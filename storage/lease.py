@@ -89,6 +89,17 @@ class Lease:
         return Holder(name=reply[2].decode(), expires_in_s=max(0, int(reply[1])) / 1000)
 
     @redis_retry
+    def held_by_other(self) -> Holder | None:
+        """Who else holds the lease now, if anyone (a read: `acquire` decides)."""
+        pipe = self.bus.r.pipeline(transaction=False)
+        pipe.get(self.bus.keys.lease)
+        pipe.pttl(self.bus.keys.lease)
+        name, ttl_ms = pipe.execute()
+        if name is None or name.decode() == self.holder:
+            return None
+        return Holder(name=name.decode(), expires_in_s=max(0, int(ttl_ms)) / 1000)
+
+    @redis_retry
     def renew(self, epoch: int) -> Renewal:
         return Renewal(int(self._renew(keys=self._keys, args=[self.holder, epoch, self.ttl_ms])))
 

@@ -59,6 +59,17 @@ def test_a_deposed_coordinator_cannot_commit_and_its_written_version_is_adopted(
     b.close()
 
 
+def test_a_restart_right_after_a_crash_waits_for_the_dead_coordinators_lease(endpoints, run_id):
+    crashed = make_coordinator(endpoints, run_id, lease_s=3.0)
+    crashed.leadership.close(release=False)  # dies holding the lease: nobody renews it, nobody releases it
+    t0 = time.monotonic()
+    restarted = make_coordinator(endpoints, run_id, lease_s=3.0)  # no --standby
+    waited_s = time.monotonic() - t0
+    assert restarted.epoch > crashed.epoch
+    assert 1.0 < waited_s < 3.0 + 2.0, waited_s  # it waited for the lease to lapse, not longer
+    restarted.close()
+
+
 def test_standby_takes_over_within_the_lease_when_the_coordinator_is_killed(endpoints, run_id, tmp_path, fleet_env):
     env, procs = fleet_env
     lease = ["--lease-s", str(LEASE_S)]

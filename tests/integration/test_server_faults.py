@@ -143,6 +143,7 @@ def test_redis_restarted_then_emptied_both_sides_go_on(own_stack, tmp_path):
     in_s3 = {f: latest_version(store, bus.keys, f) for f in range(2)}
     assert all(bus.heads()[f] >= in_s3[f] for f in range(2)), (bus.heads(), in_s3)
     wait_for("versions after the wipe", lambda: min(bus.heads().values()) >= min(in_s3.values()) + 2, procs=procs)
+    wait_for("the learner's heartbeat after the wipe", lambda: "l0" in bus.learner_stats(), procs=procs)
     adopted = bus.learner_stats()["l0"]["adopted"]
     wait_for("the learner to take new versions", lambda: bus.learner_stats()["l0"]["adopted"] > adopted, procs=procs)
     assert learner.terminate() == 0, learner.tail()
