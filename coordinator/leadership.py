@@ -51,6 +51,7 @@ class Leadership:
         self._deposed = threading.Event()
         self._wiped = threading.Event()
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the epoch and the flags change together
         self._thread: threading.Thread | None = None
 
     @property
@@ -111,9 +112,10 @@ class Leadership:
             except Conflict:
                 floor = got  # claimed before Redis lost it: take a higher one
                 continue
-            self.epoch = got
-            self._deposed.clear()
-            self._wiped.clear()
+            with self._lock:
+                self.epoch = got
+                self._deposed.clear()
+                self._wiped.clear()
             return got
 
     def start_renewing(self) -> None:
@@ -125,17 +127,21 @@ class Leadership:
         while not self._stop.wait(self.ttl_s / 3):
             if self._deposed.is_set() or self._wiped.is_set():
                 continue
+            epoch = self.epoch
             try:
-                renewal = self.lease.renew(self.epoch)
+                renewal = self.lease.renew(epoch)
             except redis.RedisError as exc:
                 log.warning("could not renew the coordinator lease: %s", exc)
                 continue
-            if renewal is Renewal.LOST:
-                log.error("lost the coordinator lease: another coordinator took over (our epoch %d)", self.epoch)
-                self._deposed.set()
-            elif renewal is Renewal.WIPED:
-                log.error("Redis lost the run's keys (restarted empty?): taking the lease again and rebuilding")
-                self._wiped.set()
+            with self._lock:
+                if epoch != self.epoch:
+                    continue  # the lease was taken again meanwhile (after a wipe): the answer is about the old epoch
+                if renewal is Renewal.LOST:
+                    log.error("lost the coordinator lease: another coordinator took over (our epoch %d)", epoch)
+                    self._deposed.set()
+                elif renewal is Renewal.WIPED:
+                    log.error("Redis lost the run's keys (restarted empty?): taking the lease again and rebuilding")
+                    self._wiped.set()
 
     def check(self) -> bool:
         """Raise Fenced if deposed; True if Redis was wiped and must be rebuilt."""

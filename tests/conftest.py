@@ -64,3 +64,21 @@ def fleet_env(stack: LocalStack, endpoints: Endpoints, tmp_path: Path) -> Iterat
     yield env, procs
     for p in procs:
         p.kill()
+
+
+@pytest.fixture
+def own_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LocalStack, dict[str, str], list[Proc]]]:
+    """A stack of this test's own, which it may stop, restart or empty (never the session's); the
+    env for `diloco` processes on it (task.json written as for `fleet_env`); and a process list
+    SIGKILLed at the end whatever happened."""
+    (tmp_path / "task.json").write_text(json.dumps(TASK.to_wire()))
+    procs: list[Proc] = []
+    with LocalStack(tmp_path / "stack") as stack:
+        for name, value in stack.env().items():
+            if name.startswith("AWS_"):
+                monkeypatch.setenv(name, value)  # for the test's own S3 reads
+        try:
+            yield stack, process_env(stack.env()), procs
+        finally:
+            for p in procs:
+                p.kill()

@@ -147,3 +147,13 @@ def wait_all(procs: list[Proc], timeout_s: float = 240) -> None:
     for p in procs:
         rc = p.wait(max(1.0, deadline - time.monotonic()))
         assert rc == 0, f"{p.name} exited {rc}:\n{p.tail(40)}"
+
+
+def wait_for(what: str, condition, procs: list[Proc] | tuple = (), timeout_s: float = 90.0) -> None:  # noqa: ANN001
+    """Poll `condition` until it holds; fail if it does not in time or if one of `procs` exits."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        for p in procs:
+            assert p.alive(), f"{p.name} exited {p.returncode()} while waiting for {what}:\n{p.tail(30)}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)

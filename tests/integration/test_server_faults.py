@@ -7,17 +7,12 @@ Redis and S3 from outside, and kills or restarts servers for real.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 import torch
 
-from harness import TASK, announcements, join, make_coordinator, serving, spawn_coordinator, spawn_learner, train
-from infra.fleet import Proc, process_env
-from infra.stack import LocalStack
+from harness import (announcements, join, make_coordinator, serving, spawn_coordinator, spawn_learner, train,
+                     wait_for)
 from storage import codecs
 from storage.bus import Bus
 from storage.history import latest_version, read_layout, read_manifest
@@ -25,32 +20,6 @@ from storage.objects import ObjectStore
 from storage.settings import Endpoints
 
 RUN = "faults"
-
-
-@pytest.fixture
-def own_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LocalStack, dict[str, str], list[Proc]]]:
-    """A stack this test may stop and restart, the env for `diloco` processes, and a process list
-    that is SIGKILLed at the end whatever happened."""
-    (tmp_path / "task.json").write_text(json.dumps(TASK.to_wire()))
-    procs: list[Proc] = []
-    with LocalStack(tmp_path / "stack") as stack:
-        for name, value in stack.env().items():
-            if name.startswith("AWS_"):
-                monkeypatch.setenv(name, value)  # for this test's own S3 reads
-        try:
-            yield stack, process_env(stack.env()), procs
-        finally:
-            for p in procs:
-                p.kill()
-
-
-def wait_for(what: str, condition, timeout_s: float = 60.0, procs: list[Proc] = ()) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        for p in procs:
-            assert p.alive(), f"{p.name} exited {p.returncode()} while waiting for {what}:\n{p.tail(30)}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def steps_of(bus: Bus, learner: str) -> int:

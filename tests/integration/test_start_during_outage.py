@@ -8,45 +8,10 @@ is back, the standby takes over when the active coordinator dies.
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-
-from harness import TASK, announcements, spawn_coordinator, spawn_learner
-from infra.fleet import Proc, process_env
-from infra.stack import LocalStack
+from harness import announcements, spawn_coordinator, spawn_learner, wait_for
 from storage.bus import Bus
 
 RUN = "outage"
-
-
-@pytest.fixture
-def own_stack(tmp_path: Path,
-              monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LocalStack, dict[str, str], list[Proc]]]:
-    """A stack this test may stop, the env for `diloco` processes, and processes SIGKILLed at the end."""
-    (tmp_path / "task.json").write_text(json.dumps(TASK.to_wire()))
-    procs: list[Proc] = []
-    with LocalStack(tmp_path / "stack") as stack:
-        for name, value in stack.env().items():
-            if name.startswith("AWS_"):
-                monkeypatch.setenv(name, value)
-        try:
-            yield stack, process_env(stack.env()), procs
-        finally:
-            for p in procs:
-                p.kill()
-
-
-def wait_for(what: str, condition, procs: list[Proc], timeout_s: float = 90.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        for p in procs:
-            assert p.alive(), f"{p.name} exited {p.returncode()} while waiting for {what}:\n{p.tail(30)}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def holder_pid(bus: Bus) -> int | None:
