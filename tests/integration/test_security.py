@@ -168,12 +168,18 @@ def test_stack_up_with_auth_and_tls_exports_a_working_url_and_logs_no_password(t
 
 # ---- nobody replaces another's objects ---------------------------------------------------------
 
-def test_a_second_writer_cannot_replace_a_contribution_or_a_committed_version(endpoints, run_id):
+def first_delta_merged(endpoints: Endpoints, run_id: str):  # noqa: ANN201
+    """A coordinator and a learner after fragment 0's first delta became version 1."""
     coord = make_coordinator(endpoints, run_id)
     learner, opt = join(endpoints, run_id, coord, "l0")
     train(learner, opt, 4)
     for _ in range(4):
         coord.step(block_ms=50)
+    return coord, learner, opt
+
+
+def test_a_second_writer_cannot_replace_a_contribution_or_a_committed_version(endpoints, run_id):
+    coord, learner, _ = first_delta_merged(endpoints, run_id)
     learner.close()
     keys, store = coord.keys, ObjectStore(endpoints)
     other = ObjectStore(endpoints)  # another process with the same bucket credentials
@@ -196,11 +202,7 @@ def test_a_second_writer_cannot_replace_a_contribution_or_a_committed_version(en
 
 
 def test_announcements_of_another_learners_object_are_refused(endpoints, run_id):
-    coord = make_coordinator(endpoints, run_id)
-    learner, opt = join(endpoints, run_id, coord, "l0")
-    train(learner, opt, 4)
-    for _ in range(4):
-        coord.step(block_ms=50)
+    coord, learner, opt = first_delta_merged(endpoints, run_id)
     bus = coord.bus
     _, delta = [x for x in announcements(bus) if x[1].kind == "delta"][0]
     claimed = dataclasses.replace(delta, learner="mallory", contribution_id="a" * 32)  # "that object is mine"
