@@ -90,6 +90,10 @@ COMMANDS: list[Command] = [
      _lazy("add_demo_arguments"), _lazy("run_demo")),
     ("replay", "re-derive committed versions from S3 alone and check them bit for bit against their manifests",
      _lazy("add_replay_arguments"), _lazy("run_replay")),
+    ("export", "copy a run's history (every object under its root) from the bucket to a local directory",
+     _lazy("add_export_arguments"), _lazy("run_export")),
+    ("import", "copy a run's history from an export directory back into the bucket the environment names",
+     _lazy("add_import_arguments"), _lazy("run_import")),
     ("chaos", "a run of real processes on a local stack under a seeded schedule of faults, then an audit of "
      "every contribution", _lazy("add_chaos_arguments"), _lazy("run_chaos")),
 ]

@@ -1,5 +1,5 @@
 """The run-time subcommands: `diloco coordinator`, `diloco learner`, `diloco demo`, `diloco replay`,
-`diloco chaos`.
+`diloco export`, `diloco import`, `diloco chaos`.
 
 Each is `add_arguments(parser)` + `run(args) -> int`, listed in `infra.cli.COMMANDS`. Options of
 the coordinator and learner come from their config dataclasses (field docstring = help text).
@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,12 +23,13 @@ from coordinator.config import CoordinatorConfig, RunSettings
 from coordinator.leadership import Stopped
 from coordinator.policy import RoundConfig
 from coordinator.service import Coordinator
+from infra.archive import add_source_arguments, export_run, import_keys, import_run, open_source
 from infra.options import add_options, build
 from infra.replay import VersionCheck, replay_run
 from storage.errors import StorageUnavailable
 from storage.keys import RunKeys
 from storage.objects import ObjectStore
-from storage.settings import Endpoints
+from storage.settings import ENV_S3_PREFIX, Endpoints
 from workers.demo.run import DemoLearnerArgs, train_demo_learner
 from workers.demo.task import DemoTask
 
@@ -117,7 +120,7 @@ def run_demo(args: argparse.Namespace) -> int:
 # -- replay --------------------------------------------------------------------------------------
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", required=True, help="run id to replay")
+    add_source_arguments(parser)
     parser.add_argument("--fragment", type=int, help="replay only this fragment (default: every fragment)")
     parser.add_argument("--from", dest="start", type=int, default=0, metavar="V",
                         help="first version to replay (default: %(default)s, the genesis)")
@@ -128,20 +131,58 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_replay(args: argparse.Namespace) -> int:
     """Exit 0 only if at least one version was checked and every one is bit-exact."""
-    endpoints = Endpoints.from_env(redis=False)  # S3 is the history: replay never needs Redis
+    store, keys = open_source(args)  # S3 (or an export) is the history: replay never needs Redis
 
     def progress(check: VersionCheck) -> None:
         (log.info if check.bit_exact else log.error)("%s", check.line())
 
-    report = replay_run(ObjectStore(endpoints), RunKeys(endpoints.prefix, args.run), fragment=args.fragment,
-                        start=args.start, end=args.end, progress=progress)
+    report = replay_run(store, keys, fragment=args.fragment, start=args.start, end=args.end, progress=progress)
     print(report.summary())
     if args.json_path is not None:
         args.json_path.parent.mkdir(parents=True, exist_ok=True)
         args.json_path.write_text(json.dumps(report.to_json(), indent=1) + "\n")
     if not report.checks:
-        log.error("no committed version of run %s in the range asked for", args.run)
+        log.error("no committed version of run %s in the range asked for", keys.run)
     return 0 if report.ok else 1
+
+
+# -- export / import -------------------------------------------------------------------------------
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, help="run id to export")
+    parser.add_argument("--dir", type=Path, required=True, metavar="DIR",
+                        help="directory to copy the run's history into (created; an earlier export of the "
+                             "run there is brought up to date)")
+
+
+def _progress(verb: str) -> Callable[[int, int], None]:
+    def progress(done: int, total: int) -> None:
+        if done == total or done % 500 == 0:
+            log.info("%s %d/%d objects", verb, done, total)
+    return progress
+
+
+def run_export(args: argparse.Namespace) -> int:
+    endpoints = Endpoints.from_env(redis=False)
+    keys = RunKeys(endpoints.prefix, args.run)
+    copied = export_run(ObjectStore(endpoints), keys, args.dir, progress=_progress("exported"))
+    print(copied.line("exported", f"into {args.dir}"))
+    return 0
+
+
+def add_import_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", type=Path, required=True, metavar="DIR", help="an export directory")
+    parser.add_argument("--run", help="run id to import (optional when the export holds one run)")
+
+
+def run_import(args: argparse.Namespace) -> int:
+    keys = import_keys(args.dir, args.run, os.environ.get(ENV_S3_PREFIX))
+    endpoints = replace(Endpoints.from_env(redis=False), prefix=keys.prefix)
+    store = ObjectStore(endpoints)
+    store.ensure_bucket()
+    copied = import_run(args.dir, store, keys, progress=_progress("imported"))
+    print(copied.line("imported", f"into {store.url(keys.root)}"))
+    return 0
 
 
 # -- chaos ---------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ M learner processes (one of them markedly slower) and a coordinator process trai
 model through a real Redis and a real S3 server. Midway one learner is SIGKILLed and restarted;
 it rejoins from the latest global versions. At the end the same token budget is spent on a
 single-replica AdamW baseline, and both eval losses are printed next to the entropy floor of the
-synthetic language. `summary.json` in the output directory holds the figures.
+synthetic language. `summary.json` in the output directory holds the figures, and `history/` the
+run's whole history (an export), which `diloco replay --dir OUT/history` re-derives bit for bit.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from coordinator.config import RunSettings
+from infra.archive import export_run
 from infra.fleet import Proc, diloco_command, process_env
 from infra.stack import LocalStack
 from storage.bus import Bus
@@ -82,8 +84,9 @@ def global_model(task: DemoTask, store: ObjectStore, keys: RunKeys, heads: dict[
 
 def run_demo(cfg: DemoConfig) -> dict:
     started = time.monotonic()
-    if (cfg.out / "stack").exists():
-        shutil.rmtree(cfg.out / "stack")  # a demo starts from scratch, not from the previous run's servers
+    for old in ("stack", "history"):  # a demo starts from scratch, not from the previous run's servers
+        if (cfg.out / old).exists():
+            shutil.rmtree(cfg.out / old)
     cfg.out.mkdir(parents=True, exist_ok=True)
     task = DemoTask(text_path=cfg.text) if cfg.text else DemoTask()
     task_path = cfg.out / "task.json"
@@ -111,6 +114,9 @@ def run_demo(cfg: DemoConfig) -> dict:
         counters = bus.counters()
         model = global_model(task, store, bus.keys, heads)
         eval_loss = task.eval_loss(model)
+        exported = export_run(store, bus.keys, cfg.out / "history")
+        say(exported.line("exported", f"into {cfg.out / 'history'}") + "; replay it with "
+            f"`diloco replay --dir {cfg.out / 'history'}`")
     distributed_s = time.monotonic() - started
     say(f"decoupled DiLoCo: eval loss {eval_loss:.4f} after {sum(heads.values())} fragment versions "
         f"({distributed_s:.0f}s)")
@@ -139,6 +145,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         "baseline_wall_s": time.monotonic() - t0,
         "wall_s": time.monotonic() - started,
         "settings": asdict(cfg.settings),
+        "history": str(cfg.out / "history"),
     }
     (cfg.out / "summary.json").write_text(json.dumps(result, indent=2))
     say(f"\nresult: DiLoCo eval {eval_loss:.4f} vs baseline {baseline:.4f} (ratio {eval_loss / baseline:.3f})"

@@ -27,7 +27,7 @@ from storage.errors import Refused
 from storage.history import (list_versions, params_limit, read_input, read_layout, read_manifest, read_params,
                              read_run_spec, read_verified)
 from storage.keys import RunKeys
-from storage.objects import ObjectMissing, ObjectStore
+from storage.objects import ObjectMissing, Store
 from storage.protocol import Layout, Manifest, RunSpec
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def _check_json(c: VersionCheck) -> dict:
 class _Fragment:
     """Replays the versions of one fragment in order, carrying the parent forward."""
 
-    def __init__(self, store: ObjectStore, keys: RunKeys, spec: RunSpec, layout: Layout, fragment: int) -> None:
+    def __init__(self, store: Store, keys: RunKeys, spec: RunSpec, layout: Layout, fragment: int) -> None:
         self.store, self.keys, self.spec, self.layout, self.fragment = store, keys, spec, layout, fragment
         self.limit = params_limit(layout, fragment)
         self.parent: tuple[dict[str, torch.Tensor], NesterovState] | None = None
@@ -174,7 +174,7 @@ class _Fragment:
         return problems
 
 
-def replay_run(store: ObjectStore, keys: RunKeys, *, fragment: int | None = None, start: int = 0,
+def replay_run(store: Store, keys: RunKeys, *, fragment: int | None = None, start: int = 0,
                end: int | None = None, progress: Callable[[VersionCheck], None] | None = None) -> ReplayReport:
     """Replay versions `start`..`end` (default: the latest) of one fragment or all of them.
 
@@ -183,7 +183,7 @@ def replay_run(store: ObjectStore, keys: RunKeys, *, fragment: int | None = None
     spec, layout = read_run_spec(store, keys), read_layout(store, keys)
     if spec is None or layout is None:
         raise Refused("missing_object", f"run {keys.run!r} has no {'run spec' if spec is None else 'layout'} under "
-                      f"s3://{store.bucket}/{keys.root}: wrong run, bucket or DILOCO_S3_PREFIX?")
+                      f"{store.url(keys.root)}: wrong run, bucket, DILOCO_S3_PREFIX or --dir?")
     if fragment is not None and not 0 <= fragment < spec.num_fragments:
         raise Refused("unknown_fragment", f"run {keys.run!r} has fragments 0..{spec.num_fragments - 1}, not {fragment}")
     fragments = list(range(spec.num_fragments)) if fragment is None else [fragment]

@@ -14,7 +14,7 @@ import torch
 from storage import codecs
 from storage.errors import Refused
 from storage.keys import RunKeys
-from storage.objects import ObjectMissing, ObjectStore
+from storage.objects import ObjectMissing, Store
 from storage.protocol import MAX_RECORD_BYTES, Contribution, Layout, Manifest, RunSpec
 
 
@@ -22,21 +22,21 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def read_run_spec(store: ObjectStore, keys: RunKeys) -> RunSpec | None:
+def read_run_spec(store: Store, keys: RunKeys) -> RunSpec | None:
     try:
         return RunSpec.from_wire(store.get(keys.run_spec(), max_bytes=MAX_RECORD_BYTES))
     except ObjectMissing:
         return None
 
 
-def read_layout(store: ObjectStore, keys: RunKeys) -> Layout | None:
+def read_layout(store: Store, keys: RunKeys) -> Layout | None:
     try:
         return Layout.from_wire(store.get(keys.layout(), max_bytes=MAX_RECORD_BYTES))
     except ObjectMissing:
         return None
 
 
-def read_manifest(store: ObjectStore, keys: RunKeys, fragment: int, version: int) -> Manifest:
+def read_manifest(store: Store, keys: RunKeys, fragment: int, version: int) -> Manifest:
     manifest = Manifest.from_wire(store.get(keys.manifest(fragment, version), max_bytes=MAX_RECORD_BYTES))
     if manifest.run != keys.run or manifest.fragment != fragment or manifest.version != version:
         raise Refused("misaddressed", f"manifest at {keys.manifest(fragment, version)} describes run "
@@ -44,7 +44,7 @@ def read_manifest(store: ObjectStore, keys: RunKeys, fragment: int, version: int
     return manifest
 
 
-def read_verified(store: ObjectStore, key: str, sha256: str, *, max_bytes: int) -> bytes:
+def read_verified(store: Store, key: str, sha256: str, *, max_bytes: int) -> bytes:
     blob = store.get(key, max_bytes=max_bytes)
     actual = sha256_hex(blob)
     if actual != sha256:
@@ -52,7 +52,7 @@ def read_verified(store: ObjectStore, key: str, sha256: str, *, max_bytes: int) 
     return blob
 
 
-def read_params(store: ObjectStore, layout: Layout, manifest: Manifest) -> dict[str, torch.Tensor]:
+def read_params(store: Store, layout: Layout, manifest: Manifest) -> dict[str, torch.Tensor]:
     """The global parameters of a committed version, checked against manifest and layout."""
     limit = params_limit(layout, manifest.fragment)
     blob = read_verified(store, manifest.params_key, manifest.params_sha256, max_bytes=limit)
@@ -65,7 +65,7 @@ def params_limit(layout: Layout, fragment: int) -> int:
     return 2 * layout.fragment_bytes(fragment) + (1 << 20)
 
 
-def read_input(store: ObjectStore, layout: Layout, fragment: int, contribution: Contribution, *,
+def read_input(store: Store, layout: Layout, fragment: int, contribution: Contribution, *,
                max_bytes: int) -> dict[str, torch.Tensor]:
     """One input of a committed version (a delta, or the genesis proposal of version 0), checked
     against the sha256 its manifest records and decoded against the layout. Raises ObjectMissing
@@ -75,7 +75,7 @@ def read_input(store: ObjectStore, layout: Layout, fragment: int, contribution: 
     return tensors
 
 
-def list_versions(store: ObjectStore, keys: RunKeys, fragment: int) -> list[int]:
+def list_versions(store: Store, keys: RunKeys, fragment: int) -> list[int]:
     """Versions of a fragment whose manifest exists in S3 (the commit record), ascending, by listing."""
     versions = []
     for key in store.list(keys.versions_prefix(fragment)):
@@ -85,7 +85,7 @@ def list_versions(store: ObjectStore, keys: RunKeys, fragment: int) -> list[int]
     return versions
 
 
-def latest_version(store: ObjectStore, keys: RunKeys, fragment: int) -> int | None:
+def latest_version(store: Store, keys: RunKeys, fragment: int) -> int | None:
     """Highest version of a fragment whose manifest exists in S3 (the commit record), by listing."""
     versions = list_versions(store, keys, fragment)
     return versions[-1] if versions else None

@@ -20,6 +20,7 @@ import hashlib
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import boto3
 import botocore.exceptions as bexc
@@ -34,6 +35,21 @@ log = logging.getLogger(__name__)
 
 class ObjectMissing(DilocoError):
     """The object does not exist (yet, or any more)."""
+
+
+class Store(Protocol):
+    """What the history tools need of a bucket: `ObjectStore` (S3) or `storage.localdir.DirStore` (an export)."""
+
+    bucket: str
+
+    def url(self, key: str) -> str: ...
+    def put(self, key: str, data: bytes, *, create_only: bool = True) -> None: ...
+    def get(self, key: str, *, max_bytes: int) -> bytes: ...
+    def exists(self, key: str) -> bool: ...
+    def list(self, prefix: str) -> Iterator[str]: ...
+    def list_modified(self, prefix: str) -> Iterator[tuple[str, float]]: ...
+    def list_sizes(self, prefix: str) -> Iterator[tuple[str, int]]: ...
+    def delete(self, keys: list[str]) -> None: ...
 
 
 _TRANSIENT_CODES = {"500", "502", "503", "504", "SlowDown", "InternalError", "ServiceUnavailable",
@@ -86,6 +102,10 @@ class ObjectStore:
         self._region = endpoints.region
         self._aws = endpoints.s3_endpoint is None
         self._s3 = make_client(endpoints, timeout_s=timeout_s)
+
+    def url(self, key: str) -> str:
+        """Where `key` is, for messages."""
+        return f"s3://{self.bucket}/{key}"
 
     def _unavailable(self, op: str, key: str, exc: Exception) -> StorageUnavailable:
         return StorageUnavailable(f"S3 {op} s3://{self.bucket}/{key} failed after retries: {exc}")
@@ -190,12 +210,20 @@ class ObjectStore:
 
     def list_modified(self, prefix: str) -> Iterator[tuple[str, float]]:
         """(key, last-modified unix time on the server's clock) under prefix, in key order."""
+        for item in self._list(prefix):
+            yield item["Key"], item["LastModified"].timestamp()
+
+    def list_sizes(self, prefix: str) -> Iterator[tuple[str, int]]:
+        """(key, size in bytes) under prefix, in key order."""
+        for item in self._list(prefix):
+            yield item["Key"], int(item["Size"])
+
+    def _list(self, prefix: str) -> Iterator[dict]:
         token: str | None = None
         while True:
             with self._errors("LIST", prefix):
                 page = self._list_page(prefix, token)
-            for item in page.get("Contents", []):
-                yield item["Key"], item["LastModified"].timestamp()
+            yield from page.get("Contents", [])
             if not page.get("IsTruncated"):
                 return
             token = page["NextContinuationToken"]

@@ -1,0 +1,170 @@
+"""A run's history as a local directory: `diloco export`, `diloco import`, and `--dir` for the history tools.
+
+An export copies every object under the run's root (`{prefix}/{run}/`: run spec, layout, epoch
+claims, genesis proposals, every contribution object, every version's params, outer state and
+manifest) to `DIR/{prefix}/{run}/...`, the same keys as files, and records the run in
+`DIR/diloco-export.json`. Manifests name their objects by full key, so the keys (prefix included)
+are kept as they are: an export is read with `DirStore(DIR)` and the recorded prefix, and an
+import puts the objects back under that same prefix. Exports are incremental (objects are
+immutable: one already copied with the same size is not fetched again) and every object is
+checked against the size the listing reported, so a truncated copy is not mistaken for history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from storage.errors import ConfigError, Refused
+from storage.history import read_layout, read_run_spec
+from storage.keys import RunKeys
+from storage.localdir import DirStore
+from storage.objects import ObjectStore, Store
+from storage.protocol import MAX_RECORD_BYTES
+from storage.settings import ENV_S3_PREFIX, Endpoints
+
+log = logging.getLogger(__name__)
+
+INDEX = "diloco-export.json"
+"""The file at the top of an export directory that says which runs it holds, under which prefix."""
+
+
+@dataclass(frozen=True, slots=True)
+class Copied:
+    run: str
+    objects: int
+    """Objects under the run's root."""
+    copied: int
+    """Of which this call transferred (the others were already there)."""
+    bytes: int
+    seconds: float
+
+    def line(self, verb: str, where: str) -> str:
+        return (f"{verb} run {self.run}: {self.objects} objects ({self.bytes / 1e6:.1f} MB), {self.copied} "
+                f"copied, {self.objects - self.copied} already there, {where}, {self.seconds:.1f}s")
+
+
+def object_limit(store: Store, keys: RunKeys) -> int:
+    """The largest object the run may hold: a contribution's limit or two fp32 copies of its largest fragment."""
+    spec, layout = read_run_spec(store, keys), read_layout(store, keys)
+    if spec is None:
+        raise Refused("missing_object", f"run {keys.run!r} has no run spec at {store.url(keys.run_spec())}: "
+                      "wrong run, bucket, DILOCO_S3_PREFIX or --dir?")
+    biggest = max((layout.fragment_bytes(f) for f in range(len(layout.fragments))), default=0) if layout else 0
+    return max(spec.max_object_bytes, 2 * biggest + (1 << 20), MAX_RECORD_BYTES)
+
+
+def copy_run(source: Store, dest: Store, keys: RunKeys,
+             progress: Callable[[int, int], None] | None = None) -> Copied:
+    """Copy every object under the run's root from `source` to `dest` (create-only; identical
+    objects already in `dest` are kept, different ones raise Conflict). `progress(done, total)`."""
+    t0 = time.monotonic()
+    limit = object_limit(source, keys)
+    present = dict(dest.list_sizes(keys.root))
+    listed = list(source.list_sizes(keys.root))
+    copied = total = 0
+    for i, (key, size) in enumerate(listed):
+        if present.get(key) == size:
+            total += size
+        else:
+            data = source.get(key, max_bytes=limit)
+            if len(data) != size:
+                raise Refused("truncated", f"{source.url(key)}: read {len(data)} bytes, the listing says {size}")
+            dest.put(key, data)
+            copied += 1
+            total += len(data)
+        if progress is not None:
+            progress(i + 1, len(listed))
+    return Copied(keys.run, len(listed), copied, total, time.monotonic() - t0)
+
+
+# -- the index of an export directory ------------------------------------------------------------
+
+
+def read_index(directory: Path) -> dict:
+    path = directory / INDEX
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{directory} is not a diloco export (no {INDEX}): make one with "
+                          f"`diloco export --run RUN --dir {directory}`") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} cannot be read: {exc}") from None
+    if not isinstance(index, dict) or not isinstance(index.get("runs"), dict):
+        raise ConfigError(f"{path} is not an export index (no 'runs' table)")
+    return index
+
+
+def _record(directory: Path, keys: RunKeys, source: str, copied: Copied) -> None:
+    try:
+        index = read_index(directory)
+    except ConfigError:
+        index = {"format": 1, "runs": {}}
+    index["runs"][keys.run] = {"prefix": keys.prefix, "source": source, "objects": copied.objects,
+                               "bytes": copied.bytes, "exported_at": time.time()}
+    tmp = directory / (INDEX + ".tmp")
+    tmp.write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
+    tmp.replace(directory / INDEX)
+
+
+def dir_keys(directory: Path, run: str | None) -> RunKeys:
+    """The keys of `run` in an export directory (the only run there when `run` is None)."""
+    runs = read_index(directory)["runs"]
+    if run is None:
+        if len(runs) != 1:
+            raise ConfigError(f"{directory} holds runs {sorted(runs)}: say which with --run")
+        run = next(iter(runs))
+    if run not in runs:
+        raise ConfigError(f"{directory} holds runs {sorted(runs)}, not {run!r}")
+    return RunKeys(str(runs[run]["prefix"]), run)
+
+
+def export_run(store: Store, keys: RunKeys, directory: Path, *, source: str = "",
+               progress: Callable[[int, int], None] | None = None) -> Copied:
+    directory.mkdir(parents=True, exist_ok=True)
+    copied = copy_run(store, DirStore(directory), keys, progress)
+    _record(directory, keys, source or store.url(keys.root), copied)
+    return copied
+
+
+def import_run(directory: Path, store: Store, keys: RunKeys,
+               progress: Callable[[int, int], None] | None = None) -> Copied:
+    return copy_run(DirStore(directory), store, keys, progress)
+
+
+# -- where the history tools read from: a bucket (the environment) or an export (--dir) ----------
+
+
+def add_source_arguments(parser: argparse.ArgumentParser, *, run_required: bool = True) -> None:
+    parser.add_argument("--run", required=False, help="run id" + (
+        " (optional with --dir when the export holds one run)" if run_required else ""))
+    parser.add_argument("--dir", type=Path, metavar="DIR",
+                        help="read the run from this export directory (`diloco export`) instead of the bucket "
+                             "the environment names")
+
+
+def open_source(args: argparse.Namespace) -> tuple[Store, RunKeys]:
+    """The store and keys `--run` / `--dir` name. The bucket needs only the S3 settings: the
+    history tools never contact Redis."""
+    if args.dir is not None:
+        return DirStore(args.dir), dir_keys(args.dir, args.run)
+    if not args.run:
+        raise ConfigError("--run is required (or --dir with an export)")
+    endpoints = Endpoints.from_env(redis=False)
+    return ObjectStore(endpoints), RunKeys(endpoints.prefix, args.run)
+
+
+def import_keys(directory: Path, run: str | None, env_prefix: str | None) -> RunKeys:
+    """The keys an import writes: the exported prefix, which the manifests name. A different
+    DILOCO_S3_PREFIX in the environment is refused rather than silently ignored."""
+    keys = dir_keys(directory, run)
+    if env_prefix and env_prefix != keys.prefix:
+        raise ConfigError(f"run {keys.run} was exported from prefix {keys.prefix!r} and its manifests name keys "
+                          f"under it, but {ENV_S3_PREFIX}={env_prefix!r}: set {ENV_S3_PREFIX}={keys.prefix} "
+                          "to import it")
+    return keys
