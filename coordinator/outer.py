@@ -131,9 +131,22 @@ MERGE_RULES = {"weighted_mean": False, "radial_directional": True}
 """The manifest's `merge` setting -> `merge_deltas(radial_directional=...)`."""
 
 
+def round_delta(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float],
+                settings: Mapping[str, object]) -> dict[str, Tensor]:
+    """The merged update of a round: `deltas` (in merge order) merged with `weights` by the merge
+    rule the manifest's `settings` record. This is the outer gradient `apply_round` steps with;
+    `diloco inspect` and `diloco blame` measure inputs against it. Raises ValueError for a merge
+    rule this build does not know."""
+    merge = settings.get("merge")
+    if merge not in MERGE_RULES:
+        raise ValueError(f"merge rule {merge!r} is not one this build knows ({', '.join(MERGE_RULES)})")
+    return merge_deltas(deltas, weights, radial_directional=MERGE_RULES[merge])
+
+
 def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequence[Mapping[str, Tensor]],
                 weights: Sequence[float], settings: Mapping[str, object]) -> tuple[dict[str, Tensor], NesterovState]:
-    """One round: merge `deltas` (in merge order) with `weights`, then one outer Nesterov step.
+    """One round: merge `deltas` (in merge order) with `weights` (`round_delta`), then one outer
+    Nesterov step.
 
     Configured by the `settings` recorded in the version's manifest (`merge`, `outer_lr`,
     `outer_momentum`), so that the live coordinator and a replay from the manifest run the very
@@ -141,12 +154,9 @@ def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequ
     """
     if settings.get("outer", "nesterov") != "nesterov":
         raise ValueError(f"outer optimizer {settings.get('outer')!r} is not one this build knows ('nesterov')")
-    merge = settings.get("merge")
-    if merge not in MERGE_RULES:
-        raise ValueError(f"merge rule {merge!r} is not one this build knows ({', '.join(MERGE_RULES)})")
     lr, momentum = settings.get("outer_lr"), settings.get("outer_momentum")
     if isinstance(lr, bool) or isinstance(momentum, bool) or not isinstance(lr, (int, float)) \
             or not isinstance(momentum, (int, float)):
         raise ValueError(f"outer_lr {lr!r} and outer_momentum {momentum!r} must be numbers")
-    delta = merge_deltas(deltas, weights, radial_directional=MERGE_RULES[merge])
+    delta = round_delta(deltas, weights, settings)
     return nesterov_step(params, delta, state, lr=float(lr), momentum=float(momentum))

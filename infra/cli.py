@@ -8,6 +8,7 @@ Results meant for a shell or a pipe go to stdout; messages for a person go to st
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import shlex
 import sys
@@ -72,11 +73,10 @@ def run_stack(args: argparse.Namespace) -> int:
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 
-def _lazy(name: str) -> Callable:
-    """A function of infra.commands, imported on first use: `diloco stack` stays fast (no torch import)."""
+def _lazy(name: str, module: str = "commands") -> Callable:
+    """A function of infra.<module>, imported on first use: `diloco stack` stays fast (no torch import)."""
     def call(arg):  # noqa: ANN001, ANN202
-        from infra import commands
-        return getattr(commands, name)(arg)
+        return getattr(importlib.import_module(f"infra.{module}"), name)(arg)
     return call
 
 
@@ -90,6 +90,10 @@ COMMANDS: list[Command] = [
      _lazy("add_demo_arguments"), _lazy("run_demo")),
     ("replay", "re-derive committed versions from S3 alone and check them bit for bit against their manifests",
      _lazy("add_replay_arguments"), _lazy("run_replay")),
+    ("inspect", "what went into a version (inputs, weights, norms, cosine to the merged update, refusals) or a "
+     "run, per learner", _lazy("add_inspect_arguments", "history_commands"), _lazy("run_inspect", "history_commands")),
+    ("blame", "rank learners by how much their contributions went against the others' (and, with --task, hurt the "
+     "eval loss)", _lazy("add_blame_arguments", "history_commands"), _lazy("run_blame", "history_commands")),
     ("export", "copy a run's history (every object under its root) from the bucket to a local directory",
      _lazy("add_export_arguments"), _lazy("run_export")),
     ("import", "copy a run's history from an export directory back into the bucket the environment names",

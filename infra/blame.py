@@ -1,0 +1,194 @@
+"""`diloco blame`: which learners' contributions hurt the global model, from the run's history.
+
+Two kinds of evidence, both from S3 (or an export) alone:
+
+- Geometry, from every version in the range: each learner's progress against the merged update
+  of the other learners in the same round (`coordinator.attribution.learner_rounds`), scored and
+  judged by `infra.verdict`.
+- Loss, when the run's task is given (`--task`, the JSON `diloco demo` writes to OUT/task.json):
+  for the last `loss_versions` versions of each fragment that merged two or more learners, the
+  version is re-derived without each learner in turn (`attribution.round_without`: the same
+  parent and outer step, the weights the coordinator would have given the others) and the global
+  model is evaluated both ways. The other fragments are taken at the versions that were current
+  when the version was committed. This measures the immediate effect of one round only, not what
+  the learner's inputs did to the rounds after it; and it costs one evaluation per learner per
+  sampled version, which is why it is bounded.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from coordinator.attribution import LearnerRound, learner_rounds, round_without
+from coordinator.outer import apply_round
+from infra.rounds import Round, Run, check_fragment, read_state, rounds, versions
+from infra.table import num, table
+from infra.verdict import MIN_OTHERS, LearnerBlame, judge, ranked
+from storage.errors import ConfigError
+from storage.history import read_manifest, read_params
+from storage.protocol import Manifest
+from workers.demo.task import DemoTask
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BlameReport:
+    run: str
+    fragments: list[int]
+    start: int
+    end: int | None
+    versions: int = 0
+    """Merged versions read (version 0, the genesis, is nobody's contribution)."""
+    with_evidence: int = 0
+    """Of which merged MIN_OTHERS + 1 or more learners."""
+    pairs: int = 0
+    """Of which merged exactly two learners (no geometric evidence: see infra.verdict)."""
+    learners: list[LearnerBlame] = field(default_factory=list)
+    loss: dict | None = None
+    """How the loss evidence was gathered (task, versions re-derived, evaluations, seconds); None without a task."""
+    problems: list[str] = field(default_factory=list)
+    """Versions left out because their inputs could not be read."""
+
+    def notes(self) -> list[str]:
+        notes = []
+        if not any(b.evidence for b in self.learners):
+            notes.append("too little evidence to blame anyone from geometry: no version merged "
+                         f"{MIN_OTHERS + 1} or more learners (a round of one input compares with nothing; in a round "
+                         "of two each learner's only peer is the other, which tells that they disagree, not which "
+                         "one is wrong). Rounds hold more learners with a higher --min-quorum on the coordinator."
+                         + ("" if self.loss else " --task adds loss evidence, which needs only two."))
+        if not any(b.suspect for b in self.learners) and any(b.evidence for b in self.learners):
+            notes.append("no learner is a suspect: none differs from the others by more than chance would allow")
+        return notes + [f"left out: {p}" for p in self.problems]
+
+    def to_json(self) -> dict:
+        return {"run": self.run, "fragments": self.fragments, "from": self.start, "to": self.end,
+                "versions": self.versions, "with_evidence": self.with_evidence, "pairs": self.pairs,
+                "loss": self.loss, "learners": [b.to_json() for b in self.learners], "notes": self.notes()}
+
+    def render(self) -> str:
+        lines = [f"blame of run {self.run}: {len(self.learners)} learner(s), {self.versions} merged version(s) over "
+                 f"{len(self.fragments)} fragment(s), {self.with_evidence} with {MIN_OTHERS + 1}+ learners (geometric "
+                 f"evidence), {self.pairs} with two"]
+        if self.loss:
+            lines.append(f"loss impact: {self.loss['sampled']} version(s) re-derived without each of their learners "
+                         f"(the last {self.loss['per_fragment']} per fragment with 2+ learners), "
+                         f"{self.loss['evaluations']} evaluations on the task's eval set, {self.loss['seconds']:.1f}s")
+        rows = [(i + 1, b.learner, num(b.score, "+.3f"), f"{b.evidence}/{b.versions}",
+                 f"{b.anti_aligned}/{b.evidence}", num(b.mean_loo_cos, "+.3f"), num(b.norm_ratio, ".2f"),
+                 num(b.loss_impact, "+.4f") if b.loss_samples else "-", b.verdict)
+                for i, b in enumerate(self.learners)]
+        lines.append(table(("rank", "learner", "score", "evidence", "anti", "loo cos", "norm ratio", "loss impact",
+                            "verdict"), rows, align="rlrrrrrrl"))
+        lines.extend(f"note: {n}" for n in self.notes())
+        return "\n".join(lines)
+
+
+class _Evaluator:
+    """The task's model loaded with the global parameters at a given version of one fragment."""
+
+    def __init__(self, run: Run, task: DemoTask) -> None:
+        self.run, self.task = run, task
+        self.model = task.make_model(0)
+        self.params = dict(self.model.named_parameters())
+        wanted = {p.name: tuple(p.shape) for specs in run.layout.fragments for p in specs}
+        have = {n: tuple(p.shape) for n, p in self.params.items()}
+        if wanted != have:
+            differ = sorted(set(wanted) ^ set(have)) or sorted(n for n in wanted if wanted[n] != have[n])
+            raise ConfigError(f"the task's model does not fit run {run.keys.run!r} (parameters {differ[:5]} differ): "
+                              "pass the task the run trained, e.g. OUT/task.json of `diloco demo`")
+        self._versions = {f: versions(run, f) for f in run.fragments}
+        self._manifests: dict[tuple[int, int], Manifest] = {}
+        self._loaded: dict[int, int] = {}
+        self.evaluations = 0
+
+    def _manifest(self, fragment: int, version: int) -> Manifest:
+        if (fragment, version) not in self._manifests:
+            self._manifests[fragment, version] = read_manifest(self.run.store, self.run.keys, fragment, version)
+        return self._manifests[fragment, version]
+
+    @torch.no_grad()
+    def _load(self, values: Mapping[str, torch.Tensor]) -> None:
+        for name, value in values.items():
+            self.params[name].copy_(value)
+
+    def context(self, manifest: Manifest) -> None:
+        """Load every other fragment at its latest version committed no later than `manifest`."""
+        for f, vs in self._versions.items():
+            if f == manifest.fragment:
+                continue
+            i = bisect.bisect_right(vs, manifest.committed_at, key=lambda v, f=f: self._manifest(f, v).committed_at)
+            v = vs[max(i - 1, 0)]
+            if self._loaded.get(f) != v:
+                self._load(read_params(self.run.store, self.run.layout, self._manifest(f, v)))
+                self._loaded[f] = v
+
+    def loss(self, fragment_values: Mapping[str, torch.Tensor]) -> float:
+        self._load(fragment_values)
+        self.evaluations += 1
+        return self.task.eval_loss(self.model)
+
+
+def loss_impacts(run: Run, task: DemoTask, sampled: list[Round]) -> tuple[dict[str, list[float]], int]:
+    """Per learner, eval loss with minus without its inputs over the `sampled` versions; and the
+    number of evaluations made."""
+    evaluator = _Evaluator(run, task)
+    impacts: dict[str, list[float]] = {}
+    for r in sampled:
+        m, deltas = r.manifest, r.deltas
+        assert deltas is not None
+        parent_params, parent_state = read_state(run, read_manifest(run.store, run.keys, m.fragment, m.parent_version))
+        evaluator.context(m)
+        merged, _ = apply_round(parent_params, parent_state, deltas, [c.weight for c in m.inputs], m.settings)
+        with_all = evaluator.loss(merged)
+        for learner in dict.fromkeys(c.learner for c in m.inputs):
+            without = round_without(parent_params, parent_state, m.inputs, deltas, learner, m.parent_version,
+                                    m.settings)
+            impacts.setdefault(learner, []).append(with_all - evaluator.loss(without))
+        log.debug("fragment %d version %d: loss with every input %.4f", m.fragment, m.version, with_all)
+    return impacts, evaluator.evaluations
+
+
+def blame_run(run: Run, *, fragment: int | None = None, start: int = 0, end: int | None = None,
+              task: DemoTask | None = None, loss_versions: int = 10,
+              progress: Callable[[str], None] | None = None) -> BlameReport:
+    """Score every learner that merged in versions start..end of one fragment or all of them."""
+    report = BlameReport(run=run.keys.run, fragments=check_fragment(run, fragment), start=start, end=end)
+    evidence: dict[str, list[LearnerRound]] = {}
+    sampled: list[Round] = []
+    for f in report.fragments:
+        last: deque[Round] = deque(maxlen=max(0, loss_versions))
+        for r in rounds(run, f, max(1, start), end):
+            m = r.manifest
+            if r.deltas is None:
+                report.problems.append(f"fragment {f} version {m.version}: {r.problem}")
+                continue
+            report.versions += 1
+            per_learner = learner_rounds([c.learner for c in m.inputs], r.deltas, [c.weight for c in m.inputs],
+                                         m.settings)
+            for lr in per_learner:
+                evidence.setdefault(lr.learner, []).append(lr)
+            report.with_evidence += len(per_learner) > MIN_OTHERS
+            report.pairs += len(per_learner) == 2
+            if task is not None and len(per_learner) >= 2:
+                last.append(r)
+        if progress is not None:
+            progress(f"fragment {f}: {len(evidence)} learner(s) so far, {report.versions} version(s) read")
+        sampled.extend(last)
+    impacts: dict[str, list[float]] = {}
+    if task is not None:
+        t0 = time.monotonic()
+        impacts, evaluations = loss_impacts(run, task, sampled)
+        report.loss = {"per_fragment": loss_versions, "sampled": len(sampled), "evaluations": evaluations,
+                       "seconds": round(time.monotonic() - t0, 3)}
+    report.learners = ranked([judge(g, evidence.get(g, []), impacts.get(g, []))
+                              for g in sorted(set(evidence) | set(impacts))])
+    return report

@@ -1,0 +1,93 @@
+"""`diloco inspect` and `diloco blame`: the subcommands that explain a run's history.
+
+Each is `add_arguments(parser)` + `run(args) -> int`, listed in `infra.cli.COMMANDS`. Both read a
+live bucket (S3 settings from the environment, never Redis) or an export (`--dir`), through
+`infra.archive.open_source`. The table goes to stdout, `--json PATH` gets the same data, and
+progress and problems go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from infra.archive import add_source_arguments, open_source
+from infra.blame import blame_run
+from infra.inspect import inspect_run, inspect_version
+from infra.rounds import open_run
+from storage.errors import ConfigError
+from workers.demo.task import DemoTask
+
+log = logging.getLogger("diloco")
+
+
+def _add_range(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fragment", type=int, help="only this fragment (default: every fragment)")
+    parser.add_argument("--from", dest="start", type=int, default=0, metavar="V",
+                        help="first version to look at (default: %(default)s)")
+    parser.add_argument("--to", dest="end", type=int, metavar="W", help="last version to look at (default: the latest)")
+    parser.add_argument("--json", dest="json_path", type=Path, metavar="PATH",
+                        help="also write the same data as JSON to this file")
+
+
+def _write_json(path: Path | None, data: object) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    add_source_arguments(parser)
+    parser.add_argument("--version", type=int, metavar="V",
+                        help="show this version's inputs and refusals (of every fragment that has it, or of "
+                             "--fragment); without it, per-learner aggregates over --from..--to")
+    _add_range(parser)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    store, keys = open_source(args)
+    run = open_run(store, keys)
+    if args.version is not None:
+        views = inspect_version(run, args.version, args.fragment)
+        print("\n\n".join(v.render() for v in views))
+        _write_json(args.json_path, {"run": keys.run, "versions": [v.to_json() for v in views]})
+    else:
+        view = inspect_run(run, args.fragment, args.start, args.end)
+        print(view.render())
+        _write_json(args.json_path, view.to_json())
+    return 0
+
+
+def add_blame_arguments(parser: argparse.ArgumentParser) -> None:
+    add_source_arguments(parser)
+    _add_range(parser)
+    parser.add_argument("--task", type=Path, metavar="TASK.json",
+                        help="the demo task the run trained (OUT/task.json of `diloco demo`): adds loss evidence, "
+                             "each sampled version re-derived without each of its learners and evaluated")
+    parser.add_argument("--loss-versions", type=int, default=10, metavar="N",
+                        help="with --task: re-derive the last N versions per fragment that merged two or more "
+                             "learners (default: %(default)s; each costs one evaluation per learner)")
+
+
+def _task(path: Path) -> DemoTask:
+    try:
+        return DemoTask.from_wire(json.loads(path.read_text()))
+    except OSError as exc:
+        raise ConfigError(f"cannot read the task {path}: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{path} is not a demo task JSON (as `diloco demo` writes to OUT/task.json): {exc}") from None
+
+
+def run_blame(args: argparse.Namespace) -> int:
+    """Exit 0 whatever the verdicts: blame reports evidence, it does not fail a run."""
+    if args.loss_versions < 1:
+        raise ConfigError(f"--loss-versions must be at least 1, got {args.loss_versions}")
+    task = _task(args.task) if args.task is not None else None
+    store, keys = open_source(args)
+    report = blame_run(open_run(store, keys), fragment=args.fragment, start=args.start, end=args.end, task=task,
+                       loss_versions=args.loss_versions, progress=lambda line: log.info("%s", line))
+    print(report.render())
+    _write_json(args.json_path, report.to_json())
+    return 0

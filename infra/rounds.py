@@ -1,0 +1,101 @@
+"""A run's committed versions read back for analysis (`diloco inspect`, `diloco blame`), verified.
+
+Reads S3 (or an export directory) only, through `storage.history`: every manifest is checked
+against its key, every input object against the sha256 its manifest records and the layout. A
+version whose inputs cannot all be read is returned with the reason instead of its deltas, so a
+tool can say what is missing and go on with the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from coordinator.outer import NesterovState
+from coordinator.publish import decode_state
+from storage.errors import Refused
+from storage.history import (list_versions, params_limit, read_input, read_layout, read_manifest, read_params,
+                             read_run_spec, read_verified)
+from storage.keys import RunKeys
+from storage.objects import ObjectMissing, Store
+from storage.protocol import Layout, Manifest, RunSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """A run's history as the tools read it."""
+
+    store: Store
+    keys: RunKeys
+    spec: RunSpec
+    layout: Layout
+
+    @property
+    def fragments(self) -> list[int]:
+        return list(range(self.spec.num_fragments))
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One committed version and its inputs' decoded deltas (in the manifest's merge order)."""
+
+    manifest: Manifest
+    deltas: list[dict[str, torch.Tensor]] | None
+    """None when an input could not be read; `problem` says which and why."""
+    problem: str = ""
+
+
+def open_run(store: Store, keys: RunKeys) -> Run:
+    """The run's spec and layout. Raises Refused('missing_object') with what to check if either is absent."""
+    spec, layout = read_run_spec(store, keys), read_layout(store, keys)
+    if spec is None or layout is None:
+        raise Refused("missing_object", f"run {keys.run!r} has no {'run spec' if spec is None else 'layout'} under "
+                      f"{store.url(keys.root)}: wrong run, bucket, DILOCO_S3_PREFIX or --dir?")
+    return Run(store, keys, spec, layout)
+
+
+def check_fragment(run: Run, fragment: int | None) -> list[int]:
+    """The fragments to look at: all of them, or the one asked for if the run has it."""
+    if fragment is None:
+        return run.fragments
+    if not 0 <= fragment < run.spec.num_fragments:
+        raise Refused("unknown_fragment", f"run {run.keys.run!r} has fragments 0..{run.spec.num_fragments - 1}, "
+                      f"not {fragment}")
+    return [fragment]
+
+
+def versions(run: Run, fragment: int, start: int = 0, end: int | None = None) -> list[int]:
+    """Committed versions of a fragment (those whose manifest exists) in start..end, ascending."""
+    return [v for v in list_versions(run.store, run.keys, fragment) if v >= start and (end is None or v <= end)]
+
+
+def read_round(run: Run, fragment: int, version: int) -> Round:
+    """A version's manifest and its inputs, each checked against the recorded sha256 and the layout.
+    Raises ObjectMissing / Refused only for the manifest itself."""
+    manifest = read_manifest(run.store, run.keys, fragment, version)
+    deltas = []
+    for i, c in enumerate(manifest.inputs):
+        try:
+            deltas.append(read_input(run.store, run.layout, fragment, c, max_bytes=run.spec.max_object_bytes))
+        except ObjectMissing:
+            return Round(manifest, None, f"input {i} ({c.learner}) {c.object_key} is missing from the bucket")
+        except Refused as exc:
+            return Round(manifest, None, f"input {i} ({c.learner}) cannot be used: {exc}")
+    return Round(manifest, deltas)
+
+
+def rounds(run: Run, fragment: int, start: int = 0, end: int | None = None) -> Iterator[Round]:
+    """`read_round` for each committed version of `fragment` in start..end, in order."""
+    for version in versions(run, fragment, start, end):
+        yield read_round(run, fragment, version)
+
+
+def read_state(run: Run, manifest: Manifest) -> tuple[dict[str, torch.Tensor], NesterovState]:
+    """A version's stored params and outer state, checked against its manifest."""
+    limit = params_limit(run.layout, manifest.fragment)
+    params = read_params(run.store, run.layout, manifest)
+    state = decode_state(read_verified(run.store, manifest.outer_state_key, manifest.outer_state_sha256,
+                                       max_bytes=limit), limit)
+    return params, state
