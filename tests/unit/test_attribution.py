@@ -65,7 +65,7 @@ def test_figures_are_against_the_update_the_round_applies():
     assert plain[1].cos_merged > 0.95 and plain[0].cos_merged < 0.5
     one = [{"w": d["w"]} for d in deltas]
     radial, _ = input_figures(one, [0.5, 0.5], RADIAL)
-    assert radial[0].cos_merged == pytest.approx(radial[1].cos_merged, abs=1e-9)
+    assert radial[0].cos_merged == pytest.approx(radial[1].cos_merged, abs=1e-6)  # merged in fp32
 
 
 def test_round_delta_rejects_an_unknown_merge_rule():
