@@ -9,7 +9,8 @@ so "the merged update" here is the outer gradient that was stepped with, not an 
   weight, its norm next to the other learners', and the cosine of its progress to the merged
   update of the *other* learners (`learner_rounds`). That leave-one-out consensus is what a
   learner can be said to agree or disagree with; the merged update itself contains the learner,
-  so a dominant input always looks aligned with it.
+  so a dominant input always looks aligned with it. Next to it, how much the other learners agree
+  with theirs, since how aligned honest learners are depends on the model, the data and H.
 - The round without one learner (`round_without`): the weights `merge_weights` would have given
   the remaining inputs and the outer step they would have made from the same parent.
 
@@ -87,6 +88,9 @@ class LearnerRound:
     others, or when either is zero."""
     norm_ratio: float | None
     """Its norm over the median of the other learners' norms; None without others or if that median is 0."""
+    peers_cos: float | None = None
+    """The median of the other learners' own leave-one-out cosines in the same round: how much the
+    others agree with their consensus, to compare `loo_cos` with. None without them."""
 
 
 def learner_rounds(learners: Sequence[str], deltas: Sequence[Tensors], weights: Sequence[float],
@@ -116,7 +120,9 @@ def learner_rounds(learners: Sequence[str], deltas: Sequence[Tensors], weights: 
             ratio = norms[g] / median if median > 0 else None
         rounds.append(LearnerRound(learner=g, pieces=learners.count(g), share=weight[g] / total if total else 0.0,
                                    norm=norms[g], others=len(names) - 1, loo_cos=loo_cos, norm_ratio=ratio))
-    return rounds
+    cosines = {r.learner: r.loo_cos for r in rounds if r.loo_cos is not None}
+    return [dataclasses.replace(r, peers_cos=statistics.median(c for h, c in cosines.items() if h != r.learner))
+            if any(h != r.learner for h in cosines) else r for r in rounds]
 
 
 def weights_without(inputs: Sequence[Contribution], learner: str, parent_version: int,

@@ -111,7 +111,8 @@ def view_round(r: Round) -> VersionView:
         except ValueError as exc:  # a merge rule this build does not know
             problem = str(exc)
     rows = [InputRow(c.learner, c.seq, c.contribution_id, c.tokens, c.steps, c.weight, c.staleness, c.base_version,
-                     f.norm if f else None, f.cos_merged if f else None) for c, f in zip(m.inputs, figures, strict=True)]
+                     f.norm if f else None, f.cos_merged if f else None)
+            for c, f in zip(m.inputs, figures, strict=True)]
     return VersionView(fragment=m.fragment, version=m.version, parent_version=m.parent_version,
                        kind="genesis" if m.version == 0 else str(m.settings.get("kind", "delta")),
                        committed_at=m.committed_at, epoch=m.epoch, settings=dict(m.settings),

@@ -11,8 +11,10 @@ The evidence (`coordinator.attribution.LearnerRound`, and optionally loss impact
 
 The score is the mean of -cosine over the evidence versions, weighted by the share of the round's
 weight the learner actually got: +1 means it always pointed exactly against the others, 0 that it
-was unrelated to them, negative that it agreed. A learner whose deltas dwarf the others' without
-agreeing with them (scaled noise) scores near 0 but is flagged by its norm ratio.
+was unrelated to them, negative that it agreed. A learner whose deltas dwarf the others' and that
+agrees with the consensus less than the others do (scaled noise on top of training) scores near 0,
+just above the honest learners, and is flagged by its norm ratio together with that comparison: a
+learner that merely trains with a larger step agrees as well as the others and is not flagged.
 
 A verdict says "suspect" only when a sign test rejects "its direction is unrelated to the others'"
 (or "leaving it out changes nothing") at `ALPHA` over at least `MIN_VERSIONS` versions. Versions
@@ -22,6 +24,7 @@ the counts are, not a proof; the counts themselves are in the verdict.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -36,7 +39,8 @@ MIN_VERSIONS = 5
 ALPHA = 0.01
 """Sign-test level for 'suspect' and 'consistent'."""
 BIG_NORM = 4.0
-"""A median norm ratio from this up, with no significant agreement, makes a learner suspect."""
+"""A median norm ratio from this up makes a learner suspect if it is also less aligned with the consensus than
+the others are with theirs in significantly many versions."""
 
 
 def sign_test(successes: int, trials: int) -> float:
@@ -61,6 +65,8 @@ class LearnerBlame:
     """Evidence versions where its leave-one-out cosine was negative."""
     aligned: int
     """... and positive."""
+    less_aligned: int
+    """Evidence versions where its leave-one-out cosine was below the median of the others' own."""
     mean_loo_cos: float | None
     norm_ratio: float | None
     """Median over the evidence versions of its norm over the median of the others' norms."""
@@ -83,41 +89,54 @@ def judge(learner: str, rounds: Sequence[LearnerRound], loss_impacts: Sequence[f
     """Score and verdict of `learner` from its `LearnerRound`s (every version it merged in) and the
     loss impacts of the versions re-derived without it."""
     evidence = [r for r in rounds if r.others >= MIN_OTHERS and r.loo_cos is not None]
-    n, m = len(evidence), len(loss_impacts)
-    cosines = [r.loo_cos for r in evidence if r.loo_cos is not None]
+    cosines = [float(r.loo_cos) for r in evidence]  # type: ignore[arg-type]
     shares = [r.share for r in evidence]
+    ratios = [r.norm_ratio for r in evidence if r.norm_ratio is not None]
     score = None
     if evidence:
-        score = (math.fsum(-c * s for c, s in zip(cosines, shares, strict=True)) / math.fsum(shares)
-                 if math.fsum(shares) > 0 else -statistics.fmean(cosines))
-    anti, aligned = sum(c < 0 for c in cosines), sum(c > 0 for c in cosines)
-    ratios = [r.norm_ratio for r in evidence if r.norm_ratio is not None]
-    ratio = statistics.median(ratios) if ratios else None
-    worse = sum(x > 0 for x in loss_impacts)
+        total = math.fsum(shares)
+        score = (math.fsum(-c * s for c, s in zip(cosines, shares, strict=True)) / total if total > 0
+                 else -statistics.fmean(cosines))
+    blame = LearnerBlame(
+        learner=learner, versions=len(rounds), evidence=len(evidence), score=score,
+        anti_aligned=sum(c < 0 for c in cosines), aligned=sum(c > 0 for c in cosines),
+        less_aligned=sum(r.peers_cos is not None and float(r.loo_cos) < r.peers_cos  # type: ignore[arg-type]
+                         for r in evidence),
+        mean_loo_cos=statistics.fmean(cosines) if cosines else None,
+        norm_ratio=statistics.median(ratios) if ratios else None,
+        mean_share=statistics.fmean(shares) if shares else None,
+        loss_samples=len(loss_impacts), loss_worse=sum(x > 0 for x in loss_impacts),
+        loss_impact=statistics.fmean(loss_impacts) if loss_impacts else None, suspect=False, verdict="")
+    reasons = _suspicions(blame)
+    return dataclasses.replace(blame, suspect=bool(reasons), verdict=_verdict(blame, reasons))
+
+
+def _suspicions(b: LearnerBlame) -> list[str]:
+    """What makes `b` a suspect: each a sign test rejecting 'like the others' at ALPHA."""
+    n, m = b.evidence, b.loss_samples
     reasons = []
-    if n >= MIN_VERSIONS and sign_test(anti, n) < ALPHA:
-        reasons.append(f"anti-aligned with the others in {anti}/{n} versions")
-    if n >= MIN_VERSIONS and ratio is not None and ratio >= BIG_NORM and sign_test(aligned, n) >= ALPHA:
-        reasons.append(f"deltas {ratio:.1f}x the others' norm, aligned with them in only {aligned}/{n} versions")
-    if m >= MIN_VERSIONS and sign_test(worse, m) < ALPHA:
-        reasons.append(f"leaving it out lowered the eval loss in {worse}/{m} re-derived versions")
-    loss_note = f"; leaving it out lowered the eval loss in {worse}/{m} re-derived versions" if m else ""
+    if n >= MIN_VERSIONS and sign_test(b.anti_aligned, n) < ALPHA:
+        reasons.append(f"anti-aligned with the others in {b.anti_aligned}/{n} versions")
+    if n >= MIN_VERSIONS and (b.norm_ratio or 0.0) >= BIG_NORM and sign_test(b.less_aligned, n) < ALPHA:
+        reasons.append(f"deltas {b.norm_ratio:.1f}x the others' norm and less aligned with the consensus than the "
+                       f"others in {b.less_aligned}/{n} versions")
+    if m >= MIN_VERSIONS and sign_test(b.loss_worse, m) < ALPHA:
+        reasons.append(f"leaving it out lowered the eval loss in {b.loss_worse}/{m} re-derived versions")
+    return reasons
+
+
+def _verdict(b: LearnerBlame, reasons: list[str]) -> str:
+    n, m = b.evidence, b.loss_samples
     if reasons:
-        verdict = "suspect: " + "; ".join(reasons)
-    elif n < MIN_VERSIONS and m < MIN_VERSIONS:
-        verdict = (f"too little evidence: {n} version(s) shared with {MIN_OTHERS}+ other learners"
-                   + (f", {m} re-derived without it" if m else ""))
-    elif n >= MIN_VERSIONS and sign_test(aligned, n) < ALPHA:
-        verdict = f"consistent: aligned with the others in {aligned}/{n} versions" + loss_note
-    else:
-        verdict = (f"unclear: aligned with the others in {aligned}/{n} versions, mean cosine "
-                   f"{statistics.fmean(cosines) if cosines else 0.0:+.2f}" + loss_note)
-    return LearnerBlame(learner=learner, versions=len(rounds), evidence=n, score=score, anti_aligned=anti,
-                        aligned=aligned, mean_loo_cos=statistics.fmean(cosines) if cosines else None,
-                        norm_ratio=ratio, mean_share=statistics.fmean(shares) if shares else None,
-                        loss_samples=m, loss_worse=worse,
-                        loss_impact=statistics.fmean(loss_impacts) if loss_impacts else None,
-                        suspect=bool(reasons), verdict=verdict)
+        return "suspect: " + "; ".join(reasons)
+    if n < MIN_VERSIONS and m < MIN_VERSIONS:
+        return (f"too little evidence: {n} version(s) shared with {MIN_OTHERS}+ other learners"
+                + (f", {m} re-derived without it" if m else ""))
+    loss = f"; leaving it out lowered the eval loss in {b.loss_worse}/{m} re-derived versions" if m else ""
+    if n >= MIN_VERSIONS and sign_test(b.aligned, n) < ALPHA:
+        return f"consistent: aligned with the others in {b.aligned}/{n} versions" + loss
+    return (f"unclear: aligned with the others in {b.aligned}/{n} versions, mean cosine "
+            f"{b.mean_loo_cos or 0.0:+.2f}" + loss)
 
 
 def ranked(blames: Sequence[LearnerBlame]) -> list[LearnerBlame]:

@@ -85,6 +85,9 @@ def test_a_flipped_learner_is_anti_aligned_with_the_others_and_they_agree():
     assert by["z"].loo_cos < -0.8
     assert all(by[g].loo_cos > 0.2 for g in "abc")
     assert all(r.others == 3 and r.pieces == 1 and r.share == pytest.approx(0.25) for r in rounds)
+    # What it is compared with: how much the others agree with their own consensus.
+    assert by["z"].peers_cos == sorted(by[g].loo_cos for g in "abc")[1]
+    assert by["a"].peers_cos == sorted(by[g].loo_cos for g in "bcz")[1]
 
 
 def test_pieces_of_one_learner_add_up_and_norms_compare_to_the_others_median():

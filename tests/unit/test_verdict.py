@@ -8,9 +8,11 @@ from coordinator.attribution import LearnerRound
 from infra.verdict import MIN_VERSIONS, judge, ranked, sign_test
 
 
-def rounds(cosines: list[float], *, others: int = 3, ratio: float = 1.0, share: float = 0.25) -> list[LearnerRound]:
-    return [LearnerRound(learner="x", pieces=1, share=share, norm=ratio, others=others, loo_cos=c, norm_ratio=ratio)
-            for c in cosines]
+def rounds(cosines: list[float], *, others: int = 3, ratio: float = 1.0, share: float = 0.25,
+           peers: float | None = None) -> list[LearnerRound]:
+    """Evidence of one learner: its leave-one-out cosine in each version; `peers` the others' own (median)."""
+    return [LearnerRound(learner="x", pieces=1, share=share, norm=ratio, others=others, loo_cos=c, norm_ratio=ratio,
+                         peers_cos=peers) for c in cosines]
 
 
 def test_sign_test():
@@ -43,11 +45,15 @@ def test_a_coin_flip_is_unclear_not_a_verdict():
     assert not b.suspect and b.verdict.startswith("unclear: aligned with the others in 10/20 versions")
 
 
-def test_big_uncorrelated_deltas_are_suspect_by_their_norm():
-    b = judge("noisy", rounds([0.02, -0.01] * 10, ratio=12.0))
-    assert b.suspect and "12.0x the others' norm" in b.verdict and b.norm_ratio == 12.0
-    big_but_aligned = judge("eager", rounds([0.4] * 20, ratio=12.0))
-    assert not big_but_aligned.suspect  # a learner with a bigger lr that agrees is not noise
+def test_big_deltas_that_agree_less_than_the_others_do_are_suspect_by_their_norm():
+    # Scaled noise on top of real training: slightly aligned, but much less than the others are.
+    b = judge("noisy", rounds([0.04, 0.03] * 10, ratio=12.0, peers=0.14))
+    assert b.suspect and b.norm_ratio == 12.0 and b.less_aligned == 20
+    assert b.verdict == ("suspect: deltas 12.0x the others' norm and less aligned with the consensus than the others "
+                         "in 20/20 versions")
+    eager = judge("eager", rounds([0.15, 0.13] * 10, ratio=12.0, peers=0.14))
+    assert not eager.suspect and eager.less_aligned == 10  # a bigger step that agrees as well is not noise
+    assert not judge("small", rounds([0.04, 0.03] * 10, ratio=1.0, peers=0.14)).suspect
 
 
 def test_too_little_evidence_is_said_and_rounds_of_two_are_no_evidence():

@@ -1,0 +1,178 @@
+"""`diloco inspect`: a version's inputs and refusals, or a run per learner, as the manifests and objects say.
+
+A real coordinator and two real learners (in this process, against the session's Redis and S3)
+make a short history: a version merged from one learner alone, versions merged from both (one of
+them sent two pieces), and a forged contribution that is refused. Inspect reads S3 only; its
+numbers must be the manifests' (tokens, steps, weights, staleness, base versions) and the decoded
+deltas' (norms); a single input is its version's merged update (cosine 1); the refusal is listed
+with its reason; and an export read with `--dir` gives the very same JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import uuid
+
+import pytest
+import torch
+
+from harness import TINY_RUN, join, make_coordinator, train
+from infra.archive import export_run
+from infra.cli import build_parser
+from infra.fleet import diloco_command, process_env
+from storage import codecs
+from storage.history import list_versions, read_manifest, sha256_hex
+from storage.keys import RunKeys
+from storage.objects import ObjectStore
+from storage.protocol import Announcement
+from storage.settings import ENV_REDIS_URL, Endpoints
+
+FORGER = "mallory"
+
+
+def drive(coord, until, steps: int = 40) -> None:  # noqa: ANN001
+    for _ in range(steps):
+        if until():
+            return
+        coord.step(block_ms=50)
+    assert until(), "the coordinator did not get there"
+
+
+def forge(coord) -> Announcement:  # noqa: ANN001
+    """Announce an object that is not a tensor object at all, under the forger's own key."""
+    blob = b"not a tensor object" * 4
+    key = coord.keys.delta(0, FORGER, 1)
+    coord.store.put(key, blob)
+    a = Announcement(kind="delta", run=coord.spec.run, fragment=0, learner=FORGER, seq=1,
+                     contribution_id=uuid.uuid4().hex, base_version=coord.bus.heads()[0], tokens=40, steps=4,
+                     step_time_s=0.01, object_key=key, size_bytes=len(blob), sha256=sha256_hex(blob), sent_at=0.0)
+    coord.bus.announce(a)
+    return a
+
+
+def make_inspect_history(endpoints: Endpoints, run_id: str) -> None:
+    """Fragment 0 version 1 from l0 alone; a forged contribution refused; then rounds of both learners."""
+    coord = make_coordinator(endpoints, run_id, settings=dataclasses.replace(TINY_RUN, cadence="steps"))
+    l0, opt0 = join(endpoints, run_id, coord, "l0")
+    l1, opt1 = join(endpoints, run_id, coord, "l1")
+    try:
+        train(l0, opt0, 4)  # H = 4: fragment 0 is due at steps 4, 8, ...; fragment 1 at 6, 10, ...
+        drive(coord, lambda: coord.bus.heads()[0] == 1)
+        forge(coord)
+        drive(coord, lambda: coord.bus.counters().get("contributions_refused", 0) == 1)
+        for _ in range(2):
+            train(l0, opt0, 4)
+            train(l1, opt1, 8)
+            for _ in range(4):
+                coord.step(block_ms=50)
+    finally:
+        l0.close()
+        l1.close()
+        coord.close()
+
+
+@pytest.fixture
+def history(endpoints: Endpoints, run_id: str, monkeypatch: pytest.MonkeyPatch) -> tuple[ObjectStore, RunKeys]:
+    make_inspect_history(endpoints, run_id)
+    for name, value in endpoints.to_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(ENV_REDIS_URL)  # the history tools read S3 only
+    return ObjectStore(endpoints), RunKeys(endpoints.prefix, run_id)
+
+
+def inspect(capsys: pytest.CaptureFixture, *argv: str) -> tuple[str, dict | None]:
+    """`diloco inspect ARGV --json` in this process (not cli.main: it would configure logging): stdout, JSON."""
+    path = f"/tmp/inspect-{uuid.uuid4().hex}.json"
+    argv = ("inspect", *argv, "--json", path)
+    args = build_parser(list(argv)).parse_args(list(argv))
+    assert args.handler(args) == 0
+    with open(path) as f:
+        return capsys.readouterr().out, json.load(f)
+
+
+def norm(store: ObjectStore, key: str) -> float:
+    tensors, _ = codecs.decode(store.get(key, max_bytes=1 << 20), max_bytes=1 << 20)
+    return float(torch.linalg.vector_norm(torch.cat([t.reshape(-1).double() for t in tensors.values()])))
+
+
+def test_a_versions_rows_are_its_manifests_and_its_deltas(history, capsys):
+    store, keys = history
+    seen_single = seen_pair = False
+    for f in (0, 1):
+        for v in list_versions(store, keys, f)[1:]:
+            out, data = inspect(capsys, "--run", keys.run, "--fragment", str(f), "--version", str(v))
+            [view] = data["versions"]
+            m = read_manifest(store, keys, f, v)
+            assert (view["fragment"], view["version"], view["parent_version"]) == (f, v, v - 1)
+            recorded = [(c.learner, c.seq, c.tokens, c.steps, c.weight, c.staleness, c.base_version) for c in m.inputs]
+            shown = [(r["learner"], r["seq"], r["tokens"], r["steps"], r["weight"], r["staleness"], r["base_version"])
+                     for r in view["inputs"]]
+            assert shown == recorded
+            for row, c in zip(view["inputs"], m.inputs, strict=True):
+                assert row["norm"] == pytest.approx(norm(store, c.object_key), rel=1e-9)
+                assert -1.0 <= row["cos_merged"] <= 1.0
+            if len(m.inputs) == 1:
+                seen_single = True
+                assert view["inputs"][0]["cos_merged"] == pytest.approx(1.0, abs=1e-6)
+                assert view["merged_norm"] == pytest.approx(m.inputs[0].weight * view["inputs"][0]["norm"], rel=1e-5)
+            if len({c.learner for c in m.inputs}) == 2:
+                seen_pair = True
+            assert f"fragment {f} version {v} (parent {v - 1}): {len(m.inputs)} input(s)" in out
+            for c in m.inputs:
+                assert str(c.seq) in out
+    assert seen_single and seen_pair, "the history should hold a one-input and a two-learner version"
+
+
+def test_refusals_are_listed_with_their_reasons_and_counted_per_learner(history, capsys):
+    store, keys = history
+    refusing = [(f, v) for f in (0, 1) for v in list_versions(store, keys, f)
+                if read_manifest(store, keys, f, v).refused]
+    assert len(refusing) == 1, refusing
+    f, v = refusing[0]
+    out, data = inspect(capsys, "--run", keys.run, "--version", str(v))  # every fragment that has version v
+    [view] = [x for x in data["versions"] if x["fragment"] == f]
+    [refusal] = view["refused"]
+    assert refusal["learner"] == FORGER and refusal["code"] == "bad_framing"
+    assert refusal["object_key"] == keys.delta(0, FORGER, 1) and refusal["reason"]
+    assert f"refused since version {v - 1}: 1" in out and refusal["reason"][:40] in out
+
+    out, data = inspect(capsys, "--run", keys.run)
+    learners = {x["learner"]: x for x in data["learners"]}
+    assert learners[FORGER]["merged"] == 0 and learners[FORGER]["refused"] == {"bad_framing": 1}
+    for name in ("l0", "l1"):
+        inputs = [c for g in (0, 1) for w in list_versions(store, keys, g)[1:]
+                  for c in read_manifest(store, keys, g, w).inputs if c.learner == name]
+        assert learners[name]["merged"] == len(inputs) and learners[name]["tokens"] == sum(c.tokens for c in inputs)
+        assert learners[name]["mean_weight"] == pytest.approx(sum(c.weight for c in inputs) / len(inputs))
+        assert learners[name]["mean_staleness"] == pytest.approx(sum(c.staleness for c in inputs) / len(inputs))
+        assert learners[name]["refused"] == {}
+    assert data["versions"] == {str(g): list_versions(store, keys, g) for g in (0, 1)}
+    assert "bad_framing x1" in out and f"run {keys.run}: 2 fragment(s), H=4" in out
+
+
+def test_an_export_inspects_the_same_as_the_bucket_and_errors_say_what_to_do(history, capsys, tmp_path, stack,
+                                                                            endpoints):
+    store, keys = history
+    export_run(store, keys, tmp_path / "export")
+    last = list_versions(store, keys, 0)[-1]
+    for argv in ((), ("--version", str(last)), ("--fragment", "1", "--from", "2")):
+        _, from_bucket = inspect(capsys, "--run", keys.run, *argv)
+        _, from_dir = inspect(capsys, "--dir", str(tmp_path / "export"), *argv)
+        assert from_dir == from_bucket, argv
+
+    # The command itself, as a process: the table on stdout; a wrong run or version says what to check.
+    env = process_env({k: v for k, v in stack.env().items() if k.startswith("AWS_")} | endpoints.to_env())
+    env.pop(ENV_REDIS_URL)
+    proc = subprocess.run(diloco_command("inspect", "--run", keys.run), env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    print(proc.stdout)
+    assert proc.stdout.splitlines()[3].split()[:4] == ["learner", "merged", "versions", "tokens"], proc.stdout
+    missing = subprocess.run(diloco_command("inspect", "--run", "no-such-run"), env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert missing.returncode == 1 and "has no run spec" in missing.stderr, missing.stderr
+    beyond = subprocess.run(diloco_command("inspect", "--dir", str(tmp_path / "export"), "--version", "999"),
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert beyond.returncode == 1 and "has no committed version 999 (fragment 0: v0..v" in beyond.stderr, beyond.stderr
