@@ -105,7 +105,7 @@ def learner_rounds(learners: Sequence[str], deltas: Sequence[Tensors], weights: 
         raise ValueError(f"{len(learners)} learners, {len(deltas)} deltas and {len(weights)} weights")
     names = list(dict.fromkeys(learners))
     flats = [flat(d) for d in deltas]
-    progress = {g: sum(f for f, who in zip(flats, learners, strict=True) if who == g) for g in names}
+    progress = {g: torch.stack([f for f, who in zip(flats, learners, strict=True) if who == g]).sum(0) for g in names}
     norms = {g: float(torch.linalg.vector_norm(progress[g])) for g in names}
     weight = {g: statistics.fmean(w for w, who in zip(weights, learners, strict=True) if who == g) for g in names}
     total = math.fsum(weight.values())

@@ -123,7 +123,7 @@ class _Evaluator:
     def context(self, manifest: Manifest) -> None:
         """Load every other fragment at its latest version committed no later than `manifest`."""
         for f, vs in self._versions.items():
-            if f == manifest.fragment:
+            if f == manifest.fragment or not vs:
                 continue
             i = bisect.bisect_right(vs, manifest.committed_at, key=lambda v, f=f: self._manifest(f, v).committed_at)
             v = vs[max(i - 1, 0)]

@@ -232,7 +232,7 @@ class RunView:
         s = self.spec
         lines = [f"run {self.run}: {s['num_fragments']} fragment(s), H={s['sync_every']}, tau={s['overlap_steps']}, "
                  f"codec {s['codec']}{'+zstd' if s['compress'] else ''}, cadence {s['cadence']}, learners "
-                 f"{s['merge_rule']} new versions"]
+                 f"take new versions by {s['merge_rule']}"]
         lines.append("versions: " + ", ".join(f"fragment {f}: {_span(self.versions.get(f, []))} "
                                               f"({len(self.versions.get(f, []))})" for f in self.fragments))
         for entry in self.settings:

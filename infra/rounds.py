@@ -87,9 +87,14 @@ def read_round(run: Run, fragment: int, version: int) -> Round:
 
 
 def rounds(run: Run, fragment: int, start: int = 0, end: int | None = None) -> Iterator[Round]:
-    """`read_round` for each committed version of `fragment` in start..end, in order."""
+    """`read_round` for each committed version of `fragment` in start..end, in order. A manifest that
+    cannot be read stops the walk with a Refused that names the version."""
     for version in versions(run, fragment, start, end):
-        yield read_round(run, fragment, version)
+        try:
+            yield read_round(run, fragment, version)
+        except (ObjectMissing, Refused) as exc:
+            raise Refused(getattr(exc, "code", "missing_object"), f"fragment {fragment} version {version}: the "
+                          f"manifest cannot be read ({exc}); `diloco replay` lists every damaged version") from None
 
 
 def read_state(run: Run, manifest: Manifest) -> tuple[dict[str, torch.Tensor], NesterovState]:

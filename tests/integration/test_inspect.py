@@ -23,6 +23,7 @@ from infra.archive import export_run
 from infra.cli import build_parser
 from infra.fleet import diloco_command, process_env
 from storage import codecs
+from storage.errors import Refused
 from storage.history import list_versions, read_manifest, sha256_hex
 from storage.keys import RunKeys
 from storage.objects import ObjectStore
@@ -161,6 +162,13 @@ def test_an_export_inspects_the_same_as_the_bucket_and_errors_say_what_to_do(his
         _, from_bucket = inspect(capsys, "--run", keys.run, *argv)
         _, from_dir = inspect(capsys, "--dir", str(tmp_path / "export"), *argv)
         assert from_dir == from_bucket, argv
+
+    # A damaged manifest in the copy stops the walk with the version named, and the bucket's stays intact.
+    manifest = tmp_path / "export" / keys.manifest(0, last)
+    manifest.write_bytes(manifest.read_bytes()[:-5])
+    with pytest.raises(Refused, match=f"fragment 0 version {last}: the manifest cannot be read"):
+        inspect(capsys, "--dir", str(tmp_path / "export"))
+    inspect(capsys, "--run", keys.run)
 
     # The command itself, as a process: the table on stdout; a wrong run or version says what to check.
     env = process_env({k: v for k, v in stack.env().items() if k.startswith("AWS_")} | endpoints.to_env())
