@@ -8,6 +8,7 @@ Results meant for a shell or a pipe go to stdout; messages for a person go to st
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import shlex
 import sys
@@ -72,11 +73,10 @@ def run_stack(args: argparse.Namespace) -> int:
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 
-def _lazy(name: str) -> Callable:
-    """A function of infra.commands, imported on first use: `diloco stack` stays fast (no torch import)."""
+def _lazy(name: str, module: str = "infra.commands") -> Callable:
+    """A function of `module`, imported on first use: `diloco stack` stays fast (no torch import)."""
     def call(arg):  # noqa: ANN001, ANN202
-        from infra import commands
-        return getattr(commands, name)(arg)
+        return getattr(importlib.import_module(module), name)(arg)
     return call
 
 
@@ -96,6 +96,8 @@ COMMANDS: list[Command] = [
      _lazy("add_import_arguments"), _lazy("run_import")),
     ("chaos", "a run of real processes on a local stack under a seeded schedule of faults, then an audit of "
      "every contribution", _lazy("add_chaos_arguments"), _lazy("run_chaos")),
+    ("bench", "benchmarks on real processes and servers: quality, failures, comm, stall, coordinator, hetero",
+     _lazy("add_bench_arguments", "infra.bench.cli"), _lazy("run_bench", "infra.bench.cli")),
 ]
 
 
