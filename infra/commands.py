@@ -32,6 +32,7 @@ from storage.objects import ObjectStore
 from storage.settings import ENV_S3_PREFIX, Endpoints
 from workers.demo.run import DemoLearnerArgs, train_demo_learner
 from workers.demo.task import DemoTask
+from workers.learner import LearnerConfig
 
 log = logging.getLogger("diloco")
 
@@ -87,6 +88,7 @@ def add_learner_arguments(parser: argparse.ArgumentParser) -> None:
                         "default: the built-in synthetic language")
     parser.add_argument("--text", help="train on this text file (byte level) instead of the synthetic language")
     add_options(parser, DemoLearnerArgs, skip=("run", "learner_id"))
+    add_options(parser, LearnerConfig)
 
 
 def run_learner(args: argparse.Namespace) -> int:
@@ -94,7 +96,7 @@ def run_learner(args: argparse.Namespace) -> int:
         task = DemoTask.from_wire(json.loads(args.task.read_text()))
     else:
         task = DemoTask(text_path=args.text) if args.text else DemoTask()
-    learner = train_demo_learner(task, build(DemoLearnerArgs, args), Endpoints.from_env())
+    learner = train_demo_learner(task, build(DemoLearnerArgs, args), Endpoints.from_env(), build(LearnerConfig, args))
     log.info("learner %s done: %s", args.learner_id, learner.progress())
     return 0
 

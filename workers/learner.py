@@ -65,6 +65,13 @@ class LearnerConfig:
     abandoning them and leaving. Exiting takes at most about this long."""
     upload_deadline_s: float = 120.0
     """A contribution that cannot be stored and announced for this long (S3 or Redis down) is dropped and counted."""
+    wait_for_merge: bool = False
+    """Synchronous DiLoCo: `overlap_steps` after a send, stop training until the round's new version
+    of that fragment arrives (at most `merge_wait_s`). Off by default: nothing waits on the network.
+    With the coordinator's quorum set to the whole fleet this is the barrier DiLoCo that the
+    decoupled mode is measured against."""
+    merge_wait_s: float = 300.0
+    """With `wait_for_merge`: the longest a step waits for a new version before training on without it."""
 
     def __post_init__(self) -> None:
         if self.lease_s <= self.heartbeat_s:
@@ -104,6 +111,11 @@ class Learner:
         self._clock_offset_s = 0.0  # Redis server time - local time
         self._hook = None
         self._stop = threading.Event()
+        self.sync_s = 0.0
+        """Time the training loop spent in this learner's step hook: snapshots, deltas, merges and,
+        with `wait_for_merge`, waiting for versions. Uploads and downloads run beside the loop."""
+        self.started_at: float | None = None
+        """When the first step began (monotonic): the training loop's wall time is measured from it."""
 
     # ---- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> Learner:
@@ -254,7 +266,15 @@ class Learner:
     # ---- the step hook ------------------------------------------------------------------------
     def _after_step(self) -> None:
         now = time.monotonic()
-        if self._last_step_at is not None:
+        try:
+            self._step_hook(now)
+        finally:
+            self.sync_s += time.monotonic() - now
+
+    def _step_hook(self, now: float) -> None:
+        if self._last_step_at is None:
+            self._last_step_at = self.started_at = now  # the end of the first step: wall time counts from here
+        else:
             dt = now - self._last_step_at
             self._step_time_s = dt if self._step_time_s == 0 else 0.9 * self._step_time_s + 0.1 * dt
         self._last_step_at = now
@@ -294,7 +314,7 @@ class Learner:
         for fragment, not_before in list(self._awaiting.items()):
             if self.step < not_before:
                 continue
-            fetched = self.fetcher.take(fragment)
+            fetched = self.fetcher.take(fragment, self.config.merge_wait_s if self.config.wait_for_merge else 0.0)
             if fetched is None:
                 continue
             if fetched.version <= self.base_version[fragment]:
@@ -342,6 +362,7 @@ class Learner:
                 "loss": self.last_loss if self.last_loss is not None else float("nan"),
                 "step_time_s": self._step_time_s, "adopted": self.adopted, "uploaded": self.stats.uploaded,
                 "upload_failed": self.stats.upload_failed, "bytes_uploaded": self.stats.bytes_uploaded,
+                "sync_s": self.sync_s, "wall_s": 0.0 if self.started_at is None else time.monotonic() - self.started_at,
                 "pid": os.getpid(), "incarnation": self._incarnation}
 
     _incarnation = uuid.uuid4().hex[:8]

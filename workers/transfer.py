@@ -233,6 +233,7 @@ class Fetcher(threading.Thread):
         self._ready: dict[int, Fetched] = {}
         self._heads: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
         self._closing = threading.Event()
         self._last_id = "$"
 
@@ -243,8 +244,11 @@ class Fetcher(threading.Thread):
                 return
             self._wants[fragment] = _Want(newer_than)
 
-    def take(self, fragment: int) -> Fetched | None:
-        with self._lock:
+    def take(self, fragment: int, wait_s: float = 0.0) -> Fetched | None:
+        """The newest fetched version of `fragment`, if any; waits up to `wait_s` for one."""
+        with self._arrived:
+            if wait_s > 0:
+                self._arrived.wait_for(lambda: fragment in self._ready or self._closing.is_set(), timeout=wait_s)
             return self._ready.pop(fragment, None)
 
     def close(self) -> None:
@@ -295,5 +299,6 @@ class Fetcher(threading.Thread):
             if want is not None and version > want.newer_than:
                 del self._wants[fragment]
             self._ready[fragment] = Fetched(version, params)
+            self._arrived.notify_all()
         self.stats.fetched += 1
         self.stats.fetch_s += time.monotonic() - t0
