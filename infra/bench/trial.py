@@ -99,9 +99,9 @@ class TrialResult:
 
 
 def _learner_proc(trial: Trial, plan: LearnerPlan, run: str, env: dict[str, str], task_path: Path, logs: Path,
-                  seconds: float, incarnation: int) -> Proc:
+                  until: float, incarnation: int) -> Proc:
     argv = diloco_command("learner", "--run", run, "--id", plan.name, "--steps", str(plan.steps),
-                          "--seconds", f"{max(seconds, 0.1):.2f}", "--slowdown", str(plan.slowdown),
+                          "--until", f"{until:.2f}", "--slowdown", str(plan.slowdown),
                           "--step-time-s", str(trial.step_time_s), "--data-seed",
                           str(plan.data_seed + 1000 * incarnation), "--task", str(task_path), *trial.learner_args)
     return Proc(plan.name, argv, logs / f"{trial.name}-{plan.name}.log", env)
@@ -121,7 +121,8 @@ def run_trial(stack: LocalStack, trial: Trial, task: DemoTask, out: Path, *, run
     coordinator = Proc("coordinator", diloco_command("coordinator", "--run", run, *trial.run_args,
                                                      *trial.coordinator_args),
                        logs / f"{trial.name}-coordinator.log", env).start()
-    procs = {p.name: _learner_proc(trial, p, run, env, task_path, logs, trial.budget_s, 0).start()
+    until = started_unix + trial.budget_s
+    procs = {p.name: _learner_proc(trial, p, run, env, task_path, logs, until, 0).start()
              for p in trial.learners}
     plans = {p.name: p for p in trial.learners}
     next_outage = {name: 0 for name in plans}
@@ -159,8 +160,8 @@ def run_trial(stack: LocalStack, trial: Trial, task: DemoTask, out: Path, *, run
                     if elapsed < trial.budget_s - 1.0:
                         killed.discard(name)
                         restarts += 1
-                        procs[name] = _learner_proc(trial, plans[name], run, env, task_path, logs,
-                                                    trial.budget_s - elapsed, restarts).start()
+                        procs[name] = _learner_proc(trial, plans[name], run, env, task_path, logs, until,
+                                                    restarts).start()
         bus = Bus(stack.endpoints, run)
         deadline = time.monotonic() + 15.0
         while bus.pending_count() and time.monotonic() < deadline:  # let the last round merge
