@@ -172,13 +172,14 @@ def run_trial(stack: LocalStack, trial: Trial, task: DemoTask, out: Path, *, run
         for proc in procs.values():
             proc.terminate(10)
         coordinator.terminate()
-    store, keys = ObjectStore(stack.endpoints), RunKeys(stack.endpoints.prefix, run)
-    layout = read_layout(store, keys)
-    if layout is None:
-        raise RuntimeError(f"{trial.name}: run {run} never committed version 0: see {logs}")
-    manifests = {f: [read_manifest(store, keys, f, v) for v in list_versions(store, keys, f)]
-                 for f in range(len(layout.fragments))}
-    curve = eval_curve(task, store, layout, manifests, started_unix, wall_s, curve_points)
+    with aws_env(stack.env()):
+        store, keys = ObjectStore(stack.endpoints), RunKeys(stack.endpoints.prefix, run)
+        layout = read_layout(store, keys)
+        if layout is None:
+            raise RuntimeError(f"{trial.name}: run {run} never committed version 0: see {logs}")
+        manifests = {f: [read_manifest(store, keys, f, v) for v in list_versions(store, keys, f)]
+                     for f in range(len(layout.fragments))}
+        curve = eval_curve(task, store, layout, manifests, started_unix, wall_s, curve_points)
     merged = sum(c.tokens for history in manifests.values() for m in history[1:] for c in m.inputs)
     return TrialResult(trial.name, run, wall_s, curve[-1][1], curve, counters, heads,
                        {k: dict(v) for k, v in learners.items()}, restarts, merged)
