@@ -8,6 +8,7 @@ Results meant for a shell or a pipe go to stdout; messages for a person go to st
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import shlex
 import sys
@@ -72,11 +73,10 @@ def run_stack(args: argparse.Namespace) -> int:
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 
-def _lazy(name: str) -> Callable:
-    """A function of infra.commands, imported on first use: `diloco stack` stays fast (no torch import)."""
+def _lazy(name: str, module: str = "infra.commands") -> Callable:
+    """A function of `module`, imported on first use: `diloco stack` stays fast (no torch import)."""
     def call(arg):  # noqa: ANN001, ANN202
-        from infra import commands
-        return getattr(commands, name)(arg)
+        return getattr(importlib.import_module(module), name)(arg)
     return call
 
 
@@ -88,6 +88,8 @@ COMMANDS: list[Command] = [
      _lazy("run_learner")),
     ("demo", "a whole run on an embedded local stack, with a learner killed midway, vs a baseline",
      _lazy("add_demo_arguments"), _lazy("run_demo")),
+    ("simulate", "the goodput simulator: data-parallel, elastic and decoupled DiLoCo on a fleet of failing chips",
+     _lazy("add_arguments", "infra.goodput.cli"), _lazy("run", "infra.goodput.cli")),
     ("replay", "re-derive committed versions from S3 alone and check them bit for bit against their manifests",
      _lazy("add_replay_arguments"), _lazy("run_replay")),
     ("chaos", "a run of real processes on a local stack under a seeded schedule of faults, then an audit of "
