@@ -5,8 +5,9 @@ useful is compute whose result reaches the global model: steps kept by a checkpo
 (data-parallel), steps done by the survivors (elastic data-parallel), or steps carried by a
 contribution the coordinator merged (decoupled). Not useful: work lost since the last checkpoint
 or send, the step in flight at a failure, restarts and rescales, chips out for repair, waiting
-at a barrier for slower chips, and contributions refused as too stale. `model.CATEGORIES` names
-where each chip-second goes; the categories add up to the total.
+at a barrier for slower chips, and contributions refused as too stale; nor is compute whose fate
+is still open when the simulation ends (at most a round). `model.CATEGORIES` names where each
+chip-second goes; the categories add up to the total.
 
 Modules:
 - `model`: every parameter (`Model`), its default and where that comes from; `Result`.

@@ -102,8 +102,8 @@ class Decoupled:
         self.engine.run()
         for learner in self.learners:
             learner.job.finish(self.model.horizon_s)
-        # A clean stop at the horizon merges what is on its way or pending.
-        self.book["useful"] += sum(self.in_flight.values()) + sum(chip_s for _, chip_s in self.round)
+            self.book["pending"] += learner.job.take()[0]
+        self.book["pending"] += sum(self.in_flight.values()) + sum(chip_s for _, chip_s in self.round)
         total = self.model.chips * self.model.horizon_s
         s = self.stats
         stats = {k: v for k, v in s.items() if k != "weight_sum"} | {

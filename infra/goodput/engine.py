@@ -10,7 +10,8 @@
 - `Job`: chips that step in lockstep (the whole fleet, or one learner). It integrates chip time
   into categories as the clock moves: chips of slices in repair, chips paused (restart,
   rescale), and running chips, whose compute is `settled` (whole steps done) or `partial` (the
-  step in flight) until a strategy decides its fate (useful, lost or refused).
+  step in flight) until a strategy decides its fate (useful, lost, refused, or still pending
+  when the simulation ends).
 """
 
 from __future__ import annotations
@@ -163,11 +164,11 @@ class Job:
         self.cap += chips
 
     def finish(self, t: float) -> None:
-        """The horizon: a clean stop keeps what was computed (checkpointed, or sent), so the
-        unjudged compute counts as useful."""
+        """The horizon: account up to it; the step in flight is pending (the settled steps are the
+        strategy's to judge)."""
         self.advance(t)
-        self.book["useful"] += self.settled + self.partial
-        self.settled = self.partial = 0.0
+        self.book["pending"] += self.partial
+        self.partial = 0.0
 
 
 def shares(book: dict[str, float], total: float) -> dict[str, float]:

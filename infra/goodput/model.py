@@ -25,12 +25,14 @@ YEAR_S = 365.25 * 86400.0
 STRATEGIES = ("dp", "elastic", "decoupled")
 """Synchronous data-parallel, elastic data-parallel, decoupled DiLoCo."""
 
-CATEGORIES = ("useful", "lost", "refused", "paused", "repair", "idle")
+CATEGORIES = ("useful", "lost", "refused", "paused", "repair", "idle", "pending")
 """Where chip time goes. useful: compute whose result reaches the global model. lost: compute
 thrown away (since the last checkpoint, unsent progress of a restarted learner, the step in flight
 at a failure). refused: contributions the coordinator refused (too stale). paused: chips of a job
 that is restarting or rescaling. repair: chips of failed slices, out of every job until repaired.
-idle: chips waiting at a barrier for a slower group."""
+idle: chips waiting at a barrier for a slower group. pending: compute whose fate is still open
+when the simulation ends (since the last checkpoint or send, in flight, in an open round); at
+most a round's worth, so a few hundredths of a percent of a day."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ def _barrier(book: dict[str, float], speeds: list[float]) -> None:
     """Running chips of groups faster than the slowest wait for it at every step: that share of
     every running chip-second (whatever became of it) is idle."""
     efficiency = sum(speeds) / len(speeds) / max(speeds)
-    for category in ("useful", "lost"):
+    for category in ("useful", "lost", "pending"):
         book["idle"] += book[category] * (1.0 - efficiency)
         book[category] *= efficiency
 
@@ -43,16 +43,20 @@ def data_parallel(model: Model) -> Result:
     job = Job(model.chips, model.step_time_s * max(speeds), book)
     restarts = 0
 
+    def checkpointed(after: str) -> None:
+        """Keep the steps since the restart (which started from a checkpoint) up to the last
+        checkpoint; the rest goes to `after`."""
+        chip_s, steps = job.take()
+        kept = chip_s * (steps - steps % model.checkpoint_every) / steps if steps else 0.0
+        book["useful"] += kept
+        book[after] += chip_s - kept
+
     def on_failure(_job: int, _slice: int) -> None:
         nonlocal restarts
         if not job.running:
             return  # repaired by the restart under way
         job.advance(engine.now)
-        # Steps since the restart, which started from a checkpoint: those up to the last one are kept.
-        chip_s, steps = job.take()
-        kept = chip_s * (steps - steps % model.checkpoint_every) / steps if steps else 0.0
-        book["useful"] += kept
-        book["lost"] += chip_s - kept
+        checkpointed("lost")
         job.stop(engine.now, lose_settled=False)
         restarts += 1
         engine.at(engine.now + model.restart_s, job.resume, engine.now + model.restart_s)
@@ -61,6 +65,7 @@ def data_parallel(model: Model) -> Result:
     fleet.start()
     engine.run()
     job.finish(model.horizon_s)
+    checkpointed("pending")
     _barrier(book, speeds)
     return _result("dp", model, book, {"failures": fleet.failures, "restarts": restarts}, started)
 
@@ -91,5 +96,6 @@ def elastic(model: Model) -> Result:
     fleet.start()
     engine.run()
     job.finish(model.horizon_s)
+    book["useful"] += job.take()[0]
     _barrier(book, speeds)
     return _result("elastic", model, book, {"failures": fleet.failures, "rescales": rescales}, started)
