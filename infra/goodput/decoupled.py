@@ -17,6 +17,9 @@ What the model adds around them (module `model` has the numbers):
   `decide_round` sees fewer live learners);
 - one fragment: fragments are the same rounds at other phases, so P = 1 gives the same goodput.
 Useful compute is what a merged contribution carries; a refused one's compute is `refused`.
+`goodput_at_merge_weight` (in the stats) counts merged compute only at the share of its weight
+that the staleness discount leaves it: a pessimistic reading in which a discounted contribution
+is partly wasted.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class Decoupled:
         self.model = model
         # The coordinator takes tau from the run, whatever its own round settings say.
         self.cfg = replace(model.round, overlap_steps=model.overlap_steps)
+        self.cfg_undiscounted = replace(self.cfg, staleness_discount=False)
         self.engine = Engine(model.horizon_s)
         self.book = new_book()
         self.fleet = Fleet(self.engine, model, model.learners, self._failure)
@@ -87,8 +91,9 @@ class Decoupled:
         self.round: list[tuple[policy.Arrival, float]] = []
         self.in_flight: dict[str, float] = {}
         self.wake_at: float | None = None
-        self.stats = {"rescales": 0, "restarts": 0, "rounds": 0, "merged": 0, "refused": 0,
-                      "stale_merged": 0, "weight_sum": 0.0}
+        self.stats = {"rescales": 0, "restarts": 0, "rounds": 0, "merged": 0, "refused": 0, "stale_merged": 0}
+        self.useful_at_weight = 0.0
+        """Merged compute scaled by the staleness discount its merge weight carries."""
 
     @property
     def now(self) -> float:
@@ -106,10 +111,9 @@ class Decoupled:
         self.book["pending"] += sum(self.in_flight.values()) + sum(chip_s for _, chip_s in self.round)
         total = self.model.chips * self.model.horizon_s
         s = self.stats
-        stats = {k: v for k, v in s.items() if k != "weight_sum"} | {
-            "failures": self.fleet.failures,
-            "learners_per_round": s["merged"] / s["rounds"] if s["rounds"] else 0.0,
-            "mean_round_weight": s["weight_sum"] / s["rounds"] if s["rounds"] else 0.0}
+        stats = s | {"failures": self.fleet.failures,
+                     "learners_per_round": s["merged"] / s["rounds"] if s["rounds"] else 0.0,
+                     "goodput_at_merge_weight": self.useful_at_weight / total}
         return Result(strategy="decoupled", chips=self.model.chips, learners=self.model.learners,
                       goodput=self.book["useful"] / total, chip_time=shares(self.book, total), stats=stats,
                       wall_s=time.perf_counter() - started)
@@ -235,13 +239,18 @@ class Decoupled:
             self.engine.at(decision.wake_at, self._decide)
 
     def _merge(self) -> None:
+        chip_s = {a.contribution_id: c for a, c in self.round}
         ordered = policy.merge_order([a for a, _ in self.round])
         weights = policy.merge_weights(ordered, self.head, self.cfg)
-        self.book["useful"] += sum(chip_s for _, chip_s in self.round)
+        # The same weights without the staleness discount: their ratio is the share a stale
+        # contribution keeps (1 for a fresh one).
+        full = policy.merge_weights(ordered, self.head, self.cfg_undiscounted)
+        for a, w, f in zip(ordered, weights, full, strict=True):
+            self.book["useful"] += chip_s[a.contribution_id]
+            self.useful_at_weight += chip_s[a.contribution_id] * (w / f if f > 0 else 0.0)
         self.stats["rounds"] += 1
         self.stats["merged"] += len(ordered)
         self.stats["stale_merged"] += sum(a.base_version < self.head for a in ordered)
-        self.stats["weight_sum"] += math.fsum(weights)
         self.round, self.wake_at = [], None
         self.head += 1
         self.engine.at(self.now + self.model.merge_s, self._publish, self.head)

@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from infra.goodput.decoupled import decoupled
-from infra.goodput.model import CATEGORIES, Model, Result
+from infra.goodput.model import CATEGORIES, YEAR_S, Model, Result
 from infra.goodput.sync import data_parallel, elastic
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,16 @@ def _chips(n: int) -> str:
     return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n // 1000}k"
 
 
+def _span(seconds: float) -> str:
+    for unit, length in (("year", YEAR_S), ("day", 86400.0), ("h", 3600.0)):
+        if seconds >= 0.5 * length:
+            return f"{seconds / length:.3g} {unit}" + ("s" if unit != "h" and seconds != length else "")
+    return f"{seconds:.3g} s"
+
+
 def describe(model: Model) -> str:
     """The fleet's failure regime and the simulation's extent, in one line."""
-    return (f"per-chip MTBI {model.mtbi_years:g} year(s): at {model.chips:,} chips a failure every "
+    return (f"per-chip MTBI {_span(model.mtbi_years * YEAR_S)}: at {model.chips:,} chips a failure every "
             f"{1.0 / model.failure_rate_per_s:.1f} s; {model.hours:g} h simulated, seed {model.seed}")
 
 

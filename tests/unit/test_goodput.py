@@ -108,7 +108,7 @@ def test_decoupled_rounds_are_decided_by_the_coordinators_policy_functions(monke
         monkeypatch.setattr(policy, name, spy)
     result = decoupled(SMALL)
     assert calls["staleness_verdict"] == result.stats["merged"] + result.stats["refused"]
-    assert calls["merge_weights"] == result.stats["rounds"] > 0
+    assert calls["merge_weights"] == 2 * result.stats["rounds"] > 0  # with and without the staleness discount
     assert calls["decide_round"] >= result.stats["rounds"]
 
 
@@ -161,3 +161,12 @@ def test_model_refuses_impossible_fleets() -> None:
         Model(cadence="sometimes")
     with pytest.raises(ConfigError, match="speeds"):
         Model(learners=2, speeds=(1.0,))
+
+
+def test_goodput_at_merge_weight_discounts_only_stale_contributions() -> None:
+    model = replace(SMALL, chips=1_200_000)
+    discounted = decoupled(model)
+    assert discounted.stats["stale_merged"] > 0
+    assert 0.5 * discounted.goodput < discounted.stats["goodput_at_merge_weight"] < discounted.goodput
+    plain = decoupled(replace(model, round=RoundConfig(staleness_discount=False)))
+    assert plain.stats["goodput_at_merge_weight"] == pytest.approx(plain.goodput)

@@ -14,7 +14,7 @@ from storage.errors import ConfigError
 from storage.protocol import Announcement, Contribution, Manifest, RunSpec
 
 RUN = "timed"
-SPEC = RunSpec(run=RUN, num_fragments=1, sync_every=20, overlap_steps=2, merge_rule="rebase", alpha=0.5,
+SPEC = RunSpec(run=RUN, num_fragments=1, sync_every=10, overlap_steps=2, merge_rule="rebase", alpha=0.5,
                codec="int8", compress=True, max_object_bytes=1 << 20, created_at=0.0, cadence="clock")
 PERIOD_S = 10.0
 STEP_S = {"learner-a": 0.5, "learner-b": 1.0}
@@ -53,7 +53,7 @@ def records() -> tuple[list[tuple[str, Announcement]], list[Manifest]]:
 
 def test_timings_from_a_runs_records() -> None:
     t = timings_from_run(SPEC, *records())
-    assert (t.run, t.sync_every, t.overlap_steps, t.cadence) == (RUN, 20, 2, "clock")
+    assert (t.run, t.sync_every, t.overlap_steps, t.cadence) == (RUN, 10, 2, "clock")
     assert t.step_time_s == STEP_S
     assert t.upload_s == pytest.approx(0.5)
     assert t.merge_s == pytest.approx(0.3)
@@ -75,7 +75,7 @@ def test_projection_keeps_the_recorded_fleet_unless_given_a_size() -> None:
     t = timings_from_run(SPEC, *records())
     recorded = project(t, Model())
     assert (recorded.learners, recorded.speeds, recorded.step_time_s) == (2, (1.0, 2.0), 0.5)
-    assert (recorded.sync_every, recorded.overlap_steps, recorded.upload_s) == (20, 2, pytest.approx(0.5))
+    assert (recorded.sync_every, recorded.overlap_steps, recorded.upload_s) == (10, 2, pytest.approx(0.5))
     assert recorded.restart_s == recorded.repair_s == pytest.approx(5 * PERIOD_S)
     assert (recorded.chips, recorded.slice_chips, recorded.learner_failure) == (2, 1, "restart")
     assert recorded.mtbi_years * YEAR_S == pytest.approx(2 * t.duration_s)  # one failure in two learners' time
@@ -128,3 +128,13 @@ def test_simulate_sweep_draws_the_plot(tmp_path) -> None:
 def test_plot_needs_the_sweep() -> None:
     with pytest.raises(ConfigError, match="--sweep"):
         simulate("--plot", "g.png")
+
+
+def test_a_learner_that_only_slows_down_has_not_failed() -> None:
+    entries = []
+    sent = 1000.0
+    for n in range(1, 16):
+        sent += PERIOD_S if n < 12 else 3 * PERIOD_S  # three times slower for the last rounds
+        a = replace(announcement("learner-a", n), sent_at=sent, deadline=sent + 0.25)
+        entries.append((f"{round((sent + 0.3) * 1000)}-0", a))
+    assert timings_from_run(SPEC, entries, []).failures == ()
