@@ -84,7 +84,10 @@ class Decoupled:
             Learner(f"learner-{m:02d}", Job(self.fleet.job_chips(m), model.step_time_s * speeds[m], self.book),
                     step0=offsets.randrange(model.sync_every) if model.cadence == "steps" else 0)
             for m in range(model.learners)]
-        self.cadence = Cadence(origin=0.0, period_s=model.period_s)
+        # Deadlines half a step of the fastest learner off its step boundaries: its period is exactly
+        # H of its steps, and a step ending on a deadline would be a float coin toss. (The live
+        # coordinator's origin is arbitrary, and live step times jitter.)
+        self.cadence = Cadence(origin=model.step_time_s / 2, period_s=model.period_s)
         self.head = 0
         self.published = 0
         self.live = model.learners
