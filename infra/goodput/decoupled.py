@@ -37,7 +37,9 @@ from workers.fragments import clock_due, due_fragments
 
 
 @dataclass
-class Learner:
+class LearnerState:
+    """One learner as the simulator follows it: its job (chips and steps) and its protocol state."""
+
     name: str
     job: Job
     run: int = 0
@@ -70,6 +72,8 @@ class Piece:
 
 
 class Decoupled:
+    """One simulation: the learners, the coordinator's state and the event engine that drives them."""
+
     def __init__(self, model: Model) -> None:
         self.model = model
         # The coordinator takes tau from the run, whatever its own round settings say.
@@ -81,7 +85,7 @@ class Decoupled:
         speeds = speed_multipliers(model)
         offsets = random.Random(f"offsets:{model.seed}")
         self.learners = [
-            Learner(f"learner-{m:02d}", Job(self.fleet.job_chips(m), model.step_time_s * speeds[m], self.book),
+            LearnerState(f"learner-{m:02d}", Job(self.fleet.job_chips(m), model.step_time_s * speeds[m], self.book),
                     step0=offsets.randrange(model.sync_every) if model.cadence == "steps" else 0)
             for m in range(model.learners)]
         # Deadlines half a step of the fastest learner off its step boundaries: its period is exactly
@@ -123,7 +127,7 @@ class Decoupled:
 
     # ---- learners ----------------------------------------------------------------------------
 
-    def _schedule_send(self, learner: Learner) -> None:
+    def _schedule_send(self, learner: LearnerState) -> None:
         """The step boundary after which the learner's schedule says to send, as the live learner's
         step hook would find it checking after every step."""
         job, step_s = learner.job, learner.job.step_s
@@ -141,7 +145,7 @@ class Decoupled:
                 count += 1
             self.engine.at(job.boundary(count - learner.step0), self._send, learner, learner.run, 0.0)
 
-    def _send(self, learner: Learner, run: int, deadline: float) -> None:
+    def _send(self, learner: LearnerState, run: int, deadline: float) -> None:
         if run != learner.run:
             return  # it stopped since; it schedules again when it resumes
         job = learner.job
@@ -159,7 +163,7 @@ class Decoupled:
             self.engine.at(self.now + self.model.overlap_steps * job.step_s, self._adopt, learner, run)
         self._schedule_send(learner)
 
-    def _adopt(self, learner: Learner, run: int) -> None:
+    def _adopt(self, learner: LearnerState, run: int) -> None:
         """tau steps after a send: take the newest version if it is newer, else the next one published."""
         if run != learner.run and self.model.learner_failure == "restart":
             return  # a new process, which joined at the newest version
@@ -189,21 +193,21 @@ class Decoupled:
             self.engine.at(self.now + self.model.lease_s, self._lapse, learner, learner.run)
             self.engine.at(self.now + self.model.restart_s, self._rejoin, learner)
 
-    def _repaired(self, learner: Learner, slice_: int) -> None:
+    def _repaired(self, learner: LearnerState, slice_: int) -> None:
         self.fleet.in_repair.discard(slice_)
         learner.job.resize(self.now, self.fleet.chips_per_slice)
 
-    def _resume(self, learner: Learner) -> None:
+    def _resume(self, learner: LearnerState) -> None:
         learner.job.resume(self.now)
         self._schedule_send(learner)
 
-    def _lapse(self, learner: Learner, run: int) -> None:
+    def _lapse(self, learner: LearnerState, run: int) -> None:
         if run == learner.run and not learner.job.running and learner.live:
             learner.live = False
             self.live -= 1
             self._decide()
 
-    def _rejoin(self, learner: Learner) -> None:
+    def _rejoin(self, learner: LearnerState) -> None:
         """A new learner process under the same name: fresh step counter, newest version."""
         learner.job.resume(self.now)
         learner.step0, learner.sent, learner.awaiting = 0, {}, False

@@ -32,9 +32,9 @@ def column(result: Result) -> str:
     return f"M={result.learners}" if result.strategy == "decoupled" else result.strategy
 
 
-def simulate(model: Model, strategies: tuple[str, ...] = tuple(RUNNERS)) -> list[Result]:
+def simulate(model: Model) -> list[Result]:
     """Each strategy on the same fleet (same seed: the same failures hit the same chips)."""
-    return [RUNNERS[s](model) for s in strategies]
+    return [run(model) for run in RUNNERS.values()]
 
 
 def sweep(model: Model, chips: tuple[int, ...] = SWEEP_CHIPS,
