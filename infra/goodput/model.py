@@ -76,7 +76,7 @@ class Model:
     A failure loses the work since the last one."""
     restart_s: float = 69.0
     """A restart (data-parallel, or a learner with learner_failure 'restart'): detect the failure,
-    reschedule on a spare slice, reload. Calibrated: data-parallel goodput 27% at 1.2M chips."""
+    reschedule on a spare slice, reload. Calibrated: data-parallel goodput 0.27 at 1.2M chips."""
     rescale_s: float = 17.3
     """A rescale (elastic data-parallel, decoupled learners): the job pauses this long to re-form
     without the failed slice. Calibrated (see module docstring)."""
@@ -84,7 +84,7 @@ class Model:
     """Chips one failure takes out of a job (a host and its model-parallel group; assumed)."""
     repair_s: float = 4900.0
     """A failed slice is out of its job this long (elastic and decoupled; data-parallel restarts on
-    a spare). Calibrated with rescale_s: slice_chips * repair_s / MTBI = 4% of chips in repair."""
+    a spare). Calibrated with rescale_s: slice_chips * repair_s / MTBI = 0.04 of the chips in repair."""
     lease_s: float = 10.0
     """Decoupled, learner_failure 'restart': the coordinator counts a learner live until its
     heartbeat lease lapses this long after it died (the learner's default)."""

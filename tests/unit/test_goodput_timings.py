@@ -125,6 +125,17 @@ def test_simulate_sweep_draws_the_plot(tmp_path) -> None:
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_help_names_every_parameter(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        simulate("--help")
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--chips", "--learners", "--mtbi-years", "--hours", "--seed", "--restart-s", "--rescale-s",
+                 "--repair-s", "--learner-failure", "--cadence", "--min-quorum", "--max-staleness", "--sweep",
+                 "--from-json", "--record", "--json", "--plot"):
+        assert flag in out
+
+
 def test_plot_needs_the_sweep() -> None:
     with pytest.raises(ConfigError, match="--sweep"):
         simulate("--plot", "g.png")
