@@ -72,6 +72,10 @@ class LearnerConfig:
     decoupled mode is measured against."""
     merge_wait_s: float = 300.0
     """With `wait_for_merge`: the longest a step waits for a new version before training on without it."""
+    own_version_wait: float = 0.5
+    """After `overlap_steps`, keep training up to this fraction of H more steps while the version that
+    merged this learner's own contribution is not committed yet, rather than take an older one: a delta
+    computed against a version that lacks the learner's previous contribution is stale, and weighs less."""
 
     def __post_init__(self) -> None:
         if self.lease_s <= self.heartbeat_s:
@@ -106,6 +110,7 @@ class Learner:
         self._last_step_at: float | None = None
         self._since: dict[int, list[int]] = {}  # fragment -> [tokens, steps] since its last send
         self._awaiting: dict[int, int] = {}  # fragment -> earliest step to merge a newer version
+        self._sent_id: dict[int, str] = {}  # fragment -> contribution id of its last send
         self._sent_deadline: dict[int, float] = {}  # fragment -> clock deadline last sent for
         self._cadence = None
         self._clock_offset_s = 0.0  # Redis server time - local time
@@ -309,16 +314,25 @@ class Learner:
         return {f: deadline for f, deadline in due if self._since.get(f, [0, 1])[1] > 0}
 
     def _ready(self) -> dict[int, Fetched]:
-        """Rank 0: fetched versions to merge now (at least `overlap_steps` after the send that awaits them)."""
+        """Rank 0: fetched versions to merge now: at least `overlap_steps` after the send that awaits
+        them, and preferably the version that merged that send (see `LearnerConfig.own_version_wait`)."""
         ready = {}
+        sync = self.config.wait_for_merge
         for fragment, not_before in list(self._awaiting.items()):
             if self.step < not_before:
                 continue
-            fetched = self.fetcher.take(fragment, self.config.merge_wait_s if self.config.wait_for_merge else 0.0)
+            mine = None if sync else self.fetcher.merged_in(self._sent_id.get(fragment))
+            patient = not sync and self.step < not_before + self.config.own_version_wait * self.spec.sync_every
+            if mine is None and patient:
+                continue  # our contribution's round has not committed yet: train on, take that version later
+            fetched = self.fetcher.take(fragment, self.config.merge_wait_s if sync else 0.0)
             if fetched is None:
                 continue
             if fetched.version <= self.base_version[fragment]:
                 self.fetcher.want(fragment, self.base_version[fragment])
+                continue
+            if mine is not None and fetched.version < mine:
+                self.fetcher.want(fragment, mine - 1)  # ours is committed, an older version was parked: fetch ours
                 continue
             del self._awaiting[fragment]
             ready[fragment] = fetched
@@ -335,8 +349,8 @@ class Learner:
         delta = {name: anchor[name] - local for name, local in snapshot.items()}
         self.anchor[fragment] = snapshot
         self._since[fragment] = [0, 0]
-        self.uploader.submit(UploadJob(fragment, delta, self.base_version[fragment], tokens, steps, self._step_time_s,
-                                       deadline=deadline))
+        self._sent_id[fragment] = self.uploader.submit(UploadJob(fragment, delta, self.base_version[fragment], tokens,
+                                                                 steps, self._step_time_s, deadline=deadline))
         self._awaiting[fragment] = self.step + self.spec.overlap_steps
         self.fetcher.want(fragment, self.base_version[fragment])
 
