@@ -90,6 +90,8 @@ COMMANDS: list[Command] = [
      _lazy("add_demo_arguments"), _lazy("run_demo")),
     ("replay", "re-derive committed versions from S3 alone and check them bit for bit against their manifests",
      _lazy("add_replay_arguments"), _lazy("run_replay")),
+    ("gc", "delete the objects a run no longer needs (old versions' params, merged inputs), keeping every manifest "
+     "and what replaying the last N versions needs", _lazy("add_gc_arguments", "infra.gc"), _lazy("run_gc", "infra.gc")),
     ("export", "copy a run's history (every object under its root) from the bucket to a local directory",
      _lazy("add_export_arguments"), _lazy("run_export")),
     ("import", "copy a run's history from an export directory back into the bucket the environment names",
