@@ -278,7 +278,7 @@ class GcResult:
         if list_keys:
             lines.extend(f"    {reason}: {key}" for reason, keys in kept.items() for key in keys)
         lines.append("replayable: " + (", ".join(
-            f"fragment {f} versions {self.plan.first_replayable[f]}..{h}" for f, h in sorted(self.plan.heads.items()))
+            f"fragment {f} " + _versions(self.plan.first_replayable[f], h) for f, h in sorted(self.plan.heads.items()))
             or "no committed version"))
         return "\n".join(lines)
 
@@ -290,6 +290,10 @@ class GcResult:
                                                "keys": [d.key for d in items]}
                                         for kind, items in self.plan.by_kind().items()}},
                 "kept": self.plan.kept, "seconds": round(self.seconds, 3)}
+
+
+def _versions(first: int, last: int) -> str:
+    return f"version {last}" if first == last else f"versions {first}..{last}"
 
 
 def _size(n: int) -> str:
