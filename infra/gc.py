@@ -8,9 +8,10 @@ What stays, per fragment whose latest listed manifest is version H:
   coordinator load the head's);
 - every object of a version that has no manifest yet: a coordinator is writing it;
 - contribution objects that no manifest merged and that may still be merged: the base version in
-  their header is within `max_staleness` (as the head's manifest records it) of the head. Such an
-  object is pending in Redis, is being announced, or waits for `reannounce_lost` after Redis lost
-  its data. Heads only grow, so one that is too stale now stays too stale;
+  their header is within `max_staleness` (as the head's manifest records it) + 1 of the head (the
+  coordinator's head may be one behind the listed manifests). Such an object is pending in Redis,
+  is being announced, or waits for `reannounce_lost` after Redis lost its data. Heads only grow,
+  so one that is too stale now stays too stale;
 - every object younger than `min_age_s`: a margin for readers in flight (a learner still
   downloading a version that was just superseded) and for what gc cannot see (a coordinator
   restarted with a larger max_staleness).
@@ -49,6 +50,8 @@ from storage.protocol import Collection, Manifest
 log = logging.getLogger(__name__)
 
 DEFAULT_MIN_AGE_S = 3600.0
+STALENESS_MARGIN = 1
+"""Versions beyond max_staleness an unmerged contribution must be behind the listed head to be deleted."""
 
 DELETED = {
     "old_params": "params of versions older than the kept range",
@@ -196,7 +199,9 @@ class _Planner:
         head = max(self.committed[fragment]) if self.committed.get(fragment) else None
         limit = self._max_staleness(fragment, head)
         # The coordinator refuses a base more than max_staleness behind its head, and heads only grow.
-        return "may_merge" if head is None or limit is None or base >= head - limit else "stale_contributions"
+        # Its head may be one behind the listed one (a manifest written, its Redis commit not yet): a margin.
+        stale = head is not None and limit is not None and base < head - limit - STALENESS_MARGIN
+        return "stale_contributions" if stale else "may_merge"
 
     def _max_staleness(self, fragment: int, head: int | None) -> int | None:
         m = self.manifests.get((fragment, head)) if head is not None else None

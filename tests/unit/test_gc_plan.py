@@ -26,8 +26,8 @@ def manifest(v: int, epoch: int = 1, refused: tuple[Refusal, ...] = ()) -> Manif
 REFUSED = K.delta(0, "mallory", 99)
 MANIFESTS = {(0, v): manifest(v, refused=(Refusal("", "mallory", "stale", "r", REFUSED),) if v == 4 else ())
              for v in range(HEAD + 1)}
-BASES = {K.delta(0, "l2", 7): 0,  # unmerged, too stale: 0 < 5 - 2
-         K.delta(0, "l2", 8): 3,  # unmerged, may still be merged
+BASES = {K.delta(0, "l2", 7): 1,  # unmerged, too stale: 1 < 5 - 2 - 1 (one version of margin)
+         K.delta(0, "l2", 8): 2,  # unmerged, may still be merged (or be, by a coordinator one version behind)
          K.delta(0, "l2", 9): None}  # header is not a delta's
 
 
