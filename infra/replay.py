@@ -85,7 +85,7 @@ class ReplayReport:
 
     def summary(self) -> str:
         exact = len(self.checks) - len(self.diverged) - len(self.collected)
-        collected = f", {len(self.collected)} collected by gc (not replayable)" if self.collected else ""
+        collected = f", {len(self.collected)} collected (not replayable here)" if self.collected else ""
         lines = [f"replay of run {self.run}: {len(self.checks)} version(s) checked over "
                  f"{len(self.fragments)} fragment(s), {exact} bit-exact, {len(self.diverged)} diverged{collected}, "
                  f"in {self.seconds:.1f}s"]
@@ -193,8 +193,8 @@ class _Fragment:
 
 def _collected(fragment: int, version: int, floor: Floor) -> VersionCheck:
     return VersionCheck(fragment, version, 0, (Problem(
-        "collected", f"its inputs were deleted by {floor.describe()}: the first version of fragment {fragment} "
-        f"that can be replayed is {floor.version}"),), 0.0)
+        "collected", f"not replayable: {floor.reason()}; the first version of fragment {fragment} that can be "
+        f"replayed is {floor.version}"),), 0.0)
 
 
 def replay_run(store: Store, keys: RunKeys, *, fragment: int | None = None, start: int | None = None,
@@ -226,8 +226,8 @@ def replay_run(store: Store, keys: RunKeys, *, fragment: int | None = None, star
         floor = floors.get(f)
         first = start if start is not None else floor.version if floor else 0
         if start is None and floor is not None:
-            report.notes.append(f"fragment {f}: versions 0..{floor.version - 1} were collected by "
-                                f"{floor.describe()}; replay starts at version {floor.version}")
+            report.notes.append(f"fragment {f}: replay starts at version {floor.version}: the versions before are "
+                                f"not replayable, {floor.reason()}")
         for version in range(first, last + 1):
             if floor is not None and version < floor.version:
                 check, manifest = _collected(f, version, floor), None

@@ -150,7 +150,7 @@ def plan_ranges(latest: Mapping[int, int], floors: Mapping[int, Floor], start: i
     for f, top in sorted(latest.items()):
         floor = floors.get(f)
         if start is not None and floor is not None and start < floor.version:
-            raise ConfigError(f"fragment {f} versions below {floor.version} were collected by {floor.describe()}: "
+            raise ConfigError(f"fragment {f} versions below {floor.version} cannot be re-derived, {floor.reason()}: "
                               f"start at version {floor.version} or later")
         first = max(1, floor.version if floor else 0, start or 0)
         last = top if end is None else min(end, top)

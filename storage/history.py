@@ -107,6 +107,12 @@ class Floor:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.record.created_at))
         return f"{self.record.by} at {when} ({'/'.join(self.key.split('/')[-2:])})"
 
+    def reason(self) -> str:
+        """Why the versions below are not replayable, for a person."""
+        if self.record.deleted_objects:
+            return f"their inputs were deleted by {self.describe()}"
+        return f"this prefix holds the history from version {self.version} on only ({self.describe()})"
+
 
 def read_collections(store: Store, keys: RunKeys) -> list[tuple[str, Collection]]:
     """Every Collection record of the run, by key, in the order they were written."""

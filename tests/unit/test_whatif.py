@@ -61,11 +61,11 @@ def test_the_scratch_prefix_must_be_apart_from_the_run():
 
 def test_the_range_starts_after_the_genesis_and_at_or_after_what_gc_kept():
     floor = Floor(3, "p/r1/collections/0000000001", Collection(run="r1", created_at=0.0, by="gc --keep-last 2",
-                                                               first_replayable=(3, 0)))
+                                                               first_replayable=(3, 0), deleted_objects=9))
     assert plan_ranges({0: 4, 1: 5}, {0: floor}, None, None) == {0: (3, 4), 1: (1, 5)}
     assert plan_ranges({0: 4, 1: 5}, {}, 0, 2) == {0: (1, 2), 1: (1, 2)}
     assert plan_ranges({0: 4, 1: 5}, {}, 5, None) == {1: (5, 5)}
-    with pytest.raises(ConfigError, match="collected by gc --keep-last 2"):
+    with pytest.raises(ConfigError, match="their inputs were deleted by gc --keep-last 2"):
         plan_ranges({0: 4}, {0: floor}, 1, None)
     with pytest.raises(ConfigError, match="no version to re-derive"):
         plan_ranges({0: 0}, {}, None, None)
