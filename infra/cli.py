@@ -88,6 +88,8 @@ COMMANDS: list[Command] = [
      _lazy("run_learner")),
     ("demo", "a whole run on an embedded local stack, with a learner killed midway, vs a baseline",
      _lazy("add_demo_arguments"), _lazy("run_demo")),
+    ("simulate", "the goodput simulator: data-parallel, elastic and decoupled DiLoCo on a fleet of failing chips",
+     _lazy("add_arguments", "infra.goodput.cli"), _lazy("run", "infra.goodput.cli")),
     ("replay", "re-derive committed versions from S3 alone and check them bit for bit against their manifests",
      _lazy("add_replay_arguments"), _lazy("run_replay")),
     ("gc", "delete the objects a run no longer needs (old versions' params, merged inputs), keeping every manifest "

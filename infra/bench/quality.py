@@ -4,8 +4,10 @@ Arms, each on the same stack, with M learners of equal speed training `--steps` 
 (so every arm trains the same number of tokens, from the same seeds):
 
 - decoupled: quorum K = 1, the adaptive grace window, clock cadence (the defaults);
-- synchronous DiLoCo: quorum K = M, no grace window, step cadence, and every learner waits for
-  the new version of a fragment before training on (`--wait-for-merge`): the barrier;
+- synchronous DiLoCo: the whole model as one fragment, quorum K = M, no grace window, step
+  cadence, and every learner waits for the new version before training on (`--wait-for-merge`):
+  the barrier of DiLoCo (with several fragments on staggered schedules, learners that joined at
+  different times would wait on different rounds);
 - baseline: one replica with AdamW for M x steps steps of the same batch size (the same tokens),
   trained in this process.
 
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 
 from infra.bench.report import table
-from infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
+from infra.bench.trial import SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
 from workers.demo.task import DemoTask, train_baseline
 
 log = logging.getLogger(__name__)
@@ -51,8 +53,8 @@ def arms(args: argparse.Namespace) -> dict[str, Trial]:
     shape = (args.fragments, args.sync_every, args.overlap_steps, args.codec)
     return {
         "decoupled": Trial("decoupled", learners, budget_s, run_args(*shape), ("--min-quorum", "1")),
-        "sync": Trial("sync", learners, budget_s, run_args(*shape, cadence="steps"),
-                      ("--min-quorum", str(args.learners), "--max-grace-s", "0"), ("--wait-for-merge",)),
+        "sync": Trial("sync", learners, budget_s, run_args(1, *shape[1:], cadence="steps"),
+                      ("--min-quorum", str(args.learners), "--max-grace-s", "0"), SYNC_LEARNER),
     }
 
 

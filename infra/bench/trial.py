@@ -19,7 +19,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,10 +30,17 @@ from storage.bus import Bus
 from storage.history import list_versions, read_layout, read_manifest, read_params
 from storage.keys import RunKeys
 from storage.objects import ObjectStore
-from storage.protocol import Manifest
+from storage.protocol import Layout, Manifest
 from workers.demo.task import DemoTask
 
 log = logging.getLogger(__name__)
+
+
+SYNC_LEARNER = ("--wait-for-merge", "--merge-wait-s", "60")
+"""Learner options of a synchronous arm: wait for each merge (bounded, so a learner ends near its budget)."""
+
+OVERRUN_S = 90.0
+"""Learners still running this long after the budget (stuck at a barrier) are killed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +51,9 @@ class LearnerPlan:
     steps: int = 10**9
     """Inner steps; the trial's wall-clock budget usually ends the learner first."""
     data_seed: int = 0
-    kill_at_s: float | None = None
-    """SIGKILL the learner this many seconds into the trial; it restarts after `down_s`."""
-    down_s: float = 5.0
-    """How long a killed learner stays down (a replacement machine booting, a preempted spot instance)."""
+    outages: tuple[tuple[float, float], ...] = ()
+    """(at_s, down_s), in time order: SIGKILL the learner at_s seconds into the trial and start it
+    again down_s later (a replacement machine booting, a preempted spot instance coming back)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +85,8 @@ class TrialResult:
     learners: dict[str, dict]
     """Each learner's last heartbeat: step, tokens, bytes_uploaded, sync_s, wall_s..."""
     restarts: int
-    started_at: float = field(default=0.0, repr=False)
+    merged_tokens: int
+    """Tokens of every contribution merged into a version (the learner compute that reached the global model)."""
 
     def total(self, key: str) -> float:
         return sum(float(s.get(key, 0) or 0) for s in self.learners.values())
@@ -88,13 +95,13 @@ class TrialResult:
         return {"name": self.name, "run": self.run, "wall_s": round(self.wall_s, 2), "eval_loss": self.eval_loss,
                 "curve": [[round(t, 2), loss] for t, loss in self.curve], "counters": self.counters,
                 "heads": {str(k): v for k, v in self.heads.items()}, "learners": self.learners,
-                "restarts": self.restarts}
+                "restarts": self.restarts, "merged_tokens": self.merged_tokens}
 
 
 def _learner_proc(trial: Trial, plan: LearnerPlan, run: str, env: dict[str, str], task_path: Path, logs: Path,
-                  seconds: float, incarnation: int) -> Proc:
+                  until: float, incarnation: int) -> Proc:
     argv = diloco_command("learner", "--run", run, "--id", plan.name, "--steps", str(plan.steps),
-                          "--seconds", f"{max(seconds, 0.1):.2f}", "--slowdown", str(plan.slowdown),
+                          "--until", f"{until:.2f}", "--slowdown", str(plan.slowdown),
                           "--step-time-s", str(trial.step_time_s), "--data-seed",
                           str(plan.data_seed + 1000 * incarnation), "--task", str(task_path), *trial.learner_args)
     return Proc(plan.name, argv, logs / f"{trial.name}-{plan.name}.log", env)
@@ -114,10 +121,13 @@ def run_trial(stack: LocalStack, trial: Trial, task: DemoTask, out: Path, *, run
     coordinator = Proc("coordinator", diloco_command("coordinator", "--run", run, *trial.run_args,
                                                      *trial.coordinator_args),
                        logs / f"{trial.name}-coordinator.log", env).start()
-    procs = {p.name: _learner_proc(trial, p, run, env, task_path, logs, trial.budget_s, 0).start()
+    until = started_unix + trial.budget_s
+    procs = {p.name: _learner_proc(trial, p, run, env, task_path, logs, until, 0).start()
              for p in trial.learners}
     plans = {p.name: p for p in trial.learners}
+    next_outage = {name: 0 for name in plans}
     down: dict[str, float] = {}  # killed learners -> when they come back
+    killed: set[str] = set()  # learners whose current process we killed
     restarts = 0
     try:
         while any(p.alive() for p in procs.values()) or down:
@@ -126,22 +136,32 @@ def run_trial(stack: LocalStack, trial: Trial, task: DemoTask, out: Path, *, run
             if not coordinator.alive():
                 raise RuntimeError(f"{trial.name}: the coordinator exited ({coordinator.returncode()}):\n"
                                    f"{coordinator.tail()}")
+            if elapsed > trial.budget_s + OVERRUN_S:
+                stuck = [name for name, proc in procs.items() if proc.alive()]
+                log.warning("%s: %s still running %.0fs after the budget: killed", trial.name, stuck, OVERRUN_S)
+                for name in stuck:
+                    procs[name].kill()
+                break
             for name, proc in procs.items():
-                plan = plans[name]
-                if proc.returncode() not in (None, 0) and name not in down:
+                if proc.returncode() not in (None, 0) and name not in killed:
                     raise RuntimeError(f"{trial.name}: {name} failed ({proc.returncode()}):\n{proc.tail()}")
-                if plan.kill_at_s is not None and not proc.restarts and name not in down and elapsed >= plan.kill_at_s:
-                    proc.kill()
-                    down[name] = elapsed + plan.down_s
-                    log.info("%s: SIGKILL %s at %.0fs; back in %.0fs", trial.name, name, elapsed, plan.down_s)
+                outages = plans[name].outages
+                if name not in down and next_outage[name] < len(outages) and elapsed >= outages[next_outage[name]][0]:
+                    down_s = outages[next_outage[name]][1]
+                    next_outage[name] += 1
+                    if proc.alive():
+                        proc.kill()
+                        killed.add(name)
+                        down[name] = elapsed + down_s
+                        log.info("%s: SIGKILL %s at %.0fs; back in %.0fs", trial.name, name, elapsed, down_s)
             for name, back_at in list(down.items()):
                 if elapsed >= back_at:
                     del down[name]
-                    if elapsed < trial.budget_s:
-                        procs[name] = _learner_proc(trial, plans[name], run, env, task_path, logs,
-                                                    trial.budget_s - elapsed, 1).start()
-                        procs[name].restarts = 1
+                    if elapsed < trial.budget_s - 1.0:
+                        killed.discard(name)
                         restarts += 1
+                        procs[name] = _learner_proc(trial, plans[name], run, env, task_path, logs, until,
+                                                    restarts).start()
         bus = Bus(stack.endpoints, run)
         deadline = time.monotonic() + 15.0
         while bus.pending_count() and time.monotonic() < deadline:  # let the last round merge
@@ -152,22 +172,23 @@ def run_trial(stack: LocalStack, trial: Trial, task: DemoTask, out: Path, *, run
         for proc in procs.values():
             proc.terminate(10)
         coordinator.terminate()
-    store, keys = ObjectStore(stack.endpoints), RunKeys(stack.endpoints.prefix, run)
-    curve = eval_curve(task, store, keys, started_unix, wall_s, curve_points)
-    return TrialResult(trial.name, run, wall_s, curve[-1][1] if curve else float("nan"), curve, counters, heads,
-                       {k: dict(v) for k, v in learners.items()}, restarts)
+    with aws_env(stack.env()):
+        store, keys = ObjectStore(stack.endpoints), RunKeys(stack.endpoints.prefix, run)
+        layout = read_layout(store, keys)
+        if layout is None:
+            raise RuntimeError(f"{trial.name}: run {run} never committed version 0: see {logs}")
+        manifests = {f: [read_manifest(store, keys, f, v) for v in list_versions(store, keys, f)]
+                     for f in range(len(layout.fragments))}
+        curve = eval_curve(task, store, layout, manifests, started_unix, wall_s, curve_points)
+    merged = sum(c.tokens for history in manifests.values() for m in history[1:] for c in m.inputs)
+    return TrialResult(trial.name, run, wall_s, curve[-1][1], curve, counters, heads,
+                       {k: dict(v) for k, v in learners.items()}, restarts, merged)
 
 
-def eval_curve(task: DemoTask, store: ObjectStore, keys: RunKeys, started_unix: float, wall_s: float,
-               points: int) -> list[tuple[float, float]]:
+def eval_curve(task: DemoTask, store: ObjectStore, layout: Layout, manifests: dict[int, list[Manifest]],
+               started_unix: float, wall_s: float, points: int) -> list[tuple[float, float]]:
     """Eval loss of the global model as it stood at `points` evenly spaced times (the last at the end),
     from the manifests' commit times."""
-    layout = read_layout(store, keys)
-    if layout is None:
-        return []
-    manifests: dict[int, list[Manifest]] = {
-        f: [read_manifest(store, keys, f, v) for v in list_versions(store, keys, f)]
-        for f in range(len(layout.fragments))}
     model = task.make_model(0)
     state = dict(model.named_parameters())
     loaded: dict[int, int] = {}
@@ -196,6 +217,20 @@ def bench_stack(out: Path) -> Iterator[LocalStack]:
     with LocalStack(out / "stack") as stack, aws_env(stack.env()):
         stack.start()
         yield stack
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    """When the curve first reaches `target`: linear between the last point above and the first at or
+    below it (the first point's time if it is already below); None if it never does."""
+    prev: tuple[float, float] | None = None
+    for t, loss in curve:
+        if loss <= target:
+            if prev is None:
+                return t
+            pt, pl = prev
+            return pt + (t - pt) * (pl - target) / (pl - loss)
+        prev = (t, loss)
+    return None
 
 
 def run_args(fragments: int, sync_every: int, overlap_steps: int, codec: str, cadence: str = "clock") -> tuple[str, ...]:
