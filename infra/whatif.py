@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 def _positive(raw: str) -> float:
     value = float(raw)
-    if not (math.isfinite(value) and value > 0):
+    if not 0 < value <= torch.finfo(torch.float32).max:  # the outer step's kernels take it as a float32
         raise ValueError(raw)
     return value
 
@@ -81,7 +81,7 @@ def _boolean(raw: str) -> bool:
 
 
 SETTINGS: dict[str, tuple[str, Callable[[str], Scalar]]] = {
-    "outer_lr": ("a number > 0", _positive),
+    "outer_lr": ("a number > 0 that float32 holds", _positive),
     "outer_momentum": ("a number in [0, 1)", _momentum),
     "merge": (" or ".join(MERGE_RULES), _merge),
     "staleness_discount": ("true or false", _boolean),

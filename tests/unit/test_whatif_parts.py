@@ -20,10 +20,12 @@ def test_known_settings_are_parsed_and_typed():
 
 
 @pytest.mark.parametrize("items, message", [
-    (["max_staleness=3"], r"cannot change 'max_staleness'; it can change outer_lr \(a number > 0\), outer_momentum"),
+    (["max_staleness=3"], r"cannot change 'max_staleness'; it can change outer_lr \(a number > 0 that float32 holds\), "
+                          "outer_momentum"),
     (["outer_lr"], "takes KEY=VALUE"),
-    (["outer_lr=-1"], "outer_lr must be a number > 0, got '-1'"),
+    (["outer_lr=-1"], "outer_lr must be a number > 0 that float32 holds, got '-1'"),
     (["outer_lr=nan"], "outer_lr must be a number > 0"),
+    (["outer_lr=1e300"], "outer_lr must be a number > 0 that float32 holds"),
     (["outer_momentum=1"], r"outer_momentum must be a number in \[0, 1\)"),
     (["merge=median"], "merge must be weighted_mean or radial_directional"),
     (["staleness_discount=yes"], "true or false"),
