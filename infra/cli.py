@@ -92,6 +92,11 @@ COMMANDS: list[Command] = [
      _lazy("add_arguments", "infra.goodput.cli"), _lazy("run", "infra.goodput.cli")),
     ("replay", "re-derive committed versions from S3 alone and check them bit for bit against their manifests",
      _lazy("add_replay_arguments"), _lazy("run_replay")),
+    ("gc", "delete the objects a run no longer needs (old versions' params, merged inputs), keeping every manifest "
+     "and what replaying the last N versions needs", _lazy("add_gc_arguments", "infra.gc"), _lazy("run_gc", "infra.gc")),
+    ("whatif", "re-derive a range of versions with other settings (outer lr, momentum, merge rule, staleness "
+     "discount) into a scratch run, and say how far it drifts", _lazy("add_whatif_arguments", "infra.whatif"),
+     _lazy("run_whatif", "infra.whatif")),
     ("export", "copy a run's history (every object under its root) from the bucket to a local directory",
      _lazy("add_export_arguments"), _lazy("run_export")),
     ("import", "copy a run's history from an export directory back into the bucket the environment names",
