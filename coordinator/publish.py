@@ -28,7 +28,7 @@ from storage.crashpoints import crash_point
 from storage.errors import Conflict
 from storage.history import latest_version, read_manifest, sha256_hex
 from storage.keys import RunKeys
-from storage.objects import ObjectStore
+from storage.objects import ObjectStore, Store
 from storage.protocol import Contribution, Manifest, Refusal, VersionEvent
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def decode_state(blob: bytes, max_bytes: int) -> NesterovState:
     return NesterovState(momentum=tensors, steps=int(header.meta.get("steps", 0)))
 
 
-def write_version(store: ObjectStore, keys: RunKeys, *, fragment: int, version: int,
+def write_version(store: Store, keys: RunKeys, *, fragment: int, version: int,
                   params: dict[str, torch.Tensor], state: NesterovState, inputs: tuple[Contribution, ...],
                   refused: tuple[Refusal, ...], settings: dict, epoch: int) -> Manifest:
     """Steps 1 and 2. Raises Conflict if a manifest for this version already exists."""
@@ -69,7 +69,7 @@ def write_version(store: ObjectStore, keys: RunKeys, *, fragment: int, version: 
     return manifest
 
 
-def _put_uncommitted(store: ObjectStore, keys: RunKeys, fragment: int, version: int, key: str, blob: bytes) -> None:
+def _put_uncommitted(store: Store, keys: RunKeys, fragment: int, version: int, key: str, blob: bytes) -> None:
     """Write an object of a version not committed yet. Existing objects of the same version are
     leftovers of a coordinator that crashed mid-publish (no manifest): replaced. If the manifest
     exists the version is committed and nothing of it may change: Conflict."""

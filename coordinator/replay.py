@@ -70,6 +70,13 @@ def _input_name(i: int, c: Contribution) -> str:
     return f"input {i} ({c.learner}, contribution {c.contribution_id[:12]}, {'/'.join(c.object_key.split('/')[-3:])})"
 
 
+def recomputed_weights(manifest: Manifest, staleness_discount: bool) -> list[float]:
+    """The weights `merge_weights` gives the manifest's inputs from their recorded tokens, steps and
+    base versions, against the parent version. Raises ValueError as merge_weights does."""
+    cfg = dataclasses.replace(RoundConfig(), staleness_discount=staleness_discount)
+    return merge_weights([_arrival(c) for c in manifest.inputs], manifest.parent_version, cfg)
+
+
 def recorded_problems(manifest: Manifest) -> list[Problem]:
     """What the manifest's own records contradict: unknown settings, inputs out of merge order,
     a staleness other than parent - base, a weight other than what `merge_weights` recomputes."""
@@ -97,9 +104,8 @@ def recorded_problems(manifest: Manifest) -> list[Problem]:
             problems.append(Problem("staleness", f"{_input_name(i, c)} records staleness {c.staleness}, but its "
                                     f"base v{c.base_version} is {manifest.parent_version - c.base_version} "
                                     f"behind the parent v{manifest.parent_version}"))
-    cfg = dataclasses.replace(RoundConfig(), staleness_discount=s["staleness_discount"])
     try:
-        weights = merge_weights(arrivals, manifest.parent_version, cfg)
+        weights = recomputed_weights(manifest, s["staleness_discount"])
     except ValueError as exc:
         return [*problems, Problem("weights", f"merge_weights refuses the recorded inputs: {exc}")]
     for i, (c, w) in enumerate(zip(manifest.inputs, weights, strict=True)):

@@ -28,14 +28,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +43,7 @@ from infra.demo import global_model
 from infra.faults import CORRUPTIONS, HEAVY, Fault, forge, labels, schedule
 from infra.fleet import process_env
 from infra.ledger import Ledger, StreamWatcher, account, backlog, gather
-from infra.stack import LocalStack
+from infra.stack import LocalStack, aws_env
 from storage.bus import Bus
 from storage.errors import DilocoError
 from storage.history import read_layout, read_run_spec
@@ -330,21 +327,6 @@ class Chaos:
             return {}
 
 
-@contextmanager
-def _aws_env(env: dict[str, str]) -> Iterator[None]:
-    """The stack's credentials for this process's own S3 reads, restored afterwards."""
-    saved = {k: os.environ.get(k) for k in env if k.startswith("AWS_")}
-    os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def run_chaos(cfg: ChaosConfig) -> ChaosReport:
     """A whole chaos run on a fresh local stack under `cfg.out`; see the module docstring."""
     started = time.monotonic()
@@ -352,7 +334,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
         if (cfg.out / old).exists():
             shutil.rmtree(cfg.out / old)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    with LocalStack(cfg.out / "stack") as stack, _aws_env(stack.env()):
+    with LocalStack(cfg.out / "stack") as stack, aws_env(stack.env()):
         chaos = Chaos(cfg, stack)
         ledger = chaos.run()
         store, keys = chaos.store, chaos.bus.keys

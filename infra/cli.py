@@ -73,10 +73,10 @@ def run_stack(args: argparse.Namespace) -> int:
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 
-def _lazy(name: str, module: str = "commands") -> Callable:
-    """A function of infra.<module>, imported on first use: `diloco stack` stays fast (no torch import)."""
+def _lazy(name: str, module: str = "infra.commands") -> Callable:
+    """A function of `module`, imported on first use: `diloco stack` stays fast (no torch import)."""
     def call(arg):  # noqa: ANN001, ANN202
-        return getattr(importlib.import_module(f"infra.{module}"), name)(arg)
+        return getattr(importlib.import_module(module), name)(arg)
     return call
 
 
@@ -88,18 +88,29 @@ COMMANDS: list[Command] = [
      _lazy("run_learner")),
     ("demo", "a whole run on an embedded local stack, with a learner killed midway, vs a baseline",
      _lazy("add_demo_arguments"), _lazy("run_demo")),
+    ("simulate", "the goodput simulator: data-parallel, elastic and decoupled DiLoCo on a fleet of failing chips",
+     _lazy("add_arguments", "infra.goodput.cli"), _lazy("run", "infra.goodput.cli")),
     ("replay", "re-derive committed versions from S3 alone and check them bit for bit against their manifests",
      _lazy("add_replay_arguments"), _lazy("run_replay")),
+    ("gc", "delete the objects a run no longer needs (old versions' params, merged inputs), keeping every manifest "
+     "and what replaying the last N versions needs", _lazy("add_gc_arguments", "infra.gc"), _lazy("run_gc", "infra.gc")),
+    ("whatif", "re-derive a range of versions with other settings (outer lr, momentum, merge rule, staleness "
+     "discount) into a scratch run, and say how far it drifts", _lazy("add_whatif_arguments", "infra.whatif"),
+     _lazy("run_whatif", "infra.whatif")),
     ("inspect", "what went into a version (inputs, weights, norms, cosine to the merged update, refusals) or a "
-     "run, per learner", _lazy("add_inspect_arguments", "history_commands"), _lazy("run_inspect", "history_commands")),
+     "run, per learner", _lazy("add_inspect_arguments", "infra.history_commands"),
+     _lazy("run_inspect", "infra.history_commands")),
     ("blame", "rank learners by how much their contributions went against the others' (and, with --task, hurt the "
-     "eval loss)", _lazy("add_blame_arguments", "history_commands"), _lazy("run_blame", "history_commands")),
+     "eval loss)", _lazy("add_blame_arguments", "infra.history_commands"),
+     _lazy("run_blame", "infra.history_commands")),
     ("export", "copy a run's history (every object under its root) from the bucket to a local directory",
      _lazy("add_export_arguments"), _lazy("run_export")),
     ("import", "copy a run's history from an export directory back into the bucket the environment names",
      _lazy("add_import_arguments"), _lazy("run_import")),
     ("chaos", "a run of real processes on a local stack under a seeded schedule of faults, then an audit of "
      "every contribution", _lazy("add_chaos_arguments"), _lazy("run_chaos")),
+    ("bench", "benchmarks on real processes and servers: quality, failures, comm, stall, coordinator, hetero",
+     _lazy("add_bench_arguments", "infra.bench.cli"), _lazy("run_bench", "infra.bench.cli")),
 ]
 
 

@@ -32,6 +32,7 @@ from storage.objects import ObjectStore
 from storage.settings import ENV_S3_PREFIX, Endpoints
 from workers.demo.run import DemoLearnerArgs, train_demo_learner
 from workers.demo.task import DemoTask
+from workers.learner import LearnerConfig
 
 log = logging.getLogger("diloco")
 
@@ -87,6 +88,7 @@ def add_learner_arguments(parser: argparse.ArgumentParser) -> None:
                         "default: the built-in synthetic language")
     parser.add_argument("--text", help="train on this text file (byte level) instead of the synthetic language")
     add_options(parser, DemoLearnerArgs, skip=("run", "learner_id"))
+    add_options(parser, LearnerConfig)
 
 
 def run_learner(args: argparse.Namespace) -> int:
@@ -94,7 +96,7 @@ def run_learner(args: argparse.Namespace) -> int:
         task = DemoTask.from_wire(json.loads(args.task.read_text()))
     else:
         task = DemoTask(text_path=args.text) if args.text else DemoTask()
-    learner = train_demo_learner(task, build(DemoLearnerArgs, args), Endpoints.from_env())
+    learner = train_demo_learner(task, build(DemoLearnerArgs, args), Endpoints.from_env(), build(LearnerConfig, args))
     log.info("learner %s done: %s", args.learner_id, learner.progress())
     return 0
 
@@ -122,8 +124,11 @@ def run_demo(args: argparse.Namespace) -> int:
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     add_source_arguments(parser)
     parser.add_argument("--fragment", type=int, help="replay only this fragment (default: every fragment)")
-    parser.add_argument("--from", dest="start", type=int, default=0, metavar="V",
-                        help="first version to replay (default: %(default)s, the genesis)")
+    parser.add_argument("--from", dest="start", type=int, metavar="V",
+                        help="first version to replay (default: the genesis, or the first version whose inputs "
+                             "`diloco gc` kept)")
+    parser.add_argument("--prefix", help="read the run under this key prefix instead of DILOCO_S3_PREFIX or the "
+                        "export's (e.g. a what-if run written by `diloco whatif --into PREFIX`)")
     parser.add_argument("--to", dest="end", type=int, metavar="W", help="last version to replay (default: the latest)")
     parser.add_argument("--json", dest="json_path", type=Path, metavar="PATH",
                         help="also write the results, version by version, to this JSON file")
@@ -132,6 +137,8 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
 def run_replay(args: argparse.Namespace) -> int:
     """Exit 0 only if at least one version was checked and every one is bit-exact."""
     store, keys = open_source(args)  # S3 (or an export) is the history: replay never needs Redis
+    if args.prefix is not None:
+        keys = RunKeys(args.prefix, keys.run)
 
     def progress(check: VersionCheck) -> None:
         (log.info if check.bit_exact else log.error)("%s", check.line())

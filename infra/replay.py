@@ -24,8 +24,8 @@ from coordinator.outer import NesterovState
 from coordinator.publish import decode_state
 from coordinator.replay import Problem, rederive
 from storage.errors import Refused
-from storage.history import (list_versions, params_limit, read_input, read_layout, read_manifest, read_params,
-                             read_run_spec, read_verified)
+from storage.history import (Floor, list_versions, params_limit, read_floors, read_input, read_layout,
+                             read_manifest, read_params, read_run_spec, read_verified)
 from storage.keys import RunKeys
 from storage.objects import ObjectMissing, Store
 from storage.protocol import Layout, Manifest, RunSpec
@@ -47,10 +47,17 @@ class VersionCheck:
     def bit_exact(self) -> bool:
         return not self.problems
 
+    @property
+    def collected(self) -> bool:
+        """Not checked: `diloco gc` deleted what replaying it needs."""
+        return any(p.code == "collected" for p in self.problems)
+
     def line(self) -> str:
         head = f"fragment {self.fragment} version {self.version}"
         if self.bit_exact:
             return f"{head}: bit-exact ({self.inputs} input(s), {self.seconds:.2f}s)"
+        if self.collected:
+            return f"{head}: COLLECTED: {self.problems[0].detail}"
         return f"{head}: DIVERGED: " + "; ".join(f"{p.code}: {p.detail}" for p in self.problems)
 
 
@@ -65,17 +72,26 @@ class ReplayReport:
 
     @property
     def diverged(self) -> list[VersionCheck]:
-        return [c for c in self.checks if not c.bit_exact]
+        return [c for c in self.checks if not c.bit_exact and not c.collected]
+
+    @property
+    def collected(self) -> list[VersionCheck]:
+        """Versions asked for whose inputs gc deleted: not checked, and not a success."""
+        return [c for c in self.checks if c.collected]
 
     @property
     def ok(self) -> bool:
-        return bool(self.checks) and not self.diverged
+        return bool(self.checks) and not self.diverged and not self.collected
 
     def summary(self) -> str:
-        exact = len(self.checks) - len(self.diverged)
+        exact = len(self.checks) - len(self.diverged) - len(self.collected)
+        collected = f", {len(self.collected)} collected (not replayable here)" if self.collected else ""
         lines = [f"replay of run {self.run}: {len(self.checks)} version(s) checked over "
-                 f"{len(self.fragments)} fragment(s), {exact} bit-exact, {len(self.diverged)} diverged, "
+                 f"{len(self.fragments)} fragment(s), {exact} bit-exact, {len(self.diverged)} diverged{collected}, "
                  f"in {self.seconds:.1f}s"]
+        if self.collected:
+            lines.append(f"first collected: fragment {self.collected[0].fragment} version "
+                         f"{self.collected[0].version}: {self.collected[0].problems[0].detail}")
         firsts: dict[int, VersionCheck] = {}
         for c in self.diverged:
             firsts.setdefault(c.fragment, c)
@@ -90,7 +106,8 @@ class ReplayReport:
     def to_json(self) -> dict:
         first = self.diverged[0] if self.diverged else None
         return {"run": self.run, "fragments": self.fragments, "checked": len(self.checks),
-                "bit_exact": len(self.checks) - len(self.diverged), "diverged": len(self.diverged),
+                "bit_exact": len(self.checks) - len(self.diverged) - len(self.collected),
+                "diverged": len(self.diverged), "collected": len(self.collected),
                 "ok": self.ok, "seconds": round(self.seconds, 3), "notes": self.notes,
                 "first_divergence": None if first is None else _check_json(first),
                 "versions": [_check_json(c) for c in self.checks]}
@@ -174,10 +191,19 @@ class _Fragment:
         return problems
 
 
-def replay_run(store: Store, keys: RunKeys, *, fragment: int | None = None, start: int = 0,
+def _collected(fragment: int, version: int, floor: Floor) -> VersionCheck:
+    return VersionCheck(fragment, version, 0, (Problem(
+        "collected", f"not replayable: {floor.reason()}; the first version of fragment {fragment} that can be "
+        f"replayed is {floor.version}"),), 0.0)
+
+
+def replay_run(store: Store, keys: RunKeys, *, fragment: int | None = None, start: int | None = None,
                end: int | None = None, progress: Callable[[VersionCheck], None] | None = None) -> ReplayReport:
     """Replay versions `start`..`end` (default: the latest) of one fragment or all of them.
 
+    By default each fragment starts at its first replayable version: versions whose inputs
+    `diloco gc` removed (the run's Collection records) are skipped with a note. A `start` below
+    that reports each such version as `collected`, naming the gc pass, rather than as missing objects.
     Raises Refused('missing_object') if the run has no spec or layout in the bucket."""
     t0 = time.monotonic()
     spec, layout = read_run_spec(store, keys), read_layout(store, keys)
@@ -189,6 +215,7 @@ def replay_run(store: Store, keys: RunKeys, *, fragment: int | None = None, star
     fragments = list(range(spec.num_fragments)) if fragment is None else [fragment]
     report = ReplayReport(run=keys.run, fragments=fragments)
     recorded: set[tuple[str, str]] = set()
+    floors = read_floors(store, keys)
     for f in fragments:
         stored = list_versions(store, keys, f)
         if not stored:
@@ -196,8 +223,16 @@ def replay_run(store: Store, keys: RunKeys, *, fragment: int | None = None, star
         replayer = _Fragment(store, keys, spec, layout, f)
         present = set(stored)
         last = stored[-1] if end is None else min(end, stored[-1])
-        for version in range(start, last + 1):
-            check, manifest = replayer.check(version, version in present)
+        floor = floors.get(f)
+        first = start if start is not None else floor.version if floor else 0
+        if start is None and floor is not None:
+            report.notes.append(f"fragment {f}: replay starts at version {floor.version}: the versions before are "
+                                f"not replayable, {floor.reason()}")
+        for version in range(first, last + 1):
+            if floor is not None and version < floor.version:
+                check, manifest = _collected(f, version, floor), None
+            else:
+                check, manifest = replayer.check(version, version in present)
             report.checks.append(check)
             if manifest is not None:
                 recorded.add((str(manifest.settings.get("torch")), str(manifest.settings.get("cpu_capability"))))

@@ -36,7 +36,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -629,3 +630,18 @@ def stack_down(data_dir: Path) -> bool:
         return False
     existing.stop()
     return True
+
+
+@contextmanager
+def aws_env(env: dict[str, str]) -> Iterator[None]:
+    """The stack's credentials for this process's own S3 reads, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in env if k.startswith("AWS_")}
+    os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

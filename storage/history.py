@@ -8,6 +8,8 @@ against the layout, finite values) before it is returned.
 from __future__ import annotations
 
 import hashlib
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -15,7 +17,7 @@ from storage import codecs
 from storage.errors import Refused
 from storage.keys import RunKeys
 from storage.objects import ObjectMissing, Store
-from storage.protocol import MAX_RECORD_BYTES, Contribution, Layout, Manifest, RunSpec
+from storage.protocol import MAX_MESSAGE_BYTES, MAX_RECORD_BYTES, Collection, Contribution, Layout, Manifest, RunSpec
 
 
 def sha256_hex(data: bytes) -> str:
@@ -89,3 +91,45 @@ def latest_version(store: Store, keys: RunKeys, fragment: int) -> int | None:
     """Highest version of a fragment whose manifest exists in S3 (the commit record), by listing."""
     versions = list_versions(store, keys, fragment)
     return versions[-1] if versions else None
+
+
+@dataclass(frozen=True, slots=True)
+class Floor:
+    """Where a fragment's replayable history starts under this prefix, and which record says so."""
+
+    version: int
+    """The first version that can be re-derived; the ones below it were collected."""
+    key: str
+    """The Collection record that set it."""
+    record: Collection
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.record.created_at))
+        return f"{self.record.by} at {when} ({'/'.join(self.key.split('/')[-2:])})"
+
+    def reason(self) -> str:
+        """Why the versions below are not replayable, for a person."""
+        if self.record.deleted_objects:
+            return f"their inputs were deleted by {self.describe()}"
+        return f"this prefix holds the history from version {self.version} on only ({self.describe()})"
+
+
+def read_collections(store: Store, keys: RunKeys) -> list[tuple[str, Collection]]:
+    """Every Collection record of the run, by key, in the order they were written."""
+    return [(key, Collection.from_wire(store.get(key, max_bytes=MAX_MESSAGE_BYTES)))
+            for key in store.list(keys.collections_prefix())]
+
+
+def floors_of(collections: list[tuple[str, Collection]]) -> dict[int, Floor]:
+    """Per fragment, the highest first replayable version any record names (only fragments above 0)."""
+    floors: dict[int, Floor] = {}
+    for key, record in collections:
+        for fragment, version in enumerate(record.first_replayable):
+            if version > 0 and version > floors.get(fragment, Floor(0, "", record)).version:
+                floors[fragment] = Floor(version, key, record)
+    return floors
+
+
+def read_floors(store: Store, keys: RunKeys) -> dict[int, Floor]:
+    """Where each fragment's replayable history starts under this prefix (absent: at version 0)."""
+    return floors_of(read_collections(store, keys))

@@ -12,6 +12,7 @@ Integers are zero-padded so that lexicographic listing order is numeric order
     versions/{fragment}/{version}/params.{epoch}       global params of that version
     versions/{fragment}/{version}/outer_state.{epoch}  outer-optimizer state after that version
     versions/{fragment}/{version}/manifest             the commit record (Manifest): names the two above
+    collections/{n}                               a Collection: what a gc pass removed (or where a what-if run starts)
 
 Version objects carry the writer's fencing epoch, so a deposed coordinator racing the current one
 never overwrites the objects that a committed manifest points to.
@@ -30,6 +31,7 @@ FRAGMENT_DIGITS = 4
 VERSION_DIGITS = 12
 SEQ_DIGITS = 16
 EPOCH_DIGITS = 10
+COLLECTION_DIGITS = 10
 
 
 def _frag(fragment: int) -> str:
@@ -77,11 +79,33 @@ class RunKeys:
     def epochs_prefix(self) -> str:
         return f"{self.root}epochs/"
 
+    def collection(self, n: int) -> str:
+        """The n-th Collection record of the run (1, 2, ...), written create-only."""
+        return f"{self.root}collections/{_num(n, COLLECTION_DIGITS)}"
+
+    def collections_prefix(self) -> str:
+        return f"{self.root}collections/"
+
+    def parse_genesis_key(self, key: str) -> tuple[str, int] | None:
+        """Inverse of genesis_params: (learner, fragment) or None (also for a proposed layout)."""
+        parts = key.removeprefix(f"{self.root}genesis/").split("/")
+        if not key.startswith(f"{self.root}genesis/") or len(parts) != 2 or not parts[1].isdigit():
+            return None
+        return parts[0], int(parts[1])
+
     def delta(self, fragment: int, learner: str, seq: int) -> str:
         return f"{self.root}fragments/{_frag(fragment)}/{check_id('learner', learner)}/{_num(seq, SEQ_DIGITS)}"
 
     def deltas_prefix(self, fragment: int | None = None) -> str:
         return f"{self.root}fragments/" + ("" if fragment is None else f"{_frag(fragment)}/")
+
+    def parse_delta_key(self, key: str) -> tuple[int, str, int] | None:
+        """Inverse of delta: (fragment, learner, seq) or None."""
+        rest = key.removeprefix(self.deltas_prefix())
+        parts = rest.split("/")
+        if rest == key or len(parts) != 3 or not (parts[0].isdigit() and parts[2].isdigit()):
+            return None
+        return int(parts[0]), parts[1], int(parts[2])
 
     def version_dir(self, fragment: int, version: int) -> str:
         return f"{self.root}versions/{_frag(fragment)}/{_num(version, VERSION_DIGITS)}/"

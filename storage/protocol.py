@@ -356,6 +356,30 @@ class Manifest(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class Collection(Record):
+    """Where the replayable history of a run's prefix starts (`collections/{n}`).
+
+    `diloco gc` writes one before it deletes anything, so that a pass cut short still leaves the
+    record of what it removes. A what-if run (`diloco whatif`) writes one too: its history starts
+    at the first version it re-derived. Replay starts each fragment at the highest
+    `first_replayable` of all the records and reports older versions as collected."""
+
+    run: str
+    created_at: float
+    by: str
+    """What wrote it, for a person: e.g. 'gc --keep-last 3 --min-age-s 3600' or 'whatif of diloco/r1'."""
+    first_replayable: tuple[int, ...]
+    """Per fragment (index = fragment): versions below this one cannot be re-derived under this prefix."""
+    deleted_objects: int = 0
+    deleted_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        check_id("run", self.run)
+        _require(all(v >= 0 for v in self.first_replayable), "first_replayable versions must be >= 0")
+        _require(self.deleted_objects >= 0 and self.deleted_bytes >= 0, "deleted counts must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class Cadence(Record):
     """The coordinator's round clock, published in Redis: fragment p of P has a deadline at
     origin + (k + p/P) * period_s for every integer k. Learners send a fragment at their last step

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-
-import torch
+from typing import TYPE_CHECKING
 
 from storage.protocol import Cadence, Layout, ParamSpec
+
+if TYPE_CHECKING:  # only for a type hint: the schedules are imported where torch is not (the goodput simulator)
+    import torch
 
 _BLOCK_RE = re.compile(r"^(.*?\.\d+)\.")
 

@@ -65,6 +65,17 @@ class LearnerConfig:
     abandoning them and leaving. Exiting takes at most about this long."""
     upload_deadline_s: float = 120.0
     """A contribution that cannot be stored and announced for this long (S3 or Redis down) is dropped and counted."""
+    wait_for_merge: bool = False
+    """Synchronous DiLoCo: `overlap_steps` after a send, stop training until the round's new version
+    of that fragment arrives (at most `merge_wait_s`). Off by default: nothing waits on the network.
+    With the coordinator's quorum set to the whole fleet this is the barrier DiLoCo that the
+    decoupled mode is measured against."""
+    merge_wait_s: float = 300.0
+    """With `wait_for_merge`: the longest a step waits for a new version before training on without it."""
+    own_version_wait: float = 0.5
+    """After `overlap_steps`, keep training up to this fraction of H more steps while the version that
+    merged this learner's own contribution is not committed yet, rather than take an older one: a delta
+    computed against a version that lacks the learner's previous contribution is stale, and weighs less."""
 
     def __post_init__(self) -> None:
         if self.lease_s <= self.heartbeat_s:
@@ -99,11 +110,17 @@ class Learner:
         self._last_step_at: float | None = None
         self._since: dict[int, list[int]] = {}  # fragment -> [tokens, steps] since its last send
         self._awaiting: dict[int, int] = {}  # fragment -> earliest step to merge a newer version
+        self._sent_id: dict[int, str] = {}  # fragment -> contribution id of its last send
         self._sent_deadline: dict[int, float] = {}  # fragment -> clock deadline last sent for
         self._cadence = None
         self._clock_offset_s = 0.0  # Redis server time - local time
         self._hook = None
         self._stop = threading.Event()
+        self.sync_s = 0.0
+        """Time the training loop spent in this learner's step hook: snapshots, deltas, merges and,
+        with `wait_for_merge`, waiting for versions. Uploads and downloads run beside the loop."""
+        self.started_at: float | None = None
+        """When the first step began (monotonic): the training loop's wall time is measured from it."""
 
     # ---- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> Learner:
@@ -254,7 +271,15 @@ class Learner:
     # ---- the step hook ------------------------------------------------------------------------
     def _after_step(self) -> None:
         now = time.monotonic()
-        if self._last_step_at is not None:
+        try:
+            self._step_hook(now)
+        finally:
+            self.sync_s += time.monotonic() - now
+
+    def _step_hook(self, now: float) -> None:
+        if self._last_step_at is None:
+            self._last_step_at = self.started_at = now  # the end of the first step: wall time counts from here
+        else:
             dt = now - self._last_step_at
             self._step_time_s = dt if self._step_time_s == 0 else 0.9 * self._step_time_s + 0.1 * dt
         self._last_step_at = now
@@ -289,16 +314,25 @@ class Learner:
         return {f: deadline for f, deadline in due if self._since.get(f, [0, 1])[1] > 0}
 
     def _ready(self) -> dict[int, Fetched]:
-        """Rank 0: fetched versions to merge now (at least `overlap_steps` after the send that awaits them)."""
+        """Rank 0: fetched versions to merge now: at least `overlap_steps` after the send that awaits
+        them, and preferably the version that merged that send (see `LearnerConfig.own_version_wait`)."""
         ready = {}
+        sync = self.config.wait_for_merge
         for fragment, not_before in list(self._awaiting.items()):
             if self.step < not_before:
                 continue
-            fetched = self.fetcher.take(fragment)
+            mine = None if sync else self.fetcher.merged_in(self._sent_id.get(fragment))
+            patient = not sync and self.step < not_before + self.config.own_version_wait * self.spec.sync_every
+            if mine is None and patient:
+                continue  # our contribution's round has not committed yet: train on, take that version later
+            fetched = self.fetcher.take(fragment, self.config.merge_wait_s if sync else 0.0)
             if fetched is None:
                 continue
             if fetched.version <= self.base_version[fragment]:
                 self.fetcher.want(fragment, self.base_version[fragment])
+                continue
+            if mine is not None and fetched.version < mine:
+                self.fetcher.want(fragment, mine - 1)  # ours is committed, an older version was parked: fetch ours
                 continue
             del self._awaiting[fragment]
             ready[fragment] = fetched
@@ -315,8 +349,8 @@ class Learner:
         delta = {name: anchor[name] - local for name, local in snapshot.items()}
         self.anchor[fragment] = snapshot
         self._since[fragment] = [0, 0]
-        self.uploader.submit(UploadJob(fragment, delta, self.base_version[fragment], tokens, steps, self._step_time_s,
-                                       deadline=deadline))
+        self._sent_id[fragment] = self.uploader.submit(UploadJob(fragment, delta, self.base_version[fragment], tokens,
+                                                                 steps, self._step_time_s, deadline=deadline))
         self._awaiting[fragment] = self.step + self.spec.overlap_steps
         self.fetcher.want(fragment, self.base_version[fragment])
 
@@ -342,6 +376,7 @@ class Learner:
                 "loss": self.last_loss if self.last_loss is not None else float("nan"),
                 "step_time_s": self._step_time_s, "adopted": self.adopted, "uploaded": self.stats.uploaded,
                 "upload_failed": self.stats.upload_failed, "bytes_uploaded": self.stats.bytes_uploaded,
+                "sync_s": self.sync_s, "wall_s": 0.0 if self.started_at is None else time.monotonic() - self.started_at,
                 "pid": os.getpid(), "incarnation": self._incarnation}
 
     _incarnation = uuid.uuid4().hex[:8]

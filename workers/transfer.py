@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -95,7 +96,9 @@ class Uploader(threading.Thread):
         # Sequence numbers stay unique across restarts of the same learner id: start from the clock.
         self._seq = int(time.time() * 1000) * 1000
 
-    def submit(self, job: UploadJob) -> None:
+    def submit(self, job: UploadJob) -> str:
+        """Queue `job`; returns the contribution id it goes out under (an earlier queued delta of the
+        same fragment that has not been stored yet absorbs it and keeps its own id)."""
         with self._cv:
             open_job = next((q for q in self._jobs if q.fragment == job.fragment and q.key is None
                              and q.kind == "delta"), None)
@@ -103,9 +106,11 @@ class Uploader(threading.Thread):
                 open_job.absorb(job)
                 open_job.blob = None  # re-encode with the new content
                 self.stats.coalesced += 1
+                job = open_job
             else:
                 self._jobs.append(job)
             self._cv.notify()
+            return job.contribution_id
 
     def pending(self) -> int:
         with self._cv:
@@ -232,7 +237,9 @@ class Fetcher(threading.Thread):
         self._wants: dict[int, _Want] = {}
         self._ready: dict[int, Fetched] = {}
         self._heads: dict[int, int] = {}
+        self._merged: OrderedDict[str, int] = OrderedDict()  # contribution id -> the version that merged it
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
         self._closing = threading.Event()
         self._last_id = "$"
 
@@ -243,8 +250,19 @@ class Fetcher(threading.Thread):
                 return
             self._wants[fragment] = _Want(newer_than)
 
-    def take(self, fragment: int) -> Fetched | None:
+    MERGED_MEMORY = 4096
+    """How many recently merged contribution ids `merged_in` remembers."""
+
+    def merged_in(self, contribution_id: str | None) -> int | None:
+        """The version that merged this contribution, if the versions stream has said so since we started."""
         with self._lock:
+            return self._merged.get(contribution_id) if contribution_id else None
+
+    def take(self, fragment: int, wait_s: float = 0.0) -> Fetched | None:
+        """The newest fetched version of `fragment`, if any; waits up to `wait_s` for one."""
+        with self._arrived:
+            if wait_s > 0:
+                self._arrived.wait_for(lambda: fragment in self._ready or self._closing.is_set(), timeout=wait_s)
             return self._ready.pop(fragment, None)
 
     def close(self) -> None:
@@ -277,8 +295,15 @@ class Fetcher(threading.Thread):
                 self._download(fragment, head)
         for entry_id, event in self.bus.read_versions(self._last_id, block_ms=500):
             self._last_id = entry_id
-            if isinstance(event, VersionEvent) and event.version > self._heads.get(event.fragment, -1):
+            if not isinstance(event, VersionEvent):
+                continue
+            if event.version > self._heads.get(event.fragment, -1):
                 self._heads[event.fragment] = event.version
+            with self._lock:
+                for cid in event.contributions:
+                    self._merged[cid] = event.version
+                while len(self._merged) > self.MERGED_MEMORY:
+                    self._merged.popitem(last=False)
 
     def _download(self, fragment: int, version: int) -> None:
         t0 = time.monotonic()
@@ -295,5 +320,6 @@ class Fetcher(threading.Thread):
             if want is not None and version > want.newer_than:
                 del self._wants[fragment]
             self._ready[fragment] = Fetched(version, params)
+            self._arrived.notify_all()
         self.stats.fetched += 1
         self.stats.fetch_s += time.monotonic() - t0

@@ -22,6 +22,11 @@ def test_keys_live_under_the_run_and_parse_back():
     assert key == "p/run-1/versions/0012/000000000345/outer_state.0000000007"
     assert k.parse_version_key(key) == (12, 345, "outer_state.0000000007")
     assert k.parse_version_key("p/run-1/fragments/0001/x/1") is None
+    assert k.parse_delta_key(k.delta(3, "l0", 42)) == (3, "l0", 42)
+    assert k.parse_delta_key(k.manifest(3, 4)) is None
+    assert k.parse_genesis_key(k.genesis_params("l0", 5)) == ("l0", 5)
+    assert k.parse_genesis_key(k.genesis_layout("l0")) is None
+    assert k.collection(2) == "p/run-1/collections/0000000002" and k.collection(2).startswith(k.collections_prefix())
     assert k.announcements == "diloco:p/run-1:announcements"
     assert RunKeys("p", "run-2").heads != k.heads
 

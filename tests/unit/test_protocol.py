@@ -4,8 +4,8 @@ import msgpack
 import pytest
 
 from storage.errors import Refused
-from storage.protocol import (SCHEMA_VERSION, Announcement, Contribution, Layout, Manifest, ParamSpec, Refusal,
-                              RunSpec, VersionEvent, pack)
+from storage.protocol import (SCHEMA_VERSION, Announcement, Collection, Contribution, Layout, Manifest, ParamSpec,
+                              Refusal, RunSpec, VersionEvent, pack)
 
 
 def announcement(**over):
@@ -35,6 +35,8 @@ def manifest():
             codec="int4", compress=True, max_object_bytes=1 << 20, created_at=0.0),
     Layout(fragments=((ParamSpec(name="a", shape=(2, 3), dtype="float32"),),
                       (ParamSpec(name="b", shape=(), dtype="float32"),))),
+    Collection(run="r1", created_at=5.0, by="gc --keep-last 2", first_replayable=(3, 0), deleted_objects=7,
+               deleted_bytes=900),
 ])
 def test_round_trip(record):
     assert type(record).from_wire(record.to_wire()) == record

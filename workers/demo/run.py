@@ -29,6 +29,12 @@ class DemoLearnerArgs:
     """Inner steps to train before leaving."""
     slowdown: float = 1.0
     """Step-time multiplier: 2.0 makes this learner take twice as long per step (a slower chip)."""
+    step_time_s: float = 0.0
+    """Pace: every step takes at least step_time_s x slowdown seconds (the rest is slept), so speed ratios
+    hold however many processes share the cores. 0: no pacing; slowdown then sleeps (slowdown - 1) x the step."""
+    until: float = 0.0
+    """Leave at this unix time (a wall-clock budget that counts start-up and joining), even if steps remain;
+    0: no time limit."""
     data_seed: int = 0
     """Seed of this learner's data stream; give each learner (and each restart) its own."""
     model_seed: int = 0
@@ -50,13 +56,20 @@ def train_demo_learner(task: DemoTask, args: DemoLearnerArgs, endpoints: Endpoin
                       tokens_per_step=task.tokens_per_step(), config=config)
     with learner:
         log.info("learner %s: %d steps, slowdown x%.2f", args.learner_id, args.steps, args.slowdown)
+        until = args.until if args.until > 0 else float("inf")
         for step in range(args.steps):
             if stop.is_set():
                 log.info("learner %s: SIGTERM, leaving after step %d", args.learner_id, step)
                 break
+            if time.time() >= until:
+                log.info("learner %s: time budget spent, leaving after step %d", args.learner_id, step)
+                break
             t0 = time.perf_counter()
             loss = task.inner_step(model, optimizer, next(batches), step)
             learner.report(loss=loss)
-            if args.slowdown > 1.0:
-                time.sleep((args.slowdown - 1.0) * (time.perf_counter() - t0))
+            elapsed = time.perf_counter() - t0
+            if args.step_time_s > 0:
+                time.sleep(max(0.0, args.step_time_s * args.slowdown - elapsed))
+            elif args.slowdown > 1.0:
+                time.sleep((args.slowdown - 1.0) * elapsed)
     return learner

@@ -1,0 +1,151 @@
+"""`diloco bench comm`: bytes a learner sends per token, per codec, against a data-parallel all-reduce.
+
+One short run per codec and H (M learners, P fragments, step cadence, real processes and
+servers). Bytes are the sizes of the run's contribution objects in S3 (`fragments/`: every outer
+gradient the learners sent); tokens are those the objects cover (each header says how many
+tokens its delta covers; every fragment covers them once), so progress a learner had not sent
+when the run ended counts on neither side. Their ratio is bytes per learner per token. Genesis
+proposals are not counted (once per run, not per step). A data-parallel all-reduce of the same
+model moves about 2 x the parameter bytes (fp32) per step per worker (ring all-reduce:
+reduce-scatter + all-gather), i.e. 2 x 4 x params / tokens_per_step bytes per token; the
+reduction factor is that over ours.
+
+Reconstruction error: the fp32 run's real outer gradients (its contribution objects in S3) are
+encoded and decoded with every codec; the table gives the relative L2 error ||d - d'|| / ||d||.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infra.bench.report import table
+from infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
+from storage import codecs
+from storage.history import read_layout, read_manifest, read_input, list_versions, read_run_spec
+from storage.keys import RunKeys
+from storage.objects import ObjectStore
+from workers.demo.task import DemoTask
+
+log = logging.getLogger(__name__)
+
+NAME = "comm"
+HELP = "bytes sent per learner per token for each codec vs a data-parallel all-reduce, and each codec's error"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("out/bench/comm"), help="stack data and logs")
+    parser.add_argument("--learners", type=int, default=2, help="M (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=300, help="inner steps per learner (default: %(default)s)")
+    parser.add_argument("--sync-every", default="30,100", help="values of H, comma-separated (default: %(default)s)")
+    parser.add_argument("--fragments", type=int, default=2, help="P (default: %(default)s)")
+    parser.add_argument("--codecs", default=",".join(codecs.CODECS), help="codecs to run (default: %(default)s)")
+    parser.add_argument("--compress", action=argparse.BooleanOptionalAction, default=True,
+                        help="zstd on top of the codec, as in a run's default (default: %(default)s)")
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    codec: str
+    sync_every: int
+    delta_bytes: int
+    """Bytes of every contribution object the run's learners stored."""
+    tokens: int
+    trial: TrialResult
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.delta_bytes / max(1, self.tokens)
+
+
+@dataclass
+class CommResult:
+    params: int
+    tokens_per_step: int
+    arms: list[Arm]
+    errors: dict[str, float]
+    """codec -> relative L2 reconstruction error over the fp32 run's real deltas."""
+
+    def dp_bytes_per_token(self) -> float:
+        return 2 * 4 * self.params / self.tokens_per_step
+
+    def table(self) -> str:
+        dp = self.dp_bytes_per_token()
+        rows = [["data-parallel all-reduce (fp32)", dp, 1.0, None]]
+        for arm in self.arms:
+            rows.append([f"{arm.codec}, H={arm.sync_every}", arm.bytes_per_token, dp / arm.bytes_per_token,
+                         self.errors.get(arm.codec)])
+        best = max(dp / arm.bytes_per_token for arm in self.arms)
+        head = (f"comm: {self.params} parameters, {self.tokens_per_step} tokens per learner step; data-parallel moves "
+                f"{dp:.1f} bytes per token per worker")
+        return (head + "\n" + table(["what", "bytes/token", "x less than DP", "rel. L2 error"], rows)
+                + f"\nbest reduction {best:.0f}x (target >= 500x: {'met' if best >= 500 else 'NOT met'}); bytes per "
+                f"token scale as 1/H")
+
+    def to_json(self) -> dict:
+        dp = self.dp_bytes_per_token()
+        return {"bench": NAME, "params": self.params, "tokens_per_step": self.tokens_per_step,
+                "dp_bytes_per_token": dp, "relative_l2_error": self.errors,
+                "arms": [{"codec": a.codec, "sync_every": a.sync_every, "delta_bytes": a.delta_bytes, "tokens": a.tokens,
+                          "bytes_per_token": a.bytes_per_token, "reduction": dp / a.bytes_per_token,
+                          "trial": a.trial.to_json()} for a in self.arms]}
+
+
+def sent(store: ObjectStore, keys: RunKeys, fragments: int) -> tuple[int, int]:
+    """(bytes of every contribution object, tokens they cover), from the objects and their headers."""
+    size = tokens = 0
+    for key, n in store.list_sizes(keys.deltas_prefix()):
+        size += n
+        tokens += int(codecs.read_header(store.get(key, max_bytes=n), max_bytes=1 << 30).meta["tokens"])
+    return size, tokens // fragments
+
+
+def reconstruction_errors(store: ObjectStore, keys: RunKeys, limit: int = 40) -> dict[str, float]:
+    """Relative L2 error of every codec over up to `limit` real fp32 deltas of the run."""
+    spec, layout = read_run_spec(store, keys), read_layout(store, keys)
+    assert spec is not None and layout is not None
+    deltas = []
+    for f in range(len(layout.fragments)):
+        for v in list_versions(store, keys, f)[1:]:
+            for c in read_manifest(store, keys, f, v).inputs:
+                deltas.append(read_input(store, layout, f, c, max_bytes=spec.max_object_bytes))
+    deltas = deltas[:limit]
+    errors = {}
+    for codec in codecs.CODECS:
+        num = den = 0.0
+        for d in deltas:
+            decoded, _ = codecs.decode(codecs.encode(d, codec), max_bytes=1 << 30)
+            for name, x in d.items():
+                num += float(torch.sum((decoded[name] - x) ** 2))
+                den += float(torch.sum(x ** 2))
+        errors[codec] = (num / den) ** 0.5 if den else float("nan")
+    return errors
+
+
+def run(args: argparse.Namespace) -> CommResult:
+    task = DemoTask()
+    wanted = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    if "fp32" not in wanted:
+        wanted.insert(0, "fp32")  # the reference deltas for the errors
+    periods = [int(h) for h in args.sync_every.split(",") if h.strip()]
+    learners = tuple(LearnerPlan(f"learner-{i}", steps=args.steps, data_seed=i) for i in range(args.learners))
+    arms: list[Arm] = []
+    with bench_stack(args.out) as stack:
+        store = ObjectStore(stack.endpoints)
+        for h in periods:
+            for codec in wanted:
+                shape = run_args(args.fragments, h, min(3, h - 1), codec, cadence="steps")
+                if not args.compress:
+                    shape = (*shape, "--no-compress")
+                trial = run_trial(stack, Trial(f"comm-{codec}-h{h}", learners, 3600.0, shape), task, args.out,
+                                  curve_points=1)
+                size, tokens = sent(store, RunKeys(stack.endpoints.prefix, trial.run), args.fragments)
+                arms.append(Arm(codec, h, size, tokens, trial))
+        reference = next(a for a in arms if a.codec == "fp32")
+        errors = reconstruction_errors(store, RunKeys(stack.endpoints.prefix, reference.trial.run))
+    params = sum(p.numel() for p in task.make_model(0).parameters())
+    return CommResult(params, task.tokens_per_step(), arms, errors)

@@ -1,0 +1,238 @@
+"""One benchmark arm: a coordinator and learners as real `diloco` processes on a real stack, then figures.
+
+A `Trial` says what runs: the run's settings, the coordinator's options, and one `LearnerPlan` per
+learner (speed, step budget, wall-clock budget, when it is killed and restarted). `run_trial`
+starts the processes on a stack the caller owns (each trial is its own run id, so arms share one
+stack), supervises them, and afterwards reads everything back from S3 and Redis:
+
+- the global model's eval loss over wall time, evaluated after the run from the manifests'
+  commit times (evaluating while the learners train would steal their CPU);
+- counters, versions, and every learner's last heartbeat (steps, tokens, bytes uploaded, time
+  spent in its step hook) for the communication and stall figures.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infra.fleet import Proc, diloco_command, process_env
+from infra.stack import LocalStack, aws_env
+from storage.bus import Bus
+from storage.history import list_versions, read_layout, read_manifest, read_params
+from storage.keys import RunKeys
+from storage.objects import ObjectStore
+from storage.protocol import Layout, Manifest
+from workers.demo.task import DemoTask
+
+log = logging.getLogger(__name__)
+
+
+SYNC_LEARNER = ("--wait-for-merge", "--merge-wait-s", "60")
+"""Learner options of a synchronous arm: wait for each merge (bounded, so a learner ends near its budget)."""
+
+OVERRUN_S = 90.0
+"""Learners still running this long after the budget (stuck at a barrier) are killed."""
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerPlan:
+    name: str
+    slowdown: float = 1.0
+    """Step-time multiplier (with the trial's pace: each step takes step_time_s x slowdown)."""
+    steps: int = 10**9
+    """Inner steps; the trial's wall-clock budget usually ends the learner first."""
+    data_seed: int = 0
+    outages: tuple[tuple[float, float], ...] = ()
+    """(at_s, down_s), in time order: SIGKILL the learner at_s seconds into the trial and start it
+    again down_s later (a replacement machine booting, a preempted spot instance coming back)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    name: str
+    learners: tuple[LearnerPlan, ...]
+    budget_s: float
+    """Wall-clock budget of every learner, from the trial's start (time to join included)."""
+    run_args: tuple[str, ...] = ()
+    """Coordinator options that shape the run (`--fragments 2 --sync-every 30 ...`)."""
+    coordinator_args: tuple[str, ...] = ()
+    """Coordinator merge options (`--min-quorum 4 ...`)."""
+    learner_args: tuple[str, ...] = ()
+    """Options every learner gets (`--wait-for-merge`, `--threads 1`...)."""
+    step_time_s: float = 0.0
+    """Pace of a learner of slowdown 1 (see DemoLearnerArgs.step_time_s); 0: as fast as the CPU allows."""
+
+
+@dataclass
+class TrialResult:
+    name: str
+    run: str
+    wall_s: float
+    eval_loss: float
+    curve: list[tuple[float, float]]
+    """(seconds since the trial started, eval loss of the global model at that time)."""
+    counters: dict[str, int]
+    heads: dict[int, int]
+    learners: dict[str, dict]
+    """Each learner's last heartbeat: step, tokens, bytes_uploaded, sync_s, wall_s..."""
+    restarts: int
+    merged_tokens: int
+    """Tokens of every contribution merged into a version (the learner compute that reached the global model)."""
+
+    def total(self, key: str) -> float:
+        return sum(float(s.get(key, 0) or 0) for s in self.learners.values())
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "run": self.run, "wall_s": round(self.wall_s, 2), "eval_loss": self.eval_loss,
+                "curve": [[round(t, 2), loss] for t, loss in self.curve], "counters": self.counters,
+                "heads": {str(k): v for k, v in self.heads.items()}, "learners": self.learners,
+                "restarts": self.restarts, "merged_tokens": self.merged_tokens}
+
+
+def _learner_proc(trial: Trial, plan: LearnerPlan, run: str, env: dict[str, str], task_path: Path, logs: Path,
+                  until: float, incarnation: int) -> Proc:
+    argv = diloco_command("learner", "--run", run, "--id", plan.name, "--steps", str(plan.steps),
+                          "--until", f"{until:.2f}", "--slowdown", str(plan.slowdown),
+                          "--step-time-s", str(trial.step_time_s), "--data-seed",
+                          str(plan.data_seed + 1000 * incarnation), "--task", str(task_path), *trial.learner_args)
+    return Proc(plan.name, argv, logs / f"{trial.name}-{plan.name}.log", env)
+
+
+def run_trial(stack: LocalStack, trial: Trial, task: DemoTask, out: Path, *, run: str | None = None,
+              curve_points: int = 8) -> TrialResult:
+    """Run `trial` to the end of its budget on `stack` and measure it (see the module docstring)."""
+    run = run or f"{trial.name}-{int(time.time())}"
+    out.mkdir(parents=True, exist_ok=True)
+    task_path = out / "task.json"
+    task_path.write_text(json.dumps(task.to_wire()))
+    env = process_env(stack.env())
+    logs = out / "logs"
+    started = time.monotonic()
+    started_unix = time.time()
+    coordinator = Proc("coordinator", diloco_command("coordinator", "--run", run, *trial.run_args,
+                                                     *trial.coordinator_args),
+                       logs / f"{trial.name}-coordinator.log", env).start()
+    until = started_unix + trial.budget_s
+    procs = {p.name: _learner_proc(trial, p, run, env, task_path, logs, until, 0).start()
+             for p in trial.learners}
+    plans = {p.name: p for p in trial.learners}
+    next_outage = {name: 0 for name in plans}
+    down: dict[str, float] = {}  # killed learners -> when they come back
+    killed: set[str] = set()  # learners whose current process we killed
+    restarts = 0
+    try:
+        while any(p.alive() for p in procs.values()) or down:
+            time.sleep(0.2)
+            elapsed = time.monotonic() - started
+            if not coordinator.alive():
+                raise RuntimeError(f"{trial.name}: the coordinator exited ({coordinator.returncode()}):\n"
+                                   f"{coordinator.tail()}")
+            if elapsed > trial.budget_s + OVERRUN_S:
+                stuck = [name for name, proc in procs.items() if proc.alive()]
+                log.warning("%s: %s still running %.0fs after the budget: killed", trial.name, stuck, OVERRUN_S)
+                for name in stuck:
+                    procs[name].kill()
+                break
+            for name, proc in procs.items():
+                if proc.returncode() not in (None, 0) and name not in killed:
+                    raise RuntimeError(f"{trial.name}: {name} failed ({proc.returncode()}):\n{proc.tail()}")
+                outages = plans[name].outages
+                if name not in down and next_outage[name] < len(outages) and elapsed >= outages[next_outage[name]][0]:
+                    down_s = outages[next_outage[name]][1]
+                    next_outage[name] += 1
+                    if proc.alive():
+                        proc.kill()
+                        killed.add(name)
+                        down[name] = elapsed + down_s
+                        log.info("%s: SIGKILL %s at %.0fs; back in %.0fs", trial.name, name, elapsed, down_s)
+            for name, back_at in list(down.items()):
+                if elapsed >= back_at:
+                    del down[name]
+                    if elapsed < trial.budget_s - 1.0:
+                        killed.discard(name)
+                        restarts += 1
+                        procs[name] = _learner_proc(trial, plans[name], run, env, task_path, logs, until,
+                                                    restarts).start()
+        bus = Bus(stack.endpoints, run)
+        deadline = time.monotonic() + 15.0
+        while bus.pending_count() and time.monotonic() < deadline:  # let the last round merge
+            time.sleep(0.2)
+        wall_s = time.monotonic() - started
+        counters, heads, learners = bus.counters(), bus.heads(), bus.learner_stats()
+    finally:
+        for proc in procs.values():
+            proc.terminate(10)
+        coordinator.terminate()
+    with aws_env(stack.env()):
+        store, keys = ObjectStore(stack.endpoints), RunKeys(stack.endpoints.prefix, run)
+        layout = read_layout(store, keys)
+        if layout is None:
+            raise RuntimeError(f"{trial.name}: run {run} never committed version 0: see {logs}")
+        manifests = {f: [read_manifest(store, keys, f, v) for v in list_versions(store, keys, f)]
+                     for f in range(len(layout.fragments))}
+        curve = eval_curve(task, store, layout, manifests, started_unix, wall_s, curve_points)
+    merged = sum(c.tokens for history in manifests.values() for m in history[1:] for c in m.inputs)
+    return TrialResult(trial.name, run, wall_s, curve[-1][1], curve, counters, heads,
+                       {k: dict(v) for k, v in learners.items()}, restarts, merged)
+
+
+def eval_curve(task: DemoTask, store: ObjectStore, layout: Layout, manifests: dict[int, list[Manifest]],
+               started_unix: float, wall_s: float, points: int) -> list[tuple[float, float]]:
+    """Eval loss of the global model as it stood at `points` evenly spaced times (the last at the end),
+    from the manifests' commit times."""
+    model = task.make_model(0)
+    state = dict(model.named_parameters())
+    loaded: dict[int, int] = {}
+    curve = []
+    for i in range(1, points + 1):
+        t = wall_s * i / points
+        with torch.no_grad():
+            for f, history in manifests.items():
+                at = [m for m in history if m.committed_at <= started_unix + t] or history[:1]
+                if not at or loaded.get(f) == at[-1].version:
+                    continue
+                for name, value in read_params(store, layout, at[-1]).items():
+                    state[name].copy_(value)
+                loaded[f] = at[-1].version
+        curve.append((t, task.eval_loss(model)))
+    return curve
+
+
+@contextmanager
+def bench_stack(out: Path) -> Iterator[LocalStack]:
+    """A fresh local stack under `out/stack` (an earlier one's data removed), its credentials in
+    this process's environment for the figures read back from S3."""
+    if (out / "stack").exists():
+        shutil.rmtree(out / "stack")
+    out.mkdir(parents=True, exist_ok=True)
+    with LocalStack(out / "stack") as stack, aws_env(stack.env()):
+        stack.start()
+        yield stack
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    """When the curve first reaches `target`: linear between the last point above and the first at or
+    below it (the first point's time if it is already below); None if it never does."""
+    prev: tuple[float, float] | None = None
+    for t, loss in curve:
+        if loss <= target:
+            if prev is None:
+                return t
+            pt, pl = prev
+            return pt + (t - pt) * (pl - target) / (pl - loss)
+        prev = (t, loss)
+    return None
+
+
+def run_args(fragments: int, sync_every: int, overlap_steps: int, codec: str, cadence: str = "clock") -> tuple[str, ...]:
+    return ("--fragments", str(fragments), "--sync-every", str(sync_every), "--overlap-steps", str(overlap_steps),
+            "--codec", codec, "--cadence", cadence)

@@ -1,0 +1,396 @@
+"""`diloco gc --keep-last N`: delete the objects a run no longer needs, and keep its whole record.
+
+What stays, per fragment whose latest listed manifest is version H:
+- every manifest (the run's record), the run spec, the layouts, the epoch claims and the
+  Collection records;
+- everything replaying versions H-N+1..H needs: their inputs (and any object their manifests
+  name), the params and outer state of their parent H-N, and their own (learners and a restarted
+  coordinator load the head's);
+- every object of a version that has no manifest yet: a coordinator is writing it;
+- contribution objects that no manifest merged and that may still be merged: the base version in
+  their header is within `max_staleness` (as the head's manifest records it) + 1 of the head (the
+  coordinator's head may be one behind the listed manifests). Such an object is pending in Redis,
+  is being announced, or waits for `reannounce_lost` after Redis lost its data. Heads only grow,
+  so one that is too stale now stays too stale;
+- every object younger than `min_age_s`: a margin for readers in flight (a learner still
+  downloading a version that was just superseded) and for what gc cannot see (a coordinator
+  restarted with a larger max_staleness).
+What goes: the params and outer state of older versions, version objects of another epoch than
+the one their manifest names (a deposed or crashed coordinator's), contributions merged only by
+older versions, genesis proposals that version 0 did not take, and unmerged contributions too
+stale to be merged or whose header does not describe a contribution.
+
+A live run is safe: gc deletes only keys it listed, and every key is written once (create-only,
+unique names), so nothing written after the listing is touched. Before its first delete, a pass
+writes a Collection record (`collections/{n}`) that says from which version on each fragment can
+still be replayed, so a pass cut short is accounted for; running gc again finishes its work.
+
+`plan_gc` is pure (it decides from a listing, the manifests and a header reader); `collect` does
+the I/O around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infra.archive import add_source_arguments, open_source
+from storage import codecs
+from storage.errors import ConfigError, Conflict, Refused
+from storage.history import floors_of, read_collections, read_manifest, read_run_spec
+from storage.keys import RunKeys
+from storage.objects import ObjectMissing, Store
+from storage.protocol import Collection, Manifest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MIN_AGE_S = 3600.0
+STALENESS_MARGIN = 1
+"""Versions beyond max_staleness an unmerged contribution must be behind the listed head to be deleted."""
+
+DELETED = {
+    "old_params": "params of versions older than the kept range",
+    "old_outer_state": "outer state of versions older than the kept range",
+    "other_epoch_objects": "version objects their manifest does not name (a deposed or crashed coordinator's)",
+    "old_inputs": "contributions and genesis proposals merged only into versions older than the kept range",
+    "unchosen_genesis": "genesis proposals that version 0 did not take",
+    "stale_contributions": "contributions no manifest merged, too stale to be merged any more",
+    "unreadable_contributions": "objects under fragments/ whose header does not describe a contribution",
+}
+"""What gc deletes, by kind."""
+
+KEPT = {
+    "may_merge": "contributions no manifest merged yet that are recent enough to be merged",
+    "young": "objects gc would delete but that are younger than the minimum age",
+    "uncommitted_version": "objects of versions whose manifest is not written yet",
+}
+"""Objects gc looked at and kept, by reason (everything a kept manifest names is kept without a word)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """One object of the listing gc plans from."""
+
+    key: str
+    size_bytes: int
+    age_s: float
+    """Seconds since it was last modified, on the store's clock against this machine's."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deletion:
+    key: str
+    size_bytes: int
+    kind: str
+    """A key of DELETED."""
+
+
+@dataclass
+class GcPlan:
+    heads: dict[int, int]
+    """Per fragment, the latest version whose manifest was listed."""
+    first_replayable: dict[int, int]
+    """Per fragment, the first version whose replay still has everything it needs once the plan is carried out."""
+    deletions: list[Deletion] = field(default_factory=list)
+    kept: dict[str, list[str]] = field(default_factory=lambda: {reason: [] for reason in KEPT})
+    """Keys by a reason of KEPT."""
+
+    def by_kind(self) -> dict[str, list[Deletion]]:
+        kinds: dict[str, list[Deletion]] = {kind: [] for kind in DELETED}
+        for d in self.deletions:
+            kinds[d.kind].append(d)
+        return kinds
+
+
+def committed_versions(keys: RunKeys, listed: list[Listed]) -> dict[int, set[int]]:
+    """Per fragment, the versions whose manifest is in the listing."""
+    committed: dict[int, set[int]] = {}
+    for item in listed:
+        parsed = keys.parse_version_key(item.key)
+        if parsed and parsed[2] == "manifest":
+            committed.setdefault(parsed[0], set()).add(parsed[1])
+    return committed
+
+
+def kept_from(committed: Mapping[int, set[int]], previous: Mapping[int, int], keep_last: int) -> dict[int, int]:
+    """Per fragment, the first of the last `keep_last` versions (never below an earlier pass's floor)."""
+    return {f: max(previous.get(f, 0), max(vs) - keep_last + 1, 0) for f, vs in committed.items() if vs}
+
+
+def manifests_to_read(keys: RunKeys, listed: list[Listed], previous: Mapping[int, int],
+                      keep_last: int) -> list[tuple[int, int]]:
+    """(fragment, version) of the manifests a plan needs: from the parent of the previous pass's
+    first replayable version up (older ones' objects went in earlier passes)."""
+    committed = committed_versions(keys, listed)
+    return [(f, v) for f, vs in sorted(committed.items()) for v in sorted(vs) if v >= previous.get(f, 0) - 1]
+
+
+def _objects(m: Manifest) -> set[str]:
+    return {m.params_key, m.outer_state_key}
+
+
+def _inputs(m: Manifest) -> set[str]:
+    return {c.object_key for c in m.inputs}
+
+
+@dataclass
+class _Planner:
+    """The facts a plan is decided from, and the decision for one listed object."""
+
+    keys: RunKeys
+    committed: dict[int, set[int]]
+    target: dict[int, int]
+    """Per fragment, the first kept version (its parent's objects are kept too)."""
+    manifests: Mapping[tuple[int, int], Manifest]
+    min_age_s: float
+    base_version_of: Callable[[str], int | None]
+    kept_names: set[str] = field(default_factory=set)
+    """Named by a kept manifest: all a kept version names (refusals too), the parent's params and outer state."""
+    old_inputs: set[str] = field(default_factory=set)
+    """Merged into a version older than the kept range."""
+
+    def __post_init__(self) -> None:
+        for (f, v), m in self.manifests.items():
+            if v >= self.target[f] - 1:
+                self.kept_names |= _objects(m)
+            if v >= self.target[f]:
+                self.kept_names |= _inputs(m) | {r.object_key for r in m.refused if r.object_key}
+            else:
+                self.old_inputs |= _inputs(m)
+
+    def label(self, item: Listed) -> str | None:
+        """A kind of DELETED, a reason of KEPT, or None (kept: part of the record or named by a kept manifest)."""
+        if item.key in self.kept_names:
+            return None
+        if (version_key := self.keys.parse_version_key(item.key)) is not None:
+            return self._version_object(*version_key)
+        if (delta := self.keys.parse_delta_key(item.key)) is not None:
+            return self._contribution(item, delta[0])
+        if (genesis := self.keys.parse_genesis_key(item.key)) is not None:
+            if 0 not in self.committed.get(genesis[1], ()):
+                return None  # no version 0 yet: the proposal may still be taken
+            return "old_inputs" if item.key in self.old_inputs else "unchosen_genesis"
+        return None  # run spec, layouts, epoch claims, Collection records
+
+    def _version_object(self, fragment: int, version: int, leaf: str) -> str | None:
+        if leaf == "manifest":
+            return None
+        if version not in self.committed.get(fragment, ()):
+            return "uncommitted_version"
+        if version >= self.target[fragment] - 1:
+            return "other_epoch_objects"  # a kept version's own objects are in kept_names
+        if leaf.startswith("params."):
+            return "old_params"
+        return "old_outer_state" if leaf.startswith("outer_state.") else None
+
+    def _contribution(self, item: Listed, fragment: int) -> str:
+        if item.key in self.old_inputs:
+            return "old_inputs"
+        if item.age_s < self.min_age_s:
+            return "young"  # and its header need not be read
+        base = self.base_version_of(item.key)
+        if base is None:
+            return "unreadable_contributions"
+        head = max(self.committed[fragment]) if self.committed.get(fragment) else None
+        limit = self._max_staleness(fragment, head)
+        # The coordinator refuses a base more than max_staleness behind its head, and heads only grow.
+        # Its head may be one behind the listed one (a manifest written, its Redis commit not yet): a margin.
+        stale = head is not None and limit is not None and base < head - limit - STALENESS_MARGIN
+        return "stale_contributions" if stale else "may_merge"
+
+    def _max_staleness(self, fragment: int, head: int | None) -> int | None:
+        m = self.manifests.get((fragment, head)) if head is not None else None
+        value = m.settings.get("max_staleness") if m is not None else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def plan_gc(keys: RunKeys, listed: list[Listed], manifests: Mapping[tuple[int, int], Manifest],
+            previous: Mapping[int, int], *, keep_last: int, min_age_s: float,
+            base_version_of: Callable[[str], int | None]) -> GcPlan:
+    """What to delete and what to keep (see the module docstring). `manifests` holds at least
+    those `manifests_to_read` names; `previous` is each fragment's first replayable version after
+    the earlier passes; `base_version_of(key)` reads a contribution's header (None if it does not
+    describe a delta) and is called only for unmerged contributions old enough to be deleted."""
+    committed = committed_versions(keys, listed)
+    target = kept_from(committed, previous, keep_last)
+    planner = _Planner(keys, committed, target, manifests, min_age_s, base_version_of)
+    plan = GcPlan(heads={f: max(vs) for f, vs in committed.items()}, first_replayable={})
+    for item in listed:
+        what = planner.label(item)
+        if what in DELETED and item.age_s < min_age_s:
+            what = "young"
+        if what in DELETED:
+            plan.deletions.append(Deletion(item.key, item.size_bytes, what))
+        elif what in KEPT:
+            plan.kept[what].append(item.key)
+    doomed = {d.key for d in plan.deletions}
+    for f, first in target.items():
+        # Objects kept for their age may leave older versions replayable still: the record says so.
+        while first > previous.get(f, 0) and _replayable(manifests, f, first - 1, doomed):
+            first -= 1
+        plan.first_replayable[f] = first
+    return plan
+
+
+def _replayable(manifests: Mapping[tuple[int, int], Manifest], fragment: int, version: int, doomed: set[str]) -> bool:
+    """Whether replay of `version` finds all it reads once `doomed` is deleted: its inputs, its own
+    objects and its parent's."""
+    m = manifests.get((fragment, version))
+    parent = manifests.get((fragment, version - 1))
+    if m is None or (version > 0 and parent is None):
+        return False
+    needed = _inputs(m) | _objects(m) | (_objects(parent) if parent is not None else set())
+    return not needed & doomed
+
+
+# -- I/O ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GcResult:
+    run: str
+    keep_last: int
+    min_age_s: float
+    dry_run: bool
+    plan: GcPlan
+    record_key: str | None
+    """The Collection record written before deleting (None on a dry run or when nothing was deleted)."""
+    seconds: float
+
+    @property
+    def deleted_bytes(self) -> int:
+        return sum(d.size_bytes for d in self.plan.deletions)
+
+    def summary(self, *, list_keys: bool = False) -> str:
+        n, verb = len(self.plan.deletions), "would delete" if self.dry_run else "deleted"
+        lines = [f"gc of run {self.run}: keeping the last {self.keep_last} version(s) of each fragment and every "
+                 f"object younger than {self.min_age_s:g}s" + (" (dry run: nothing deleted)" if self.dry_run else ""),
+                 f"{verb} {n} object(s), {_size(self.deleted_bytes)}"
+                 + (f", after writing {self.record_key}" if self.record_key else "") + (":" if n else "")]
+        for kind, items in self.plan.by_kind().items():
+            if items:
+                lines.append(f"  {kind:<26} {len(items):>6} object(s) {_size(sum(d.size_bytes for d in items)):>10}")
+                lines.extend(f"    {d.key}" for d in items if list_keys)
+        kept = self.plan.kept
+        lines.append(f"kept: {len(kept['may_merge'])} unmerged contribution(s) that may still be merged, "
+                     f"{len(kept['young'])} object(s) younger than {self.min_age_s:g}s, "
+                     f"{len(kept['uncommitted_version'])} object(s) of versions being written")
+        if list_keys:
+            lines.extend(f"    {reason}: {key}" for reason, keys in kept.items() for key in keys)
+        lines.append("replayable: " + (", ".join(
+            f"fragment {f} " + _versions(self.plan.first_replayable[f], h) for f, h in sorted(self.plan.heads.items()))
+            or "no committed version"))
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"run": self.run, "dry_run": self.dry_run, "keep_last": self.keep_last, "min_age_s": self.min_age_s,
+                "heads": self.plan.heads, "first_replayable": self.plan.first_replayable, "record": self.record_key,
+                "deleted": {"objects": len(self.plan.deletions), "bytes": self.deleted_bytes,
+                            "by_kind": {kind: {"objects": len(items), "bytes": sum(d.size_bytes for d in items),
+                                               "keys": [d.key for d in items]}
+                                        for kind, items in self.plan.by_kind().items()}},
+                "kept": self.plan.kept, "seconds": round(self.seconds, 3)}
+
+
+def _versions(first: int, last: int) -> str:
+    return f"version {last}" if first == last else f"versions {first}..{last}"
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+
+
+def list_objects(store: Store, prefix: str, now: float) -> list[Listed]:
+    """Every object under `prefix` with its size and age. An object that only one of the two
+    listings saw was written or deleted meanwhile, and is left out (so kept)."""
+    sizes = dict(store.list_sizes(prefix))
+    return [Listed(key, sizes[key], now - modified) for key, modified in store.list_modified(prefix) if key in sizes]
+
+
+def header_reader(store: Store, max_bytes: int) -> Callable[[str], int | None]:
+    """base_version_of for plan_gc: the base version a contribution's header names, or None."""
+    def base_version(key: str) -> int | None:
+        try:
+            meta = codecs.read_header(store.get(key, max_bytes=max_bytes), max_bytes=max_bytes).meta
+            return int(meta["base_version"]) if meta.get("kind") == "delta" else None
+        except (Refused, ObjectMissing, KeyError, ValueError, TypeError):
+            return None
+    return base_version
+
+
+def collect(store: Store, keys: RunKeys, *, keep_last: int, min_age_s: float = DEFAULT_MIN_AGE_S,
+            dry_run: bool = False) -> GcResult:
+    """Plan a gc pass of the run and, unless `dry_run`, record it and carry it out."""
+    if keep_last < 1:
+        raise ConfigError(f"--keep-last must be at least 1, got {keep_last}: the head's params are what learners "
+                          "and a restarted coordinator load, and its inputs are what replay checks")
+    if min_age_s < 0:
+        raise ConfigError(f"--min-age-s must be >= 0, got {min_age_s}")
+    t0, now = time.monotonic(), time.time()
+    spec = read_run_spec(store, keys)
+    if spec is None:
+        raise Refused("missing_object", f"run {keys.run!r} has no run spec at {store.url(keys.run_spec())}: "
+                      "wrong run, bucket, DILOCO_S3_PREFIX or --dir?")
+    collections = read_collections(store, keys)
+    previous = {f: floor.version for f, floor in floors_of(collections).items()}
+    listed = list_objects(store, keys.root, now)
+    manifests = {(f, v): read_manifest(store, keys, f, v)
+                 for f, v in manifests_to_read(keys, listed, previous, keep_last)}
+    plan = plan_gc(keys, listed, manifests, previous, keep_last=keep_last, min_age_s=min_age_s,
+                   base_version_of=header_reader(store, spec.max_object_bytes))
+    result = GcResult(keys.run, keep_last, min_age_s, dry_run, plan, None, 0.0)
+    if not dry_run and plan.deletions:
+        result.record_key = _record(store, keys, collections, result, spec.num_fragments, previous)
+        store.delete([d.key for d in plan.deletions])
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def _record(store: Store, keys: RunKeys, collections: list[tuple[str, Collection]], result: GcResult,
+            num_fragments: int, previous: Mapping[int, int]) -> str:
+    """Write the pass's Collection record (create-only, numbered after the last one) and return its key."""
+    number = int(collections[-1][0].rsplit("/", 1)[1]) + 1 if collections else 1
+    key = keys.collection(number)
+    floors = tuple(result.plan.first_replayable.get(f, previous.get(f, 0)) for f in range(num_fragments))
+    record = Collection(run=keys.run, created_at=time.time(),
+                        by=f"gc --keep-last {result.keep_last} --min-age-s {result.min_age_s:g}",
+                        first_replayable=floors, deleted_objects=len(result.plan.deletions),
+                        deleted_bytes=result.deleted_bytes)
+    try:
+        store.put(key, record.to_wire(), create_only=True)
+    except Conflict:
+        raise Conflict(f"{store.url(key)} was written by another gc pass while this one planned: nothing was "
+                       "deleted; run gc again") from None
+    return key
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
+    add_source_arguments(parser)
+    parser.add_argument("--keep-last", type=int, required=True, metavar="N",
+                        help="keep what replaying the last N versions of each fragment needs (N >= 1)")
+    parser.add_argument("--min-age-s", type=float, default=DEFAULT_MIN_AGE_S, metavar="S",
+                        help="never delete an object younger than this (default: %(default)g s): a margin for "
+                             "readers of a live run")
+    parser.add_argument("--dry-run", action="store_true", help="say what would be deleted and delete nothing")
+    parser.add_argument("-v", "--verbose", dest="list_keys", action="store_true",
+                        help="also print every key deleted (or that would be) and every key kept for a reason")
+    parser.add_argument("--json", dest="json_path", type=Path, metavar="PATH",
+                        help="also write the figures and every key to this JSON file")
+
+
+def run_gc(args: argparse.Namespace) -> int:
+    store, keys = open_source(args)
+    result = collect(store, keys, keep_last=args.keep_last, min_age_s=args.min_age_s, dry_run=args.dry_run)
+    print(result.summary(list_keys=args.list_keys or args.verbose))
+    if args.json_path is not None:
+        args.json_path.parent.mkdir(parents=True, exist_ok=True)
+        args.json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    return 0

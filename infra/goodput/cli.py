@@ -1,0 +1,89 @@
+"""`diloco simulate`: the goodput simulator on the command line.
+
+    diloco simulate --chips 1200000 --learners 8 [--mtbi-years 1] [--json PATH]   # one fleet
+    diloco simulate --sweep [--json PATH] [--plot PNG]                            # the paper's table
+    diloco simulate --record RUN --json timings.json      # timings of a real run (Redis + S3 from env)
+    diloco simulate --from-json timings.json [--chips N]  # those timings, simulated
+
+Every parameter of `infra.goodput.model.Model` and of the coordinator's `RoundConfig` is an
+option (its docstring is the help). Tables go to stdout, progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+from coordinator.policy import RoundConfig
+from infra.goodput.model import Model
+from infra.goodput.sweep import plot, point_table, simulate, sweep, sweep_table, to_json
+from infra.goodput.timings import Timings, project
+from infra.options import add_options, build
+from storage.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--sweep", action="store_true",
+                      help="the paper's grid: 150k..2.4M chips x data-parallel, elastic, decoupled M=2/4/8/16 "
+                           "(--chips and --learners are ignored)")
+    mode.add_argument("--from-json", type=Path, metavar="TIMINGS",
+                      help="simulate the timings recorded from a real run (--record): its learners, step times, "
+                           "H, tau, sync times and restarts; its own fleet and failure rate unless --chips is given")
+    mode.add_argument("--record", metavar="RUN",
+                      help="read the timings of run RUN from the Redis and S3 the environment names, and write "
+                           "them to --json (the input of --from-json)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results (or the timings) as JSON here")
+    parser.add_argument("--plot", type=Path, metavar="PNG", help="with --sweep: draw goodput against chips here "
+                        "(needs matplotlib: pip install -e '.[bench]')")
+    add_options(parser, Model)
+    add_options(parser, RoundConfig, skip=("overlap_steps",))
+    parser.set_defaults(chips=None)  # None when not given: --from-json then keeps the recorded fleet
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.record:
+        return _record(args)
+    if args.plot and not args.sweep:
+        raise ConfigError("--plot draws the sweep: use it with --sweep")
+    chips = vars(args).pop("chips")
+    model = build(Model, args, round=build(RoundConfig, args), **({} if chips is None else {"chips": chips}))
+    if args.from_json:
+        model = project(Timings.load(args.from_json), model, chips=chips)
+        log.info("projecting %s: %d learners, step times x%s, H %d, tau %d, upload %.3fs, merge %.3fs, "
+                 "restart %.1fs", args.from_json, model.learners, [round(s, 2) for s in model.speeds],
+                 model.sync_every, model.overlap_steps, model.upload_s, model.merge_s, model.restart_s)
+    started = time.perf_counter()
+    if args.sweep:
+        results = sweep(model)
+        print(sweep_table(results, model), flush=True)
+        if args.plot and plot(results, args.plot):
+            log.info("wrote %s", args.plot)
+    else:
+        results = simulate(model)
+        print(point_table(results, model), flush=True)
+    log.info("simulated %g h of %s in %.1fs", model.hours, "each fleet" if args.sweep else f"{model.chips:,} chips",
+             time.perf_counter() - started)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(to_json(results, model), indent=1) + "\n")
+    return 0
+
+
+def _record(args: argparse.Namespace) -> int:
+    from infra.goodput.record import record_run
+    from storage.settings import Endpoints
+
+    timings = record_run(Endpoints.from_env(), args.record)
+    if args.json:
+        timings.save(args.json)
+        log.info("wrote %s", args.json)
+    print(json.dumps(timings.to_wire(), indent=1) if not args.json else
+          f"run {timings.run}: {len(timings.step_time_s)} learners over {timings.duration_s:.0f}s, "
+          f"{len(timings.failures)} failure(s), upload {timings.upload_s:.3f}s, merge {timings.merge_s:.3f}s")
+    return 0

@@ -1,0 +1,109 @@
+"""`plan_gc`: what a gc pass deletes and keeps, decided from a listing and the manifests alone."""
+
+from infra.gc import Listed, manifests_to_read, plan_gc
+from storage.keys import RunKeys
+from storage.protocol import Contribution, Manifest, Refusal
+
+K = RunKeys("p", "r")
+HEAD = 5
+MAX_STALENESS = 2
+OLD = 10_000.0  # seconds: older than any min age used here
+
+
+def contribution(key: str, base: int) -> Contribution:
+    return Contribution(contribution_id=f"{abs(hash(key)) % 16**32:032x}", learner="l0", seq=1, object_key=key,
+                        sha256="0" * 64, base_version=base, staleness=0, tokens=1, steps=1, weight=1.0, stream_id="")
+
+
+def manifest(v: int, epoch: int = 1, refused: tuple[Refusal, ...] = ()) -> Manifest:
+    inputs = (contribution(K.genesis_params("l0", 0), -1),) if v == 0 else (contribution(K.delta(0, "l0", v), v - 1),)
+    return Manifest(run="r", fragment=0, version=v, parent_version=v - 1, params_key=K.params(0, v, epoch),
+                    params_sha256="0" * 64, outer_state_key=K.outer_state(0, v, epoch), outer_state_sha256="0" * 64,
+                    inputs=inputs, settings={"max_staleness": MAX_STALENESS}, refused=refused, committed_at=0.0,
+                    epoch=epoch)
+
+
+REFUSED = K.delta(0, "mallory", 99)
+MANIFESTS = {(0, v): manifest(v, refused=(Refusal("", "mallory", "stale", "r", REFUSED),) if v == 4 else ())
+             for v in range(HEAD + 1)}
+BASES = {K.delta(0, "l2", 7): 1,  # unmerged, too stale: 1 < 5 - 2 - 1 (one version of margin)
+         K.delta(0, "l2", 8): 2,  # unmerged, may still be merged (or be, by a coordinator one version behind)
+         K.delta(0, "l2", 9): None}  # header is not a delta's
+
+
+def listing(young: set[str] = frozenset()) -> list[Listed]:
+    keys = [K.run_spec(), K.layout(), K.epoch_claim(1), K.epoch_claim(2), K.genesis_layout("l0"),
+            K.genesis_params("l0", 0), K.genesis_params("l1", 0), K.genesis_params("l1", 1), REFUSED, *BASES]
+    for v in range(HEAD + 1):
+        keys += [K.manifest(0, v), K.params(0, v, 1), K.outer_state(0, v, 1)]
+        keys += [K.delta(0, "l0", v)] if v else []
+    keys += [K.params(0, 1, 2), K.params(0, 5, 2), K.params(0, 6, 2)]  # other epochs; version 6 is being written
+    return [Listed(key, 100, 0.0 if key in young else OLD) for key in sorted(keys)]
+
+
+def plan(listed: list[Listed], previous: dict[int, int] | None = None, keep_last: int = 2, min_age_s: float = 60.0):
+    asked: list[str] = []
+
+    def base_version_of(key: str) -> int | None:
+        asked.append(key)
+        return BASES[key]
+
+    p = plan_gc(K, listed, MANIFESTS, previous or {}, keep_last=keep_last, min_age_s=min_age_s,
+                base_version_of=base_version_of)
+    return p, asked
+
+
+def kinds(p) -> dict[str, set[str]]:
+    return {kind: {d.key for d in items} for kind, items in p.by_kind().items()}
+
+
+def test_keeps_the_last_n_versions_their_parent_and_every_manifest_and_deletes_the_rest():
+    p, asked = plan(listing())
+    assert p.heads == {0: HEAD} and p.first_replayable == {0: 4}
+    assert kinds(p) == {
+        "old_params": {K.params(0, v, 1) for v in (0, 1, 2)} | {K.params(0, 1, 2)},
+        "old_outer_state": {K.outer_state(0, v, 1) for v in (0, 1, 2)},
+        "other_epoch_objects": {K.params(0, 5, 2)},
+        "old_inputs": {K.delta(0, "l0", v) for v in (1, 2, 3)} | {K.genesis_params("l0", 0)},
+        "unchosen_genesis": {K.genesis_params("l1", 0)},
+        "stale_contributions": {K.delta(0, "l2", 7)},
+        "unreadable_contributions": {K.delta(0, "l2", 9)},
+    }
+    assert p.kept == {"may_merge": [K.delta(0, "l2", 8)], "young": [], "uncommitted_version": [K.params(0, 6, 2)]}
+    gone = {d.key for d in p.deletions}
+    must_stay = {K.run_spec(), K.layout(), K.epoch_claim(1), K.genesis_layout("l0"), REFUSED,
+                 K.genesis_params("l1", 1)}  # fragment 1 has no version 0 yet: its proposal may still be taken
+    must_stay |= {K.manifest(0, v) for v in range(HEAD + 1)}
+    must_stay |= {key for v in (3, 4, 5) for key in (K.params(0, v, 1), K.outer_state(0, v, 1))}
+    must_stay |= {K.delta(0, "l0", v) for v in (4, 5)}
+    assert not gone & must_stay
+    assert sorted(asked) == sorted(BASES)  # headers read only for unmerged contributions
+
+
+def test_young_objects_are_kept_and_the_versions_they_leave_replayable_are_recorded_as_such():
+    everything = listing()
+    p, asked = plan(listing(young={item.key for item in everything}))
+    assert p.deletions == [] and asked == []
+    assert p.first_replayable == {0: 0}  # nothing deleted: every version still replays
+    unmerged_recent = K.delta(0, "l2", 8)  # a young unmerged contribution's header is not even read
+    assert set(p.kept["young"]) == {d.key for d in plan(everything)[0].deletions} | {unmerged_recent}
+
+    # Only version 3's input is old enough: versions 3..5 remain replayable, 0..2 are not.
+    young = {item.key for item in everything} - {K.delta(0, "l0", v) for v in (1, 2)}
+    p, _ = plan(listing(young=young))
+    assert {d.key for d in p.deletions} == {K.delta(0, "l0", 1), K.delta(0, "l0", 2)}
+    assert p.first_replayable == {0: 3}
+
+
+def test_an_earlier_pass_is_never_undone_and_only_its_later_manifests_are_read():
+    p, _ = plan(listing(), previous={0: 4}, keep_last=HEAD + 1)
+    assert p.first_replayable == {0: 4}
+    assert manifests_to_read(K, listing(), {0: 4}, 2) == [(0, v) for v in (3, 4, 5)]
+    assert manifests_to_read(K, listing(), {}, 2) == [(0, v) for v in range(HEAD + 1)]
+
+
+def test_keep_everything_when_n_covers_the_history():
+    p, _ = plan(listing(), keep_last=HEAD + 1)
+    assert p.first_replayable == {0: 0}
+    assert set(kinds(p)["old_inputs"]) == set() and set(kinds(p)["old_params"]) == set()
+    assert kinds(p)["other_epoch_objects"] == {K.params(0, 1, 2), K.params(0, 5, 2)}
