@@ -31,8 +31,9 @@ from coordinator.outer import apply_round
 from infra.rounds import Round, Run, check_fragment, read_state, rounds, versions
 from infra.table import num, table
 from infra.verdict import MIN_OTHERS, LearnerBlame, judge, ranked
-from storage.errors import ConfigError
+from storage.errors import ConfigError, Refused
 from storage.history import read_manifest, read_params
+from storage.objects import ObjectMissing
 from storage.protocol import Manifest
 from workers.demo.task import DemoTask
 
@@ -55,7 +56,7 @@ class BlameReport:
     loss: dict | None = None
     """How the loss evidence was gathered (task, versions re-derived, evaluations, seconds); None without a task."""
     problems: list[str] = field(default_factory=list)
-    """Versions left out because their inputs could not be read."""
+    """Versions left out because their inputs could not be read or were collected, and loss samples skipped."""
 
     def notes(self) -> list[str]:
         notes = []
@@ -137,16 +138,23 @@ class _Evaluator:
         return self.task.eval_loss(self.model)
 
 
-def loss_impacts(run: Run, task: DemoTask, sampled: list[Round]) -> tuple[dict[str, list[float]], int]:
-    """Per learner, eval loss with minus without its inputs over the `sampled` versions; and the
-    number of evaluations made."""
+def loss_impacts(run: Run, task: DemoTask, sampled: list[Round]) -> tuple[dict[str, list[float]], int, list[str]]:
+    """Per learner, eval loss with minus without its inputs over the `sampled` versions; the number
+    of evaluations made; and the versions skipped because a parameter object they need is gone
+    (`diloco gc` keeps only the last versions' params) or damaged."""
     evaluator = _Evaluator(run, task)
     impacts: dict[str, list[float]] = {}
+    skipped = []
     for r in sampled:
         m, deltas = r.manifest, r.deltas
         assert deltas is not None
-        parent_params, parent_state = read_state(run, read_manifest(run.store, run.keys, m.fragment, m.parent_version))
-        evaluator.context(m)
+        try:
+            parent_params, parent_state = read_state(run, read_manifest(run.store, run.keys, m.fragment,
+                                                                        m.parent_version))
+            evaluator.context(m)
+        except (ObjectMissing, Refused) as exc:
+            skipped.append(f"fragment {m.fragment} version {m.version}: not re-derived for loss evidence: {exc}")
+            continue
         merged, _ = apply_round(parent_params, parent_state, deltas, [c.weight for c in m.inputs], m.settings)
         with_all = evaluator.loss(merged)
         for learner in dict.fromkeys(c.learner for c in m.inputs):
@@ -154,7 +162,7 @@ def loss_impacts(run: Run, task: DemoTask, sampled: list[Round]) -> tuple[dict[s
                                     m.settings)
             impacts.setdefault(learner, []).append(with_all - evaluator.loss(without))
         log.debug("fragment %d version %d: loss with every input %.4f", m.fragment, m.version, with_all)
-    return impacts, evaluator.evaluations
+    return impacts, evaluator.evaluations, skipped
 
 
 def blame_run(run: Run, *, fragment: int | None = None, start: int = 0, end: int | None = None,
@@ -166,7 +174,9 @@ def blame_run(run: Run, *, fragment: int | None = None, start: int = 0, end: int
     sampled: list[Round] = []
     for f in report.fragments:
         last: deque[Round] = deque(maxlen=max(0, loss_versions))
-        for r in rounds(run, f, max(1, start), end):
+        if start < run.floor(f):
+            report.problems.append(f"fragment {f} before version {run.floor(f)}: {run.floors[f].reason()}")
+        for r in rounds(run, f, max(1, start, run.floor(f)), end):
             m = r.manifest
             if r.deltas is None:
                 report.problems.append(f"fragment {f} version {m.version}: {r.problem}")
@@ -186,7 +196,8 @@ def blame_run(run: Run, *, fragment: int | None = None, start: int = 0, end: int
     impacts: dict[str, list[float]] = {}
     if task is not None:
         t0 = time.monotonic()
-        impacts, evaluations = loss_impacts(run, task, sampled)
+        impacts, evaluations, skipped = loss_impacts(run, task, sampled)
+        report.problems.extend(skipped)
         report.loss = {"per_fragment": loss_versions, "sampled": len(sampled), "evaluations": evaluations,
                        "seconds": round(time.monotonic() - t0, 3)}
     report.learners = ranked([judge(g, evidence.get(g, []), impacts.get(g, []))

@@ -16,14 +16,17 @@ from pathlib import Path
 from infra.archive import add_source_arguments, open_source
 from infra.blame import blame_run
 from infra.inspect import inspect_run, inspect_version
-from infra.rounds import open_run
+from infra.rounds import Run, open_run
 from storage.errors import ConfigError
+from storage.keys import RunKeys
 from workers.demo.task import DemoTask
 
 log = logging.getLogger("diloco")
 
 
 def _add_range(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefix", help="read the run under this key prefix instead of DILOCO_S3_PREFIX or the "
+                        "export's (e.g. a what-if run written by `diloco whatif --into PREFIX`)")
     parser.add_argument("--fragment", type=int, help="only this fragment (default: every fragment)")
     parser.add_argument("--from", dest="start", type=int, default=0, metavar="V",
                         help="first version to look at (default: %(default)s)")
@@ -46,9 +49,14 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     _add_range(parser)
 
 
+def _open(args: argparse.Namespace) -> Run:
+    store, keys = open_source(args)  # S3 (or an export) is the history: never Redis
+    return open_run(store, keys if args.prefix is None else RunKeys(args.prefix, keys.run))
+
+
 def run_inspect(args: argparse.Namespace) -> int:
-    store, keys = open_source(args)
-    run = open_run(store, keys)
+    run = _open(args)
+    keys = run.keys
     if args.version is not None:
         views = inspect_version(run, args.version, args.fragment)
         print("\n\n".join(v.render() for v in views))
@@ -85,8 +93,7 @@ def run_blame(args: argparse.Namespace) -> int:
     if args.loss_versions < 1:
         raise ConfigError(f"--loss-versions must be at least 1, got {args.loss_versions}")
     task = _task(args.task) if args.task is not None else None
-    store, keys = open_source(args)
-    report = blame_run(open_run(store, keys), fragment=args.fragment, start=args.start, end=args.end, task=task,
+    report = blame_run(_open(args), fragment=args.fragment, start=args.start, end=args.end, task=task,
                        loss_versions=args.loss_versions, progress=lambda line: log.info("%s", line))
     print(report.render())
     _write_json(args.json_path, report.to_json())

@@ -68,6 +68,8 @@ class VersionView:
     refused: list[RefusalRow]
     problem: str
     """Why the deltas could not be measured ('' when they were)."""
+    collected: bool
+    """The inputs were deleted by `diloco gc` (the manifest's records are all there is)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -116,7 +118,8 @@ def view_round(r: Round) -> VersionView:
     return VersionView(fragment=m.fragment, version=m.version, parent_version=m.parent_version,
                        kind="genesis" if m.version == 0 else str(m.settings.get("kind", "delta")),
                        committed_at=m.committed_at, epoch=m.epoch, settings=dict(m.settings),
-                       merged_norm=merged_norm, inputs=rows, refused=_refusals(m), problem=problem)
+                       merged_norm=merged_norm, inputs=rows, refused=_refusals(m), problem=problem,
+                       collected=r.collected)
 
 
 def inspect_version(run: Run, version: int, fragment: int | None = None) -> list[VersionView]:
@@ -195,7 +198,7 @@ class RunView:
     """Each distinct set of merge settings (SETTINGS_SHOWN) in those versions, with how many versions used it."""
     learners: dict[str, LearnerSummary] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
-    """Versions whose deltas could not be measured, and why."""
+    """Versions whose deltas could not be measured, and why (one line per fragment for those gc collected)."""
 
     def learner(self, name: str) -> LearnerSummary:
         return self.learners.setdefault(name, LearnerSummary(name))
@@ -213,7 +216,7 @@ class RunView:
                 break
         else:
             self.settings.append({"settings": shown, "versions": 1})
-        if view.problem:
+        if view.problem and not view.collected:  # inspect_run notes collected versions once per fragment
             self.problems.append(f"fragment {view.fragment} version {view.version}: {view.problem}")
         for row in view.inputs:
             self.learner(row.learner).add(row)
@@ -261,4 +264,8 @@ def inspect_run(run: Run, fragment: int | None = None, start: int = 0, end: int 
     for f in view.fragments:
         for r in rounds(run, f, start, end):
             view.add(view_round(r))
+        collected = [v for v in view.versions.get(f, []) if 1 <= v < run.floor(f)]  # 0 is no contribution
+        if collected:
+            view.problems.append(f"fragment {f}: versions {collected[0]}..{collected[-1]} count in merged, tokens, "
+                                 f"weights and staleness only: {run.floors[f].reason()}")
     return view

@@ -3,7 +3,9 @@
 Reads S3 (or an export directory) only, through `storage.history`: every manifest is checked
 against its key, every input object against the sha256 its manifest records and the layout. A
 version whose inputs cannot all be read is returned with the reason instead of its deltas, so a
-tool can say what is missing and go on with the rest.
+tool can say what is missing and go on with the rest. Versions below a fragment's floor (`diloco
+gc` deleted their inputs, see `storage.history.read_floors`) come back as collected, with the gc
+pass that did it: their manifests still say who contributed what, their deltas are gone.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import torch
 from coordinator.outer import NesterovState
 from coordinator.publish import decode_state
 from storage.errors import Refused
-from storage.history import (list_versions, params_limit, read_input, read_layout, read_manifest, read_params,
-                             read_run_spec, read_verified)
+from storage.history import (Floor, list_versions, params_limit, read_floors, read_input, read_layout,
+                             read_manifest, read_params, read_run_spec, read_verified)
 from storage.keys import RunKeys
 from storage.objects import ObjectMissing, Store
 from storage.protocol import Layout, Manifest, RunSpec
@@ -31,10 +33,16 @@ class Run:
     keys: RunKeys
     spec: RunSpec
     layout: Layout
+    floors: dict[int, Floor]
+    """Per fragment whose old inputs `diloco gc` deleted: the first version that still has them."""
 
     @property
     def fragments(self) -> list[int]:
         return list(range(self.spec.num_fragments))
+
+    def floor(self, fragment: int) -> int:
+        """The first version of `fragment` whose inputs are all still there."""
+        return self.floors[fragment].version if fragment in self.floors else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +53,8 @@ class Round:
     deltas: list[dict[str, torch.Tensor]] | None
     """None when an input could not be read; `problem` says which and why."""
     problem: str = ""
+    collected: bool = False
+    """Below the fragment's floor: gc deleted the inputs (`problem` names the pass)."""
 
 
 def open_run(store: Store, keys: RunKeys) -> Run:
@@ -53,7 +63,7 @@ def open_run(store: Store, keys: RunKeys) -> Run:
     if spec is None or layout is None:
         raise Refused("missing_object", f"run {keys.run!r} has no {'run spec' if spec is None else 'layout'} under "
                       f"{store.url(keys.root)}: wrong run, bucket, DILOCO_S3_PREFIX or --dir?")
-    return Run(store, keys, spec, layout)
+    return Run(store, keys, spec, layout, read_floors(store, keys))
 
 
 def check_fragment(run: Run, fragment: int | None) -> list[int]:
@@ -75,6 +85,8 @@ def read_round(run: Run, fragment: int, version: int) -> Round:
     """A version's manifest and its inputs, each checked against the recorded sha256 and the layout.
     Raises ObjectMissing / Refused only for the manifest itself."""
     manifest = read_manifest(run.store, run.keys, fragment, version)
+    if version < run.floor(fragment):
+        return Round(manifest, None, f"not measurable: {run.floors[fragment].reason()}", collected=True)
     deltas = []
     for i, c in enumerate(manifest.inputs):
         try:

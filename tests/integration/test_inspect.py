@@ -20,6 +20,7 @@ import torch
 
 from harness import TINY_RUN, join, make_coordinator, train
 from infra.archive import export_run
+from infra.gc import collect
 from infra.cli import build_parser
 from infra.fleet import diloco_command, process_env
 from storage import codecs
@@ -184,3 +185,29 @@ def test_an_export_inspects_the_same_as_the_bucket_and_errors_say_what_to_do(his
     beyond = subprocess.run(diloco_command("inspect", "--dir", str(tmp_path / "export"), "--version", "999"),
                             env=env, capture_output=True, text=True, timeout=120)
     assert beyond.returncode == 1 and "has no committed version 999 (fragment 0: v0..v" in beyond.stderr, beyond.stderr
+
+
+def test_after_gc_the_manifests_still_say_who_contributed_what(history, capsys):
+    """`diloco gc --keep-last 1` deletes the older versions' inputs: inspect still counts them from
+    their manifests and says why it has no norms for them; blame leaves them out and says so."""
+    store, keys = history
+    _, before = inspect(capsys, "--run", keys.run)
+    collect(store, keys, keep_last=1, min_age_s=0)
+    out, after = inspect(capsys, "--run", keys.run)
+    fields = ("learner", "merged", "versions", "tokens", "steps", "mean_weight", "mean_staleness", "refused")
+    assert [{k: s[k] for k in fields} for s in after["learners"]] == [{k: s[k] for k in fields}
+                                                                      for s in before["learners"]]
+    assert any("count in merged, tokens, weights and staleness only: their inputs were deleted by gc" in p
+               for p in after["problems"]), after["problems"]
+    assert "note: fragment 0: versions 1.." in out
+
+    out, data = inspect(capsys, "--run", keys.run, "--fragment", "0", "--version", "1")
+    [view] = data["versions"]
+    assert view["collected"] and all(r["norm"] is None for r in view["inputs"]) and view["inputs"]
+    assert "cannot measure the deltas: not measurable: their inputs were deleted by gc" in out
+
+    argv = ["blame", "--run", keys.run]
+    args = build_parser(argv).parse_args(argv)
+    assert args.handler(args) == 0
+    out = capsys.readouterr().out
+    assert "note: left out: fragment 0 before version" in out and "deleted by gc" in out, out
