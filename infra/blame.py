@@ -54,7 +54,8 @@ class BlameReport:
     """Of which merged exactly two learners (no geometric evidence: see infra.verdict)."""
     learners: list[LearnerBlame] = field(default_factory=list)
     loss: dict | None = None
-    """How the loss evidence was gathered (task, versions re-derived, evaluations, seconds); None without a task."""
+    """How the loss evidence was gathered (versions per fragment asked for, versions re-derived, evaluations,
+    seconds); None without a task."""
     problems: list[str] = field(default_factory=list)
     """Versions left out because their inputs could not be read or were collected, and loss samples skipped."""
 
@@ -181,9 +182,13 @@ def blame_run(run: Run, *, fragment: int | None = None, start: int = 0, end: int
             if r.deltas is None:
                 report.problems.append(f"fragment {f} version {m.version}: {r.problem}")
                 continue
+            try:
+                per_learner = learner_rounds([c.learner for c in m.inputs], r.deltas, [c.weight for c in m.inputs],
+                                             m.settings)
+            except ValueError as exc:  # a merge rule this build does not know
+                report.problems.append(f"fragment {f} version {m.version}: {exc}")
+                continue
             report.versions += 1
-            per_learner = learner_rounds([c.learner for c in m.inputs], r.deltas, [c.weight for c in m.inputs],
-                                         m.settings)
             for lr in per_learner:
                 evidence.setdefault(lr.learner, []).append(lr)
             report.with_evidence += len(per_learner) > MIN_OTHERS
@@ -198,8 +203,8 @@ def blame_run(run: Run, *, fragment: int | None = None, start: int = 0, end: int
         t0 = time.monotonic()
         impacts, evaluations, skipped = loss_impacts(run, task, sampled)
         report.problems.extend(skipped)
-        report.loss = {"per_fragment": loss_versions, "sampled": len(sampled), "evaluations": evaluations,
-                       "seconds": round(time.monotonic() - t0, 3)}
+        report.loss = {"per_fragment": loss_versions, "sampled": len(sampled) - len(skipped),
+                       "evaluations": evaluations, "seconds": round(time.monotonic() - t0, 3)}
     report.learners = ranked([judge(g, evidence.get(g, []), impacts.get(g, []))
                               for g in sorted(set(evidence) | set(impacts))])
     return report

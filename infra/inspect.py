@@ -266,6 +266,8 @@ def inspect_run(run: Run, fragment: int | None = None, start: int = 0, end: int 
             view.add(view_round(r))
         collected = [v for v in view.versions.get(f, []) if 1 <= v < run.floor(f)]  # 0 is no contribution
         if collected:
-            view.problems.append(f"fragment {f}: versions {collected[0]}..{collected[-1]} count in merged, tokens, "
-                                 f"weights and staleness only: {run.floors[f].reason()}")
+            which = (f"versions {collected[0]}..{collected[-1]} count" if len(collected) > 1
+                     else f"version {collected[0]} counts")
+            view.problems.append(f"fragment {f}: {which} in merged, tokens, weights and staleness only: "
+                                 f"{run.floors[f].reason()}")
     return view
