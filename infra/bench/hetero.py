@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator-args", default="",
                         help="extra options for the coordinator of the default and equal_speed arms, e.g. "
                              "'--grace-gamma 0.3' (to measure a policy change)")
+    parser.add_argument("--learner-args", default="",
+                        help="extra options for the learners of the default and equal_speed arms, e.g. "
+                             "'--own-version-wait 0'")
     parser.add_argument("--curve-points", type=int, default=10, help="evaluations per arm (default: %(default)s)")
     parser.add_argument("--plot", type=Path, metavar="PNG", help="plot profile A's loss over wall time (needs matplotlib)")
 
@@ -85,7 +88,7 @@ def trial(profile: str, arm: str, args: argparse.Namespace) -> Trial:
                      ("--min-quorum", str(len(learners)), "--max-grace-s", "0"), SYNC_LEARNER,
                      step_time_s=args.step_time_s)
     return Trial(name, learners, args.budget_s, run_args(args.fragments, args.sync_every, 3, "int8"),
-                 tuple(args.coordinator_args.split()), step_time_s=args.step_time_s)
+                 tuple(args.coordinator_args.split()), tuple(args.learner_args.split()), step_time_s=args.step_time_s)
 
 
 @dataclass
