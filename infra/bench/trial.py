@@ -86,7 +86,8 @@ class TrialResult:
     """Each learner's last heartbeat: step, tokens, bytes_uploaded, sync_s, wall_s..."""
     restarts: int
     merged_tokens: int
-    """Tokens of every contribution merged into a version (the learner compute that reached the global model)."""
+    """Tokens of the learner compute that reached the global model: the tokens of the contributions merged
+    into versions, per fragment (every fragment's contributions cover a learner's tokens once)."""
 
     def total(self, key: str) -> float:
         return sum(float(s.get(key, 0) or 0) for s in self.learners.values())
@@ -180,7 +181,8 @@ def run_trial(stack: LocalStack, trial: Trial, task: DemoTask, out: Path, *, run
         manifests = {f: [read_manifest(store, keys, f, v) for v in list_versions(store, keys, f)]
                      for f in range(len(layout.fragments))}
         curve = eval_curve(task, store, layout, manifests, started_unix, wall_s, curve_points)
-    merged = sum(c.tokens for history in manifests.values() for m in history[1:] for c in m.inputs)
+    # Each fragment's contributions cover the learner's tokens once: the fleet's merged tokens are the mean.
+    merged = sum(c.tokens for history in manifests.values() for m in history[1:] for c in m.inputs) // len(manifests)
     return TrialResult(trial.name, run, wall_s, curve[-1][1], curve, counters, heads,
                        {k: dict(v) for k, v in learners.items()}, restarts, merged)
 
