@@ -12,19 +12,23 @@ redis-server and a real S3 server):
    in total through their own uploader (encode with the run's codec, create-only PUT, XADD the
    announcement), then leave.
 3. (a) GET every announced object with `fetch_threads` threads through the coordinator's own S3
-   adapter: MB/s, the limit.
+   adapter, once before and once after (b): MB/s, the limit (both passes together, so that load
+   from other work that comes and goes weighs on both sides alike).
 4. (b) Step the coordinator until it has committed every contribution: contributions/s, MB/s of
    contribution objects, versions/s, and the loop's time split by phase (`coordinator/timing.py`).
 5. Check that every announced contribution is an input of exactly one committed manifest and that
    none was refused.
 
-The ratio (b)/(a) is the figure; both sides share the machine alike. Nothing here asserts on time.
+The ratio (b)/(a) is the figure. Both also report the CPU they used per MB, in this process and
+in the two servers (Linux /proc), which says what bounds them on a small machine. Nothing here
+asserts on time.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -146,6 +150,7 @@ class Repeat:
     contributions: int
     contribution_bytes: int
     raw_get_s: float
+    """Mean of the two raw GET passes."""
     coordinator_s: float
     versions: int
     merged: int
@@ -153,6 +158,10 @@ class Repeat:
     merged_distinct: int
     refused: int
     phases_s: dict[str, float]
+    raw_cpu_s: tuple[float, float]
+    """CPU seconds per raw GET pass (mean of the two): (this process, the Redis and S3 servers)."""
+    coordinator_cpu_s: tuple[float, float]
+    """CPU seconds while the coordinator drained the backlog: (this process, the servers)."""
 
     @property
     def raw_mb_s(self) -> float:
@@ -180,9 +189,12 @@ class Repeat:
         return self.merged == self.merged_distinct == self.contributions and self.refused == 0
 
     def figures(self) -> dict[str, float]:
+        mb = self.contribution_bytes / MB
         return {"raw_get_mb_s": self.raw_mb_s, "coordinator_mb_s": self.coordinator_mb_s,
                 "contributions_per_s": self.contributions_per_s, "versions_per_s": self.versions_per_s,
-                "ratio": self.ratio}
+                "ratio": self.ratio,
+                "raw_cpu_ms_per_mb": 1000 * sum(self.raw_cpu_s) / mb,
+                "coordinator_cpu_ms_per_mb": 1000 * sum(self.coordinator_cpu_s) / mb}
 
 
 def measure(config: ThroughputConfig, stack_dir: Path) -> ThroughputResult:
@@ -230,14 +242,23 @@ def one_repeat(config: ThroughputConfig, stack: LocalStack) -> Repeat:
         announced = deltas_announced(coord.bus)
         keys = [a.object_key for a in announced]
         nbytes = sum(a.size_bytes for a in announced)
-        raw_s = raw_get(ObjectStore(endpoints), keys, coord.spec.max_object_bytes, config.fetch_threads, nbytes)
-        coordinator_s, versions, phases = drain(coord, len(announced), config.timeout_s)
+        store = ObjectStore(endpoints)
+        servers = [s.pid for s in stack.servers()]
+        with CpuClock(servers) as raw_cpu:
+            raw_s = raw_get(store, keys, coord.spec.max_object_bytes, config.fetch_threads, nbytes)
+        with CpuClock(servers) as coordinator_cpu:
+            coordinator_s, versions, phases = drain(coord, len(announced), config.timeout_s)
+        with CpuClock(servers) as raw_cpu_after:
+            raw_s = (raw_s + raw_get(store, keys, coord.spec.max_object_bytes, config.fetch_threads, nbytes)) / 2
         merged = merged_ids(coord)
         return Repeat(contributions=len(announced), contribution_bytes=nbytes, raw_get_s=raw_s,
                       coordinator_s=coordinator_s, versions=versions,
                       merged=sum(merged[a.contribution_id] for a in announced),
                       merged_distinct=sum(a.contribution_id in merged for a in announced),
-                      refused=coord.bus.counters().get("contributions_refused", 0), phases_s=phases)
+                      refused=coord.bus.counters().get("contributions_refused", 0), phases_s=phases,
+                      raw_cpu_s=((raw_cpu.own_s + raw_cpu_after.own_s) / 2,
+                                 (raw_cpu.servers_s + raw_cpu_after.servers_s) / 2),
+                      coordinator_cpu_s=(coordinator_cpu.own_s, coordinator_cpu.servers_s))
     finally:
         coord.close()
 
@@ -284,6 +305,33 @@ def send(learner: Learner, contributions: int, fragments: int) -> None:
 def deltas_announced(bus: Bus) -> list[Announcement]:
     return [a for a in (Announcement.from_wire(fields[FIELD]) for _eid, fields in bus.r.xrange(bus.keys.announcements))
             if a.kind == "delta"]
+
+
+class CpuClock:
+    """CPU seconds used inside a `with` block by this process (all threads) and by the `pids` (the
+    servers; NaN where /proc cannot be read)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.own_s = self.servers_s = 0.0
+
+    def __enter__(self) -> CpuClock:
+        self._own, self._servers = time.process_time(), self._server_cpu()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.own_s = time.process_time() - self._own
+        self.servers_s = self._server_cpu() - self._servers
+
+    def _server_cpu(self) -> float:
+        total = 0.0
+        for pid in self.pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                return math.nan
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        return total
 
 
 def raw_get(store: ObjectStore, keys: list[str], max_bytes: int, threads: int, expect_bytes: int) -> float:
@@ -355,14 +403,15 @@ class ThroughputResult:
                 f"{c.learners} learners, {first.contributions} contributions of {size_mb:.2f} MB "
                 f"({c.codec}{'+zstd' if c.compress else ''}), {c.fetch_threads} fetch threads, S3 server "
                 f"{'SeaweedFS' if self.server == 'weed' else self.server}")
-        columns = ["repeat", "raw GET MB/s", "coord MB/s", "contrib/s", "versions/s", "versions", "coord s", "ratio"]
-        rows: list[list] = [[str(i + 1), r.raw_mb_s, r.coordinator_mb_s, r.contributions_per_s, r.versions_per_s,
-                             r.versions, r.coordinator_s, r.ratio] for i, r in enumerate(self.repeats)]
+        columns = ["repeat", "raw GET MB/s", "coord MB/s", "contrib/s", "versions/s", "ratio", "raw CPU ms/MB",
+                   "coord CPU ms/MB", "versions", "coord s"]
+        keys = ("raw_get_mb_s", "coordinator_mb_s", "contributions_per_s", "versions_per_s", "ratio",
+                "raw_cpu_ms_per_mb", "coordinator_cpu_ms_per_mb")
+        rows: list[list] = [[str(i + 1), *(r.figures()[k] for k in keys), r.versions, r.coordinator_s]
+                            for i, r in enumerate(self.repeats)]
         med, spread = self.median(), self.spread()
-        keys = ("raw_get_mb_s", "coordinator_mb_s", "contributions_per_s", "versions_per_s")
-        rows.append(["median", *(med[k] for k in keys), None, None, med["ratio"]])
-        rows.append(["min-max", *(f"{spread[k][0]:.4g}-{spread[k][1]:.4g}" for k in keys), None, None,
-                     f"{spread['ratio'][0]:.3f}-{spread['ratio'][1]:.3f}"])
+        rows.append(["median", *(med[k] for k in keys), None, None])
+        rows.append(["min-max", *(f"{spread[k][0]:.3g}-{spread[k][1]:.3g}" for k in keys), None, None])
         wall = statistics.median(r.coordinator_s for r in self.repeats)
         phase_rows = [[p + (" (fetch threads)" if p in THREAD_PHASES else ""), s, 100 * s / wall]
                       for p, s in self.phases().items()]
@@ -370,7 +419,8 @@ class ThroughputResult:
                    f"(target >= 0.50: {'met' if med['ratio'] >= 0.5 else 'not met'})")
         return "\n".join([head, "", report.table(columns, rows), "", verdict, "",
                           f"where the coordinator's time goes (median seconds per repeat, % of its {wall:.3g}s; "
-                          "fetch-thread phases are thread-seconds and overlap):",
+                          "fetch-thread phases are thread-seconds and overlap;\nCPU ms/MB: this process + the Redis and S3 "
+                          "servers, per MB of contribution objects):",
                           report.table(["phase", "seconds", "% of wall"], phase_rows)])
 
     def to_json(self) -> dict:
