@@ -25,29 +25,37 @@ def untimed(_phase: str) -> AbstractContextManager[None]:
 
 @dataclass
 class PhaseTimes:
-    """Seconds and calls per phase. Thread-safe; call the instance as a `Timed`."""
+    """Seconds (elapsed, and CPU of the thread that ran the phase) and calls per phase.
+    Thread-safe; call the instance as a `Timed`."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
-            elapsed = time.perf_counter() - t0
+            elapsed, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
             with self._lock:
                 self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed
+                self.cpu_seconds[phase] = self.cpu_seconds.get(phase, 0.0) + cpu
                 self.calls[phase] = self.calls.get(phase, 0) + 1
 
-    def snapshot(self) -> dict[str, float]:
-        """Seconds per phase so far."""
+    def snapshot(self) -> dict[str, tuple[float, float]]:
+        """(seconds, CPU seconds) per phase so far."""
         with self._lock:
-            return dict(self.seconds)
+            return {phase: (s, self.cpu_seconds[phase]) for phase, s in self.seconds.items()}
 
-    def since(self, before: dict[str, float]) -> dict[str, float]:
-        """Seconds per phase spent since `before` (an earlier `snapshot()`), phases with none left out."""
-        now = self.snapshot()
-        return {phase: s - before.get(phase, 0.0) for phase, s in now.items() if s > before.get(phase, 0.0)}
+    def since(self, before: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+        """(seconds, CPU seconds) per phase spent since `before` (an earlier `snapshot()`), phases
+        with none left out."""
+        out = {}
+        for phase, (s, cpu) in self.snapshot().items():
+            s0, cpu0 = before.get(phase, (0.0, 0.0))
+            if s > s0:
+                out[phase] = (s - s0, cpu - cpu0)
+        return out

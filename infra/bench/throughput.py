@@ -157,7 +157,8 @@ class Repeat:
     """Contribution ids found among the inputs of the committed manifests (with repeats)."""
     merged_distinct: int
     refused: int
-    phases_s: dict[str, float]
+    phases_s: dict[str, tuple[float, float]]
+    """(seconds, CPU seconds of the threads that ran it) per phase of the coordinator."""
     raw_cpu_s: tuple[float, float]
     """CPU seconds per raw GET pass (mean of the two): (this process, the Redis and S3 servers)."""
     coordinator_cpu_s: tuple[float, float]
@@ -345,7 +346,8 @@ def raw_get(store: ObjectStore, keys: list[str], max_bytes: int, threads: int, e
     return elapsed
 
 
-def drain(coord: Coordinator, contributions: int, timeout_s: float) -> tuple[float, int, dict[str, float]]:
+def drain(coord: Coordinator, contributions: int,
+          timeout_s: float) -> tuple[float, int, dict[str, tuple[float, float]]]:
     """Step the coordinator until `contributions` more are applied: (seconds, versions committed, phase split)."""
     before = coord.bus.counters()
     phases = coord.timing.snapshot()
@@ -391,10 +393,11 @@ class ThroughputResult:
         return {k: (min(r.figures()[k] for r in self.repeats), max(r.figures()[k] for r in self.repeats))
                 for k in self.repeats[0].figures()}
 
-    def phases(self) -> dict[str, float]:
-        """Median seconds per phase over the repeats."""
+    def phases(self) -> dict[str, tuple[float, float]]:
+        """Median (seconds, CPU seconds) per phase over the repeats."""
         names = [p for p in (*LOOP_PHASES, *THREAD_PHASES) if any(p in r.phases_s for r in self.repeats)]
-        return {p: statistics.median(r.phases_s.get(p, 0.0) for r in self.repeats) for p in names}
+        return {p: (statistics.median(r.phases_s.get(p, (0.0, 0.0))[0] for r in self.repeats),
+                    statistics.median(r.phases_s.get(p, (0.0, 0.0))[1] for r in self.repeats)) for p in names}
 
     def table(self) -> str:
         c, first = self.config, self.repeats[0]
@@ -413,15 +416,16 @@ class ThroughputResult:
         rows.append(["median", *(med[k] for k in keys), None, None])
         rows.append(["min-max", *(f"{spread[k][0]:.3g}-{spread[k][1]:.3g}" for k in keys), None, None])
         wall = statistics.median(r.coordinator_s for r in self.repeats)
-        phase_rows = [[p + (" (fetch threads)" if p in THREAD_PHASES else ""), s, 100 * s / wall]
-                      for p, s in self.phases().items()]
+        phase_rows = [[p + (" (fetch threads)" if p in THREAD_PHASES else ""), s, cpu, 100 * s / wall]
+                      for p, (s, cpu) in self.phases().items()]
         verdict = (f"ratio coordinator / raw GET: median {med['ratio']:.2f} "
                    f"(target >= 0.50: {'met' if med['ratio'] >= 0.5 else 'not met'})")
         return "\n".join([head, "", report.table(columns, rows), "", verdict, "",
-                          f"where the coordinator's time goes (median seconds per repeat, % of its {wall:.3g}s; "
-                          "fetch-thread phases are thread-seconds and overlap;\nCPU ms/MB: this process + the Redis and S3 "
-                          "servers, per MB of contribution objects):",
-                          report.table(["phase", "seconds", "% of wall"], phase_rows)])
+                          f"where the coordinator's time goes (median per repeat; % of its {wall:.3g}s): seconds and "
+                          "CPU seconds of the threads that ran each phase;\nfetch-thread phases overlap each other and "
+                          "fetch_wait. CPU ms/MB above: this process + the Redis and S3 servers, per MB of contribution "
+                          "objects.",
+                          report.table(["phase", "seconds", "CPU s", "% of wall"], phase_rows)])
 
     def to_json(self) -> dict:
         med, spread = self.median(), self.spread()
@@ -429,5 +433,5 @@ class ThroughputResult:
                 "tensor_shapes": [list(s) for s in self.shapes],
                 "repeats": [asdict(r) | r.figures() | {"consistent": r.consistent} for r in self.repeats],
                 "median": med, "spread": {k: list(v) for k, v in spread.items()},
-                "phases_median_s": self.phases(),
+                "phases_median": {p: {"seconds": s, "cpu_s": cpu} for p, (s, cpu) in self.phases().items()},
                 "target_met": med["ratio"] >= 0.5}
