@@ -1,7 +1,7 @@
 """Publishing a version: objects first, then the manifest, then one atomic Redis commit.
 
 Commit order (invariant 2):
-1. PUT versions/{f}/{v}/params and .../outer_state.
+1. PUT versions/{f}/{v}/params and .../outer_state (concurrently).
 2. PUT versions/{f}/{v}/manifest (create-only). The manifest is the commit record in S3: a
    version whose manifest exists is committed, even if the Redis step below never ran.
 3. Redis: one Lua script, fenced by the coordinator epoch: head compare-and-set, versions stream
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -61,9 +62,12 @@ def write_version(store: ObjectStore, keys: RunKeys, *, fragment: int, version: 
         state_blob = encode_state(state, keys, fragment, version)
         params_sha256, state_sha256 = sha256_hex(params_blob), sha256_hex(state_blob)
     params_key, state_key = keys.params(fragment, version, epoch), keys.outer_state(fragment, version, epoch)
-    with timed("put"):
-        for key, blob in ((params_key, params_blob), (state_key, state_blob)):
-            _put_uncommitted(store, keys, fragment, version, key, blob)
+    with timed("put"), ThreadPoolExecutor(2, thread_name_prefix="put") as pool:
+        # Both at once: neither is committed before the manifest below names them.
+        puts = [pool.submit(_put_uncommitted, store, keys, fragment, version, key, blob)
+                for key, blob in ((params_key, params_blob), (state_key, state_blob))]
+        for put in puts:
+            put.result()
     crash_point("params_written")
     manifest = Manifest(run=keys.run, fragment=fragment, version=version, parent_version=version - 1,
                         params_key=params_key, params_sha256=params_sha256, outer_state_key=state_key,
