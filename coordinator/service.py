@@ -233,6 +233,8 @@ class Coordinator:
         to_fetch: list[tuple[str, Announcement]] = []
         seen = {c.announcement.contribution_id for f in self.fragments.values() for c in f.round}
         with self.timing("check"):
+            applied = self.bus.applied_among([item.contribution_id for _, item in entries
+                                              if not isinstance(item, Refused)])
             for entry_id, item in entries:
                 if isinstance(item, Refused):
                     self._refuse(entry_id, None, item)
@@ -241,7 +243,7 @@ class Coordinator:
                     self._superseded(entry_id, item)
                     continue
                 try:
-                    self._check(item, seen)
+                    self._check(item, seen, applied)
                 except Refused as exc:
                     self._refuse(entry_id, item, exc)
                     continue
@@ -265,8 +267,10 @@ class Coordinator:
                 self.fragments[a.fragment].round.append(
                     Contribution(entry_id, a, to_arrival(a, self.now()), tensors))
 
-    def _check(self, a: Announcement, seen: set[str]) -> None:
-        if a.contribution_id in seen or self.bus.is_applied(a.contribution_id):
+    def _check(self, a: Announcement, seen: set[str], applied: set[str]) -> None:
+        """Refuse a duplicate (`seen` in an open round or this batch, or `applied`), then whatever
+        `check_announcement` refuses."""
+        if a.contribution_id in seen or a.contribution_id in applied:
             where = "is already in an open round" if a.contribution_id in seen else "was applied in a committed version"
             raise Refused("duplicate", f"contribution {a.contribution_id} from {a.learner} {where}: this is "
                           "the same announcement delivered again, and it is applied at most once")
