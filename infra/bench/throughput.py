@@ -80,8 +80,9 @@ class ThroughputConfig:
     """P: fragments of the run."""
     learners: int = 4
     """M: learners sending contributions."""
-    contributions: int = 64
-    """N: contributions the learners send in total, spread over learners and fragments."""
+    contributions: int = 128
+    """N: contributions the learners send in total, spread over learners and fragments (the coordinator
+    reads up to 256 announcements at a time, so the default backlog is one batch)."""
     codec: str = "int8"
     """Codec of the contributions: fp32, bf16, int8 or int4."""
     compress: bool = True
