@@ -100,7 +100,7 @@ class Coordinator:
         self._last_cadence_check = 0.0
         self._pool = ThreadPoolExecutor(self.config.fetch_threads, thread_name_prefix="fetch")
         self.timing = PhaseTimes()
-        """Seconds per phase of the loop since start (`coordinator/timing.py`)."""
+        """(seconds, CPU seconds) per phase of the loop since start (`coordinator/timing.py`)."""
         self._retry: list[tuple[str, Announcement]] = []
         self._unplaced: list[Refusal] = []  # refusals of entries that name no fragment of the run
         self._read_pending = True

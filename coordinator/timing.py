@@ -1,9 +1,10 @@
-"""Where the coordinator's time goes: seconds and calls per phase, summed since the process started.
+"""Where the coordinator's time goes: seconds per phase, summed since the coordinator started.
 
 The loop times each of its phases (reading announcements, fetching and verifying objects, merging,
 the outer step, encoding, writing, committing) with `PhaseTimes`, and `diloco bench coordinator`
 reports the split. Phases that run on the fetch threads ("get", "verify") add thread-seconds,
-which overlap each other and the loop's own phases; the others are the loop's wall time.
+which overlap each other and the loop's own phases; the others are the loop's wall time
+("fetch_wait" is the loop waiting for the fetch threads).
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ def untimed(_phase: str) -> AbstractContextManager[None]:
 
 @dataclass
 class PhaseTimes:
-    """Seconds (elapsed, and CPU of the thread that ran the phase) and calls per phase.
-    Thread-safe; call the instance as a `Timed`."""
+    """Seconds per phase: elapsed, and CPU of the thread that ran it (a phase that waits on
+    other threads, or on a server, shows little CPU). Thread-safe; call the instance as a `Timed`."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     cpu_seconds: dict[str, float] = field(default_factory=dict)
-    calls: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @contextmanager
@@ -43,7 +43,6 @@ class PhaseTimes:
             with self._lock:
                 self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed
                 self.cpu_seconds[phase] = self.cpu_seconds.get(phase, 0.0) + cpu
-                self.calls[phase] = self.calls.get(phase, 0) + 1
 
     def snapshot(self) -> dict[str, tuple[float, float]]:
         """(seconds, CPU seconds) per phase so far."""

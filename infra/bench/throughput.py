@@ -72,6 +72,8 @@ THREAD_PHASES = ("get", "verify")
 
 @dataclass(frozen=True, slots=True)
 class ThroughputConfig:
+    """The workload and the measurement of `diloco bench coordinator` (one option per field)."""
+
     fragment_mb: float = 4.0
     """Size of one fragment in MB of fp32 parameters (a contribution decodes to this much)."""
     tensors: int = 6
