@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.policy import Arrival, RoundConfig, staleness_verdict
+from coordinator.timing import Timed, untimed
 from storage import codecs
 from storage.errors import Refused
 from storage.history import sha256_hex
@@ -69,15 +70,24 @@ def check_announcement(a: Announcement, *, spec: RunSpec, keys: RunKeys, head: i
 
 
 def fetch_tensors(store: ObjectStore, a: Announcement, layout: Layout, max_bytes: int, *,
-                  codec: str) -> dict[str, torch.Tensor]:
+                  codec: str, timed: Timed = untimed) -> dict[str, torch.Tensor]:
     """Read, check and decode the announced object against the fragment's layout.
 
-    `codec` is the run's codec: a delta must be encoded with it, a genesis proposal with fp32."""
-    try:
-        blob = store.get(a.object_key, max_bytes=max_bytes)
-    except ObjectMissing:
-        raise Refused("missing_object", f"announced object {a.object_key} does not exist in the bucket "
-                      "(never uploaded, or deleted since)") from None
+    `codec` is the run's codec: a delta must be encoded with it, a genesis proposal with fp32.
+    `timed` times the read ("get") and the checks and decoding ("verify")."""
+    with timed("get"):
+        try:
+            blob = store.get(a.object_key, max_bytes=max_bytes)
+        except ObjectMissing:
+            raise Refused("missing_object", f"announced object {a.object_key} does not exist in the bucket "
+                          "(never uploaded, or deleted since)") from None
+    with timed("verify"):
+        return _check_object(blob, a, layout, max_bytes, codec=codec)
+
+
+def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, *,
+                 codec: str) -> dict[str, torch.Tensor]:
+    """The tensors of `blob`, the object `a` announces, once every check has passed (see `fetch_tensors`)."""
     if len(blob) != a.size_bytes:
         raise Refused("size_mismatch", f"{a.object_key} is {len(blob)} bytes, the announcement says {a.size_bytes}")
     actual = sha256_hex(blob)

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from coordinator.timing import Timed, untimed
+
 
 def merge_deltas(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], *,
                  radial_directional: bool = False) -> dict[str, Tensor]:
@@ -144,13 +146,15 @@ def round_delta(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float]
 
 
 def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequence[Mapping[str, Tensor]],
-                weights: Sequence[float], settings: Mapping[str, object]) -> tuple[dict[str, Tensor], NesterovState]:
+                weights: Sequence[float], settings: Mapping[str, object], *,
+                timed: Timed = untimed) -> tuple[dict[str, Tensor], NesterovState]:
     """One round: merge `deltas` (in merge order) with `weights` (`round_delta`), then one outer
     Nesterov step.
 
     Configured by the `settings` recorded in the version's manifest (`merge`, `outer_lr`,
     `outer_momentum`), so that the live coordinator and a replay from the manifest run the very
-    same computation. Raises ValueError for settings this build does not know.
+    same computation. Raises ValueError for settings this build does not know. `timed` times the
+    merge ("merge") and the outer step ("outer").
     """
     if settings.get("outer", "nesterov") != "nesterov":
         raise ValueError(f"outer optimizer {settings.get('outer')!r} is not one this build knows ('nesterov')")
@@ -158,5 +162,7 @@ def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequ
     if isinstance(lr, bool) or isinstance(momentum, bool) or not isinstance(lr, (int, float)) \
             or not isinstance(momentum, (int, float)):
         raise ValueError(f"outer_lr {lr!r} and outer_momentum {momentum!r} must be numbers")
-    delta = round_delta(deltas, weights, settings)
-    return nesterov_step(params, delta, state, lr=float(lr), momentum=float(momentum))
+    with timed("merge"):
+        delta = round_delta(deltas, weights, settings)
+    with timed("outer"):
+        return nesterov_step(params, delta, state, lr=float(lr), momentum=float(momentum))

@@ -1,7 +1,7 @@
 """Publishing a version: objects first, then the manifest, then one atomic Redis commit.
 
 Commit order (invariant 2):
-1. PUT versions/{f}/{v}/params and .../outer_state.
+1. PUT versions/{f}/{v}/params and .../outer_state (concurrently).
 2. PUT versions/{f}/{v}/manifest (create-only). The manifest is the commit record in S3: a
    version whose manifest exists is committed, even if the Redis step below never ran.
 3. Redis: one Lua script, fenced by the coordinator epoch: head compare-and-set, versions stream
@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from coordinator.outer import NesterovState
+from coordinator.timing import Timed, untimed
 from storage import codecs
 from storage.bus import Bus, CommitResult
 from storage.crashpoints import crash_point
@@ -51,20 +53,28 @@ def decode_state(blob: bytes, max_bytes: int) -> NesterovState:
 
 def write_version(store: Store, keys: RunKeys, *, fragment: int, version: int,
                   params: dict[str, torch.Tensor], state: NesterovState, inputs: tuple[Contribution, ...],
-                  refused: tuple[Refusal, ...], settings: dict, epoch: int) -> Manifest:
-    """Steps 1 and 2. Raises Conflict if a manifest for this version already exists."""
-    params_blob = encode_params(params, keys, fragment, version)
-    state_blob = encode_state(state, keys, fragment, version)
+                  refused: tuple[Refusal, ...], settings: dict, epoch: int, timed: Timed = untimed) -> Manifest:
+    """Steps 1 and 2. Raises Conflict if a manifest for this version already exists.
+
+    `timed` times the encoding ("encode"), the objects' PUTs ("put") and the manifest's ("manifest")."""
+    with timed("encode"):
+        params_blob = encode_params(params, keys, fragment, version)
+        state_blob = encode_state(state, keys, fragment, version)
+        params_sha256, state_sha256 = sha256_hex(params_blob), sha256_hex(state_blob)
     params_key, state_key = keys.params(fragment, version, epoch), keys.outer_state(fragment, version, epoch)
-    for key, blob in ((params_key, params_blob), (state_key, state_blob)):
-        _put_uncommitted(store, keys, fragment, version, key, blob)
+    with timed("put"), ThreadPoolExecutor(2, thread_name_prefix="put") as pool:
+        # Both at once: neither is committed before the manifest below names them.
+        puts = [pool.submit(_put_uncommitted, store, keys, fragment, version, key, blob)
+                for key, blob in ((params_key, params_blob), (state_key, state_blob))]
+        for put in puts:
+            put.result()
     crash_point("params_written")
     manifest = Manifest(run=keys.run, fragment=fragment, version=version, parent_version=version - 1,
-                        params_key=params_key, params_sha256=sha256_hex(params_blob),
-                        outer_state_key=state_key,
-                        outer_state_sha256=sha256_hex(state_blob), inputs=inputs, settings=settings,
+                        params_key=params_key, params_sha256=params_sha256, outer_state_key=state_key,
+                        outer_state_sha256=state_sha256, inputs=inputs, settings=settings,
                         refused=refused, committed_at=time.time(), epoch=epoch)
-    store.put(keys.manifest(fragment, version), manifest.to_wire(), create_only=True)
+    with timed("manifest"):
+        store.put(keys.manifest(fragment, version), manifest.to_wire(), create_only=True)
     crash_point("manifest_written")
     return manifest
 

@@ -29,6 +29,7 @@ from coordinator.outer import NesterovState, apply_round
 from coordinator.policy import RoundState, decide_round, merge_order, merge_weights, staleness_verdict
 from coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
 from coordinator.recovery import reannounce_lost
+from coordinator.timing import PhaseTimes
 from storage.bus import Bus, CommitResult
 from storage.crashpoints import crash_point
 from storage.errors import Conflict, Refused, StorageUnavailable
@@ -98,6 +99,8 @@ class Coordinator:
         self.leadership.start_renewing()  # only now: a start-up that failed leaves the lease to lapse
         self._last_cadence_check = 0.0
         self._pool = ThreadPoolExecutor(self.config.fetch_threads, thread_name_prefix="fetch")
+        self.timing = PhaseTimes()
+        """(seconds, CPU seconds) per phase of the loop since start (`coordinator/timing.py`)."""
         self._retry: list[tuple[str, Announcement]] = []
         self._unplaced: list[Refusal] = []  # refusals of entries that name no fragment of the run
         self._read_pending = True
@@ -178,16 +181,18 @@ class Coordinator:
 
     def step(self, block_ms: int = 0) -> None:
         """One iteration: read what arrived, then merge every round that is due."""
-        if self._read_pending:
-            entries = self.bus.read_announcements(self.config.consumer, pending=True, count=256)
-            self._read_pending = len(entries) == 256
-        else:
-            entries = self.bus.read_announcements(self.config.consumer, block_ms=block_ms, count=256)
+        with self.timing("read"):
+            if self._read_pending:
+                entries = self.bus.read_announcements(self.config.consumer, pending=True, count=256)
+                self._read_pending = len(entries) == 256
+            else:
+                entries = self.bus.read_announcements(self.config.consumer, block_ms=block_ms, count=256)
         retry, self._retry = self._retry, []
         self._intake(list(entries) + retry)
-        self.live = len(self.bus.live_learners())
-        if self.spec.cadence == "clock" and time.monotonic() - self._last_cadence_check > 1.0:
-            self._tend_cadence()
+        with self.timing("read"):
+            self.live = len(self.bus.live_learners())
+            if self.spec.cadence == "clock" and time.monotonic() - self._last_cadence_check > 1.0:
+                self._tend_cadence()
         for fragment, frag in self.fragments.items():
             if frag.round:
                 self._maybe_merge(fragment, frag)
@@ -227,24 +232,28 @@ class Coordinator:
     def _intake(self, entries: list) -> None:
         to_fetch: list[tuple[str, Announcement]] = []
         seen = {c.announcement.contribution_id for f in self.fragments.values() for c in f.round}
-        for entry_id, item in entries:
-            if isinstance(item, Refused):
-                self._refuse(entry_id, None, item)
-                continue
-            if item.kind == "genesis" and self.fragments.get(item.fragment, Fragment(-1)).head >= 0:
-                self._superseded(entry_id, item)
-                continue
-            try:
-                self._check(item, seen)
-            except Refused as exc:
-                self._refuse(entry_id, item, exc)
-                continue
-            seen.add(item.contribution_id)
-            to_fetch.append((entry_id, item))
+        with self.timing("check"):
+            applied = self.bus.applied_among([item.contribution_id for _, item in entries
+                                              if not isinstance(item, Refused)])
+            for entry_id, item in entries:
+                if isinstance(item, Refused):
+                    self._refuse(entry_id, None, item)
+                    continue
+                if item.kind == "genesis" and self.fragments.get(item.fragment, Fragment(-1)).head >= 0:
+                    self._superseded(entry_id, item)
+                    continue
+                try:
+                    self._check(item, seen, applied)
+                except Refused as exc:
+                    self._refuse(entry_id, item, exc)
+                    continue
+                seen.add(item.contribution_id)
+                to_fetch.append((entry_id, item))
         futures = [(eid, a, self._pool.submit(self._fetch, a)) for eid, a in to_fetch]
         for entry_id, a, future in futures:
             try:
-                tensors = future.result()
+                with self.timing("fetch_wait"):
+                    tensors = future.result()
             except Refused as exc:
                 self._refuse(entry_id, a, exc)
                 continue
@@ -258,8 +267,10 @@ class Coordinator:
                 self.fragments[a.fragment].round.append(
                     Contribution(entry_id, a, to_arrival(a, self.now()), tensors))
 
-    def _check(self, a: Announcement, seen: set[str]) -> None:
-        if a.contribution_id in seen or self.bus.is_applied(a.contribution_id):
+    def _check(self, a: Announcement, seen: set[str], applied: set[str]) -> None:
+        """Refuse a duplicate (`seen` in an open round or this batch, or `applied`), then whatever
+        `check_announcement` refuses."""
+        if a.contribution_id in seen or a.contribution_id in applied:
             where = "is already in an open round" if a.contribution_id in seen else "was applied in a committed version"
             raise Refused("duplicate", f"contribution {a.contribution_id} from {a.learner} {where}: this is "
                           "the same announcement delivered again, and it is applied at most once")
@@ -272,7 +283,8 @@ class Coordinator:
         if a.kind == "genesis" and layout is None:
             layout = self._adopt_layout(a.learner)
         assert layout is not None
-        return fetch_tensors(self.store, a, layout, self.spec.max_object_bytes, codec=self.spec.codec)
+        return fetch_tensors(self.store, a, layout, self.spec.max_object_bytes, codec=self.spec.codec,
+                             timed=self.timing)
 
     def _adopt_layout(self, learner: str) -> Layout:
         """The first genesis fixes the run's layout (create-only: concurrent proposals, one winner)."""
@@ -332,7 +344,8 @@ class Coordinator:
         if not decision.merge:
             return
         log.info("fragment %d v%d: %s", fragment, frag.head + 1, decision.reason)
-        self._ensure_loaded(fragment, frag)
+        with self.timing("load"):
+            self._ensure_loaded(fragment, frag)
         crash_point("fetched")
         assert frag.params is not None and frag.state is not None
         settings = self._settings("delta")
@@ -342,8 +355,11 @@ class Coordinator:
             contributions = [by_id[a.contribution_id] for a in ordered]
             weights = merge_weights(ordered, frag.head, self.round_cfg)
             # The settings the manifest records configure the merge itself: a replay runs the same call.
-            params, state = apply_round(frag.params, frag.state, [c.delta for c in contributions], weights, settings)
-            if _finite(params) and _finite(state.momentum):
+            params, state = apply_round(frag.params, frag.state, [c.delta for c in contributions], weights, settings,
+                                        timed=self.timing)
+            with self.timing("outer"):
+                finite = _finite(params) and _finite(state.momentum)
+            if finite:
                 self._publish(fragment, frag, contributions, weights, params, state, settings)
                 return
             self._refuse_overflow(fragment, frag, contributions)
@@ -401,11 +417,12 @@ class Coordinator:
         try:
             manifest = write_version(self.store, self.keys, fragment=fragment, version=version, params=params,
                                      state=state, inputs=inputs, refused=refused, settings=settings,
-                                     epoch=self.epoch)
+                                     epoch=self.epoch, timed=self.timing)
         except Conflict:
             self._adopt_written(fragment, frag, version)
             return
-        result = commit(self.bus, manifest, epoch=self.epoch, ack_ids=[c.entry_id for c in contributions])
+        with self.timing("commit"):
+            result = commit(self.bus, manifest, epoch=self.epoch, ack_ids=[c.entry_id for c in contributions])
         crash_point("committed")
         if result is CommitResult.WIPED:
             self._rebuild()  # rolls our manifest forward: it is the latest in S3

@@ -336,6 +336,14 @@ class Bus:
     def is_applied(self, contribution_id: str) -> bool:
         return bool(self.r.sismember(self.keys.applied, contribution_id))
 
+    @redis_retry
+    def applied_among(self, contribution_ids: Sequence[str]) -> set[str]:
+        """The ones of `contribution_ids` that are applied: one round trip (SMISMEMBER) for a batch."""
+        if not contribution_ids:
+            return set()
+        found = self.r.smismember(self.keys.applied, list(contribution_ids))
+        return {cid for cid, hit in zip(contribution_ids, found, strict=True) if hit}
+
     # ---- the round clock ---------------------------------------------------------------
     @redis_retry
     def server_time(self) -> float:

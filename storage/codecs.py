@@ -277,12 +277,15 @@ def _decode_tensor(seg: torch.Tensor, spec: TensorSpec, codec: str, block: int) 
         if n and q.min() == 0:
             raise _refused("bad_payload", spec, "int4 nibble 0 (valid: 1..15, i.e. -7..7)")
         q.sub_(8)
-    values = torch.empty(n, dtype=torch.float32)
+    # float32(value * scale): the int8 -> float32 cast is exact, so casting first and multiplying in
+    # float32 gives the same bits as a mixed int8 x float32 multiply, on ATen's fast same-dtype kernel
+    # (the mixed one is ~6x slower).
+    values = q.to(torch.float32)
     full = n // block * block
     if full:
-        torch.mul(q[:full].view(-1, block), scales[:full // block, None], out=values[:full].view(-1, block))
+        values[:full].view(-1, block).mul_(scales[:full // block, None])
     if n > full:
-        torch.mul(q[full:], scales[-1], out=values[full:])
+        values[full:].mul_(scales[-1])
     return values.view(spec.shape)
 
 

@@ -121,6 +121,26 @@ def test_int4_packs_low_nibble_first_with_scale_before_values() -> None:
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_quantized_values_decode_to_the_correctly_rounded_product_of_value_and_scale(codec: str) -> None:
+    """Bit for bit float32(value * scale), as the format says, whatever kernels compute it; a
+    short last block included. Replay of old versions depends on these exact bits."""
+    x = torch.randn(9, 57, generator=torch.Generator().manual_seed(3)) * 1e-3
+    blob = encode({"v": x}, codec, block_size=64)
+    _, body = _split(blob)
+    n, blocks = x.numel(), -(-x.numel() // 64)
+    scales = torch.frombuffer(bytearray(body[:4 * blocks]), dtype=torch.float32).double()
+    codes = torch.frombuffer(bytearray(body[4 * blocks:]), dtype=torch.uint8)
+    if codec == "int8":
+        values = codes.view(torch.int8).double()
+    else:
+        values = torch.stack((codes & 15, codes >> 4), dim=1).view(-1)[:n].double() - 8
+    # A float64 product of a 4-bit or 8-bit integer and a float32 is exact: one rounding, to float32.
+    expected = (values * scales.repeat_interleave(64)[:n]).float()
+    out, _ = decode(blob, max_bytes=LIMIT)
+    assert torch.equal(out["v"].reshape(-1).view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
 def test_zero_block_has_scale_zero_and_decodes_to_zeros(codec: str) -> None:
     x = torch.cat([-torch.zeros(4), torch.tensor([1.0, -2.0, 0.5, 0.0])])  # block 0 is all -0.0
     blob = encode({"v": x}, codec, block_size=4)
