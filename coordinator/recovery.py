@@ -1,4 +1,9 @@
-"""After Redis lost its data: find the contributions whose announcements were lost with it.
+"""After Redis lost data: find the contributions whose announcements were lost with it.
+
+Two cases: Redis emptied (the coordinator rebuilds it from S3, then looks here), and Redis
+restarted with its data but without its last second of writes (the append-only file is synced
+once a second): once the coordinator has read every announcement that survived, it looks here
+for objects stored before the outage.
 
 Learners store a contribution in S3 before they announce it, and every contribution object
 describes itself in its header (run, fragment, learner, contribution id, base version, tokens,
@@ -61,15 +66,17 @@ def announcement_from_object(key: str, blob: bytes, *, max_bytes: int) -> Announ
 
 
 def reannounce_lost(store: ObjectStore, bus: Bus, heads: dict[int, int], *, known: set[str], keep: int,
-                    max_bytes: int) -> tuple[int, int]:
+                    max_bytes: int, before: float | None = None) -> tuple[int, int]:
     """Announce again every recent contribution object nobody accounts for. `known` holds the
     object keys the coordinator still has in memory (open rounds, refusals not yet in a manifest).
+    With `before` (unix time), only objects stored before it: after an outage in which Redis kept
+    its data, objects stored since were announced once it answered again.
     Returns (announced again, unreadable)."""
     accounted, since = accounted_since(store, bus.keys, heads, keep)
     accounted |= known
     again = unreadable = 0
     for key, modified in store.list_modified(bus.keys.deltas_prefix()):
-        if key in accounted or modified < since - CLOCK_MARGIN_S:
+        if key in accounted or modified < since - CLOCK_MARGIN_S or (before is not None and modified > before):
             continue
         try:
             a = announcement_from_object(key, store.get(key, max_bytes=max_bytes), max_bytes=max_bytes)
@@ -81,6 +88,6 @@ def reannounce_lost(store: ObjectStore, bus: Bus, heads: dict[int, int], *, know
         bus.announce(a)
         again += 1
     if again or unreadable:
-        log.warning("announced %d contribution(s) again from S3 (%d unreadable) after Redis lost its data",
+        log.warning("announced %d contribution(s) again from S3 (%d unreadable) whose announcements Redis lost",
                     again, unreadable)
     return again, unreadable

@@ -104,6 +104,9 @@ class Coordinator:
         self._retry: list[tuple[str, Announcement]] = []
         self._unplaced: list[Refusal] = []  # refusals of entries that name no fragment of the run
         self._read_pending = True
+        self._outage_at: float | None = None  # when Redis stopped answering (unix), until the lost-work sweep
+        self._drained = False  # the last read of the announcements stream returned nothing
+        self._redis_run_id = self.bus.server_run_id()
         log.info("coordinator %s of run %s: epoch %d, %d fragments, heads %s", self.leadership.holder, run,
                  self.epoch, self.spec.num_fragments, {f: s.head for f, s in self.fragments.items()})
 
@@ -137,19 +140,29 @@ class Coordinator:
         self._pool.shutdown(wait=True)
 
     def _serve(self, stop: threading.Event) -> None:
-        last_claim = 0.0
+        last_claim = last_restart_check = 0.0
         while not stop.is_set():
             now = time.monotonic()
             try:
                 if self.leadership.check():
                     self._rebuild()
+                    self._outage_at = None  # the rebuild looked for lost work already
+                    self._redis_run_id = self.bus.server_run_id()
                 if now - last_claim > self.config.claim_idle_s / 2:
                     self._intake(self.bus.autoclaim(self.config.consumer,
                                                     min_idle_ms=int(self.config.claim_idle_s * 1000)))
                     last_claim = now
                 self.step(block_ms=self._block_ms())
+                if now - last_restart_check > 1.0:
+                    self._notice_restart()
+                    last_restart_check = now
+                if self._outage_at is not None and self._drained:
+                    self._sweep_after_outage(self._outage_at)
+                    self._outage_at = None
             except (redis.RedisError, StorageUnavailable) as exc:
                 # Pending entries stay pending and in-memory rounds stay open: resume when it answers.
+                if isinstance(exc, redis.RedisError) and self._outage_at is None:
+                    self._outage_at = time.time()
                 log.warning("storage unavailable, retrying in 1s: %s", exc)
                 stop.wait(1.0)
 
@@ -166,18 +179,45 @@ class Coordinator:
             frag.round = [c for c in frag.round if not self.bus.is_applied(c.announcement.contribution_id)]
         if self.cadence is not None:
             self.bus.set_cadence(self.cadence)
+        again = self._announce_lost(heads)
+        self.bus.incr("redis_rebuilds")
+        log.warning("rebuilt Redis from S3 at epoch %d: heads %s, %d contribution(s) announced again", self.epoch,
+                    heads, again)
+
+    def _notice_restart(self) -> None:
+        """A Redis restart can be too short for any command to fail (the adapter retries): notice it
+        by the server's run id, so that the sweep for lost announcements runs after it too."""
+        run_id = self.bus.server_run_id()
+        if run_id != self._redis_run_id and self._outage_at is None:
+            log.warning("Redis restarted (server run id changed): looking for announcements it lost")
+            self._outage_at = time.time()
+        self._redis_run_id = run_id
+
+    def _sweep_after_outage(self, outage_at: float) -> None:
+        """Redis came back with its data, but it may have lost its last writes (append-only file synced
+        once a second): an announcement a learner made just before the crash is then gone, while its
+        object is in S3. Once every surviving announcement has been read, announce again the objects
+        stored before the outage that nothing accounts for."""
+        if not self.bus.r.exists(self.keys.epoch):
+            return  # Redis came back empty: the lease thread reports it and the rebuild looks for lost work
+        again = self._announce_lost({f: frag.head for f, frag in self.fragments.items() if frag.head >= 0},
+                                    before=outage_at)
+        self.bus.incr("outage_sweeps")
+        log.info("after the Redis outage: %d lost announcement(s) found in S3 and made again", again)
+
+    def _announce_lost(self, heads: dict[int, int], before: float | None = None) -> int:
+        """Announce again the recent contribution objects that no manifest, open round or pending
+        refusal accounts for (`coordinator.recovery`); only those stored before `before` if given."""
         known = {c.announcement.object_key for f in self.fragments.values() for c in f.round}
         known |= {r.object_key for f in self.fragments.values() for r in f.refused}
         known |= {r.object_key for r in self._unplaced}
         again, unreadable = reannounce_lost(self.store, self.bus, heads, known=known,
                                             keep=self.round_cfg.max_staleness + 1,
-                                            max_bytes=self.spec.max_object_bytes)
+                                            max_bytes=self.spec.max_object_bytes, before=before)
         self._read_pending = True
-        self.bus.incr("redis_rebuilds")
         self.bus.incr("reannounced_from_s3", again)
         self.bus.incr("unreadable_in_s3", unreadable)
-        log.warning("rebuilt Redis from S3 at epoch %d: heads %s, %d contribution(s) announced again", self.epoch,
-                    heads, again)
+        return again
 
     def step(self, block_ms: int = 0) -> None:
         """One iteration: read what arrived, then merge every round that is due."""
@@ -187,6 +227,7 @@ class Coordinator:
                 self._read_pending = len(entries) == 256
             else:
                 entries = self.bus.read_announcements(self.config.consumer, block_ms=block_ms, count=256)
+        self._drained = not entries and not self._read_pending
         retry, self._retry = self._retry, []
         self._intake(list(entries) + retry)
         with self.timing("read"):

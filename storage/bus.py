@@ -346,6 +346,11 @@ class Bus:
 
     # ---- the round clock ---------------------------------------------------------------
     @redis_retry
+    def server_run_id(self) -> str:
+        """The Redis server's run id: a new one after every restart of the server."""
+        return str(self.r.info("server").get("run_id", ""))
+
+    @redis_retry
     def server_time(self) -> float:
         """Redis server time, unix seconds: the one clock every process agrees on."""
         sec, usec = self.r.time()

@@ -154,3 +154,37 @@ def test_announcements_lost_with_redis_are_found_in_s3_and_merged_once(own_stack
     assert len(applied) == len(set(applied)), "a contribution was applied twice"
     assert {*unread, "d" * 32} <= set(applied)
     learner.close()
+
+
+def test_an_announcement_lost_in_a_redis_restart_is_found_in_s3_and_merged(own_stack):
+    """Redis restarts with its data but not its last writes (appendfsync everysec): here, a
+    contribution stored in S3 whose announcement never made it. Once the coordinator has read the
+    surviving announcements it sweeps S3 for objects stored before the outage and merges it."""
+    stack, _env, _procs = own_stack
+    endpoints = stack.endpoints
+    coord = make_coordinator(endpoints, RUN, lease_s=5.0)
+    learner, opt = join(endpoints, RUN, coord, "l0")
+    train(learner, opt, 4)
+    for _ in range(5):
+        coord.step(block_ms=50)
+    store, keys = ObjectStore(endpoints), coord.keys
+    layout = read_layout(store, keys)
+    lost = "e" * 32
+    meta = {"run": RUN, "fragment": 0, "learner": "l1", "kind": "delta", "contribution_id": lost,
+            "base_version": coord.bus.heads()[0], "tokens": 40, "steps": 4, "step_time_s": 0.1, "deadline": 0.0}
+    store.put(keys.delta(0, "l1", 1), codecs.encode({s.name: torch.full(s.shape, 0.01) for s in layout.fragments[0]},
+                                                    "fp32", meta=meta))
+    with serving(coord):
+        time.sleep(0.5)
+        stack.kill_redis()
+        time.sleep(2.0)
+        stack.start_redis()
+        bus = Bus(endpoints, RUN)
+        wait_for("the lost announcement to be made again and merged", lambda: bus.is_applied(lost), timeout_s=60)
+    counters = bus.counters()
+    assert counters["outage_sweeps"] >= 1 and counters["reannounced_from_s3"] == 1, counters
+    assert counters.get("redis_rebuilds", 0) == 0, counters  # Redis kept its data: no rebuild
+    applied = [c.contribution_id for f in range(2) for v in range(bus.heads()[f] + 1)
+               for c in read_manifest(store, keys, f, v).inputs]
+    assert applied.count(lost) == 1
+    learner.close()
