@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sync-every", type=int, default=30, help="H (default: %(default)s)")
     parser.add_argument("--overlap-steps", type=int, default=3, help="tau (default: %(default)s)")
     parser.add_argument("--codec", default="int8", help="outer-gradient codec (default: %(default)s)")
+    parser.add_argument("--learner-args", default="",
+                        help="extra options for the decoupled arm's learners, e.g. '--own-version-wait 0'")
     parser.add_argument("--arms", default="decoupled,sync,baseline",
                         help="comma-separated subset of decoupled,sync,baseline (default: %(default)s)")
 
@@ -52,7 +54,8 @@ def arms(args: argparse.Namespace) -> dict[str, Trial]:
     learners = tuple(LearnerPlan(f"learner-{i}", steps=args.steps, data_seed=i) for i in range(args.learners))
     shape = (args.fragments, args.sync_every, args.overlap_steps, args.codec)
     return {
-        "decoupled": Trial("decoupled", learners, budget_s, run_args(*shape), ("--min-quorum", "1")),
+        "decoupled": Trial("decoupled", learners, budget_s, run_args(*shape), ("--min-quorum", "1"),
+                           tuple(args.learner_args.split())),
         "sync": Trial("sync", learners, budget_s, run_args(1, *shape[1:], cadence="steps"),
                       ("--min-quorum", str(args.learners), "--max-grace-s", "0"), SYNC_LEARNER),
     }
