@@ -74,8 +74,10 @@ class LearnerConfig:
     """With `wait_for_merge`: the longest a step waits for a new version before training on without it."""
     own_version_wait: float = 0.5
     """After `overlap_steps`, keep training up to this fraction of H more steps while the version that
-    merged this learner's own contribution is not committed yet, rather than take an older one: a delta
-    computed against a version that lacks the learner's previous contribution is stale, and weighs less."""
+    merged this learner's own contribution is not committed or not downloaded yet, rather than take an
+    older one: a delta computed against a version that lacks the learner's previous contribution is
+    stale, and weighs less. After that, any newer version is taken (else a learner whose sends come
+    faster than their rounds commit would never move its base)."""
 
     def __post_init__(self) -> None:
         if self.lease_s <= self.heartbeat_s:
@@ -120,7 +122,7 @@ class Learner:
         """Time the training loop spent in this learner's step hook: snapshots, deltas, merges and,
         with `wait_for_merge`, waiting for versions. Uploads and downloads run beside the loop."""
         self.started_at: float | None = None
-        """When the first step began (monotonic): the training loop's wall time is measured from it."""
+        """When the first step ended (monotonic): the training loop's wall time is measured from it."""
 
     # ---- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> Learner:
@@ -331,7 +333,7 @@ class Learner:
             if fetched.version <= self.base_version[fragment]:
                 self.fetcher.want(fragment, self.base_version[fragment])
                 continue
-            if mine is not None and fetched.version < mine:
+            if mine is not None and fetched.version < mine and patient:
                 self.fetcher.want(fragment, mine - 1)  # ours is committed, an older version was parked: fetch ours
                 continue
             del self._awaiting[fragment]
