@@ -69,14 +69,17 @@ def reannounce_lost(store: ObjectStore, bus: Bus, heads: dict[int, int], *, know
                     max_bytes: int, before: float | None = None) -> tuple[int, int]:
     """Announce again every recent contribution object nobody accounts for. `known` holds the
     object keys the coordinator still has in memory (open rounds, refusals not yet in a manifest).
-    With `before` (unix time), only objects stored before it: after an outage in which Redis kept
-    its data, objects stored since were announced once it answered again.
+    With `before` (unix time, when the coordinator noticed an outage in which Redis kept its data),
+    only objects stored before it (plus the clock margin: S3's clock is not ours): objects stored
+    later were announced once Redis answered. Any that were announced anyway are refused as
+    duplicates.
     Returns (announced again, unreadable)."""
     accounted, since = accounted_since(store, bus.keys, heads, keep)
     accounted |= known
     again = unreadable = 0
     for key, modified in store.list_modified(bus.keys.deltas_prefix()):
-        if key in accounted or modified < since - CLOCK_MARGIN_S or (before is not None and modified > before):
+        if key in accounted or modified < since - CLOCK_MARGIN_S or (before is not None
+                                                                     and modified > before + CLOCK_MARGIN_S):
             continue
         try:
             a = announcement_from_object(key, store.get(key, max_bytes=max_bytes), max_bytes=max_bytes)

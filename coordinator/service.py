@@ -32,7 +32,7 @@ from coordinator.recovery import reannounce_lost
 from coordinator.timing import PhaseTimes
 from storage.bus import Bus, CommitResult
 from storage.crashpoints import crash_point
-from storage.errors import Conflict, Refused, StorageUnavailable
+from storage.errors import ConfigError, Conflict, Refused, StorageUnavailable
 from storage.history import read_layout, read_manifest, read_params, read_run_spec, read_verified
 from storage.objects import ObjectMissing, ObjectStore
 from storage.protocol import MAX_RECORD_BYTES, Announcement, Cadence, Contribution as Input, Layout, Refusal, RunSpec
@@ -104,9 +104,9 @@ class Coordinator:
         self._retry: list[tuple[str, Announcement]] = []
         self._unplaced: list[Refusal] = []  # refusals of entries that name no fragment of the run
         self._read_pending = True
-        self._outage_at: float | None = None  # when Redis stopped answering (unix), until the lost-work sweep
+        self._outage_at: float | None = None  # when this process noticed a Redis outage (unix), until the sweep
         self._drained = False  # the last read of the announcements stream returned nothing
-        self._redis_run_id = self.bus.server_run_id()
+        self._redis_run_id = self._server_run_id()
         log.info("coordinator %s of run %s: epoch %d, %d fragments, heads %s", self.leadership.holder, run,
                  self.epoch, self.spec.num_fragments, {f: s.head for f, s in self.fragments.items()})
 
@@ -146,8 +146,6 @@ class Coordinator:
             try:
                 if self.leadership.check():
                     self._rebuild()
-                    self._outage_at = None  # the rebuild looked for lost work already
-                    self._redis_run_id = self.bus.server_run_id()
                 if now - last_claim > self.config.claim_idle_s / 2:
                     self._intake(self.bus.autoclaim(self.config.consumer,
                                                     min_idle_ms=int(self.config.claim_idle_s * 1000)))
@@ -161,8 +159,8 @@ class Coordinator:
                     self._outage_at = None
             except (redis.RedisError, StorageUnavailable) as exc:
                 # Pending entries stay pending and in-memory rounds stay open: resume when it answers.
-                if isinstance(exc, redis.RedisError) and self._outage_at is None:
-                    self._outage_at = time.time()
+                if isinstance(exc, redis.RedisError):
+                    self._outage_noticed()
                 log.warning("storage unavailable, retrying in 1s: %s", exc)
                 stop.wait(1.0)
 
@@ -180,26 +178,45 @@ class Coordinator:
         if self.cadence is not None:
             self.bus.set_cadence(self.cadence)
         again = self._announce_lost(heads)
+        self._outage_at, self._redis_run_id = None, self._server_run_id()  # the lost work is looked for already
         self.bus.incr("redis_rebuilds")
         log.warning("rebuilt Redis from S3 at epoch %d: heads %s, %d contribution(s) announced again", self.epoch,
                     heads, again)
 
+    def _outage_noticed(self) -> None:
+        """Sweep for lost announcements once every announcement that survived has been read again."""
+        if self._outage_at is None:
+            self._outage_at = time.time()
+        self._drained = False
+
+    def _server_run_id(self) -> str | None:
+        """The Redis server's run id, or None where INFO is not allowed (an ACL without @dangerous):
+        restarts are then noticed only by failed commands."""
+        try:
+            return self.bus.server_run_id()
+        except ConfigError as exc:
+            log.warning("cannot notice short Redis restarts by the server's run id: %s", exc)
+            return None
+
     def _notice_restart(self) -> None:
         """A Redis restart can be too short for any command to fail (the adapter retries): notice it
         by the server's run id, so that the sweep for lost announcements runs after it too."""
+        if self._redis_run_id is None:
+            return
         run_id = self.bus.server_run_id()
-        if run_id != self._redis_run_id and self._outage_at is None:
+        if run_id != self._redis_run_id:
             log.warning("Redis restarted (server run id changed): looking for announcements it lost")
-            self._outage_at = time.time()
+            self._outage_noticed()
         self._redis_run_id = run_id
 
     def _sweep_after_outage(self, outage_at: float) -> None:
         """Redis came back with its data, but it may have lost its last writes (append-only file synced
         once a second): an announcement a learner made just before the crash is then gone, while its
         object is in S3. Once every surviving announcement has been read, announce again the objects
-        stored before the outage that nothing accounts for."""
-        if not self.bus.r.exists(self.keys.epoch):
-            return  # Redis came back empty: the lease thread reports it and the rebuild looks for lost work
+        stored before the outage was noticed that nothing accounts for. If Redis came back empty, rebuild."""
+        if self.bus.wiped():
+            self._rebuild()
+            return
         again = self._announce_lost({f: frag.head for f, frag in self.fragments.items() if frag.head >= 0},
                                     before=outage_at)
         self.bus.incr("outage_sweeps")

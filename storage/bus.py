@@ -346,6 +346,11 @@ class Bus:
 
     # ---- the round clock ---------------------------------------------------------------
     @redis_retry
+    def wiped(self) -> bool:
+        """Redis has lost the run's keys: the fencing epoch key is gone (restarted empty, or flushed)."""
+        return not self.r.exists(self.keys.epoch)
+
+    @redis_retry
     def server_run_id(self) -> str:
         """The Redis server's run id: a new one after every restart of the server."""
         return str(self.r.info("server").get("run_id", ""))
