@@ -29,7 +29,7 @@ import torch
 from coordinator.attribution import LearnerRound, learner_rounds, round_without
 from coordinator.outer import apply_round
 from infra.rounds import Round, Run, check_fragment, read_state, rounds, versions
-from infra.table import num, table
+from infra.output import num, table
 from infra.verdict import MIN_OTHERS, LearnerBlame, judge, ranked
 from storage.errors import ConfigError, Refused
 from storage.history import read_manifest, read_params

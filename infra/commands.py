@@ -23,8 +23,10 @@ from coordinator.config import CoordinatorConfig, RunSettings
 from coordinator.leadership import Stopped
 from coordinator.policy import RoundConfig
 from coordinator.service import Coordinator
-from infra.archive import add_source_arguments, export_run, import_keys, import_run, open_source
+from infra.archive import (add_range_arguments, add_source_arguments, export_run, import_keys, import_run,
+                           open_source)
 from infra.options import add_options, build
+from infra.output import write_json
 from infra.replay import VersionCheck, replay_run
 from storage.errors import StorageUnavailable
 from storage.keys import RunKeys
@@ -123,31 +125,21 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     add_source_arguments(parser)
-    parser.add_argument("--fragment", type=int, help="replay only this fragment (default: every fragment)")
-    parser.add_argument("--from", dest="start", type=int, metavar="V",
-                        help="first version to replay (default: the genesis, or the first version whose inputs "
-                             "`diloco gc` kept)")
-    parser.add_argument("--prefix", help="read the run under this key prefix instead of DILOCO_S3_PREFIX or the "
-                        "export's (e.g. a what-if run written by `diloco whatif --into PREFIX`)")
-    parser.add_argument("--to", dest="end", type=int, metavar="W", help="last version to replay (default: the latest)")
-    parser.add_argument("--json", dest="json_path", type=Path, metavar="PATH",
-                        help="also write the results, version by version, to this JSON file")
+    add_range_arguments(parser, verb="replay", start_default=None,
+                        start_help="the genesis, or the first version whose inputs `diloco gc` kept",
+                        json_help="also write the results, version by version, to this JSON file")
 
 
 def run_replay(args: argparse.Namespace) -> int:
     """Exit 0 only if at least one version was checked and every one is bit-exact."""
     store, keys = open_source(args)  # S3 (or an export) is the history: replay never needs Redis
-    if args.prefix is not None:
-        keys = RunKeys(args.prefix, keys.run)
 
     def progress(check: VersionCheck) -> None:
         (log.info if check.bit_exact else log.error)("%s", check.line())
 
     report = replay_run(store, keys, fragment=args.fragment, start=args.start, end=args.end, progress=progress)
     print(report.summary())
-    if args.json_path is not None:
-        args.json_path.parent.mkdir(parents=True, exist_ok=True)
-        args.json_path.write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    write_json(args.json_path, report.to_json())
     if not report.checks:
         log.error("no committed version of run %s in the range asked for", keys.run)
     return 0 if report.ok else 1
@@ -211,8 +203,7 @@ def run_chaos(args: argparse.Namespace) -> int:
     from infra.chaos import ChaosConfig, run_chaos as chaos
 
     report = chaos(build(ChaosConfig, args))
-    if args.json:
-        args.json.write_text(json.dumps(report.figures(), indent=2) + "\n")
+    write_json(args.json, report.figures())
     for problem in report.problems():
         log.error("chaos: %s", problem)
     print(report.line(), flush=True)

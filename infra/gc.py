@@ -32,7 +32,6 @@ the I/O around it.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.archive import add_source_arguments, open_source
+from infra.output import write_json
 from storage import codecs
 from storage.errors import ConfigError, Conflict, Refused
 from storage.history import floors_of, read_collections, read_manifest, read_run_spec
@@ -390,7 +390,5 @@ def run_gc(args: argparse.Namespace) -> int:
     store, keys = open_source(args)
     result = collect(store, keys, keep_last=args.keep_last, min_age_s=args.min_age_s, dry_run=args.dry_run)
     print(result.summary(list_keys=args.list_keys or args.verbose))
-    if args.json_path is not None:
-        args.json_path.parent.mkdir(parents=True, exist_ok=True)
-        args.json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    write_json(args.json_path, result.to_json())
     return 0

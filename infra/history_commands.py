@@ -13,32 +13,20 @@ import json
 import logging
 from pathlib import Path
 
-from infra.archive import add_source_arguments, open_source
+from infra.archive import add_range_arguments, add_source_arguments, open_source
 from infra.blame import blame_run
 from infra.inspect import inspect_run, inspect_version
+from infra.output import write_json
 from infra.rounds import Run, open_run
 from storage.errors import ConfigError
-from storage.keys import RunKeys
 from workers.demo.task import DemoTask
 
 log = logging.getLogger("diloco")
 
 
 def _add_range(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefix", help="read the run under this key prefix instead of DILOCO_S3_PREFIX or the "
-                        "export's (e.g. a what-if run written by `diloco whatif --into PREFIX`)")
-    parser.add_argument("--fragment", type=int, help="only this fragment (default: every fragment)")
-    parser.add_argument("--from", dest="start", type=int, default=0, metavar="V",
-                        help="first version to look at (default: %(default)s)")
-    parser.add_argument("--to", dest="end", type=int, metavar="W", help="last version to look at (default: the latest)")
-    parser.add_argument("--json", dest="json_path", type=Path, metavar="PATH",
-                        help="also write the same data as JSON to this file")
-
-
-def _write_json(path: Path | None, data: object) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1) + "\n")
+    add_range_arguments(parser, verb="look at", start_default=0, start_help="0",
+                        json_help="also write the same data as JSON to this file")
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +38,7 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _open(args: argparse.Namespace) -> Run:
-    store, keys = open_source(args)  # S3 (or an export) is the history: never Redis
-    return open_run(store, keys if args.prefix is None else RunKeys(args.prefix, keys.run))
+    return open_run(*open_source(args))  # S3 (or an export) is the history: never Redis
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -60,11 +47,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.version is not None:
         views = inspect_version(run, args.version, args.fragment)
         print("\n\n".join(v.render() for v in views))
-        _write_json(args.json_path, {"run": keys.run, "versions": [v.to_json() for v in views]})
+        write_json(args.json_path, {"run": keys.run, "versions": [v.to_json() for v in views]})
     else:
         view = inspect_run(run, args.fragment, args.start, args.end)
         print(view.render())
-        _write_json(args.json_path, view.to_json())
+        write_json(args.json_path, view.to_json())
     return 0
 
 
@@ -96,5 +83,5 @@ def run_blame(args: argparse.Namespace) -> int:
     report = blame_run(_open(args), fragment=args.fragment, start=args.start, end=args.end, task=task,
                        loss_versions=args.loss_versions, progress=lambda line: log.info("%s", line))
     print(report.render())
-    _write_json(args.json_path, report.to_json())
+    write_json(args.json_path, report.to_json())
     return 0

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from coordinator.attribution import input_figures
 from infra.rounds import Round, Run, check_fragment, read_round, rounds, versions
-from infra.table import num, table
+from infra.output import num, table
 from storage.errors import Refused
 from storage.objects import ObjectMissing
 from storage.protocol import Manifest

@@ -38,7 +38,8 @@ from torch import Tensor
 from coordinator.outer import MERGE_RULES, NesterovState, apply_round
 from coordinator.publish import decode_state, write_version
 from coordinator.replay import recomputed_weights
-from infra.archive import add_source_arguments, open_source
+from infra.archive import add_range_arguments, add_source_arguments, open_source
+from infra.output import write_json
 from storage import codecs
 from storage.errors import ConfigError, Refused
 from storage.history import (Floor, list_versions, params_limit, read_floors, read_input, read_layout, read_manifest,
@@ -386,15 +387,11 @@ def add_whatif_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a setting to change, repeatable: " + ", ".join(f"{k} ({w})" for k, (w, _) in
                                                                            SETTINGS.items())
                         + "; none: re-derive with the recorded settings (a check)")
-    parser.add_argument("--fragment", type=int, help="only this fragment (default: every fragment)")
-    parser.add_argument("--from", dest="start", type=int, metavar="V",
-                        help="first version to re-derive (default: 1, or the first version gc kept)")
-    parser.add_argument("--to", dest="end", type=int, metavar="W", help="last version (default: the latest)")
+    add_range_arguments(parser, verb="re-derive", start_default=None, start_help="1, or the first version gc kept",
+                        json_help="also write the results, version by version, to this JSON file")
     parser.add_argument("--task", type=Path, metavar="PATH",
                         help="the demo task JSON the run trained (the demo writes OUT/task.json): also print the eval "
                              "loss of the recorded and the what-if global model at the end of the range")
-    parser.add_argument("--json", dest="json_path", type=Path, metavar="PATH",
-                        help="also write the results, version by version, to this JSON file")
 
 
 def run_whatif(args: argparse.Namespace) -> int:
@@ -405,7 +402,5 @@ def run_whatif(args: argparse.Namespace) -> int:
     if args.task is not None:
         report.eval_loss = eval_losses(args.task, store, keys, report, finals, args.end)
     print(report.summary())
-    if args.json_path is not None:
-        args.json_path.parent.mkdir(parents=True, exist_ok=True)
-        args.json_path.write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    write_json(args.json_path, report.to_json())
     return 0

@@ -7,7 +7,7 @@ import importlib
 import logging
 from pathlib import Path
 
-from infra.bench.report import write_json
+from infra.output import write_json
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from infra.bench.report import table
+from infra.output import figures_table
 from infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
 from storage import codecs
 from storage.history import read_layout, read_manifest, read_input, list_versions, read_run_spec
@@ -82,7 +82,7 @@ class CommResult:
         best = max(dp / arm.bytes_per_token for arm in self.arms)
         head = (f"comm: {self.params} parameters, {self.tokens_per_step} tokens per learner step; data-parallel moves "
                 f"{dp:.1f} bytes per token per worker")
-        return (head + "\n" + table(["what", "bytes/token", "x less than DP", "rel. L2 error"], rows)
+        return (head + "\n" + figures_table(["what", "bytes/token", "x less than DP", "rel. L2 error"], rows)
                 + f"\nbest reduction {best:.0f}x (target >= 500x: {'met' if best >= 500 else 'NOT met'}); bytes per "
                 f"token scale as 1/H")
 

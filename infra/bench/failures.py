@@ -31,7 +31,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.bench.report import table
+from infra.output import figures_table
 from infra.bench.trial import SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, time_to
 from workers.demo.task import DemoTask
 
@@ -116,7 +116,7 @@ class FailuresResult:
         ratio, text = self.speedup()
         verdict = (f"\ndecoupled reaches the target {text} sooner (target >= 3x: {'met' if ratio >= 3 else 'NOT met'})"
                    if ratio is not None else f"\n{text}")
-        return head + "\n" + table(["arm", "final eval", "s to target", "goodput", "versions", "restarts"], rows) + verdict
+        return head + "\n" + figures_table(["arm", "final eval", "s to target", "goodput", "versions", "restarts"], rows) + verdict
 
     def to_json(self) -> dict:
         ratio, text = self.speedup()

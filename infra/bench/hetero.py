@@ -28,7 +28,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.bench.report import table
+from infra.output import figures_table
 from infra.bench.trial import SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
 from workers.demo.task import DemoTask
 
@@ -119,7 +119,7 @@ class HeteroResult:
         rows = [[p, *(self.results[p][a].eval_loss if a in self.results[p] else None for a in arms)]
                 for p in self.results]
         head = f"hetero: final eval loss after {self.budget_s:.0f}s of wall clock per arm"
-        return "\n".join([head, table(["profile", *arms], rows), *self.verdicts().values()])
+        return "\n".join([head, figures_table(["profile", *arms], rows), *self.verdicts().values()])
 
     def to_json(self) -> dict:
         return {"bench": NAME, "budget_s": self.budget_s, "profiles": self.losses(), "verdicts": self.verdicts(),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from infra.bench.report import table
+from infra.output import figures_table
 from infra.bench.trial import SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
 from workers.demo.task import DemoTask, train_baseline
 
@@ -91,7 +91,7 @@ class QualityResult:
         if self.baseline and "decoupled" in self.trials:
             r = self.trials["decoupled"].eval_loss / self.baseline
             verdict = f"\ndecoupled / baseline = {r:.3f} (target <= 1.01: {'met' if r <= 1.01 else 'NOT met'})"
-        return head + "\n" + table(["arm", "eval loss", "/ baseline", "- floor", "versions", "wall s"], rows) + verdict
+        return head + "\n" + figures_table(["arm", "eval loss", "/ baseline", "- floor", "versions", "wall s"], rows) + verdict
 
     def to_json(self) -> dict:
         return {"bench": NAME, "learners": self.learners, "steps_per_learner": self.steps, "entropy_floor": self.floor,

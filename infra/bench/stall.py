@@ -15,7 +15,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.bench.report import table
+from infra.output import figures_table
 from infra.bench.trial import SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
 from workers.demo.task import DemoTask
 
@@ -55,7 +55,7 @@ class StallResult:
             worst = max(self.fraction(s) for s in self.trials["decoupled"].learners.values())
             verdict = (f"\ndecoupled: worst learner blocked {100 * worst:.2f}% of its wall time "
                        f"(target <= 1%: {'met' if worst <= 0.01 else 'NOT met'})")
-        return table(["arm", "learner", "steps", "wall s", "blocked s", "blocked %"], rows) + verdict
+        return figures_table(["arm", "learner", "steps", "wall s", "blocked s", "blocked %"], rows) + verdict
 
     def to_json(self) -> dict:
         return {"bench": NAME, "fraction_blocked": {n: {k: self.fraction(s) for k, s in t.learners.items()}

@@ -45,7 +45,7 @@ import torch
 from coordinator.config import CoordinatorConfig, RunSettings
 from coordinator.policy import RoundConfig
 from coordinator.service import Coordinator
-from infra.bench import report
+from infra.output import figures_table
 from infra.options import add_options, build
 from infra.stack import LocalStack, create_bucket
 from storage.bus import FIELD, Bus
@@ -423,12 +423,12 @@ class ThroughputResult:
                       for p, (s, cpu) in self.phases().items()]
         verdict = (f"ratio coordinator / raw GET: median {med['ratio']:.2f} "
                    f"(target >= 0.50: {'met' if med['ratio'] >= 0.5 else 'not met'})")
-        return "\n".join([head, "", report.table(columns, rows), "", verdict, "",
+        return "\n".join([head, "", figures_table(columns, rows), "", verdict, "",
                           f"where the coordinator's time goes (median per repeat; % of its {wall:.3g}s): seconds and "
                           "CPU seconds of the threads that ran each phase;\nfetch-thread phases overlap each other and "
                           "fetch_wait. CPU ms/MB above: this process + the Redis and S3 servers, per MB of contribution "
                           "objects.",
-                          report.table(["phase", "seconds", "CPU s", "% of wall"], phase_rows)])
+                          figures_table(["phase", "seconds", "CPU s", "% of wall"], phase_rows)])
 
     def to_json(self) -> dict:
         med, spread = self.median(), self.spread()

@@ -22,6 +22,7 @@ from infra.goodput.model import Model
 from infra.goodput.sweep import plot, point_table, simulate, sweep, sweep_table, to_json
 from infra.goodput.timings import Timings, project
 from infra.options import add_options, build
+from infra.output import write_json
 from storage.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(point_table(results, model), flush=True)
     log.info("simulated %g h of %s in %.1fs", model.hours, "each fleet" if args.sweep else f"{model.chips:,} chips",
              time.perf_counter() - started)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(to_json(results, model), indent=1) + "\n")
+    write_json(args.json, to_json(results, model))
     return 0
 
 

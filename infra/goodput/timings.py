@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from infra.goodput.model import YEAR_S, Model
+from infra.output import write_json
 from storage.errors import ConfigError
 from storage.protocol import Announcement, Manifest, RunSpec
 
@@ -88,8 +89,7 @@ class Timings:
             raise ConfigError(f"timing file: {exc}") from None
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_wire(), indent=1) + "\n")
+        write_json(path, self.to_wire())
 
     @classmethod
     def load(cls, path: Path) -> Timings:

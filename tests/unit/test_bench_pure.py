@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from infra.bench.failures import outage_schedule
-from infra.bench.report import table
+from infra.output import figures_table
 from infra.bench.trial import time_to
 
 
@@ -28,8 +28,8 @@ def test_outage_schedule_is_seeded_and_stays_inside_the_budget():
         assert all(later - earlier >= 10 for earlier, later in zip(times, times[1:]))  # down, then up again
 
 
-def test_table_aligns_numbers_right_and_marks_missing_values():
-    text = table(["arm", "loss"], [["decoupled", 1.23456], ["sync", None]])
+def test_figures_table_aligns_numbers_right_and_marks_missing_values():
+    text = figures_table(["arm", "loss"], [["decoupled", 1.23456], ["sync", None]])
     lines = text.splitlines()
     assert lines[0].startswith("arm") and lines[2].endswith("1.235") and lines[3].endswith("-")
     assert len({len(line) for line in lines[:3]}) == 1
