@@ -96,6 +96,8 @@ class RoundState:
     """Recent time the coordinator took from merge start to commit (EMA); 0 if unknown."""
     period_s: float = 0.0
     """The round clock's period (clock cadence); 0 for step cadence."""
+    merged_deadline: float = 0.0
+    """The latest clock deadline a merged round of this fragment served; 0 if none (or unknown)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +146,11 @@ def decide_round(now: float, state: RoundState, cfg: RoundConfig) -> Decision:
                               f"arrived{shrunk}")
     deadline = max(a.deadline for a in state.arrivals)
     if deadline > 0 and state.period_s > 0:
-        return _clock_round(now, deadline, state.period_s, cfg, f"{arrived}/{fleet} learners in")
+        late = deadline <= state.merged_deadline
+        if late:  # sent for a round that merged without them: they join the next one, not a round of their own
+            deadline = state.merged_deadline + state.period_s
+        return _clock_round(now, deadline, state.period_s, cfg, f"{arrived}/{fleet} learners in"
+                            + (" (late for the round that merged, held for the next)" if late else ""))
 
     times = sorted(first_seen.values())
     t_open, t_quorum = times[0], times[target - 1]

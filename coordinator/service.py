@@ -70,6 +70,8 @@ class Fragment:
     refused: list[Refusal] = field(default_factory=list)
     wake_at: float | None = None
     last_reason: str = ""
+    merged_deadline: float = 0.0
+    """The latest clock deadline a round merged here served (0: none since this coordinator started)."""
 
 
 class Coordinator:
@@ -393,7 +395,8 @@ class Coordinator:
     def _maybe_merge(self, fragment: int, frag: Fragment) -> None:
         arrivals = tuple(c.arrival for c in frag.round)
         state = RoundState(fragment=fragment, head_version=frag.head, arrivals=arrivals, live_learners=self.live,
-                           sync_time_s=self.sync_time_s, period_s=self.cadence.period_s if self.cadence else 0.0)
+                           sync_time_s=self.sync_time_s, period_s=self.cadence.period_s if self.cadence else 0.0,
+                           merged_deadline=frag.merged_deadline)
         decision = decide_round(self.now(), state, self.round_cfg)
         frag.wake_at = decision.wake_at
         if decision.reason != frag.last_reason:
@@ -493,6 +496,7 @@ class Coordinator:
         merged = {c.announcement.contribution_id for c in contributions}
         frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
         frag.refused, self._unplaced = [], []
+        frag.merged_deadline = max([frag.merged_deadline, *(c.arrival.deadline for c in contributions)])
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
         elapsed = time.monotonic() - t0
         self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed

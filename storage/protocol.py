@@ -310,7 +310,8 @@ class Contribution(Record):
     tokens: int
     steps: int
     weight: float
-    """Normalized merge weight (the weights of a version sum to 1)."""
+    """Merge weight (`coordinator.policy.merge_weights`): the weights of a version sum to 1 unless the
+    staleness discount shrank a stale input's."""
     stream_id: str
     """Redis stream entry id the announcement arrived as (informational; S3 history never needs Redis)."""
 

@@ -96,15 +96,26 @@ def due_fragments(step: int, num_fragments: int, sync_every: int) -> list[int]:
 
 
 def clock_due(now: float, step_time_s: float, cadence: Cadence, num_fragments: int,
-              sent: dict[int, float]) -> list[tuple[int, float]]:
-    """(fragment, deadline) pairs to send now: the next step would end past the fragment's deadline.
+              sent: dict[int, float], previous: float | None = None) -> list[tuple[int, float]]:
+    """(fragment, deadline) pairs to send now: the next step would end past the fragment's deadline,
+    or the step that just ended (from `previous`, the step boundary before `now`) crossed a deadline
+    that was not served: a step that took longer than the learner's mean step time. That send is
+    late, but within the round's grace window it still makes the round; skipping it would leave the
+    learner out of the round and put two rounds of its progress, stale, into the next one.
 
-    `now` is on the cadence's clock; `sent` maps fragment -> the deadline it was last sent for, so a
-    deadline is served once.
+    `now` and `previous` are on the cadence's clock; `sent` maps fragment -> the deadline it was last
+    sent for, so a deadline is served once. `previous` is None at the first step (nothing was crossed).
     """
     due = []
     for f in range(num_fragments):
         deadline = cadence.next_deadline(f, num_fragments, after=now)
         if now + step_time_s >= deadline and sent.get(f) != deadline:
             due.append((f, deadline))
+            continue
+        if previous is not None:
+            crossed = cadence.next_deadline(f, num_fragments, after=previous)  # the first one after it
+            while crossed + cadence.period_s <= now:  # a step that stalled across several: the latest
+                crossed += cadence.period_s
+            if crossed <= now and crossed > sent.get(f, float("-inf")):
+                due.append((f, crossed))
     return due

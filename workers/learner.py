@@ -116,6 +116,7 @@ class Learner:
         self._sent_deadline: dict[int, float] = {}  # fragment -> clock deadline last sent for
         self._cadence = None
         self._clock_offset_s = 0.0  # Redis server time - local time
+        self._last_boundary: float | None = None  # the previous step's end, on the cadence clock
         self._hook = None
         self._stop = threading.Event()
         self.sync_s = 0.0
@@ -308,7 +309,9 @@ class Learner:
         cadence = self._cadence
         if self.spec.cadence == "clock" and cadence is not None:
             now = time.time() + self._clock_offset_s
-            due = clock_due(now, self._step_time_s, cadence, self.spec.num_fragments, self._sent_deadline)
+            due = clock_due(now, self._step_time_s, cadence, self.spec.num_fragments, self._sent_deadline,
+                            self._last_boundary)
+            self._last_boundary = now
             self._sent_deadline.update(due)
         else:
             due = [(f, 0.0) for f in due_fragments(self.step, self.spec.num_fragments, self.spec.sync_every)]

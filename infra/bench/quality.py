@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codec", default="int8", help="outer-gradient codec (default: %(default)s)")
     parser.add_argument("--learner-args", default="",
                         help="extra options for the decoupled arm's learners, e.g. '--own-version-wait 0'")
+    parser.add_argument("--coordinator-args", default="",
+                        help="extra options for the decoupled arm's coordinator, after the run's settings (so they "
+                             "override them), e.g. '--fragments 1' or '--no-staleness-discount'")
     parser.add_argument("--arms", default="decoupled,sync,baseline",
                         help="comma-separated subset of decoupled,sync,baseline (default: %(default)s)")
 
@@ -54,7 +57,8 @@ def arms(args: argparse.Namespace) -> dict[str, Trial]:
     learners = tuple(LearnerPlan(f"learner-{i}", steps=args.steps, data_seed=i) for i in range(args.learners))
     shape = (args.fragments, args.sync_every, args.overlap_steps, args.codec)
     return {
-        "decoupled": Trial("decoupled", learners, budget_s, run_args(*shape), ("--min-quorum", "1"),
+        "decoupled": Trial("decoupled", learners, budget_s, run_args(*shape),
+                           ("--min-quorum", "1", *args.coordinator_args.split()),
                            tuple(args.learner_args.split())),
         "sync": Trial("sync", learners, budget_s, run_args(1, *shape[1:], cadence="steps"),
                       ("--min-quorum", str(args.learners), "--max-grace-s", "0"), SYNC_LEARNER),
@@ -84,14 +88,17 @@ class QualityResult:
             gap = loss - self.floor if self.floor is not None else None
             wall = trial.wall_s if trial else self.baseline_s
             versions = trial.counters.get("versions_committed") if trial else None
-            rows.append([name, loss, ratio, gap, versions, wall])
+            r = trial.rounds if trial else None
+            rows.append([name, loss, ratio, gap, versions, r and r.learners_per_version,
+                         r and 100 * r.stale_share, r and r.weight_sum, wall])
         head = (f"quality: {self.learners} learners x {self.steps} steps, same tokens for every arm; "
                 f"entropy floor {self.floor:.4f}" if self.floor is not None else "")
         verdict = ""
         if self.baseline and "decoupled" in self.trials:
             r = self.trials["decoupled"].eval_loss / self.baseline
             verdict = f"\ndecoupled / baseline = {r:.3f} (target <= 1.01: {'met' if r <= 1.01 else 'NOT met'})"
-        return head + "\n" + figures_table(["arm", "eval loss", "/ baseline", "- floor", "versions", "wall s"], rows) + verdict
+        return head + "\n" + figures_table(["arm", "eval loss", "/ baseline", "- floor", "versions",
+                                            "learners/version", "stale %", "weight sum", "wall s"], rows) + verdict
 
     def to_json(self) -> dict:
         return {"bench": NAME, "learners": self.learners, "steps_per_learner": self.steps, "entropy_floor": self.floor,

@@ -88,6 +88,7 @@ class TrialResult:
     merged_tokens: int
     """Tokens of the learner compute that reached the global model: the tokens of the contributions merged
     into versions, per fragment (every fragment's contributions cover a learner's tokens once)."""
+    rounds: RoundStats | None = None
 
     def total(self, key: str) -> float:
         return sum(float(s.get(key, 0) or 0) for s in self.learners.values())
@@ -96,7 +97,41 @@ class TrialResult:
         return {"name": self.name, "run": self.run, "wall_s": round(self.wall_s, 2), "eval_loss": self.eval_loss,
                 "curve": [[round(t, 2), loss] for t, loss in self.curve], "counters": self.counters,
                 "heads": {str(k): v for k, v in self.heads.items()}, "learners": self.learners,
-                "restarts": self.restarts, "merged_tokens": self.merged_tokens}
+                "restarts": self.restarts, "merged_tokens": self.merged_tokens,
+                "rounds": None if self.rounds is None else self.rounds.to_json()}
+
+
+@dataclass(frozen=True, slots=True)
+class RoundStats:
+    """How the merged versions were made, over every fragment (from the manifests)."""
+
+    versions: int
+    """Versions merged (version 0 not counted)."""
+    contributions: int
+    learners_per_version: float
+    """Mean distinct learners per merged version."""
+    stale_share: float
+    """Share of merged contributions computed against an older version than their parent."""
+    mean_staleness: float
+    weight_sum: float
+    """Mean over versions of the sum of the inputs' weights: below 1 where the staleness discount shrank the step."""
+
+    def to_json(self) -> dict:
+        return {"versions": self.versions, "contributions": self.contributions,
+                "learners_per_version": round(self.learners_per_version, 3), "stale_share": round(self.stale_share, 4),
+                "mean_staleness": round(self.mean_staleness, 4), "weight_sum": round(self.weight_sum, 4)}
+
+
+def round_stats(manifests: dict[int, list[Manifest]]) -> RoundStats:
+    merged = [m for history in manifests.values() for m in history if m.version > 0]
+    inputs = [c for m in merged for c in m.inputs]
+    n = max(1, len(merged))
+    return RoundStats(
+        versions=len(merged), contributions=len(inputs),
+        learners_per_version=sum(len({c.learner for c in m.inputs}) for m in merged) / n,
+        stale_share=sum(1 for c in inputs if c.staleness > 0) / max(1, len(inputs)),
+        mean_staleness=sum(c.staleness for c in inputs) / max(1, len(inputs)),
+        weight_sum=sum(sum(c.weight for c in m.inputs) for m in merged) / n)
 
 
 def _learner_proc(trial: Trial, plan: LearnerPlan, run: str, env: dict[str, str], task_path: Path, logs: Path,
@@ -184,7 +219,7 @@ def run_trial(stack: LocalStack, trial: Trial, task: DemoTask, out: Path, *, run
     # Each fragment's contributions cover the learner's tokens once: the fleet's merged tokens are the mean.
     merged = sum(c.tokens for history in manifests.values() for m in history[1:] for c in m.inputs) // len(manifests)
     return TrialResult(trial.name, run, wall_s, curve[-1][1], curve, counters, heads,
-                       {k: dict(v) for k, v in learners.items()}, restarts, merged)
+                       {k: dict(v) for k, v in learners.items()}, restarts, merged, round_stats(manifests))
 
 
 def eval_curve(task: DemoTask, store: ObjectStore, layout: Layout, manifests: dict[int, list[Manifest]],

@@ -93,6 +93,7 @@ class Decoupled:
         # coordinator's origin is arbitrary, and live step times jitter.)
         self.cadence = Cadence(origin=model.step_time_s / 2, period_s=model.period_s)
         self.head = 0
+        self.merged_deadline = 0.0
         self.published = 0
         self.live = model.learners
         self.round: list[tuple[policy.Arrival, float]] = []
@@ -237,7 +238,8 @@ class Decoupled:
             return
         state = policy.RoundState(fragment=0, head_version=self.head, arrivals=tuple(a for a, _ in self.round),
                                   live_learners=self.live, sync_time_s=self.model.merge_s,
-                                  period_s=self.model.period_s if self.model.cadence == "clock" else 0.0)
+                                  period_s=self.model.period_s if self.model.cadence == "clock" else 0.0,
+                                  merged_deadline=self.merged_deadline)
         decision = policy.decide_round(self.now, state, self.cfg)
         if decision.merge:
             self._merge()
@@ -258,6 +260,7 @@ class Decoupled:
         self.stats["rounds"] += 1
         self.stats["merged"] += len(ordered)
         self.stats["stale_merged"] += sum(a.base_version < self.head for a in ordered)
+        self.merged_deadline = max([self.merged_deadline, *(a.deadline for a in ordered)])
         self.round, self.wake_at = [], None
         self.head += 1
         self.engine.at(self.now + self.model.merge_s, self._publish, self.head)

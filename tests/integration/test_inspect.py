@@ -13,16 +13,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import tempfile
 import uuid
 
 import pytest
 import torch
 
+from coordinator.outer import round_delta
 from harness import TINY_RUN, join, make_coordinator, train
 from infra.archive import export_run
-from infra.gc import collect
 from infra.cli import build_parser
 from infra.fleet import diloco_command, process_env
+from infra.gc import collect
 from storage import codecs
 from storage.errors import Refused
 from storage.history import list_versions, read_manifest, sha256_hex
@@ -86,17 +88,21 @@ def history(endpoints: Endpoints, run_id: str, monkeypatch: pytest.MonkeyPatch) 
 
 def inspect(capsys: pytest.CaptureFixture, *argv: str) -> tuple[str, dict | None]:
     """`diloco inspect ARGV --json` in this process (not cli.main: it would configure logging): stdout, JSON."""
-    path = f"/tmp/inspect-{uuid.uuid4().hex}.json"
-    argv = ("inspect", *argv, "--json", path)
-    args = build_parser(list(argv)).parse_args(list(argv))
-    assert args.handler(args) == 0
-    with open(path) as f:
-        return capsys.readouterr().out, json.load(f)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/inspect.json"
+        argv = ("inspect", *argv, "--json", path)
+        args = build_parser(list(argv)).parse_args(list(argv))
+        assert args.handler(args) == 0
+        with open(path) as f:
+            return capsys.readouterr().out, json.load(f)
 
 
-def norm(store: ObjectStore, key: str) -> float:
-    tensors, _ = codecs.decode(store.get(key, max_bytes=1 << 20), max_bytes=1 << 20)
-    return float(torch.linalg.vector_norm(torch.cat([t.reshape(-1).double() for t in tensors.values()])))
+def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).double() for t in tensors.values()])
+
+
+def delta(store: ObjectStore, key: str) -> dict[str, torch.Tensor]:
+    return codecs.decode(store.get(key, max_bytes=1 << 20), max_bytes=1 << 20)[0]
 
 
 def test_a_versions_rows_are_its_manifests_and_its_deltas(history, capsys):
@@ -112,9 +118,12 @@ def test_a_versions_rows_are_its_manifests_and_its_deltas(history, capsys):
             shown = [(r["learner"], r["seq"], r["tokens"], r["steps"], r["weight"], r["staleness"], r["base_version"])
                      for r in view["inputs"]]
             assert shown == recorded
-            for row, c in zip(view["inputs"], m.inputs, strict=True):
-                assert row["norm"] == pytest.approx(norm(store, c.object_key), rel=1e-9)
-                assert -1.0 <= row["cos_merged"] <= 1.0
+            deltas = [delta(store, c.object_key) for c in m.inputs]
+            merged = flat(round_delta(deltas, [c.weight for c in m.inputs], m.settings))
+            for row, d in zip(view["inputs"], deltas, strict=True):
+                d = flat(d)
+                assert row["norm"] == pytest.approx(float(d.norm()), rel=1e-9)
+                assert row["cos_merged"] == pytest.approx(float(d @ merged / (d.norm() * merged.norm())), abs=1e-6)
             if len(m.inputs) == 1:
                 seen_single = True
                 assert view["inputs"][0]["cos_merged"] == pytest.approx(1.0, abs=1e-6)

@@ -86,3 +86,21 @@ def test_clock_cadence_sends_each_fragment_once_per_deadline_at_the_last_step_be
         t += 0.25
     assert [(f, d) for f, d, _ in sends] == [(1, 1002.0), (0, 1004.0), (1, 1006.0), (0, 1008.0), (1, 1010.0), (0, 1012.0)]
     assert all(d - 0.25 <= at < d for _, d, at in sends)  # the last step boundary before each deadline
+
+
+def test_clock_cadence_sends_late_for_a_deadline_that_a_slow_step_crossed():
+    from storage.protocol import Cadence
+    from workers.fragments import clock_due
+    cadence = Cadence(origin=1000.0, period_s=4.0)  # fragment 0 of 1 due at 1004, 1008...
+    sent: dict[int, float] = {}
+    assert clock_due(1003.5, 0.25, cadence, 1, sent, previous=1003.25) == []  # 1003.75 < 1004: not yet
+    # The next step took 0.75 s instead of 0.25: it ended past 1004, which was never served.
+    assert clock_due(1004.25, 0.25, cadence, 1, sent, previous=1003.5) == [(0, 1004.0)]
+    sent[0] = 1004.0
+    assert clock_due(1004.5, 0.25, cadence, 1, sent, previous=1004.25) == []  # served once
+    # Served on time at the last boundary before it, then crossed: not sent twice.
+    sent[0] = 1008.0
+    assert clock_due(1008.2, 0.25, cadence, 1, sent, previous=1007.8) == []
+    # A stall across several deadlines serves the latest one; the first step of a learner serves none.
+    assert clock_due(1021.0, 0.25, cadence, 1, sent, previous=1009.0) == [(0, 1020.0)]
+    assert clock_due(1021.0, 0.25, cadence, 1, {}, previous=None) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -226,3 +227,19 @@ def test_clock_round_waits_gamma_period_past_the_deadline_for_missing_learners()
     assert decide_round(102.0, s, cfg).merge
     capped = decide_round(100.6, s, RoundConfig(grace_gamma=0.5, max_grace_s=0.5))
     assert capped.merge and "grace passed" in capped.reason
+
+
+def test_a_late_arrival_for_a_round_that_merged_waits_for_the_next_round_instead_of_merging_alone() -> None:
+    cfg = RoundConfig(grace_gamma=0.5, max_grace_s=30.0)
+    late = clock_arrival("c", 102.5, deadline=100.0)  # round 100 merged at 102.0 without it
+    s = RoundState(fragment=0, head_version=HEAD, arrivals=(late,), live_learners=3, period_s=4.0,
+                   merged_deadline=100.0)
+    d = decide_round(102.5, s, cfg)
+    assert not d.merge and d.wake_at == pytest.approx(106.0) and "held for the next" in d.reason
+    # The next round's arrivals come in: it merges with them, at their deadline's grace at the latest.
+    s = RoundState(fragment=0, head_version=HEAD, live_learners=3, period_s=4.0, merged_deadline=100.0,
+                   arrivals=(late, clock_arrival("a", 103.9, deadline=104.0), clock_arrival("b", 104.0, deadline=104.0)))
+    assert decide_round(104.1, s, cfg).merge
+    # Alone, it merges after the next deadline's grace; and a lone learner never waits.
+    assert decide_round(106.0, replace(s, arrivals=(late,)), cfg).merge
+    assert decide_round(102.5, replace(s, arrivals=(late,), live_learners=1), cfg).merge
