@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from coordinator.outer import NesterovState, apply_round, round_delta
-from coordinator.policy import Arrival, RoundConfig, merge_weights
+from coordinator.replay import recomputed_weights
 from storage.protocol import Contribution
 
 Tensors = Mapping[str, Tensor]
@@ -133,11 +133,8 @@ def weights_without(inputs: Sequence[Contribution], learner: str, parent_version
     kept = [i for i, c in enumerate(inputs) if c.learner != learner]
     if not kept:
         raise ValueError(f"version has no inputs other than {learner}'s")
-    arrivals = [Arrival(contribution_id=inputs[i].contribution_id, learner=inputs[i].learner,
-                        base_version=inputs[i].base_version, tokens=inputs[i].tokens, steps=inputs[i].steps,
-                        arrived_at=0.0, step_time_s=0.0) for i in kept]
-    cfg = dataclasses.replace(RoundConfig(), staleness_discount=bool(settings.get("staleness_discount", True)))
-    return kept, merge_weights(arrivals, parent_version, cfg)
+    return kept, recomputed_weights([inputs[i] for i in kept], parent_version,
+                                    bool(settings.get("staleness_discount", True)))
 
 
 def round_without(parent_params: Tensors, parent_state: NesterovState, inputs: Sequence[Contribution],

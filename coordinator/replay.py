@@ -70,11 +70,13 @@ def _input_name(i: int, c: Contribution) -> str:
     return f"input {i} ({c.learner}, contribution {c.contribution_id[:12]}, {'/'.join(c.object_key.split('/')[-3:])})"
 
 
-def recomputed_weights(manifest: Manifest, staleness_discount: bool) -> list[float]:
-    """The weights `merge_weights` gives the manifest's inputs from their recorded tokens, steps and
-    base versions, against the parent version. Raises ValueError as merge_weights does."""
+def recomputed_weights(inputs: Sequence[Contribution], parent_version: int, staleness_discount: bool) -> list[float]:
+    """The weights `merge_weights` gives `inputs` from their recorded tokens, steps and base versions,
+    against `parent_version`: a manifest's own inputs (to check its weights, or to re-weight them in a
+    what-if), or some of them (what the coordinator would have merged without a learner).
+    Raises ValueError as merge_weights does."""
     cfg = dataclasses.replace(RoundConfig(), staleness_discount=staleness_discount)
-    return merge_weights([_arrival(c) for c in manifest.inputs], manifest.parent_version, cfg)
+    return merge_weights([_arrival(c) for c in inputs], parent_version, cfg)
 
 
 def recorded_problems(manifest: Manifest) -> list[Problem]:
@@ -105,7 +107,7 @@ def recorded_problems(manifest: Manifest) -> list[Problem]:
                                     f"base v{c.base_version} is {manifest.parent_version - c.base_version} "
                                     f"behind the parent v{manifest.parent_version}"))
     try:
-        weights = recomputed_weights(manifest, s["staleness_discount"])
+        weights = recomputed_weights(manifest.inputs, manifest.parent_version, s["staleness_discount"])
     except ValueError as exc:
         return [*problems, Problem("weights", f"merge_weights refuses the recorded inputs: {exc}")]
     for i, (c, w) in enumerate(zip(manifest.inputs, weights, strict=True)):
