@@ -21,14 +21,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from coordinator.outer import NesterovState
-from coordinator.publish import decode_state
 from coordinator.replay import Problem, rederive
+from infra.rounds import Run, check_fragment, open_run, read_state, versions
 from storage.errors import Refused
-from storage.history import (Floor, list_versions, params_limit, read_floors, read_input, read_layout,
-                             read_manifest, read_params, read_run_spec, read_verified)
+from storage.history import Floor, params_limit, read_input, read_manifest, read_verified
 from storage.keys import RunKeys
 from storage.objects import ObjectMissing, Store
-from storage.protocol import Layout, Manifest, RunSpec
+from storage.protocol import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +120,9 @@ def _check_json(c: VersionCheck) -> dict:
 class _Fragment:
     """Replays the versions of one fragment in order, carrying the parent forward."""
 
-    def __init__(self, store: Store, keys: RunKeys, spec: RunSpec, layout: Layout, fragment: int) -> None:
-        self.store, self.keys, self.spec, self.layout, self.fragment = store, keys, spec, layout, fragment
-        self.limit = params_limit(layout, fragment)
+    def __init__(self, run: Run, fragment: int) -> None:
+        self.run, self.fragment = run, fragment
+        self.limit = params_limit(run.layout, fragment)
         self.parent: tuple[dict[str, torch.Tensor], NesterovState] | None = None
 
     def check(self, version: int, present: bool) -> tuple[VersionCheck, Manifest | None]:
@@ -134,11 +133,11 @@ class _Fragment:
         try:
             if not present:
                 raise ObjectMissing("no such object, although a later version of the fragment has a manifest")
-            manifest = read_manifest(self.store, self.keys, self.fragment, version)
+            manifest = read_manifest(self.run.store, self.run.keys, self.fragment, version)
             n_inputs = len(manifest.inputs)
             problems = self._replay(manifest, parent)
         except (ObjectMissing, Refused) as exc:
-            problems = [Problem("manifest", f"{self.keys.manifest(self.fragment, version)}: {exc}")]
+            problems = [Problem("manifest", f"{self.run.keys.manifest(self.fragment, version)}: {exc}")]
         return VersionCheck(self.fragment, version, n_inputs, tuple(problems), time.monotonic() - t0), manifest
 
     def _replay(self, manifest: Manifest, parent: tuple[dict[str, torch.Tensor], NesterovState] | None
@@ -147,8 +146,8 @@ class _Fragment:
         inputs = []
         for i, c in enumerate(manifest.inputs):
             try:
-                inputs.append(read_input(self.store, self.layout, self.fragment, c,
-                                         max_bytes=self.spec.max_object_bytes))
+                inputs.append(read_input(self.run.store, self.run.layout, self.fragment, c,
+                                         max_bytes=self.run.spec.max_object_bytes))
             except ObjectMissing:
                 problems.append(Problem("missing_input", f"input {i} ({c.learner}) {c.object_key} is missing "
                                         "from the bucket"))
@@ -156,12 +155,13 @@ class _Fragment:
                 problems.append(Problem("corrupt_input", f"input {i} ({c.learner}): {exc}"))
         if manifest.version > 0 and parent is None:
             try:
-                parent = self._stored(manifest.version - 1)
+                parent = read_state(self.run, read_manifest(self.run.store, self.run.keys, self.fragment,
+                                                            manifest.version - 1))
             except (ObjectMissing, Refused) as exc:
                 problems.append(Problem("parent", f"the parent version {manifest.version - 1} cannot be read: {exc}"))
         if not problems:
             params, state = parent if parent is not None else (None, None)
-            result = rederive(manifest, self.keys, inputs, parent_params=params, parent_state=state)
+            result = rederive(manifest, self.run.keys, inputs, parent_params=params, parent_state=state)
             problems.extend(result.problems)
             if result.bit_exact:
                 assert result.params is not None and result.state is not None
@@ -169,21 +169,13 @@ class _Fragment:
         problems.extend(self._check_stored(manifest))
         return problems
 
-    def _stored(self, version: int) -> tuple[dict[str, torch.Tensor], NesterovState]:
-        """A version's stored params and outer state, checked against its manifest."""
-        m = read_manifest(self.store, self.keys, self.fragment, version)
-        params = read_params(self.store, self.layout, m)
-        state = decode_state(read_verified(self.store, m.outer_state_key, m.outer_state_sha256, max_bytes=self.limit),
-                             self.limit)
-        return params, state
-
     def _check_stored(self, m: Manifest) -> list[Problem]:
         """The stored objects learners read must be the ones the manifest names."""
         problems = []
         for code, key, sha in (("stored_params", m.params_key, m.params_sha256),
                                ("stored_outer_state", m.outer_state_key, m.outer_state_sha256)):
             try:
-                read_verified(self.store, key, sha, max_bytes=self.limit)
+                read_verified(self.run.store, key, sha, max_bytes=self.limit)
             except ObjectMissing:
                 problems.append(Problem(code, f"{key} is missing from the bucket"))
             except Refused as exc:
@@ -206,24 +198,17 @@ def replay_run(store: Store, keys: RunKeys, *, fragment: int | None = None, star
     that reports each such version as `collected`, naming the gc pass, rather than as missing objects.
     Raises Refused('missing_object') if the run has no spec or layout in the bucket."""
     t0 = time.monotonic()
-    spec, layout = read_run_spec(store, keys), read_layout(store, keys)
-    if spec is None or layout is None:
-        raise Refused("missing_object", f"run {keys.run!r} has no {'run spec' if spec is None else 'layout'} under "
-                      f"{store.url(keys.root)}: wrong run, bucket, DILOCO_S3_PREFIX or --dir?")
-    if fragment is not None and not 0 <= fragment < spec.num_fragments:
-        raise Refused("unknown_fragment", f"run {keys.run!r} has fragments 0..{spec.num_fragments - 1}, not {fragment}")
-    fragments = list(range(spec.num_fragments)) if fragment is None else [fragment]
-    report = ReplayReport(run=keys.run, fragments=fragments)
+    run = open_run(store, keys)
+    report = ReplayReport(run=keys.run, fragments=check_fragment(run, fragment))
     recorded: set[tuple[str, str]] = set()
-    floors = read_floors(store, keys)
-    for f in fragments:
-        stored = list_versions(store, keys, f)
+    for f in report.fragments:
+        stored = versions(run, f)
         if not stored:
             continue
-        replayer = _Fragment(store, keys, spec, layout, f)
+        replayer = _Fragment(run, f)
         present = set(stored)
         last = stored[-1] if end is None else min(end, stored[-1])
-        floor = floors.get(f)
+        floor = run.floors.get(f)
         first = start if start is not None else floor.version if floor else 0
         if start is None and floor is not None:
             report.notes.append(f"fragment {f}: replay starts at version {floor.version}: the versions before are "
