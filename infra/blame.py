@@ -28,11 +28,12 @@ import torch
 
 from coordinator.attribution import LearnerRound, learner_rounds, round_without
 from coordinator.outer import apply_round
-from infra.rounds import Round, Run, check_fragment, read_state, rounds, versions
 from infra.output import num, table
+from infra.rounds import Round, Run, check_fragment, read_state, rounds, versions
+from infra.task_model import check_task_fits, load_params, load_version
 from infra.verdict import MIN_OTHERS, LearnerBlame, judge, ranked
-from storage.errors import ConfigError, Refused
-from storage.history import read_manifest, read_params
+from storage.errors import Refused
+from storage.history import read_manifest
 from storage.objects import ObjectMissing
 from storage.protocol import Manifest
 from workers.demo.task import DemoTask
@@ -100,13 +101,6 @@ class _Evaluator:
     def __init__(self, run: Run, task: DemoTask) -> None:
         self.run, self.task = run, task
         self.model = task.make_model(0)
-        self.params = dict(self.model.named_parameters())
-        wanted = {p.name: tuple(p.shape) for specs in run.layout.fragments for p in specs}
-        have = {n: tuple(p.shape) for n, p in self.params.items()}
-        if wanted != have:
-            differ = sorted(set(wanted) ^ set(have)) or sorted(n for n in wanted if wanted[n] != have[n])
-            raise ConfigError(f"the task's model does not fit run {run.keys.run!r} (parameters {differ[:5]} differ): "
-                              "pass the task the run trained, e.g. OUT/task.json of `diloco demo`")
         self._versions = {f: versions(run, f) for f in run.fragments}
         self._manifests: dict[tuple[int, int], Manifest] = {}
         self._loaded: dict[int, int] = {}
@@ -117,11 +111,6 @@ class _Evaluator:
             self._manifests[fragment, version] = read_manifest(self.run.store, self.run.keys, fragment, version)
         return self._manifests[fragment, version]
 
-    @torch.no_grad()
-    def _load(self, values: Mapping[str, torch.Tensor]) -> None:
-        for name, value in values.items():
-            self.params[name].copy_(value)
-
     def context(self, manifest: Manifest) -> None:
         """Load every other fragment at its latest version committed no later than `manifest`."""
         for f, vs in self._versions.items():
@@ -130,11 +119,11 @@ class _Evaluator:
             i = bisect.bisect_right(vs, manifest.committed_at, key=lambda v, f=f: self._manifest(f, v).committed_at)
             v = vs[max(i - 1, 0)]
             if self._loaded.get(f) != v:
-                self._load(read_params(self.run.store, self.run.layout, self._manifest(f, v)))
+                load_version(self.model, self.run.store, self.run.layout, self._manifest(f, v))
                 self._loaded[f] = v
 
     def loss(self, fragment_values: Mapping[str, torch.Tensor]) -> float:
-        self._load(fragment_values)
+        load_params(self.model, fragment_values)
         self.evaluations += 1
         return self.task.eval_loss(self.model)
 
@@ -169,8 +158,11 @@ def loss_impacts(run: Run, task: DemoTask, sampled: list[Round]) -> tuple[dict[s
 def blame_run(run: Run, *, fragment: int | None = None, start: int = 0, end: int | None = None,
               task: DemoTask | None = None, loss_versions: int = 10,
               progress: Callable[[str], None] | None = None) -> BlameReport:
-    """Score every learner that merged in versions start..end of one fragment or all of them."""
+    """Score every learner that merged in versions start..end of one fragment or all of them. A
+    `task` is checked against the run's layout before anything is read."""
     report = BlameReport(run=run.keys.run, fragments=check_fragment(run, fragment), start=start, end=end)
+    if task is not None:
+        check_task_fits(task, run.layout, run.keys.run)
     evidence: dict[str, list[LearnerRound]] = {}
     sampled: list[Round] = []
     for f in report.fragments:

@@ -39,11 +39,11 @@ from pathlib import Path
 import redis
 
 from infra.chaos_fleet import ChaosFleet, Tally
-from infra.demo import global_model
 from infra.faults import CORRUPTIONS, HEAVY, Fault, forge, labels, schedule
 from infra.fleet import process_env
 from infra.ledger import Ledger, StreamWatcher, account, backlog, gather
 from infra.stack import LocalStack, aws_env
+from infra.task_model import global_model
 from storage.bus import Bus
 from storage.errors import DilocoError
 from storage.history import read_layout, read_run_spec

@@ -24,9 +24,8 @@ from coordinator.config import RunSettings
 from infra.archive import export_run
 from infra.fleet import Proc, diloco_command, process_env
 from infra.stack import LocalStack
+from infra.task_model import global_model
 from storage.bus import Bus
-from storage.history import read_layout, read_manifest, read_params
-from storage.keys import RunKeys
 from storage.objects import ObjectStore
 from storage.settings import Endpoints, redact_url
 from workers.demo.task import DemoTask, train_baseline
@@ -67,19 +66,6 @@ def _learner_proc(cfg: DemoConfig, env: dict[str, str], index: int, steps: int, 
     argv = diloco_command("learner", "--run", cfg.run, "--id", name, "--steps", str(steps), "--slowdown",
                           str(slowdown), "--data-seed", str(1000 * index + incarnation), "--task", str(task_path))
     return Proc(name, argv, cfg.out / "logs" / f"{name}.log", env)
-
-
-def global_model(task: DemoTask, store: ObjectStore, keys: RunKeys, heads: dict[int, int]) -> torch.nn.Module:
-    """The task's model holding the global parameters at `heads` (fragment -> version), read from S3."""
-    model = task.make_model(0)
-    layout = read_layout(store, keys)
-    assert layout is not None, "no layout: the run never committed version 0"
-    state = dict(model.named_parameters())
-    with torch.no_grad():
-        for fragment, version in heads.items():
-            for name, value in read_params(store, layout, read_manifest(store, keys, fragment, version)).items():
-                state[name].copy_(value)
-    return model
 
 
 def run_demo(cfg: DemoConfig) -> dict:

@@ -9,7 +9,6 @@ progress and problems go to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
@@ -18,8 +17,8 @@ from infra.blame import blame_run
 from infra.inspect import inspect_run, inspect_version
 from infra.output import write_json
 from infra.rounds import Run, open_run
+from infra.task_model import load_task
 from storage.errors import ConfigError
-from workers.demo.task import DemoTask
 
 log = logging.getLogger("diloco")
 
@@ -66,20 +65,11 @@ def add_blame_arguments(parser: argparse.ArgumentParser) -> None:
                              "learners (default: %(default)s; each costs one evaluation per learner)")
 
 
-def _task(path: Path) -> DemoTask:
-    try:
-        return DemoTask.from_wire(json.loads(path.read_text()))
-    except OSError as exc:
-        raise ConfigError(f"cannot read the task {path}: {exc}") from None
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{path} is not a demo task JSON (as `diloco demo` writes to OUT/task.json): {exc}") from None
-
-
 def run_blame(args: argparse.Namespace) -> int:
     """Exit 0 whatever the verdicts: blame reports evidence, it does not fail a run."""
     if args.loss_versions < 1:
         raise ConfigError(f"--loss-versions must be at least 1, got {args.loss_versions}")
-    task = _task(args.task) if args.task is not None else None
+    task = load_task(args.task) if args.task is not None else None
     report = blame_run(_open(args), fragment=args.fragment, start=args.start, end=args.end, task=task,
                        loss_versions=args.loss_versions, progress=lambda line: log.info("%s", line))
     print(report.render())

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -40,14 +39,16 @@ from coordinator.publish import decode_state, write_version
 from coordinator.replay import recomputed_weights
 from infra.archive import add_range_arguments, add_source_arguments, open_source
 from infra.output import write_json
+from infra.rounds import Run, check_fragment, open_run, versions
+from infra.task_model import check_task_fits, global_model, load_params, load_task
 from storage import codecs
-from storage.errors import ConfigError, Refused
-from storage.history import (Floor, list_versions, params_limit, read_floors, read_input, read_layout, read_manifest,
-                             read_params, read_run_spec, read_verified)
+from storage.errors import ConfigError
+from storage.history import Floor, params_limit, read_input, read_manifest, read_params, read_verified
 from storage.keys import RunKeys
 from storage.localdir import DirStore
 from storage.objects import Store
-from storage.protocol import MAX_RECORD_BYTES, Collection, Layout, Manifest, RunSpec, Scalar
+from storage.protocol import MAX_RECORD_BYTES, Collection, Manifest, Scalar
+from workers.demo.task import DemoTask
 
 log = logging.getLogger(__name__)
 
@@ -234,14 +235,19 @@ class WhatIfReport:
 
 @dataclass
 class _Run:
-    """The run read from (`keys`) and the scratch run written (`into`), in one store."""
+    """The run read from (`history`) and the scratch run written (`into`), in one store."""
 
-    store: Store
-    keys: RunKeys
+    history: Run
     into: RunKeys
-    spec: RunSpec
-    layout: Layout
     changes: dict[str, Scalar]
+
+    @property
+    def store(self) -> Store:
+        return self.history.store
+
+    @property
+    def keys(self) -> RunKeys:
+        return self.history.keys
 
     @property
     def source(self) -> str:
@@ -251,7 +257,7 @@ class _Run:
         """Run spec, layout and the Collection record that says where the scratch history starts."""
         for src, dst in ((self.keys.run_spec(), self.into.run_spec()), (self.keys.layout(), self.into.layout())):
             self.store.put(dst, self.store.get(src, max_bytes=MAX_RECORD_BYTES))
-        floors = tuple(ranges[f][0] if f in ranges else 0 for f in range(self.spec.num_fragments))
+        floors = tuple(ranges[f][0] if f in ranges else 0 for f in self.history.fragments)
         record = Collection(run=self.keys.run, created_at=time.time(), first_replayable=floors,
                             by=f"whatif of {self.source} ({describe(self.changes)})")
         self.store.put(self.into.collection(1), record.to_wire())
@@ -259,7 +265,7 @@ class _Run:
     def copy_parent(self, fragment: int, version: int) -> tuple[dict[str, Tensor], NesterovState]:
         """Copy the recorded version (the range's parent) into the scratch run; return its params and state."""
         m = read_manifest(self.store, self.keys, fragment, version)
-        limit = params_limit(self.layout, fragment)
+        limit = params_limit(self.history.layout, fragment)
         params_blob = read_verified(self.store, m.params_key, m.params_sha256, max_bytes=limit)
         state_blob = read_verified(self.store, m.outer_state_key, m.outer_state_sha256, max_bytes=limit)
         copied = dataclasses.replace(m, params_key=self.into.params(fragment, version, m.epoch),
@@ -267,15 +273,15 @@ class _Run:
         self.store.put(copied.params_key, params_blob)
         self.store.put(copied.outer_state_key, state_blob)
         self.store.put(self.into.manifest(fragment, version), copied.to_wire())
-        params, _ = codecs.decode(params_blob, max_bytes=limit, expect=self.layout.shapes(fragment))
+        params, _ = codecs.decode(params_blob, max_bytes=limit, expect=self.history.layout.shapes(fragment))
         return params, decode_state(state_blob, limit)
 
     def rederive(self, m: Manifest, params: Mapping[str, Tensor], state: NesterovState
                  ) -> tuple[dict[str, Tensor], NesterovState, Manifest | None]:
         """Version `m` again from its recorded inputs under the changed settings, written to the
         scratch run unless its params are not finite (then the manifest returned is None)."""
-        inputs = [read_input(self.store, self.layout, m.fragment, c, max_bytes=self.spec.max_object_bytes)
-                  for c in m.inputs]
+        inputs = [read_input(self.store, self.history.layout, m.fragment, c,
+                             max_bytes=self.history.spec.max_object_bytes) for c in m.inputs]
         settings = whatif_settings(m.settings, self.changes, self.source)
         weights = recomputed_weights(m.inputs, m.parent_version, bool(settings["staleness_discount"]))
         new_params, new_state = apply_round(params, state, inputs, weights, settings)
@@ -290,29 +296,26 @@ class _Run:
 
 def _open(store: Store, keys: RunKeys, into: str, changes: dict[str, Scalar]) -> _Run:
     scratch = check_into(keys, into)
-    spec, layout = read_run_spec(store, keys), read_layout(store, keys)
-    if spec is None or layout is None:
-        raise Refused("missing_object", f"run {keys.run!r} has no {'run spec' if spec is None else 'layout'} under "
-                      f"{store.url(keys.root)}: wrong run, bucket, DILOCO_S3_PREFIX or --dir?")
+    history = open_run(store, keys)
     if next(iter(store.list(scratch.root)), None) is not None:
         raise ConfigError(f"{store.url(scratch.root)} already holds objects (an earlier what-if?): choose another "
                           "--into, or delete them first")
-    return _Run(store, keys, scratch, spec, layout, changes)
+    return _Run(history, scratch, changes)
 
 
 def what_if(store: Store, keys: RunKeys, into: str, changes: dict[str, Scalar], *, fragment: int | None = None,
-            start: int | None = None, end: int | None = None,
+            start: int | None = None, end: int | None = None, task: DemoTask | None = None,
             progress: Callable[[Step], None] | None = None) -> tuple[WhatIfReport, dict[int, dict[str, Tensor]]]:
     """Re-derive the range under `changes` into the scratch prefix `into`. Returns the report and,
-    per fragment, the what-if params at the end of its range."""
+    per fragment, the what-if params at the end of its range. With a `task` (checked against the
+    run's layout before anything is written), the report also gets the eval losses (`eval_losses`)."""
     t0 = time.monotonic()
     run = _open(store, keys, into, changes)
-    if fragment is not None and not 0 <= fragment < run.spec.num_fragments:
-        raise Refused("unknown_fragment", f"run {keys.run!r} has fragments 0..{run.spec.num_fragments - 1}, "
-                      f"not {fragment}")
-    fragments = range(run.spec.num_fragments) if fragment is None else [fragment]
-    latest = {f: vs[-1] for f in fragments if (vs := list_versions(store, keys, f))}
-    ranges = plan_ranges(latest, read_floors(store, keys), start, end)
+    fragments = check_fragment(run.history, fragment)
+    if task is not None:
+        check_task_fits(task, run.history.layout, keys.run)
+    latest = {f: vs[-1] for f in fragments if (vs := versions(run.history, f))}
+    ranges = plan_ranges(latest, run.history.floors, start, end)
     run.start_scratch(ranges)
     where = f" --dir {store.root}" if isinstance(store, DirStore) else ""
     report = WhatIfReport(keys.run, store.url(keys.root), store.url(run.into.root), changes,
@@ -328,7 +331,7 @@ def what_if(store: Store, keys: RunKeys, into: str, changes: dict[str, Scalar], 
                 report.notes.append(f"fragment {f} version {version}: the what-if's params are not finite (the "
                                     "setting diverges): the fragment stops at the version before")
                 break
-            recorded = read_params(store, run.layout, m)
+            recorded = read_params(store, run.history.layout, m)
             step = Step(f, version, relative_l2(params, recorded), written.params_sha256, m.params_sha256,
                         written.outer_state_sha256 == m.outer_state_sha256)
             report.steps.append(step)
@@ -337,6 +340,8 @@ def what_if(store: Store, keys: RunKeys, into: str, changes: dict[str, Scalar], 
                 progress(step)
     report.model_drift = relative_l2(_merged(finals), _merged(recorded_finals))
     report.seconds = time.monotonic() - t0
+    if task is not None:
+        report.eval_loss = eval_losses(task, run.history, report, finals, end)
     return report, finals
 
 
@@ -344,34 +349,19 @@ def _merged(per_fragment: Mapping[int, Mapping[str, Tensor]]) -> dict[str, Tenso
     return {name: t for tensors in per_fragment.values() for name, t in tensors.items()}
 
 
-def eval_losses(task_path: Path, store: Store, keys: RunKeys, report: WhatIfReport,
-                finals: Mapping[int, Mapping[str, Tensor]], end: int | None) -> dict[str, float]:
+def eval_losses(task: DemoTask, run: Run, report: WhatIfReport, finals: Mapping[int, Mapping[str, Tensor]],
+                end: int | None) -> dict[str, float]:
     """The demo task's eval loss of the recorded global model at the end of the range (every
     fragment at its last version there) and of the same model with the what-if's fragments."""
-    from infra.demo import global_model  # the demo's model and task: only when asked for
-    from workers.demo.task import DemoTask
-
-    task = DemoTask.from_wire(json.loads(task_path.read_text()))
-    layout = read_layout(store, keys)
-    assert layout is not None
-    wanted = {p.name: p.shape for fragment in layout.fragments for p in fragment}
-    have = {name: tuple(p.shape) for name, p in task.make_model(0).named_parameters()}
-    if have != wanted:
-        raise ConfigError(f"the model of {task_path} does not match run {keys.run}'s layout (parameters "
-                          f"{sorted(set(have) ^ set(wanted))[:5]} or shapes differ): pass the task the run trained "
-                          "(the demo writes OUT/task.json)")
     ends = {f: s.version for f, s in report.final.items()}
-    for f in range(len(layout.fragments)):
-        versions = [v for v in list_versions(store, keys, f) if end is None or v <= end]
-        if f not in ends and versions:
-            ends[f] = versions[-1]
-    recorded = global_model(task, store, keys, ends)
+    for f in run.fragments:
+        committed = versions(run, f, end=end)
+        if f not in ends and committed:
+            ends[f] = committed[-1]
+    recorded = global_model(task, run.store, run.keys, ends)
     whatif = copy.deepcopy(recorded)
-    state = dict(whatif.named_parameters())
-    with torch.no_grad():
-        for tensors in finals.values():
-            for name, value in tensors.items():
-                state[name].copy_(value)
+    for tensors in finals.values():
+        load_params(whatif, tensors)
     return {"recorded": task.eval_loss(recorded), "whatif": task.eval_loss(whatif)}
 
 
@@ -396,11 +386,10 @@ def add_whatif_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_whatif(args: argparse.Namespace) -> int:
     changes = parse_changes(args.changes)
+    task = load_task(args.task) if args.task is not None else None
     store, keys = open_source(args)
-    report, finals = what_if(store, keys, args.into, changes, fragment=args.fragment, start=args.start, end=args.end,
-                             progress=lambda step: log.info("%s", step.line()))
-    if args.task is not None:
-        report.eval_loss = eval_losses(args.task, store, keys, report, finals, args.end)
+    report, _ = what_if(store, keys, args.into, changes, fragment=args.fragment, start=args.start, end=args.end,
+                        task=task, progress=lambda step: log.info("%s", step.line()))
     print(report.summary())
     write_json(args.json_path, report.to_json())
     return 0

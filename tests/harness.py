@@ -18,8 +18,8 @@ from coordinator.policy import RoundConfig
 from coordinator.service import Coordinator
 from infra.fleet import Proc, diloco_command
 from infra.stack import LocalStack, create_bucket
+from infra.task_model import global_model
 from storage.bus import FIELD, Bus
-from storage.history import read_layout, read_manifest, read_params
 from storage.objects import ObjectStore
 from storage.protocol import Announcement
 from storage.settings import Endpoints
@@ -132,14 +132,7 @@ def global_eval(endpoints: Endpoints, run_id: str, versions: dict[int, int] | No
     """TASK's eval loss of the global model at `versions` (default: the heads)."""
     store, bus = ObjectStore(endpoints), Bus(endpoints, run_id)
     heads = versions if versions is not None else bus.heads()
-    layout = read_layout(store, bus.keys)
-    model = TASK.make_model(123)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for f, v in heads.items():
-            for name, value in read_params(store, layout, read_manifest(store, bus.keys, f, v)).items():
-                params[name].copy_(value)
-    return TASK.eval_loss(model)
+    return TASK.eval_loss(global_model(TASK, store, bus.keys, heads))
 
 
 def wait_all(procs: list[Proc], timeout_s: float = 240) -> None:

@@ -22,12 +22,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from infra.fleet import Proc, diloco_command, process_env
 from infra.stack import LocalStack, aws_env
+from infra.task_model import load_version
 from storage.bus import Bus
-from storage.history import list_versions, read_layout, read_manifest, read_params
+from storage.history import list_versions, read_layout, read_manifest
 from storage.keys import RunKeys
 from storage.objects import ObjectStore
 from storage.protocol import Layout, Manifest
@@ -227,19 +226,16 @@ def eval_curve(task: DemoTask, store: ObjectStore, layout: Layout, manifests: di
     """Eval loss of the global model as it stood at `points` evenly spaced times (the last at the end),
     from the manifests' commit times."""
     model = task.make_model(0)
-    state = dict(model.named_parameters())
     loaded: dict[int, int] = {}
     curve = []
     for i in range(1, points + 1):
         t = wall_s * i / points
-        with torch.no_grad():
-            for f, history in manifests.items():
-                at = [m for m in history if m.committed_at <= started_unix + t] or history[:1]
-                if not at or loaded.get(f) == at[-1].version:
-                    continue
-                for name, value in read_params(store, layout, at[-1]).items():
-                    state[name].copy_(value)
-                loaded[f] = at[-1].version
+        for f, history in manifests.items():
+            at = [m for m in history if m.committed_at <= started_unix + t] or history[:1]
+            if not at or loaded.get(f) == at[-1].version:
+                continue
+            load_version(model, store, layout, at[-1])
+            loaded[f] = at[-1].version
         curve.append((t, task.eval_loss(model)))
     return curve
 

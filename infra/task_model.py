@@ -1,0 +1,68 @@
+"""The demo task's model holding a run's global parameters: for the tools that evaluate a run.
+
+`diloco demo`, `diloco whatif --task`, `diloco blame --task`, the benchmarks' loss curves, the
+chaos report and the tests all evaluate the global model the same way: build the task's model,
+copy each fragment's parameters at some version into it, and ask the task for its eval loss.
+The task a person passes is read and checked here first (`load_task`, `check_task_fits`), so a
+bad path or a task of another model is a one-line error before a tool reads or writes anything.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from storage.errors import ConfigError
+from storage.history import read_layout, read_manifest, read_params
+from storage.keys import RunKeys
+from storage.objects import Store
+from storage.protocol import Layout, Manifest
+from workers.demo.task import DemoTask
+
+
+def load_task(path: Path) -> DemoTask:
+    """The demo task in a JSON file (as `diloco demo` writes OUT/task.json). Raises ConfigError if
+    the file cannot be read or does not hold a task."""
+    try:
+        return DemoTask.from_wire(json.loads(path.read_text()))
+    except OSError as exc:
+        raise ConfigError(f"cannot read the task {path}: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{path} is not a demo task JSON (as `diloco demo` writes to OUT/task.json): {exc}") from None
+
+
+def check_task_fits(task: DemoTask, layout: Layout, run: str) -> None:
+    """Refuse a task whose model's parameters (names and shapes) are not the run's `layout`: its
+    eval losses would be of another model, or loading the run's parameters into it would fail."""
+    wanted = {p.name: tuple(p.shape) for specs in layout.fragments for p in specs}
+    have = {n: tuple(p.shape) for n, p in task.make_model(0).named_parameters()}
+    if wanted != have:
+        differ = sorted(set(wanted) ^ set(have)) or sorted(n for n in wanted if wanted[n] != have[n])
+        raise ConfigError(f"the task's model does not fit run {run!r} (parameters {differ[:5]} differ): "
+                          "pass the task the run trained, e.g. OUT/task.json of `diloco demo`")
+
+
+@torch.no_grad()
+def load_params(model: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """Copy `values` (parameter name -> tensor, e.g. one fragment's) into the model's parameters."""
+    params = dict(model.named_parameters())
+    for name, value in values.items():
+        params[name].copy_(value)
+
+
+def load_version(model: torch.nn.Module, store: Store, layout: Layout, manifest: Manifest) -> None:
+    """Copy the global parameters of the fragment version `manifest` commits into the model (verified)."""
+    load_params(model, read_params(store, layout, manifest))
+
+
+def global_model(task: DemoTask, store: Store, keys: RunKeys, heads: Mapping[int, int]) -> torch.nn.Module:
+    """The task's model holding the global parameters at `heads` (fragment -> version), read from S3."""
+    model = task.make_model(0)
+    layout = read_layout(store, keys)
+    assert layout is not None, "no layout: the run never committed version 0"
+    for fragment, version in heads.items():
+        load_version(model, store, layout, read_manifest(store, keys, fragment, version))
+    return model
