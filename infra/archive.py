@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from storage.errors import ConfigError, Refused
-from storage.history import read_layout, read_run_spec
+from storage.history import params_limit, read_layout, require_run_spec
 from storage.keys import RunKeys
 from storage.localdir import DirStore
 from storage.objects import ObjectStore, Store
@@ -50,13 +50,11 @@ class Copied:
 
 
 def object_limit(store: Store, keys: RunKeys) -> int:
-    """The largest object the run may hold: a contribution's limit or two fp32 copies of its largest fragment."""
-    spec, layout = read_run_spec(store, keys), read_layout(store, keys)
-    if spec is None:
-        raise Refused("missing_object", f"run {keys.run!r} has no run spec at {store.url(keys.run_spec())}: "
-                      "wrong run, bucket, DILOCO_S3_PREFIX or --dir?")
-    biggest = max((layout.fragment_bytes(f) for f in range(len(layout.fragments))), default=0) if layout else 0
-    return max(spec.max_object_bytes, 2 * biggest + (1 << 20), MAX_RECORD_BYTES)
+    """The largest object the run may hold: a contribution's limit, a record's, or the read bound of a
+    version's params and outer state (`params_limit`) of its largest fragment."""
+    spec, layout = require_run_spec(store, keys), read_layout(store, keys)
+    versions = [params_limit(layout, f) for f in range(len(layout.fragments))] if layout else []
+    return max(spec.max_object_bytes, MAX_RECORD_BYTES, *versions)
 
 
 def copy_run(source: Store, dest: Store, keys: RunKeys,

@@ -42,7 +42,7 @@ from infra.archive import add_source_arguments, open_source
 from infra.output import write_json
 from storage import codecs
 from storage.errors import ConfigError, Conflict, Refused
-from storage.history import floors_of, read_collections, read_manifest, read_run_spec
+from storage.history import floors_of, read_collections, read_manifest, require_run_spec
 from storage.keys import RunKeys
 from storage.objects import ObjectMissing, Store
 from storage.protocol import Collection, Manifest
@@ -332,10 +332,7 @@ def collect(store: Store, keys: RunKeys, *, keep_last: int, min_age_s: float = D
     if min_age_s < 0:
         raise ConfigError(f"--min-age-s must be >= 0, got {min_age_s}")
     t0, now = time.monotonic(), time.time()
-    spec = read_run_spec(store, keys)
-    if spec is None:
-        raise Refused("missing_object", f"run {keys.run!r} has no run spec at {store.url(keys.run_spec())}: "
-                      "wrong run, bucket, DILOCO_S3_PREFIX or --dir?")
+    spec = require_run_spec(store, keys)
     collections = read_collections(store, keys)
     previous = {f: floor.version for f, floor in floors_of(collections).items()}
     listed = list_objects(store, keys.root, now)

@@ -31,6 +31,16 @@ def read_run_spec(store: Store, keys: RunKeys) -> RunSpec | None:
         return None
 
 
+def require_run_spec(store: Store, keys: RunKeys) -> RunSpec:
+    """The run's spec, for a tool that needs the run to exist. Raises Refused('missing_object'),
+    naming where it looked, if it does not."""
+    spec = read_run_spec(store, keys)
+    if spec is None:
+        raise Refused("missing_object", f"run {keys.run!r} has no run spec at {store.url(keys.run_spec())}: "
+                      "wrong run, bucket, DILOCO_S3_PREFIX or --dir?")
+    return spec
+
+
 def read_layout(store: Store, keys: RunKeys) -> Layout | None:
     try:
         return Layout.from_wire(store.get(keys.layout(), max_bytes=MAX_RECORD_BYTES))
