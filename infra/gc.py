@@ -122,11 +122,9 @@ def kept_from(committed: Mapping[int, set[int]], previous: Mapping[int, int], ke
     return {f: max(previous.get(f, 0), max(vs) - keep_last + 1, 0) for f, vs in committed.items() if vs}
 
 
-def manifests_to_read(keys: RunKeys, listed: list[Listed], previous: Mapping[int, int],
-                      keep_last: int) -> list[tuple[int, int]]:
-    """(fragment, version) of the manifests a plan needs: from the parent of the previous pass's
-    first replayable version up (older ones' objects went in earlier passes)."""
-    committed = committed_versions(keys, listed)
+def manifests_to_read(committed: Mapping[int, set[int]], previous: Mapping[int, int]) -> list[tuple[int, int]]:
+    """(fragment, version) of the manifests a plan needs, of the `committed_versions`: from the parent
+    of the previous pass's first replayable version up (older ones' objects went in earlier passes)."""
     return [(f, v) for f, vs in sorted(committed.items()) for v in sorted(vs) if v >= previous.get(f, 0) - 1]
 
 
@@ -143,7 +141,7 @@ class _Planner:
     """The facts a plan is decided from, and the decision for one listed object."""
 
     keys: RunKeys
-    committed: dict[int, set[int]]
+    committed: Mapping[int, set[int]]
     target: dict[int, int]
     """Per fragment, the first kept version (its parent's objects are kept too)."""
     manifests: Mapping[tuple[int, int], Manifest]
@@ -209,14 +207,14 @@ class _Planner:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def plan_gc(keys: RunKeys, listed: list[Listed], manifests: Mapping[tuple[int, int], Manifest],
-            previous: Mapping[int, int], *, keep_last: int, min_age_s: float,
-            base_version_of: Callable[[str], int | None]) -> GcPlan:
-    """What to delete and what to keep (see the module docstring). `manifests` holds at least
-    those `manifests_to_read` names; `previous` is each fragment's first replayable version after
-    the earlier passes; `base_version_of(key)` reads a contribution's header (None if it does not
-    describe a delta) and is called only for unmerged contributions old enough to be deleted."""
-    committed = committed_versions(keys, listed)
+def plan_gc(keys: RunKeys, listed: list[Listed], committed: Mapping[int, set[int]],
+            manifests: Mapping[tuple[int, int], Manifest], previous: Mapping[int, int], *, keep_last: int,
+            min_age_s: float, base_version_of: Callable[[str], int | None]) -> GcPlan:
+    """What to delete and what to keep (see the module docstring). `committed` is
+    `committed_versions(keys, listed)`; `manifests` holds at least those `manifests_to_read` names;
+    `previous` is each fragment's first replayable version after the earlier passes;
+    `base_version_of(key)` reads a contribution's header (None if it does not describe a delta) and
+    is called only for unmerged contributions old enough to be deleted."""
     target = kept_from(committed, previous, keep_last)
     planner = _Planner(keys, committed, target, manifests, min_age_s, base_version_of)
     plan = GcPlan(heads={f: max(vs) for f, vs in committed.items()}, first_replayable={})
@@ -306,10 +304,8 @@ def _size(n: int) -> str:
 
 
 def list_objects(store: Store, prefix: str, now: float) -> list[Listed]:
-    """Every object under `prefix` with its size and age. An object that only one of the two
-    listings saw was written or deleted meanwhile, and is left out (so kept)."""
-    sizes = dict(store.list_sizes(prefix))
-    return [Listed(key, sizes[key], now - modified) for key, modified in store.list_modified(prefix) if key in sizes]
+    """Every object under `prefix` with its size and age, from one listing."""
+    return [Listed(key, size, now - modified) for key, size, modified in store.list_stat(prefix)]
 
 
 def header_reader(store: Store, max_bytes: int) -> Callable[[str], int | None]:
@@ -336,9 +332,9 @@ def collect(store: Store, keys: RunKeys, *, keep_last: int, min_age_s: float = D
     collections = read_collections(store, keys)
     previous = {f: floor.version for f, floor in floors_of(collections).items()}
     listed = list_objects(store, keys.root, now)
-    manifests = {(f, v): read_manifest(store, keys, f, v)
-                 for f, v in manifests_to_read(keys, listed, previous, keep_last)}
-    plan = plan_gc(keys, listed, manifests, previous, keep_last=keep_last, min_age_s=min_age_s,
+    committed = committed_versions(keys, listed)
+    manifests = {(f, v): read_manifest(store, keys, f, v) for f, v in manifests_to_read(committed, previous)}
+    plan = plan_gc(keys, listed, committed, manifests, previous, keep_last=keep_last, min_age_s=min_age_s,
                    base_version_of=header_reader(store, spec.max_object_bytes))
     result = GcResult(keys.run, keep_last, min_age_s, dry_run, plan, None, 0.0)
     if not dry_run and plan.deletions:

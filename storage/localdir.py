@@ -99,6 +99,11 @@ class DirStore:
         for key, stat in self._list(prefix):
             yield key, stat.st_size
 
+    def list_stat(self, prefix: str) -> Iterator[tuple[str, int, float]]:
+        """(key, size in bytes, file modification time) under prefix, in key order, one stat per file."""
+        for key, stat in self._list(prefix):
+            yield key, stat.st_size, stat.st_mtime
+
     def _list(self, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
         top = self.root.joinpath(*prefix.split("/")[:-1]) if "/" in prefix else self.root
         found = []

@@ -49,6 +49,7 @@ class Store(Protocol):
     def list(self, prefix: str) -> Iterator[str]: ...
     def list_modified(self, prefix: str) -> Iterator[tuple[str, float]]: ...
     def list_sizes(self, prefix: str) -> Iterator[tuple[str, int]]: ...
+    def list_stat(self, prefix: str) -> Iterator[tuple[str, int, float]]: ...
     def delete(self, keys: list[str]) -> None: ...
 
 
@@ -217,6 +218,12 @@ class ObjectStore:
         """(key, size in bytes) under prefix, in key order."""
         for item in self._list(prefix):
             yield item["Key"], int(item["Size"])
+
+    def list_stat(self, prefix: str) -> Iterator[tuple[str, int, float]]:
+        """(key, size in bytes, last-modified unix time on the server's clock) under prefix, in key
+        order, from one listing (for a reader that needs both of the same object)."""
+        for item in self._list(prefix):
+            yield item["Key"], int(item["Size"]), item["LastModified"].timestamp()
 
     def _list(self, prefix: str) -> Iterator[dict]:
         token: str | None = None

@@ -1,6 +1,6 @@
 """`plan_gc`: what a gc pass deletes and keeps, decided from a listing and the manifests alone."""
 
-from infra.gc import Listed, manifests_to_read, plan_gc
+from infra.gc import Listed, committed_versions, manifests_to_read, plan_gc
 from storage.keys import RunKeys
 from storage.protocol import Contribution, Manifest, Refusal
 
@@ -48,8 +48,8 @@ def plan(listed: list[Listed], previous: dict[int, int] | None = None, keep_last
         asked.append(key)
         return BASES[key]
 
-    p = plan_gc(K, listed, MANIFESTS, previous or {}, keep_last=keep_last, min_age_s=min_age_s,
-                base_version_of=base_version_of)
+    p = plan_gc(K, listed, committed_versions(K, listed), MANIFESTS, previous or {}, keep_last=keep_last,
+                min_age_s=min_age_s, base_version_of=base_version_of)
     return p, asked
 
 
@@ -98,8 +98,9 @@ def test_young_objects_are_kept_and_the_versions_they_leave_replayable_are_recor
 def test_an_earlier_pass_is_never_undone_and_only_its_later_manifests_are_read():
     p, _ = plan(listing(), previous={0: 4}, keep_last=HEAD + 1)
     assert p.first_replayable == {0: 4}
-    assert manifests_to_read(K, listing(), {0: 4}, 2) == [(0, v) for v in (3, 4, 5)]
-    assert manifests_to_read(K, listing(), {}, 2) == [(0, v) for v in range(HEAD + 1)]
+    committed = committed_versions(K, listing())
+    assert manifests_to_read(committed, {0: 4}) == [(0, v) for v in (3, 4, 5)]
+    assert manifests_to_read(committed, {}) == [(0, v) for v in range(HEAD + 1)]
 
 
 def test_keep_everything_when_n_covers_the_history():

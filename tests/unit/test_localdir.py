@@ -72,6 +72,8 @@ def test_listing_is_in_key_order_with_sizes_and_ignores_staging(tmp_path):
     assert list(store.list("r/")) == sorted(["r/b/2", "r/a-b", "r/a/1", "r/a/10", "r/a/0"])
     assert list(store.list("r/a/1")) == ["r/a/1", "r/a/10"]
     assert dict(store.list_sizes("r/a/")) == {"r/a/0": 5, "r/a/1": 5, "r/a/10": 6}
+    sizes, times = dict(store.list_sizes("r/a/")), dict(store.list_modified("r/a/"))
+    assert list(store.list_stat("r/a/")) == [(key, sizes[key], times[key]) for key in sorted(sizes)]
     assert list(store.list("nothing/")) == []
     store.delete(["r/a/0", "r/a/404"])
     assert "r/a/0" not in list(store.list("r/"))
