@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.output import figures_table
-from infra.bench.trial import SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, time_to
+from infra.bench.trial import (LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial,
+                               time_to)
 from workers.demo.task import DemoTask
 
 log = logging.getLogger(__name__)
@@ -134,9 +135,7 @@ def run(args: argparse.Namespace) -> FailuresResult:
     arms = {
         "decoupled": Trial("decoupled", plans, args.budget_s, shape, ("--min-quorum", "1"),
                            step_time_s=args.step_time_s),
-        "sync": Trial("sync", plans, args.budget_s, run_args(1, args.sync_every, 3, "int8", cadence="steps"),
-                      ("--min-quorum", str(args.learners), "--max-grace-s", "0"), SYNC_LEARNER,
-                      step_time_s=args.step_time_s),
+        "sync": sync_trial("sync", plans, args.budget_s, sync_every=args.sync_every, step_time_s=args.step_time_s),
     }
     trials = {}
     with bench_stack(args.out) as stack:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.output import figures_table
-from infra.bench.trial import SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
+from infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
 from workers.demo.task import DemoTask
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,7 @@ def trial(profile: str, arm: str, args: argparse.Namespace) -> Trial:
     learners = plans(profile, arm, args.budget_s, args.down_s)
     name = f"{profile}-{arm}".replace("_", "-")
     if arm == "sync":
-        return Trial(name, learners, args.budget_s, run_args(1, args.sync_every, 3, "int8", cadence="steps"),
-                     ("--min-quorum", str(len(learners)), "--max-grace-s", "0"), SYNC_LEARNER,
-                     step_time_s=args.step_time_s)
+        return sync_trial(name, learners, args.budget_s, sync_every=args.sync_every, step_time_s=args.step_time_s)
     return Trial(name, learners, args.budget_s, run_args(args.fragments, args.sync_every, 3, "int8"),
                  tuple(args.coordinator_args.split()), tuple(args.learner_args.split()), step_time_s=args.step_time_s)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from infra.output import figures_table
-from infra.bench.trial import SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
+from infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
 from workers.demo.task import DemoTask, train_baseline
 
 log = logging.getLogger(__name__)
@@ -55,13 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def arms(args: argparse.Namespace) -> dict[str, Trial]:
     budget_s = 3600.0  # a cap only: the arms end when every learner has done its steps
     learners = tuple(LearnerPlan(f"learner-{i}", steps=args.steps, data_seed=i) for i in range(args.learners))
-    shape = (args.fragments, args.sync_every, args.overlap_steps, args.codec)
     return {
-        "decoupled": Trial("decoupled", learners, budget_s, run_args(*shape),
+        "decoupled": Trial("decoupled", learners, budget_s,
+                           run_args(args.fragments, args.sync_every, args.overlap_steps, args.codec),
                            ("--min-quorum", "1", *args.coordinator_args.split()),
                            tuple(args.learner_args.split())),
-        "sync": Trial("sync", learners, budget_s, run_args(1, *shape[1:], cadence="steps"),
-                      ("--min-quorum", str(args.learners), "--max-grace-s", "0"), SYNC_LEARNER),
+        "sync": sync_trial("sync", learners, budget_s, sync_every=args.sync_every, overlap_steps=args.overlap_steps,
+                           codec=args.codec),
     }
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.output import figures_table
-from infra.bench.trial import SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
+from infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
 from workers.demo.task import DemoTask
 
 NAME = "stall"
@@ -71,8 +71,7 @@ def run(args: argparse.Namespace) -> StallResult:
                      for i in range(args.learners))
     arms = {
         "decoupled": Trial("decoupled", learners, 3600.0, run_args(2, args.sync_every, 3, "int8"), ("--min-quorum", "1")),
-        "sync": Trial("sync", learners, 3600.0, run_args(1, args.sync_every, 3, "int8", cadence="steps"),
-                      ("--min-quorum", str(args.learners), "--max-grace-s", "0"), SYNC_LEARNER),
+        "sync": sync_trial("sync", learners, 3600.0, sync_every=args.sync_every),
     }
     with bench_stack(args.out) as stack:
         return StallResult({name: run_trial(stack, trial, task, args.out, curve_points=1) for name, trial in arms.items()})

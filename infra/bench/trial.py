@@ -269,3 +269,12 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
 def run_args(fragments: int, sync_every: int, overlap_steps: int, codec: str, cadence: str = "clock") -> tuple[str, ...]:
     return ("--fragments", str(fragments), "--sync-every", str(sync_every), "--overlap-steps", str(overlap_steps),
             "--codec", codec, "--cadence", cadence)
+
+
+def sync_trial(name: str, learners: tuple[LearnerPlan, ...], budget_s: float, *, sync_every: int,
+               overlap_steps: int = 3, codec: str = "int8", step_time_s: float = 0.0) -> Trial:
+    """The synchronous DiLoCo arm of a benchmark: the whole model as one fragment on the steps
+    cadence, a round waits for every learner (quorum = M, no grace window), and every learner
+    waits for each merge before training on (`SYNC_LEARNER`): the barrier."""
+    return Trial(name, learners, budget_s, run_args(1, sync_every, overlap_steps, codec, cadence="steps"),
+                 ("--min-quorum", str(len(learners)), "--max-grace-s", "0"), SYNC_LEARNER, step_time_s=step_time_s)
