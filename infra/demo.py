@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,7 +22,7 @@ import torch
 from coordinator.config import RunSettings
 from infra.archive import export_run
 from infra.fleet import Proc, diloco_command, process_env
-from infra.stack import LocalStack
+from infra.stack import LocalStack, aws_env
 from infra.task_model import global_model
 from storage.bus import Bus
 from storage.objects import ObjectStore
@@ -81,9 +80,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     say(f"demo: {cfg.learners} learners x {cfg.steps} steps, learner-{cfg.learners - 1} {cfg.slow_factor}x slower, "
         f"learner-1 killed at {cfg.kill_at:.0%}; entropy floor "
         + (f"{floor:.4f} nats/token" if floor is not None else "unknown (text)"))
-    with LocalStack(cfg.out / "stack") as stack:
+    with LocalStack(cfg.out / "stack") as stack, aws_env(stack.env()):  # its credentials for our own S3 reads
         endpoints = stack.start()
-        os.environ.update({k: v for k, v in stack.env().items() if k.startswith("AWS_")})  # for our own S3 reads
         env = process_env(stack.env())
         say(f"stack: redis {redact_url(endpoints.redis_url)}, s3 {endpoints.s3_endpoint} bucket {endpoints.bucket}")
         s = cfg.settings

@@ -47,7 +47,7 @@ from coordinator.policy import RoundConfig
 from coordinator.service import Coordinator
 from infra.output import figures_table
 from infra.options import add_options, build
-from infra.stack import LocalStack, create_bucket
+from infra.stack import LocalStack, aws_env, create_bucket
 from storage.bus import FIELD, Bus
 from storage.codecs import CODECS
 from storage.errors import ConfigError, DilocoError
@@ -204,8 +204,7 @@ class Repeat:
 def measure(config: ThroughputConfig, stack_dir: Path) -> ThroughputResult:
     """Start a local stack under `stack_dir`, run `config.repeats` repeats on it, stop it."""
     stack = LocalStack(stack_dir)
-    with stack:
-        os.environ.update({k: v for k, v in stack.env().items() if k.startswith("AWS_")})  # boto3's chain
+    with stack, aws_env(stack.env()):  # the stack's credentials for boto3's chain
         repeats = []
         for i in range(config.repeats):
             repeats.append(one_repeat(config, stack))

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from coordinator import policy
-from infra.goodput.engine import EPS, Engine, Fleet, Job, new_book, shares, speed_multipliers
+from infra.goodput.engine import EPS, Engine, Fleet, Job, book_result, new_book, speed_multipliers
 from infra.goodput.model import Model, Result
 from storage.protocol import Cadence
 from workers.fragments import clock_due, due_fragments
@@ -67,8 +67,6 @@ class Piece:
     steps: int
     step_time_s: float
     deadline: float
-    chip_s: float
-    """The compute it carries: useful if merged, refused if refused."""
 
 
 class Decoupled:
@@ -95,7 +93,6 @@ class Decoupled:
         self.head = 0
         self.merged_deadline = 0.0
         self.published = 0
-        self.live = model.learners
         self.round: list[tuple[policy.Arrival, float]] = []
         self.in_flight: dict[str, float] = {}
         self.wake_at: float | None = None
@@ -107,6 +104,11 @@ class Decoupled:
     def now(self) -> float:
         return self.engine.now
 
+    @property
+    def live(self) -> int:
+        """Learners the coordinator counts live: all but those whose heartbeat lease lapsed."""
+        return sum(learner.live for learner in self.learners)
+
     def run(self) -> Result:
         started = time.perf_counter()
         for learner in self.learners:
@@ -117,14 +119,11 @@ class Decoupled:
             learner.job.finish(self.model.horizon_s)
             self.book["pending"] += learner.job.take()[0]
         self.book["pending"] += sum(self.in_flight.values()) + sum(chip_s for _, chip_s in self.round)
-        total = self.model.chips * self.model.horizon_s
         s = self.stats
         stats = s | {"failures": self.fleet.failures,
                      "learners_per_round": s["merged"] / s["rounds"] if s["rounds"] else 0.0,
-                     "goodput_at_merge_weight": self.useful_at_weight / total}
-        return Result(strategy="decoupled", chips=self.model.chips, learners=self.model.learners,
-                      goodput=self.book["useful"] / total, chip_time=shares(self.book, total), stats=stats,
-                      wall_s=time.perf_counter() - started)
+                     "goodput_at_merge_weight": self.useful_at_weight / (self.model.chips * self.model.horizon_s)}
+        return book_result("decoupled", self.model, self.book, stats, started)
 
     # ---- learners ----------------------------------------------------------------------------
 
@@ -158,7 +157,7 @@ class Decoupled:
             learner.seq += 1
             piece = Piece(learner.name, f"{learner.name}-{learner.seq}", learner.base,
                           tokens=round(chip_s / job.step_s), steps=steps, step_time_s=job.step_s,
-                          deadline=deadline, chip_s=chip_s)
+                          deadline=deadline)
             self.in_flight[piece.contribution_id] = chip_s
             self.engine.at(self.now + self.model.upload_s, self._arrive, piece)
             self.engine.at(self.now + self.model.overlap_steps * job.step_s, self._adopt, learner, run)
@@ -205,7 +204,6 @@ class Decoupled:
     def _lapse(self, learner: LearnerState, run: int) -> None:
         if run == learner.run and not learner.job.running and learner.live:
             learner.live = False
-            self.live -= 1
             self._decide()
 
     def _rejoin(self, learner: LearnerState) -> None:
@@ -213,9 +211,7 @@ class Decoupled:
         learner.job.resume(self.now)
         learner.step0, learner.sent, learner.awaiting = 0, {}, False
         learner.base = self.published
-        if not learner.live:
-            learner.live = True
-            self.live += 1
+        learner.live = True
         self._schedule_send(learner)
 
     # ---- the coordinator ---------------------------------------------------------------------

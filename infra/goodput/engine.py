@@ -20,10 +20,11 @@ import heapq
 import itertools
 import math
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
-from infra.goodput.model import CATEGORIES, Model
+from infra.goodput.model import CATEGORIES, Model, Result
 
 EPS = 1e-9
 """Tolerance, in steps, when counting the step boundaries before a time (events sit on boundaries)."""
@@ -174,6 +175,15 @@ class Job:
 def shares(book: dict[str, float], total: float) -> dict[str, float]:
     """Each category's share of `total` chip-seconds."""
     return {k: v / total for k, v in book.items()}
+
+
+def book_result(strategy: str, model: Model, book: dict[str, float], stats: dict[str, float],
+                started: float) -> Result:
+    """A strategy's Result from its book of chip time over the whole fleet and horizon; `started`
+    is the `time.perf_counter()` at which its simulation began."""
+    total = model.chips * model.horizon_s
+    return Result(strategy=strategy, chips=model.chips, learners=model.learners, goodput=book["useful"] / total,
+                  chip_time=shares(book, total), stats=stats, wall_s=time.perf_counter() - started)
 
 
 def speed_multipliers(model: Model) -> list[float]:

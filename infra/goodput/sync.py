@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from infra.goodput.engine import Engine, Fleet, Job, new_book, shares, speed_multipliers
+from infra.goodput.engine import Engine, Fleet, Job, book_result, new_book, speed_multipliers
 from infra.goodput.model import Model, Result
 
 
@@ -27,12 +27,6 @@ def _barrier(book: dict[str, float], speeds: list[float]) -> None:
     for category in ("useful", "lost", "pending"):
         book["idle"] += book[category] * (1.0 - efficiency)
         book[category] *= efficiency
-
-
-def _result(strategy: str, model: Model, book: dict[str, float], stats: dict[str, float], started: float) -> Result:
-    total = model.chips * model.horizon_s
-    return Result(strategy=strategy, chips=model.chips, learners=model.learners, goodput=book["useful"] / total,
-                  chip_time=shares(book, total), stats=stats, wall_s=time.perf_counter() - started)
 
 
 def data_parallel(model: Model) -> Result:
@@ -67,7 +61,7 @@ def data_parallel(model: Model) -> Result:
     job.finish(model.horizon_s)
     checkpointed("pending")
     _barrier(book, speeds)
-    return _result("dp", model, book, {"failures": fleet.failures, "restarts": restarts}, started)
+    return book_result("dp", model, book, {"failures": fleet.failures, "restarts": restarts}, started)
 
 
 def elastic(model: Model) -> Result:
@@ -98,4 +92,4 @@ def elastic(model: Model) -> Result:
     job.finish(model.horizon_s)
     book["useful"] += job.take()[0]
     _barrier(book, speeds)
-    return _result("elastic", model, book, {"failures": fleet.failures, "rescales": rescales}, started)
+    return book_result("elastic", model, book, {"failures": fleet.failures, "rescales": rescales}, started)
