@@ -119,7 +119,7 @@ def _announcement(fields: dict) -> Announcement | None:
 def gather(store: ObjectStore, bus: Bus, num_fragments: int, watched: set[str]) -> Evidence:
     """Read S3 and Redis once the run has stopped (no coordinator or learner running)."""
     keys = bus.keys
-    stream = {eid.decode(): _announcement(f) for eid, f in bus.r.xrange(keys.announcements)}
+    stream = {eid: a if isinstance(a, Announcement) else None for eid, a in bus.announcement_entries()}
     announced = {a.contribution_id for a in stream.values() if a is not None and a.kind == "delta"} | watched
     s3_versions: dict[int, list[int]] = {}
     manifests: dict[int, list[Manifest]] = {}

@@ -243,6 +243,13 @@ class Bus:
         return out
 
     @redis_retry
+    def announcement_entries(self) -> list[Entry]:
+        """Every entry of the announcements stream, in order, parsed as the coordinator parses them
+        (a malformed one is a Refused): for the tools that audit or measure a run afterwards. Reads
+        the whole stream at once."""
+        return [self._parse(entry_id, fields) for entry_id, fields in self.r.xrange(self.keys.announcements)]
+
+    @redis_retry
     def autoclaim(self, consumer: str, *, min_idle_ms: int, count: int = 64) -> list[Entry]:
         """Take over entries left pending by other consumers for longer than min_idle_ms."""
         reply = self.r.xautoclaim(self.keys.announcements, self.keys.GROUP, consumer, min_idle_ms,

@@ -19,7 +19,7 @@ from coordinator.service import Coordinator
 from infra.fleet import Proc, diloco_command
 from infra.stack import LocalStack, create_bucket
 from infra.task_model import global_model
-from storage.bus import FIELD, Bus
+from storage.bus import Bus
 from storage.objects import ObjectStore
 from storage.protocol import Announcement
 from storage.settings import Endpoints
@@ -104,8 +104,11 @@ def train(learner: Learner, opt: torch.optim.Optimizer, steps: int) -> None:
     assert learner.uploader.flush(30)
 
 
-def announcements(bus) -> list[tuple[str, Announcement]]:  # noqa: ANN001
-    return [(eid.decode(), Announcement.from_wire(f[FIELD])) for eid, f in bus.r.xrange(bus.keys.announcements)]
+def announcements(bus: Bus) -> list[tuple[str, Announcement]]:
+    """Every entry of the announcements stream, in order; a malformed one fails the test."""
+    entries = bus.announcement_entries()
+    assert all(isinstance(a, Announcement) for _, a in entries), entries
+    return entries  # type: ignore[return-value]
 
 
 # ---- real `diloco` processes on the demo task ------------------------------------------------------

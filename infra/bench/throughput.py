@@ -48,7 +48,7 @@ from coordinator.service import Coordinator
 from infra.output import figures_table
 from infra.options import add_options, build
 from infra.stack import LocalStack, aws_env, create_bucket
-from storage.bus import FIELD, Bus
+from storage.bus import Bus
 from storage.codecs import CODECS
 from storage.errors import ConfigError, DilocoError
 from storage.history import read_manifest
@@ -306,8 +306,7 @@ def send(learner: Learner, contributions: int, fragments: int) -> None:
 
 
 def deltas_announced(bus: Bus) -> list[Announcement]:
-    return [a for a in (Announcement.from_wire(fields[FIELD]) for _eid, fields in bus.r.xrange(bus.keys.announcements))
-            if a.kind == "delta"]
+    return [a for _eid, a in bus.announcement_entries() if isinstance(a, Announcement) and a.kind == "delta"]
 
 
 class CpuClock:

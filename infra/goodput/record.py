@@ -8,8 +8,8 @@ the runs of a benchmark or a demo, not for a run of millions of contributions.
 from __future__ import annotations
 
 from infra.goodput.timings import Timings, timings_from_run
-from storage.bus import FIELD, Bus
-from storage.errors import ConfigError, Refused
+from storage.bus import Bus
+from storage.errors import ConfigError
 from storage.history import list_versions, read_manifest, read_run_spec
 from storage.objects import ObjectStore
 from storage.protocol import Announcement, Manifest
@@ -21,14 +21,8 @@ def record_run(endpoints: Endpoints, run: str) -> Timings:
     spec = read_run_spec(store, bus.keys)
     if spec is None:
         raise ConfigError(f"run {run!r} does not exist in bucket {endpoints.bucket!r}")
-    entries = []
-    for entry_id, fields in bus.r.xrange(bus.keys.announcements):
-        try:
-            a = Announcement.from_wire((fields or {}).get(FIELD, b""))
-        except Refused:
-            continue  # a malformed entry: the coordinator refused it, it says nothing about timing
-        if a.kind == "delta":
-            entries.append((entry_id.decode(), a))
+    # A malformed entry (a Refused) was refused by the coordinator: it says nothing about timing.
+    entries = [(eid, a) for eid, a in bus.announcement_entries() if isinstance(a, Announcement) and a.kind == "delta"]
     manifests: list[Manifest] = [read_manifest(store, bus.keys, f, v) for f in range(spec.num_fragments)
                                  for v in list_versions(store, bus.keys, f)]
     return timings_from_run(spec, entries, manifests)
