@@ -1,4 +1,4 @@
-"""A run's committed versions read back for analysis (`diloco inspect`, `diloco blame`), verified.
+"""A run's committed versions read back for the history tools (inspect, blame, replay, whatif), verified.
 
 Reads S3 (or an export directory) only, through `storage.history`: every manifest is checked
 against its key, every input object against the sha256 its manifest records and the layout. A
