@@ -72,6 +72,11 @@ class LearnerConfig:
     decoupled mode is measured against."""
     merge_wait_s: float = 300.0
     """With `wait_for_merge`: the longest a step waits for a new version before training on without it."""
+    send_on_close: bool = True
+    """On a clean exit (the training loop ended, or a SIGTERM preemption notice stopped it), send each
+    fragment's progress since its last send, so that a learner's last partial interval reaches the
+    global model instead of being dropped. A learner leaving on an exception sends nothing (its
+    parameters may be what went wrong); a SIGKILLed one cannot."""
     own_version_wait: float = 0.5
     """After `overlap_steps`, keep training up to this fraction of H more steps while the version that
     merged this learner's own contribution is not committed or not downloaded yet, rather than take an
@@ -130,8 +135,8 @@ class Learner:
         self.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(send_progress=exc_type is None)
 
     def start(self) -> None:
         """Join the run: wait for its spec, propose version 0 if none exists, adopt the latest versions.
@@ -160,10 +165,15 @@ class Learner:
         self.replica.write(values, [n for names in self._names for n in names])
         self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
 
-    def close(self) -> None:
+    def close(self, *, send_progress: bool = True) -> None:
+        """Leave the run: send the unsent progress (`LearnerConfig.send_on_close`; on an island every
+        rank takes part, as in a step), wait up to `close_timeout_s` for the uploads, stop the threads
+        and announce leaving. `send_progress=False` (leaving on an error) sends nothing more."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+            if send_progress and self.config.send_on_close:
+                self._send_progress()
         if not self.is_leader:
             return
         deadline = time.monotonic() + self.config.close_timeout_s
@@ -182,6 +192,21 @@ class Learner:
         leaving = threading.Thread(target=self._leave, name="leave", daemon=True)
         leaving.start()
         leaving.join(timeout=max(0.5, deadline - time.monotonic()))
+
+    def _send_progress(self) -> None:
+        """Send every fragment with steps since its last send, for the round it would have gone to next."""
+        due: dict[int, float] | None = None
+        if self.is_leader:
+            cadence = self._cadence if self.spec.cadence == "clock" else None
+            now = time.time() + self._clock_offset_s
+            due = {f: cadence.next_deadline(f, self.spec.num_fragments, after=now) if cadence else 0.0
+                   for f in range(self.spec.num_fragments) if self._since.get(f, [self.tokens, self.step])[1] > 0}
+        to_send, _ = self.replica.share_plan(None if due is None else list(due), None if due is None else [],
+                                             len(self._names))
+        for f in to_send:
+            self._send(f, due.get(f, 0.0) if due else 0.0)
+        if to_send:
+            log.info("leaving: sent the progress since the last send of fragment(s) %s", to_send)
 
     def _leave(self) -> None:
         try:

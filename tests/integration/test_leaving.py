@@ -1,0 +1,53 @@
+"""A learner that leaves cleanly sends the progress it has not sent yet; one leaving on an error does not.
+
+A learner that reaches the end of its budget, or gets a SIGTERM preemption notice, has up to H
+steps per fragment trained since its last send. Dropping them would waste that compute, and at
+the end of a run it would leave the last rounds to whichever learner happened to send last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from harness import TINY_RUN, announcements, join, make_coordinator, train
+from storage.history import read_manifest
+from workers.learner import LearnerConfig
+
+STEPS_RUN = dataclasses.replace(TINY_RUN, cadence="steps")  # H = 4: fragment 0 sends at step 4, fragment 1 at 6
+
+
+def deltas(coord) -> list:  # noqa: ANN001
+    return [a for _, a in announcements(coord.bus) if a.kind == "delta"]
+
+
+def test_leaving_sends_each_fragments_unsent_steps_and_they_are_merged(endpoints, run_id):
+    coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
+    learner, opt = join(endpoints, run_id, coord, "a")
+    try:
+        train(learner, opt, 5)  # fragment 0 sent at step 4; fragment 1 never (due at 6)
+        assert [(a.fragment, a.steps) for a in deltas(coord)] == [(0, 4)]
+    finally:
+        learner.close()
+    sent = sorted((a.fragment, a.steps, a.tokens) for a in deltas(coord))
+    assert sent == [(0, 1, 10), (0, 4, 40), (1, 5, 50)]  # the step after fragment 0's send; all 5 of fragment 1
+    for _ in range(20):
+        coord.step(block_ms=50)
+    merged = [(f, c.steps) for f in (0, 1) for v in range(1, coord.bus.heads()[f] + 1)
+              for c in read_manifest(coord.store, coord.keys, f, v).inputs]
+    assert sorted(merged) == [(0, 1), (0, 4), (1, 5)]
+    coord.close()
+
+
+def test_leaving_on_an_error_or_with_send_on_close_off_sends_nothing_more(endpoints, run_id):
+    coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
+    failing, opt = join(endpoints, run_id, coord, "failing")
+    train(failing, opt, 3)
+    error = RuntimeError("loss diverged")
+    failing.__exit__(type(error), error, None)  # what `with learner:` does when the loop raises
+    quiet, opt = join(endpoints, run_id, coord, "quiet")
+    quiet.config = dataclasses.replace(quiet.config, send_on_close=False)
+    train(quiet, opt, 3)
+    quiet.close()
+    assert deltas(coord) == []
+    assert LearnerConfig().send_on_close
+    coord.close()
