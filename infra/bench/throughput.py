@@ -55,7 +55,7 @@ from storage.history import read_manifest
 from storage.objects import ObjectStore
 from storage.protocol import Announcement
 from storage.settings import Endpoints
-from workers.learner import Learner, LearnerConfig
+from workers.learner import Learner
 
 log = logging.getLogger(__name__)
 
@@ -270,9 +270,7 @@ def join(coord: Coordinator, endpoints: Endpoints, run_id: str, name: str, confi
     """A learner joined to the run (proposing version 0 if it is the first), the coordinator stepped meanwhile."""
     model = SyntheticModel(config.fragments, tensor_shapes(config.fragment_mb, config.tensors))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    # Exactly the contributions `send` makes: no last partial one on leaving.
-    learner = Learner(model, optimizer, run=run_id, endpoints=endpoints, learner_id=name, tokens_per_step=1024,
-                      config=LearnerConfig(send_on_close=False))
+    learner = Learner(model, optimizer, run=run_id, endpoints=endpoints, learner_id=name, tokens_per_step=1024)
     failure: list[BaseException] = []
 
     def start() -> None:

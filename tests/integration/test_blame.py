@@ -33,7 +33,7 @@ from storage.history import list_versions
 from storage.keys import RunKeys
 from storage.objects import ObjectStore
 from storage.settings import ENV_REDIS_URL, Endpoints
-from workers.learner import Learner, LearnerConfig
+from workers.learner import Learner
 
 STEPS = 120
 """Inner steps per learner: 12 rounds of each fragment at H = 10."""
@@ -57,10 +57,8 @@ def train_fleet(endpoints: Endpoints, run_id: str, poison: dict[str, str]) -> No
             if poison.get(name) == "uphill":
                 for group in opt.param_groups:
                     group["maximize"] = True
-            # No partial last contribution on leaving: they leave one after the other, and every round
-            # is to hold all four.
             learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id=name,
-                              tokens_per_step=TASK.tokens_per_step(), config=LearnerConfig(send_on_close=False))
+                              tokens_per_step=TASK.tokens_per_step())
             learner.start()
             fleet.append((name, learner, model, opt, TASK.train_batches(i)))
         try:
