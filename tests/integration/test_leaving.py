@@ -1,8 +1,10 @@
-"""A learner that leaves cleanly sends the progress it has not sent yet; one leaving on an error does not.
+"""A learner on a preemption notice sends the progress it has not sent yet, and it is merged.
 
-A learner that reaches the end of its budget, or gets a SIGTERM preemption notice, has up to H
-steps per fragment trained since its last send. Dropping them would waste that compute, and at
-the end of a run it would leave the last rounds to whichever learner happened to send last.
+A learner that gets a SIGTERM preemption notice has up to H steps per fragment trained since its
+last send: `Learner.send_progress` sends them (the demo learner calls it on SIGTERM). Leaving sends
+them only with `LearnerConfig.send_on_close` (off by default: a run whose every learner ends at
+once would merge rounds of short last pieces at a full outer momentum step), and never when the
+training loop raised.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import dataclasses
 
 from harness import TINY_RUN, announcements, join, make_coordinator, train
 from storage.history import read_manifest
-from workers.learner import LearnerConfig
 
 STEPS_RUN = dataclasses.replace(TINY_RUN, cadence="steps")  # H = 4: fragment 0 sends at step 4, fragment 1 at 6
 
@@ -20,12 +21,13 @@ def deltas(coord) -> list:  # noqa: ANN001
     return [a for _, a in announcements(coord.bus) if a.kind == "delta"]
 
 
-def test_leaving_sends_each_fragments_unsent_steps_and_they_are_merged(endpoints, run_id):
+def test_send_progress_sends_each_fragments_unsent_steps_and_they_are_merged(endpoints, run_id):
     coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
     learner, opt = join(endpoints, run_id, coord, "a")
     try:
         train(learner, opt, 5)  # fragment 0 sent at step 4; fragment 1 never (due at 6)
         assert [(a.fragment, a.steps) for a in deltas(coord)] == [(0, 4)]
+        learner.send_progress()
     finally:
         learner.close()
     sent = sorted((a.fragment, a.steps, a.tokens) for a in deltas(coord))
@@ -38,16 +40,21 @@ def test_leaving_sends_each_fragments_unsent_steps_and_they_are_merged(endpoints
     coord.close()
 
 
-def test_leaving_on_an_error_or_with_send_on_close_off_sends_nothing_more(endpoints, run_id):
+def test_leaving_sends_only_with_send_on_close_and_never_on_an_error(endpoints, run_id):
     coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
     failing, opt = join(endpoints, run_id, coord, "failing")
+    failing.config = dataclasses.replace(failing.config, send_on_close=True)
     train(failing, opt, 3)
     error = RuntimeError("loss diverged")
     failing.__exit__(type(error), error, None)  # what `with learner:` does when the loop raises
     quiet, opt = join(endpoints, run_id, coord, "quiet")
-    quiet.config = dataclasses.replace(quiet.config, send_on_close=False)
+    assert not quiet.config.send_on_close  # the default
     train(quiet, opt, 3)
     quiet.close()
     assert deltas(coord) == []
-    assert LearnerConfig().send_on_close
+    closing, opt = join(endpoints, run_id, coord, "closing")
+    closing.config = dataclasses.replace(closing.config, send_on_close=True)
+    train(closing, opt, 3)
+    closing.close()
+    assert sorted((a.learner, a.fragment, a.steps) for a in deltas(coord)) == [("closing", 0, 3), ("closing", 1, 3)]
     coord.close()
