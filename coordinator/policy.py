@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from storage.errors import ConfigError
+from storage.protocol import Cadence
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,3 +255,21 @@ def merge_order(arrivals: Sequence[Arrival]) -> list[Arrival]:
     Independent of arrival order, so a replay from the manifest adds in the same order.
     """
     return sorted(arrivals, key=lambda a: (a.learner, a.contribution_id))
+
+
+def next_cadence(current: Cadence | None, period_s: float, now: float, *, tolerance: float = 0.3) -> Cadence | None:
+    """The round clock to publish for a measured `period_s` (H steps of the fastest live learner), or
+    None to keep `current`.
+
+    The clock is re-set only when the period moves by more than `tolerance`, so that rounds keep
+    their phase. When it is, the new clock starts from the current one's last fragment-0 deadline:
+    each upcoming deadline moves by a fraction of the change of period, so learners that have not
+    read the new clock yet send for nearly the same instant and land in the same round. (A clock
+    started afresh at `now` would put its deadlines anywhere against the old ones and split the next
+    round of every fragment.)
+    """
+    if current is None:
+        return Cadence(origin=now + 0.5, period_s=period_s)
+    if abs(period_s / current.period_s - 1.0) <= tolerance:
+        return None
+    return Cadence(origin=current.next_deadline(0, 1, after=now) - current.period_s, period_s=period_s)

@@ -26,7 +26,7 @@ from coordinator.config import CoordinatorConfig, RunSettings
 from coordinator.intake import Contribution, check_announcement, fetch_tensors, to_arrival
 from coordinator.leadership import Fenced, Leadership
 from coordinator.outer import NesterovState, apply_round
-from coordinator.policy import RoundState, decide_round, merge_order, merge_weights, staleness_verdict
+from coordinator.policy import RoundState, decide_round, merge_order, merge_weights, next_cadence, staleness_verdict
 from coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
 from coordinator.recovery import reannounce_lost
 from coordinator.timing import PhaseTimes
@@ -269,7 +269,7 @@ class Coordinator:
 
     def _tend_cadence(self) -> None:
         """Publish the round clock: a fixed period, or H steps of the fastest live learner (re-set
-        only when that moves by more than 30%, so that rounds keep their phase)."""
+        by `next_cadence` only when that moves by more than 30%, keeping the phase)."""
         self._last_cadence_check = time.monotonic()
         self._clock_offset_s = self.bus.server_time() - time.time()
         period = self.config.round_s
@@ -280,11 +280,11 @@ class Coordinator:
             if not steps:
                 return
             period = max(self.config.min_round_s, self.spec.sync_every * min(steps))
-        current = self.cadence
-        if current is not None and abs(period / current.period_s - 1.0) <= 0.3:
+        cadence = next_cadence(self.cadence, period, self.now())
+        if cadence is None:
             return
-        self.cadence = Cadence(origin=self.now() + 0.5, period_s=period)
-        self.bus.set_cadence(self.cadence)
+        self.cadence = cadence
+        self.bus.set_cadence(cadence)
         log.info("round clock: a round every %.2fs per fragment (%s)", period,
                  "fixed" if self.config.round_s > 0 else f"{self.spec.sync_every} steps of the fastest learner")
 

@@ -16,10 +16,12 @@ from coordinator.policy import (
     decide_round,
     merge_order,
     merge_weights,
+    next_cadence,
     quorum_target,
     staleness_verdict,
 )
 from storage.errors import ConfigError
+from storage.protocol import Cadence
 
 HEAD = 5
 
@@ -243,3 +245,16 @@ def test_a_late_arrival_for_a_round_that_merged_waits_for_the_next_round_instead
     # Alone, it merges after the next deadline's grace; and a lone learner never waits.
     assert decide_round(106.0, replace(s, arrivals=(late,)), cfg).merge
     assert decide_round(102.5, replace(s, arrivals=(late,), live_learners=1), cfg).merge
+
+
+def test_the_round_clock_is_re_set_only_on_a_large_change_and_keeps_its_phase() -> None:
+    first = next_cadence(None, 4.0, now=1000.0)
+    assert first == Cadence(origin=1000.5, period_s=4.0)
+    assert next_cadence(first, 4.0 * 1.25, now=1009.0) is None  # within 30%: rounds keep their phase
+    # Slower by 50%: the new clock starts at the old one's last fragment-0 deadline (1008.5), so the
+    # next deadline of fragment 1 of 2 moves from 1010.5 to 1011.5, not to anywhere.
+    slower = next_cadence(first, 6.0, now=1009.0)
+    assert slower == Cadence(origin=1008.5, period_s=6.0)
+    assert first.next_deadline(1, 2, after=1009.0) == 1010.5
+    assert slower.next_deadline(1, 2, after=1009.0) == 1011.5
+    assert slower.next_deadline(0, 2, after=1009.0) == 1014.5
