@@ -76,8 +76,9 @@ class LearnerConfig:
     """On a clean exit, send each fragment's progress since its last send (`Learner.send_progress`).
     Off by default: when a whole fleet ends its run, the rounds that merge those short last pieces
     still take a full outer Nesterov step, momentum included, and overshoot (the quality benchmark's
-    decoupled arm went from 1.208 to 1.307 in its last round). A learner that leaves alone, on a
-    preemption notice, should call `send_progress` itself: its piece joins the others' next round.
+    decoupled arm went from 1.208 to 1.307 in its last round). A learner that knows it leaves alone
+    (a preemption notice for this machine only) can call `send_progress` itself: its piece joins
+    the others' next round.
     Nothing is sent when the training loop raised (its parameters may be what went wrong)."""
     own_version_wait: float = 0.5
     """After `overlap_steps`, keep training up to this fraction of H more steps while the version that

@@ -1,10 +1,10 @@
 """A learner on a preemption notice sends the progress it has not sent yet, and it is merged.
 
-A learner that gets a SIGTERM preemption notice has up to H steps per fragment trained since its
-last send: `Learner.send_progress` sends them (the demo learner calls it on SIGTERM). Leaving sends
-them only with `LearnerConfig.send_on_close` (off by default: a run whose every learner ends at
-once would merge rounds of short last pieces at a full outer momentum step), and never when the
-training loop raised.
+A learner that gets a preemption notice has up to H steps per fragment trained since its last
+send: `Learner.send_progress` sends them. Leaving sends them only with
+`LearnerConfig.send_on_close` (off by default: a run whose every learner ends at once would merge
+rounds of short last pieces at a full outer momentum step), and never when the training loop
+raised.
 """
 
 from __future__ import annotations
