@@ -72,14 +72,6 @@ class LearnerConfig:
     decoupled mode is measured against."""
     merge_wait_s: float = 300.0
     """With `wait_for_merge`: the longest a step waits for a new version before training on without it."""
-    send_on_close: bool = False
-    """On a clean exit, send each fragment's progress since its last send (`Learner.send_progress`).
-    Off by default: when a whole fleet ends its run, the rounds that merge those short last pieces
-    still take a full outer Nesterov step, momentum included, and overshoot (the quality benchmark's
-    decoupled arm went from 1.208 to 1.307 in its last round). A learner that knows it leaves alone
-    (a preemption notice for this machine only) can call `send_progress` itself: its piece joins
-    the others' next round.
-    Nothing is sent when the training loop raised (its parameters may be what went wrong)."""
     own_version_wait: float = 0.5
     """After `overlap_steps`, keep training up to this fraction of H more steps while the version that
     merged this learner's own contribution is not committed or not downloaded yet, rather than take an
@@ -138,8 +130,8 @@ class Learner:
         self.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        self.close(send_progress=exc_type is None)
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def start(self) -> None:
         """Join the run: wait for its spec, propose version 0 if none exists, adopt the latest versions.
@@ -168,13 +160,10 @@ class Learner:
         self.replica.write(values, [n for names in self._names for n in names])
         self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
 
-    def close(self, *, send_progress: bool = True) -> None:
-        """Leave the run: with `LearnerConfig.send_on_close`, send the unsent progress first (not when
-        `send_progress` is False: leaving on an error); wait up to `close_timeout_s` for the uploads,
-        stop the threads and announce leaving. On an island every rank calls it."""
+    def close(self) -> None:
+        """Leave the run: wait up to `close_timeout_s` for queued uploads, stop the threads and
+        announce leaving. Progress since the last sends is not sent (see `send_progress`)."""
         if self._hook is not None:
-            if send_progress and self.config.send_on_close:
-                self.send_progress()
             self._hook.remove()
             self._hook = None
         if not self.is_leader:
@@ -198,7 +187,10 @@ class Learner:
 
     def send_progress(self) -> None:
         """Send every fragment's progress since its last send now, for the round it would have gone to
-        next: on a preemption notice, so that the steps trained since the last send are not lost.
+        next: for a learner preempted alone, so that the steps trained since its last sends are not
+        lost; the piece joins the others' next round. Not done on leaving: when a whole fleet stops
+        at once, rounds made only of such short pieces still take full outer steps, momentum
+        included, and overshoot (the quality benchmark's decoupled arm went from 1.208 to 1.307).
         Call it between steps; on an island every rank calls it (they take part in the gathers)."""
         if self._hook is None:
             return  # not joined, or closed

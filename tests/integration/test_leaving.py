@@ -1,10 +1,8 @@
-"""A learner on a preemption notice sends the progress it has not sent yet, and it is merged.
+"""A learner preempted alone sends the progress it has not sent yet, and it is merged; leaving does not.
 
-A learner that gets a preemption notice has up to H steps per fragment trained since its last
-send: `Learner.send_progress` sends them. Leaving sends them only with
-`LearnerConfig.send_on_close` (off by default: a run whose every learner ends at once would merge
-rounds of short last pieces at a full outer momentum step), and never when the training loop
-raised.
+A learner has up to H steps per fragment trained since its last send: `Learner.send_progress`
+sends them. Leaving (`close`) does not: a run whose every learner stops at once would merge rounds
+made only of those short pieces, each at a full outer momentum step.
 """
 
 from __future__ import annotations
@@ -40,21 +38,10 @@ def test_send_progress_sends_each_fragments_unsent_steps_and_they_are_merged(end
     coord.close()
 
 
-def test_leaving_sends_only_with_send_on_close_and_never_on_an_error(endpoints, run_id):
+def test_leaving_sends_nothing_more(endpoints, run_id):
     coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
-    failing, opt = join(endpoints, run_id, coord, "failing")
-    failing.config = dataclasses.replace(failing.config, send_on_close=True)
-    train(failing, opt, 3)
-    error = RuntimeError("loss diverged")
-    failing.__exit__(type(error), error, None)  # what `with learner:` does when the loop raises
-    quiet, opt = join(endpoints, run_id, coord, "quiet")
-    assert not quiet.config.send_on_close  # the default
-    train(quiet, opt, 3)
-    quiet.close()
+    learner, opt = join(endpoints, run_id, coord, "quiet")
+    train(learner, opt, 3)  # nothing due yet
+    learner.close()
     assert deltas(coord) == []
-    closing, opt = join(endpoints, run_id, coord, "closing")
-    closing.config = dataclasses.replace(closing.config, send_on_close=True)
-    train(closing, opt, 3)
-    closing.close()
-    assert sorted((a.learner, a.fragment, a.steps) for a in deltas(coord)) == [("closing", 0, 3), ("closing", 1, 3)]
     coord.close()
