@@ -179,6 +179,11 @@ def _grace_why(cfg: RoundConfig, slack_s: float) -> str:
     return f"gamma {cfg.grace_gamma:g} x slack {slack_s:.2f}s"
 
 
+def served_deadline(merged_deadline: float, merged: Sequence[Arrival]) -> float:
+    """A fragment's `RoundState.merged_deadline` after a round of `merged` arrivals merged."""
+    return max([merged_deadline, *(a.deadline for a in merged)])
+
+
 def _clock_round(now: float, deadline: float, period_s: float, cfg: RoundConfig, learners_in: str) -> Decision:
     """A round of the clock cadence: learners send just before `deadline`; missing ones get a grace
     of gamma x period (capped) after it, then the round merges without them."""

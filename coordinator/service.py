@@ -26,7 +26,8 @@ from coordinator.config import CoordinatorConfig, RunSettings
 from coordinator.intake import Contribution, check_announcement, fetch_tensors, to_arrival
 from coordinator.leadership import Fenced, Leadership
 from coordinator.outer import NesterovState, apply_round
-from coordinator.policy import RoundState, decide_round, merge_order, merge_weights, next_cadence, staleness_verdict
+from coordinator.policy import (RoundState, decide_round, merge_order, merge_weights, next_cadence,
+                                served_deadline, staleness_verdict)
 from coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
 from coordinator.recovery import reannounce_lost
 from coordinator.timing import PhaseTimes
@@ -496,7 +497,7 @@ class Coordinator:
         merged = {c.announcement.contribution_id for c in contributions}
         frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
         frag.refused, self._unplaced = [], []
-        frag.merged_deadline = max([frag.merged_deadline, *(c.arrival.deadline for c in contributions)])
+        frag.merged_deadline = served_deadline(frag.merged_deadline, [c.arrival for c in contributions])
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
         elapsed = time.monotonic() - t0
         self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed

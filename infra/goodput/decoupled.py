@@ -256,7 +256,7 @@ class Decoupled:
         self.stats["rounds"] += 1
         self.stats["merged"] += len(ordered)
         self.stats["stale_merged"] += sum(a.base_version < self.head for a in ordered)
-        self.merged_deadline = max([self.merged_deadline, *(a.deadline for a in ordered)])
+        self.merged_deadline = policy.served_deadline(self.merged_deadline, ordered)
         self.round, self.wake_at = [], None
         self.head += 1
         self.engine.at(self.now + self.model.merge_s, self._publish, self.head)
