@@ -136,13 +136,21 @@ MERGE_RULES = {"weighted_mean": False, "radial_directional": True}
 def round_delta(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float],
                 settings: Mapping[str, object]) -> dict[str, Tensor]:
     """The merged update of a round: `deltas` (in merge order) merged with `weights` by the merge
-    rule the manifest's `settings` record. This is the outer gradient `apply_round` steps with;
-    `diloco inspect` and `diloco blame` measure inputs against it. Raises ValueError for a merge
-    rule this build does not know."""
+    rule the manifest's `settings` record, times its `round_scale` (1 when absent: a round as
+    large as usual, or a version made before the scale existed). This is the outer gradient
+    `apply_round` steps with; `diloco inspect` and `diloco blame` measure inputs against it.
+    Raises ValueError for a merge rule or scale this build does not know."""
     merge = settings.get("merge")
     if merge not in MERGE_RULES:
         raise ValueError(f"merge rule {merge!r} is not one this build knows ({', '.join(MERGE_RULES)})")
-    return merge_deltas(deltas, weights, radial_directional=MERGE_RULES[merge])
+    scale = settings.get("round_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 < scale <= 1.0:
+        raise ValueError(f"round_scale {scale!r} must be a number in (0, 1]")
+    merged = merge_deltas(deltas, weights, radial_directional=MERGE_RULES[merge])
+    if scale == 1.0:
+        return merged
+    factor = _fp32(float(scale))
+    return {name: t.mul_(factor) for name, t in merged.items()}
 
 
 def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequence[Mapping[str, Tensor]],

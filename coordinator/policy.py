@@ -21,6 +21,7 @@ paid: grace = clamp(gamma * (tau * t_step - (t_quorum - t_open + t_sync)), 0, ma
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -278,3 +279,23 @@ def next_cadence(current: Cadence | None, period_s: float, now: float, *, tolera
     if abs(period_s / current.period_s - 1.0) <= tolerance:
         return None
     return Cadence(origin=current.next_deadline(0, 1, after=now) - current.period_s, period_s=period_s)
+
+
+RECENT_ROUNDS = 8
+"""How many of a fragment's last rounds `round_scale` takes the usual round size from."""
+
+
+def round_scale(tokens: int, recent: Sequence[int]) -> float:
+    """The share of a usual round that a round of `tokens` tokens holds, at most 1: the factor its
+    merged update is scaled by before the outer step (the coordinator's `scale_small_rounds`).
+
+    The usual round is the median token count of the fragment's recent rounds (`recent`, up to
+    RECENT_ROUNDS), so one small round does not move it, and a fleet that has really shrunk is
+    followed after a few rounds. Without history (a run's first round, a restarted coordinator) or
+    without token counts the scale is 1. A round holding more than usual (a straggler's two
+    intervals) is not scaled up.
+    """
+    if tokens <= 0 or not recent:
+        return 1.0
+    usual = statistics.median(recent)
+    return min(1.0, tokens / usual) if usual > 0 else 1.0

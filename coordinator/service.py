@@ -26,8 +26,8 @@ from coordinator.config import CoordinatorConfig, RunSettings
 from coordinator.intake import Contribution, check_announcement, fetch_tensors, to_arrival
 from coordinator.leadership import Fenced, Leadership
 from coordinator.outer import NesterovState, apply_round
-from coordinator.policy import (RoundState, decide_round, merge_order, merge_weights, next_cadence,
-                                served_deadline, staleness_verdict)
+from coordinator.policy import (RECENT_ROUNDS, RoundState, decide_round, merge_order, merge_weights, next_cadence,
+                                round_scale, served_deadline, staleness_verdict)
 from coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
 from coordinator.recovery import reannounce_lost
 from coordinator.timing import PhaseTimes
@@ -73,6 +73,8 @@ class Fragment:
     last_reason: str = ""
     merged_deadline: float = 0.0
     """The latest clock deadline a round merged here served (0: none since this coordinator started)."""
+    recent_tokens: list[int] = field(default_factory=list)
+    """Tokens of the last rounds merged here (`policy.round_scale`'s usual round)."""
 
 
 class Coordinator:
@@ -410,12 +412,14 @@ class Coordinator:
             self._ensure_loaded(fragment, frag)
         crash_point("fetched")
         assert frag.params is not None and frag.state is not None
-        settings = self._settings("delta")
         while frag.round:
             ordered = merge_order(tuple(c.arrival for c in frag.round))
             by_id = {c.announcement.contribution_id: c for c in frag.round}
             contributions = [by_id[a.contribution_id] for a in ordered]
             weights = merge_weights(ordered, frag.head, self.round_cfg)
+            settings = self._settings("delta")
+            if self.config.scale_small_rounds:
+                settings["round_scale"] = round_scale(sum(a.tokens for a in ordered), frag.recent_tokens)
             # The settings the manifest records configure the merge itself: a replay runs the same call.
             params, state = apply_round(frag.params, frag.state, [c.delta for c in contributions], weights, settings,
                                         timed=self.timing)
@@ -498,6 +502,9 @@ class Coordinator:
         frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
         frag.refused, self._unplaced = [], []
         frag.merged_deadline = served_deadline(frag.merged_deadline, [c.arrival for c in contributions])
+        if settings.get("kind") == "delta":
+            tokens = sum(c.announcement.tokens for c in contributions)
+            frag.recent_tokens = [*frag.recent_tokens, tokens][-RECENT_ROUNDS:]
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
         elapsed = time.monotonic() - t0
         self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from coordinator.outer import NesterovState, merge_deltas, nesterov_step
+from coordinator.outer import NesterovState, merge_deltas, nesterov_step, round_delta
 
 SHAPES = {"blocks.0.w": (33, 7), "blocks.0.b": (7,), "scalar": ()}
 
@@ -148,3 +148,16 @@ def test_first_step_buffer_is_a_copy_of_the_delta() -> None:
 def test_delta_must_cover_the_fragment() -> None:
     with pytest.raises(ValueError):
         nesterov_step({"w": torch.zeros(2), "b": torch.zeros(1)}, {"w": torch.zeros(2)}, NesterovState())
+
+
+def test_round_delta_applies_the_recorded_round_scale_and_refuses_a_bad_one() -> None:
+    deltas = [{"w": torch.tensor([1.0, -2.0, 4.0])}, {"w": torch.tensor([3.0, 2.0, 0.0])}]
+    settings = {"merge": "weighted_mean"}
+    full = round_delta(deltas, [0.5, 0.5], settings)["w"]
+    assert torch.equal(full, torch.tensor([2.0, 0.0, 2.0]))
+    assert torch.equal(round_delta(deltas, [0.5, 0.5], settings | {"round_scale": 0.25})["w"],
+                       torch.tensor([0.5, 0.0, 0.5]))
+    assert torch.equal(round_delta(deltas, [0.5, 0.5], settings | {"round_scale": 1.0})["w"], full)
+    for bad in (0.0, 1.5, True, "half"):
+        with pytest.raises(ValueError, match="round_scale"):
+            round_delta(deltas, [0.5, 0.5], settings | {"round_scale": bad})

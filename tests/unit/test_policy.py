@@ -18,6 +18,7 @@ from coordinator.policy import (
     merge_weights,
     next_cadence,
     quorum_target,
+    round_scale,
     staleness_verdict,
 )
 from storage.errors import ConfigError
@@ -258,3 +259,12 @@ def test_the_round_clock_is_re_set_only_on_a_large_change_and_keeps_its_phase() 
     assert first.next_deadline(1, 2, after=1009.0) == 1010.5
     assert slower.next_deadline(1, 2, after=1009.0) == 1011.5
     assert slower.next_deadline(0, 2, after=1009.0) == 1014.5
+
+
+def test_a_round_smaller_than_usual_is_scaled_by_its_share_and_a_larger_one_is_not() -> None:
+    usual = [4000, 4100, 3900, 1000, 4000]  # one earlier small round does not move the median
+    assert round_scale(1000, usual) == pytest.approx(0.25)  # one learner of four, alone
+    assert round_scale(3000, usual) == pytest.approx(0.75)
+    assert round_scale(8000, usual) == 1.0  # a straggler's two intervals: not scaled up
+    assert round_scale(1000, []) == 1.0  # no history: a run's first round, a restarted coordinator
+    assert round_scale(0, usual) == 1.0  # no token counts
