@@ -28,7 +28,11 @@ def test_three_learners_train_the_global_model(endpoints, run_id, tmp_path, flee
     heads, counters = bus.heads(), bus.counters()
     assert set(heads) == {0, 1} and min(heads.values()) >= 3, heads
     assert counters["contributions_applied"] >= 2 + 3 * 2, counters  # two genesis, every learner on every fragment
-    assert counters.get("contributions_refused", 0) == 0, bus.refusals()
+    # A learner the machine stalls for max_staleness rounds (4 s here) sends a delta the coordinator
+    # must refuse as stale: that is the policy, not a fault. Any other refusal is a fault.
+    refusals = bus.refusals()
+    assert all(r.code == "stale" for r in refusals), refusals
+    assert len(refusals) <= counters["contributions_applied"] // 10, refusals
     start, end = global_eval(endpoints, run_id, {0: 0, 1: 0}), global_eval(endpoints, run_id)
     print(f"global eval loss {start:.3f} -> {end:.3f}")
     assert end < start - 0.2, f"global eval loss {start:.3f} -> {end:.3f}"
