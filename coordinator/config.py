@@ -68,6 +68,11 @@ class CoordinatorConfig:
     """Consumer name in the announcements group; a restarted coordinator re-reads its own pending entries."""
     fetch_threads: int = 8
     """Parallel S3 GETs when verifying a batch of contributions."""
+    read_batch_bytes: int = 2 << 30
+    """The most decoded (fp32) bytes one read of the announcements takes in: a backlog is read in
+    batches of at most this many bytes of the largest fragment (at least one announcement, at most
+    256), so a coordinator that restarts on a long backlog of large fragments does not decode it all
+    into memory at once. Open rounds hold their contributions on top of this."""
     claim_idle_s: float = 60.0
     """Entries pending on another consumer for longer than this are claimed."""
     lease_s: float = 10.0
@@ -81,6 +86,8 @@ class CoordinatorConfig:
             raise ConfigError(f"outer_lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.read_batch_bytes < 1:
+            raise ConfigError(f"read_batch_bytes must be positive, got {self.read_batch_bytes}")
         if not self.lease_s >= 1.0:
             raise ConfigError(f"lease_s must be at least 1 second, got {self.lease_s}")
 

@@ -42,6 +42,7 @@ from storage.settings import Endpoints
 log = logging.getLogger(__name__)
 
 MAX_REASON_CHARS = 2000
+MAX_READ = 256  # announcements per read of the stream
 """A refusal's reason quotes what it refuses (keys, names), which the sender chose: it is cut to this
 length so that refusal records and the manifests that list them stay small."""
 MAX_KEY_CHARS = 1024
@@ -244,11 +245,12 @@ class Coordinator:
     def step(self, block_ms: int = 0) -> None:
         """One iteration: read what arrived, then merge every round that is due."""
         with self.timing("read"):
+            count = self._read_count()
             if self._read_pending:
-                entries = self.bus.read_announcements(self.config.consumer, pending=True, count=256)
-                self._read_pending = len(entries) == 256
+                entries = self.bus.read_announcements(self.config.consumer, pending=True, count=count)
+                self._read_pending = len(entries) == count
             else:
-                entries = self.bus.read_announcements(self.config.consumer, block_ms=block_ms, count=256)
+                entries = self.bus.read_announcements(self.config.consumer, block_ms=block_ms, count=count)
         self._drained = not entries and not self._read_pending
         retry, self._retry = self._retry, []
         self._intake(list(entries) + retry)
@@ -259,6 +261,13 @@ class Coordinator:
         for fragment, frag in self.fragments.items():
             if frag.round:
                 self._maybe_merge(fragment, frag)
+
+    def _read_count(self) -> int:
+        """Announcements per read: as many of the largest fragment as `read_batch_bytes` holds, 1 to 256."""
+        if self.layout is None:
+            return MAX_READ
+        largest = max(self.layout.fragment_bytes(f) for f in range(len(self.layout.fragments)))
+        return max(1, min(MAX_READ, self.config.read_batch_bytes // largest))
 
     def now(self) -> float:
         """Redis server time (unix seconds): the clock that arrivals, deadlines and decisions share."""
