@@ -36,7 +36,8 @@ from storage.crashpoints import crash_point
 from storage.errors import ConfigError, Conflict, Refused, StorageUnavailable
 from storage.history import read_layout, read_manifest, read_params, read_run_spec, read_verified
 from storage.objects import ObjectMissing, ObjectStore
-from storage.protocol import MAX_RECORD_BYTES, Announcement, Cadence, Contribution as Input, Layout, Refusal, RunSpec
+from storage.protocol import (MAX_RECORD_BYTES, Announcement, Cadence, Contribution as Input, Layout, Manifest, Refusal,
+                              RunSpec)
 from storage.settings import Endpoints
 
 log = logging.getLogger(__name__)
@@ -471,6 +472,19 @@ class Coordinator:
         limit = 2 * self.layout.fragment_bytes(fragment) + (1 << 20)
         frag.state = decode_state(read_verified(self.store, manifest.outer_state_key, manifest.outer_state_sha256,
                                                 max_bytes=limit), limit)
+        if not frag.recent_tokens:
+            frag.recent_tokens = self._recent_round_tokens(fragment, manifest)
+
+    def _recent_round_tokens(self, fragment: int, head: Manifest) -> list[int]:
+        """The tokens of the fragment's last RECENT_ROUNDS merged rounds, oldest first, from their
+        manifests: a restarted or standby coordinator scales small rounds as its predecessor did."""
+        tokens: list[int] = []
+        manifest: Manifest | None = head
+        while manifest is not None and manifest.settings.get("kind") == "delta" and len(tokens) < RECENT_ROUNDS:
+            tokens.append(sum(c.tokens for c in manifest.inputs))
+            previous = manifest.version - 1
+            manifest = read_manifest(self.store, self.keys, fragment, previous) if previous > 0 else None
+        return tokens[::-1]
 
     def _settings(self, kind: str) -> dict[str, str | int | float | bool]:
         """What the manifest of a version of this `kind` records, and what its merge is configured by."""

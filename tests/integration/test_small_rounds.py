@@ -1,0 +1,51 @@
+"""A round smaller than usual takes a smaller outer step, also right after a coordinator restart.
+
+With `scale_small_rounds` (the default) the coordinator scales a round's merged update by its
+tokens over the median of the fragment's recent rounds (`policy.round_scale`) and records the
+factor in the manifest's settings. A coordinator that starts on an existing run recalls those
+recent rounds from the manifests, so a lone learner's round right after a restart or a standby
+takeover is scaled as it would have been without one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from harness import TINY_RUN, join, make_coordinator, train
+from storage.history import read_manifest
+
+RUN = dataclasses.replace(TINY_RUN, cadence="steps")
+
+
+def merge_all(coord) -> None:  # noqa: ANN001
+    for _ in range(10):
+        coord.step(block_ms=50)
+
+
+def last_round(coord) -> tuple[int, float]:  # noqa: ANN001
+    """(tokens, round_scale) of fragment 0's head version."""
+    m = read_manifest(coord.store, coord.keys, 0, coord.bus.heads()[0])
+    return sum(c.tokens for c in m.inputs), m.settings.get("round_scale", 1.0)
+
+
+def test_a_lone_learners_round_is_scaled_by_its_share_before_and_after_a_restart(endpoints, run_id):
+    coord = make_coordinator(endpoints, run_id, settings=RUN)
+    (a, opt_a), (b, opt_b) = join(endpoints, run_id, coord, "a"), join(endpoints, run_id, coord, "b")
+    try:
+        for _ in range(3):  # rounds of both learners: 2 x 4 steps x 10 tokens
+            train(a, opt_a, 4)
+            train(b, opt_b, 4)
+            merge_all(coord)
+            assert last_round(coord) == (80, 1.0)
+        train(a, opt_a, 4)  # a alone: half a usual round
+        merge_all(coord)
+        assert last_round(coord) == (40, 0.5)
+        coord.close()
+        coord = make_coordinator(endpoints, run_id, settings=RUN)  # recalls 80, 80, 80, 40: median 80
+        train(a, opt_a, 4)
+        merge_all(coord)
+        assert last_round(coord) == (40, 0.5)
+    finally:
+        a.close()
+        b.close()
+        coord.close()
