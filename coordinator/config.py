@@ -54,10 +54,11 @@ class CoordinatorConfig:
     """Outer Nesterov momentum."""
     radial_directional: bool = False
     """Average norms and directions of deltas separately instead of a plain weighted mean."""
-    scale_small_rounds: bool = True
-    """Shrink the merged update of a round that holds fewer tokens than the fragment's usual round, by
-    that share (`policy.round_scale`): one learner's delta merged alone, e.g. the last one still
-    training at the end of a run, is noisier than an average and would otherwise take a full step."""
+    scale_rounds: bool = True
+    """Scale a round's merged update against the fragment's usual round (`policy.round_scale`): a
+    round with fewer tokens by its share (one learner's delta merged alone, e.g. the last one still
+    training at the end of a run, would otherwise take a full step), and one carrying more than two
+    usual rounds of progress per learner (a backlog after an outage) down to that."""
     round: RoundConfig = field(default_factory=RoundConfig)
     """Quorum, grace window and staleness rules."""
     round_s: float = 0.0

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from storage.errors import ConfigError
 from storage.protocol import Cadence
@@ -282,20 +283,59 @@ def next_cadence(current: Cadence | None, period_s: float, now: float, *, tolera
 
 
 RECENT_ROUNDS = 8
-"""How many of a fragment's last rounds `round_scale` takes the usual round size from."""
+"""How many of a fragment's last rounds `round_scale` takes the usual round from."""
+MAX_REACH = 2.0
+"""The most progress per learner a round may carry, in usual rounds (see `round_scale`)."""
 
 
-def round_scale(tokens: int, recent: Sequence[int]) -> float:
-    """The share of a usual round that a round of `tokens` tokens holds, at most 1: the factor its
-    merged update is scaled by before the outer step (the coordinator's `scale_small_rounds`).
+@dataclass(frozen=True, slots=True)
+class RoundSize:
+    """What a merged round held: its tokens and its distinct learners."""
 
-    The usual round is the median token count of the fragment's recent rounds (`recent`, up to
-    RECENT_ROUNDS), so one small round does not move it, and a fleet that has really shrunk is
-    followed after a few rounds. Without history (a run's first round, a restarted coordinator) or
-    without token counts the scale is 1. A round holding more than usual (a straggler's two
-    intervals) is not scaled up.
+    tokens: int
+    learners: int
+
+    @property
+    def reach(self) -> float:
+        """Tokens per learner: how far the round's average learner trained since its last send."""
+        return self.tokens / self.learners if self.learners > 0 else 0.0
+
+
+class _Piece(Protocol):
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def learner(self) -> str: ...
+
+
+def round_size(pieces: Iterable[_Piece]) -> RoundSize:
+    """The size of a round of `pieces` (its arrivals, or a manifest's inputs)."""
+    pieces = list(pieces)
+    return RoundSize(tokens=sum(p.tokens for p in pieces), learners=len({p.learner for p in pieces}))
+
+
+def round_scale(size: RoundSize, recent: Sequence[RoundSize]) -> float:
+    """The factor, in (0, 1], a round's merged update is scaled by before the outer step (the
+    coordinator's `scale_rounds`), against the fragment's usual round: the median of its recent
+    rounds (`recent`, up to RECENT_ROUNDS), so one odd round does not move it and a fleet that has
+    really changed is followed after a few rounds.
+
+    - **A small round** counts for its share of a usual round's tokens: one learner of four merged
+      alone (the last one still training at the end of a run) is noisier than an average and
+      moves the model a quarter as far.
+    - **An oversized round** is capped at MAX_REACH usual rounds of progress per learner: a learner
+      back from an S3 outage (its queued pieces coalesced into one delta of hundreds of steps), or
+      a backlog merged at once after the coordinator was down, would otherwise take one outer step
+      many times the usual size, which momentum then carries on for rounds. A straggler's two
+      intervals in one round stay within the cap.
+
+    Without history (a run's first round) or without token counts the scale is 1.
     """
-    if tokens <= 0 or not recent:
+    if size.tokens <= 0 or not recent:
         return 1.0
-    usual = statistics.median(recent)
-    return min(1.0, tokens / usual) if usual > 0 else 1.0
+    usual_tokens = statistics.median(r.tokens for r in recent)
+    usual_reach = statistics.median(r.reach for r in recent)
+    scale = min(1.0, size.tokens / usual_tokens) if usual_tokens > 0 else 1.0
+    if usual_reach > 0 and size.reach > MAX_REACH * usual_reach:
+        scale *= MAX_REACH * usual_reach / size.reach
+    return scale

@@ -26,8 +26,8 @@ from coordinator.config import CoordinatorConfig, RunSettings
 from coordinator.intake import Contribution, check_announcement, fetch_tensors, to_arrival
 from coordinator.leadership import Fenced, Leadership
 from coordinator.outer import NesterovState, apply_round
-from coordinator.policy import (RECENT_ROUNDS, RoundState, decide_round, merge_order, merge_weights, next_cadence,
-                                round_scale, served_deadline, staleness_verdict)
+from coordinator.policy import (RECENT_ROUNDS, RoundSize, RoundState, decide_round, merge_order, merge_weights,
+                                next_cadence, round_scale, round_size, served_deadline, staleness_verdict)
 from coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
 from coordinator.recovery import reannounce_lost
 from coordinator.timing import PhaseTimes
@@ -75,8 +75,8 @@ class Fragment:
     last_reason: str = ""
     merged_deadline: float = 0.0
     """The latest clock deadline a round merged here served (0: none since this coordinator started)."""
-    recent_tokens: list[int] = field(default_factory=list)
-    """Tokens of the last rounds merged here (`policy.round_scale`'s usual round)."""
+    recent: list[RoundSize] = field(default_factory=list)
+    """The last rounds merged here (`policy.round_scale`'s usual round)."""
 
 
 class Coordinator:
@@ -428,8 +428,8 @@ class Coordinator:
             contributions = [by_id[a.contribution_id] for a in ordered]
             weights = merge_weights(ordered, frag.head, self.round_cfg)
             settings = self._settings("delta")
-            if self.config.scale_small_rounds:
-                settings["round_scale"] = round_scale(sum(a.tokens for a in ordered), frag.recent_tokens)
+            if self.config.scale_rounds:
+                settings["round_scale"] = round_scale(round_size(ordered), frag.recent)
             # The settings the manifest records configure the merge itself: a replay runs the same call.
             params, state = apply_round(frag.params, frag.state, [c.delta for c in contributions], weights, settings,
                                         timed=self.timing)
@@ -472,19 +472,19 @@ class Coordinator:
         limit = 2 * self.layout.fragment_bytes(fragment) + (1 << 20)
         frag.state = decode_state(read_verified(self.store, manifest.outer_state_key, manifest.outer_state_sha256,
                                                 max_bytes=limit), limit)
-        if not frag.recent_tokens:
-            frag.recent_tokens = self._recent_round_tokens(fragment, manifest)
+        if not frag.recent:
+            frag.recent = self._recent_rounds(fragment, manifest)
 
-    def _recent_round_tokens(self, fragment: int, head: Manifest) -> list[int]:
-        """The tokens of the fragment's last RECENT_ROUNDS merged rounds, oldest first, from their
-        manifests: a restarted or standby coordinator scales small rounds as its predecessor did."""
-        tokens: list[int] = []
+    def _recent_rounds(self, fragment: int, head: Manifest) -> list[RoundSize]:
+        """The fragment's last RECENT_ROUNDS merged rounds, oldest first, from their manifests: a
+        restarted or standby coordinator scales rounds as its predecessor did."""
+        rounds: list[RoundSize] = []
         manifest: Manifest | None = head
-        while manifest is not None and manifest.settings.get("kind") == "delta" and len(tokens) < RECENT_ROUNDS:
-            tokens.append(sum(c.tokens for c in manifest.inputs))
+        while manifest is not None and manifest.settings.get("kind") == "delta" and len(rounds) < RECENT_ROUNDS:
+            rounds.append(round_size(manifest.inputs))
             previous = manifest.version - 1
             manifest = read_manifest(self.store, self.keys, fragment, previous) if previous > 0 else None
-        return tokens[::-1]
+        return rounds[::-1]
 
     def _settings(self, kind: str) -> dict[str, str | int | float | bool]:
         """What the manifest of a version of this `kind` records, and what its merge is configured by."""
@@ -526,8 +526,7 @@ class Coordinator:
         frag.refused, self._unplaced = [], []
         frag.merged_deadline = served_deadline(frag.merged_deadline, [c.arrival for c in contributions])
         if settings.get("kind") == "delta":
-            tokens = sum(c.announcement.tokens for c in contributions)
-            frag.recent_tokens = [*frag.recent_tokens, tokens][-RECENT_ROUNDS:]
+            frag.recent = [*frag.recent, round_size([c.arrival for c in contributions])][-RECENT_ROUNDS:]
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
         elapsed = time.monotonic() - t0
         self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed

@@ -1,8 +1,9 @@
 """A round smaller than usual takes a smaller outer step, also right after a coordinator restart.
 
-With `scale_small_rounds` (the default) the coordinator scales a round's merged update by its
+With `scale_rounds` (the default) the coordinator scales a small round's merged update by its
 tokens over the median of the fragment's recent rounds (`policy.round_scale`) and records the
-factor in the manifest's settings. A coordinator that starts on an existing run recalls those
+factor in the manifest's settings; a round carrying more than two usual rounds of progress per
+learner (a backlog) is scaled down to that. A coordinator that starts on an existing run recalls those
 recent rounds from the manifests, so a lone learner's round right after a restart or a standby
 takeover is scaled as it would have been without one.
 """
@@ -28,7 +29,7 @@ def last_round(coord) -> tuple[int, float]:  # noqa: ANN001
     return sum(c.tokens for c in m.inputs), m.settings.get("round_scale", 1.0)
 
 
-def test_a_lone_learners_round_is_scaled_by_its_share_before_and_after_a_restart(endpoints, run_id):
+def test_a_lone_learners_round_is_scaled_by_its_share_and_a_backlog_capped_also_after_a_restart(endpoints, run_id):
     coord = make_coordinator(endpoints, run_id, settings=RUN)
     (a, opt_a), (b, opt_b) = join(endpoints, run_id, coord, "a"), join(endpoints, run_id, coord, "b")
     try:
@@ -45,6 +46,11 @@ def test_a_lone_learners_round_is_scaled_by_its_share_before_and_after_a_restart
         train(a, opt_a, 4)
         merge_all(coord)
         assert last_round(coord) == (40, 0.5)
+        # A backlog: a's four sends merged in one round, 160 tokens from one learner where a usual
+        # round holds 40 per learner: capped at two rounds' worth.
+        train(a, opt_a, 16)
+        merge_all(coord)
+        assert last_round(coord) == (160, 0.5)
     finally:
         a.close()
         b.close()

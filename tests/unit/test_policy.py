@@ -12,6 +12,7 @@ from coordinator.policy import (
     Arrival,
     Decision,
     RoundConfig,
+    RoundSize,
     RoundState,
     decide_round,
     merge_order,
@@ -19,6 +20,7 @@ from coordinator.policy import (
     next_cadence,
     quorum_target,
     round_scale,
+    round_size,
     staleness_verdict,
 )
 from storage.errors import ConfigError
@@ -262,9 +264,25 @@ def test_the_round_clock_is_re_set_only_on_a_large_change_and_keeps_its_phase() 
 
 
 def test_a_round_smaller_than_usual_is_scaled_by_its_share_and_a_larger_one_is_not() -> None:
-    usual = [4000, 4100, 3900, 1000, 4000]  # one earlier small round does not move the median
-    assert round_scale(1000, usual) == pytest.approx(0.25)  # one learner of four, alone
-    assert round_scale(3000, usual) == pytest.approx(0.75)
-    assert round_scale(8000, usual) == 1.0  # a straggler's two intervals: not scaled up
-    assert round_scale(1000, []) == 1.0  # no history: a run's first round, a restarted coordinator
-    assert round_scale(0, usual) == 1.0  # no token counts
+    usual = [RoundSize(t, 4) for t in (4000, 4100, 3900, 4000)] + [RoundSize(1000, 1)]  # one odd round
+    assert round_scale(RoundSize(1000, 1), usual) == pytest.approx(0.25)  # one learner of four, alone
+    assert round_scale(RoundSize(3000, 3), usual) == pytest.approx(0.75)
+    assert round_scale(RoundSize(5000, 4), usual) == 1.0  # a straggler's two intervals: not scaled up
+    assert round_scale(RoundSize(1000, 1), []) == 1.0  # no history: a run's first round
+    assert round_scale(RoundSize(0, 1), usual) == 1.0  # no token counts
+
+
+def test_a_round_carrying_more_than_two_usual_rounds_per_learner_is_capped_there() -> None:
+    usual = [RoundSize(4000, 4)] * 8  # 1000 tokens per learner
+    assert round_scale(RoundSize(8000, 4), usual) == 1.0  # two rounds' worth each: within the cap
+    # A backlog: every learner's pieces of 16 rounds merged at once.
+    assert round_scale(RoundSize(64000, 4), usual) == pytest.approx(2 / 16)
+    # A learner back from an S3 outage alone, its queued pieces coalesced into one 16-round delta:
+    # more tokens than a usual round (no small-round share), 16 rounds' reach, capped at 2.
+    assert round_scale(RoundSize(16000, 1), usual) == pytest.approx(2 / 16)
+
+
+def test_round_size_counts_tokens_and_distinct_learners() -> None:
+    pieces = [arrival("a", 1.0, tokens=300), arrival("a", 2.0, tokens=200), arrival("b", 1.5, tokens=500)]
+    assert round_size(pieces) == RoundSize(tokens=1000, learners=2)
+    assert round_size(pieces).reach == 500
