@@ -43,9 +43,10 @@ from storage.settings import Endpoints
 log = logging.getLogger(__name__)
 
 MAX_REASON_CHARS = 2000
-MAX_READ = 256  # announcements per read of the stream
 """A refusal's reason quotes what it refuses (keys, names), which the sender chose: it is cut to this
 length so that refusal records and the manifests that list them stay small."""
+MAX_READ = 256
+"""The most announcements one read of the stream takes (`read_batch_bytes` may allow fewer)."""
 MAX_KEY_CHARS = 1024
 """A refusal's object key is the announced one, cut to S3's own limit on key length."""
 
@@ -111,6 +112,7 @@ class Coordinator:
         self._retry: list[tuple[str, Announcement]] = []
         self._unplaced: list[Refusal] = []  # refusals of entries that name no fragment of the run
         self._read_pending = True
+        self._read_batch: int | None = None  # `_read_count`, once the layout is known
         self._outage_at: float | None = None  # when this process noticed a Redis outage (unix), until the sweep
         self._drained = False  # the last read of the announcements stream returned nothing
         self._redis_run_id = self._server_run_id()
@@ -264,11 +266,14 @@ class Coordinator:
                 self._maybe_merge(fragment, frag)
 
     def _read_count(self) -> int:
-        """Announcements per read: as many of the largest fragment as `read_batch_bytes` holds, 1 to 256."""
+        """Announcements per read: as many of the largest fragment as `read_batch_bytes` holds, 1 to
+        MAX_READ. Worked out once the layout is known (it is fixed for the life of a run)."""
         if self.layout is None:
             return MAX_READ
-        largest = max(self.layout.fragment_bytes(f) for f in range(len(self.layout.fragments)))
-        return max(1, min(MAX_READ, self.config.read_batch_bytes // largest))
+        if self._read_batch is None:
+            largest = max(self.layout.fragment_bytes(f) for f in range(len(self.layout.fragments)))
+            self._read_batch = max(1, min(MAX_READ, self.config.read_batch_bytes // largest))
+        return self._read_batch
 
     def now(self) -> float:
         """Redis server time (unix seconds): the clock that arrivals, deadlines and decisions share."""
@@ -524,9 +529,10 @@ class Coordinator:
         merged = {c.announcement.contribution_id for c in contributions}
         frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
         frag.refused, self._unplaced = [], []
-        frag.merged_deadline = served_deadline(frag.merged_deadline, [c.arrival for c in contributions])
+        arrivals = [c.arrival for c in contributions]
+        frag.merged_deadline = served_deadline(frag.merged_deadline, arrivals)
         if settings.get("kind") == "delta":
-            frag.recent = [*frag.recent, round_size([c.arrival for c in contributions])][-RECENT_ROUNDS:]
+            frag.recent = [*frag.recent, round_size(arrivals)][-RECENT_ROUNDS:]
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
         elapsed = time.monotonic() - t0
         self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed
