@@ -55,10 +55,12 @@ class CoordinatorConfig:
     radial_directional: bool = False
     """Average norms and directions of deltas separately instead of a plain weighted mean."""
     scale_rounds: bool = True
-    """Scale a round's merged update against the fragment's usual round (`policy.round_scale`): a
-    round with fewer tokens by its share (one learner's delta merged alone, e.g. the last one still
-    training at the end of a run, would otherwise take a full step), and one carrying more than two
-    usual rounds of progress per learner (a backlog after an outage) down to that."""
+    """Size each round's outer step by the progress it carries, against the fragment's usual round
+    (`policy.round_step`): a round of fewer learners or tokens than usual (a learner late for the
+    round that merged, the last pieces at the end of a run) takes a fractional Nesterov step,
+    momentum included, rather than a whole one; a round carrying more than two usual rounds of
+    progress per learner (a backlog after an outage) is scaled down to that. Off: a whole step
+    every round."""
     round: RoundConfig = field(default_factory=RoundConfig)
     """Quorum, grace window and staleness rules."""
     round_s: float = 0.0
@@ -95,7 +97,8 @@ class CoordinatorConfig:
     def settings(self, r: RoundConfig) -> dict[str, str | int | float | bool]:
         """What a manifest records about how its version was made (and on which kernels: replay needs them)."""
         return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "outer": "nesterov",
+                "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+                "outer": "fractional_nesterov" if self.scale_rounds else "nesterov",
                 "merge": "radial_directional" if self.radial_directional else "weighted_mean",
                 "weights": "tokens*tokens/steps", "staleness_discount": r.staleness_discount,
                 "max_staleness": r.max_staleness, "min_quorum": r.min_quorum, "grace_gamma": r.grace_gamma}

@@ -11,10 +11,12 @@ same inputs in the same order give the same bits. Here is what guarantees it:
   Never `add(..., alpha=w)`: ATen's vectorized kernels fuse it into an FMA, whose bits differ
   from the scalar kernels'. Norms (radial-directional merge) are exact float64 squares summed by a
   fixed pairwise tree of elementwise adds, never a threaded reduction.
-- `nesterov_step` must equal torch.optim.SGD(nesterov=True) bit for bit, so it issues exactly
-  SGD's kernels, including `add(alpha=...)`. It is therefore bit-exact on machines running the
-  same ATen CPU kernels (`torch.backends.cpu.get_cpu_capability()`); to replay an outer step on a
-  machine with a different capability, pin it with ATEN_CPU_CAPABILITY.
+- `nesterov_step` of a whole round (progress 1) must equal torch.optim.SGD(nesterov=True) bit for
+  bit, so it issues exactly SGD's kernels, including `add(alpha=...)`. It is therefore bit-exact on
+  machines running the same ATen CPU kernels (`torch.backends.cpu.get_cpu_capability()`); to replay
+  an outer step on a machine with a different capability, pin it with ATEN_CPU_CAPABILITY. A
+  fractional step (progress < 1) is a fixed chain of separate elementwise multiplies and adds with
+  fp32 scalars, like the merge.
 """
 
 from __future__ import annotations
@@ -104,19 +106,53 @@ class NesterovState:
 
 
 def nesterov_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], state: NesterovState,
-                  lr: float = 0.7, momentum: float = 0.9) -> tuple[dict[str, Tensor], NesterovState]:
+                  lr: float = 0.7, momentum: float = 0.9, progress: float = 1.0
+                  ) -> tuple[dict[str, Tensor], NesterovState]:
     """One outer step: new params and state; `params`, `delta` and `state` are not modified.
 
-    Bit for bit `torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)` (dampening 0,
-    no weight decay) stepping with `p.grad = delta`, where delta = global - merged local, the
-    outer gradient. As in torch, the first step sets the buffer to the delta itself:
+    A whole step (`progress` 1) is bit for bit `torch.optim.SGD(params, lr=lr, momentum=momentum,
+    nesterov=True)` (dampening 0, no weight decay) stepping with `p.grad = delta`, where delta =
+    global - merged local, the outer gradient. As in torch, the first step sets the buffer to the
+    delta itself:
         buf = delta                    (first step)  |  buf = momentum * buf + delta
         params = params - lr * (delta + momentum * buf)
-    `params`, `delta` and the buffers share a dtype (fp32 in practice).
+
+    A fractional step of progress s in (0, 1) (a round carrying s of a usual round's progress, see
+    `policy.round_step`) is that step over s of the time: the buffer decays by momentum ** s and
+    gains what s usual rounds of the same outer gradient per round would add to it, and the update
+    is s of a whole one, momentum included:
+        rate = delta / s               (the outer gradient per usual round)
+        buf  = momentum ** s * buf + (1 - momentum ** s) / (1 - momentum) * rate
+        params = params - lr * (delta + s * momentum * buf)
+    So s = 1 is the whole step, a round of almost no progress barely moves the model however large
+    the momentum, and n rounds of progress 1/n (the same deltas cut into more rounds) give nearly
+    the model one whole round gives (the same buffer in the steady state; exactly the same linear
+    part). `params`, `delta` and the buffers share a dtype (fp32 in practice).
     """
     if set(params) != set(delta):
         raise ValueError(f"delta does not match the fragment: tensors "
                          f"{sorted(set(params) ^ set(delta))} are in one but not the other")
+    if isinstance(progress, bool) or not 0.0 < progress <= 1.0:
+        raise ValueError(f"progress {progress!r} must be a number in (0, 1]")
+    if progress == 1.0:
+        return _whole_step(params, delta, state, lr, momentum)
+    decay = _fp32(momentum ** progress)
+    gain = _fp32((1.0 - momentum ** progress) / (1.0 - momentum) / progress)
+    push, rate = _fp32(progress * momentum), _fp32(lr)
+    new_params: dict[str, Tensor] = {}
+    new_momentum: dict[str, Tensor] = {}
+    for name, p in params.items():
+        grad = delta[name].detach()
+        added = grad * gain
+        buf = state.momentum.get(name)
+        buf = added if buf is None else buf * decay + added  # separate correctly rounded ops, never an FMA
+        new_momentum[name] = buf
+        new_params[name] = p.detach() - (grad + buf * push) * rate
+    return new_params, NesterovState(momentum=new_momentum, steps=state.steps + 1)
+
+
+def _whole_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], state: NesterovState, lr: float,
+                momentum: float) -> tuple[dict[str, Tensor], NesterovState]:
     new_params: dict[str, Tensor] = {}
     new_momentum: dict[str, Tensor] = {}
     for name, p in params.items():
@@ -153,24 +189,33 @@ def round_delta(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float]
     return {name: t.mul_(factor) for name, t in merged.items()}
 
 
+OUTER_STEPS = ("nesterov", "fractional_nesterov")
+"""The manifest's `outer` setting: 'nesterov' takes a whole step every round (versions made before
+fractional steps existed); 'fractional_nesterov' takes the step of the round's recorded `progress`."""
+
+
 def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequence[Mapping[str, Tensor]],
                 weights: Sequence[float], settings: Mapping[str, object], *,
                 timed: Timed = untimed) -> tuple[dict[str, Tensor], NesterovState]:
     """One round: merge `deltas` (in merge order) with `weights` (`round_delta`), then one outer
-    Nesterov step.
+    Nesterov step of the round's `progress` (`nesterov_step`).
 
-    Configured by the `settings` recorded in the version's manifest (`merge`, `outer_lr`,
-    `outer_momentum`), so that the live coordinator and a replay from the manifest run the very
-    same computation. Raises ValueError for settings this build does not know. `timed` times the
-    merge ("merge") and the outer step ("outer").
+    Configured by the `settings` recorded in the version's manifest (`merge`, `round_scale`,
+    `outer`, `outer_lr`, `outer_momentum`, `progress`), so that the live coordinator and a replay
+    from the manifest run the very same computation. Raises ValueError for settings this build
+    does not know. `timed` times the merge ("merge") and the outer step ("outer").
     """
-    if settings.get("outer", "nesterov") != "nesterov":
-        raise ValueError(f"outer optimizer {settings.get('outer')!r} is not one this build knows ('nesterov')")
+    outer = settings.get("outer", "nesterov")
+    if outer not in OUTER_STEPS:
+        raise ValueError(f"outer optimizer {outer!r} is not one this build knows ({', '.join(OUTER_STEPS)})")
     lr, momentum = settings.get("outer_lr"), settings.get("outer_momentum")
     if isinstance(lr, bool) or isinstance(momentum, bool) or not isinstance(lr, (int, float)) \
             or not isinstance(momentum, (int, float)):
         raise ValueError(f"outer_lr {lr!r} and outer_momentum {momentum!r} must be numbers")
+    progress = settings.get("progress", 1.0) if outer == "fractional_nesterov" else 1.0
+    if isinstance(progress, bool) or not isinstance(progress, (int, float)):
+        raise ValueError(f"progress {progress!r} must be a number in (0, 1]")
     with timed("merge"):
         delta = round_delta(deltas, weights, settings)
     with timed("outer"):
-        return nesterov_step(params, delta, state, lr=float(lr), momentum=float(momentum))
+        return nesterov_step(params, delta, state, lr=float(lr), momentum=float(momentum), progress=float(progress))

@@ -283,9 +283,9 @@ def next_cadence(current: Cadence | None, period_s: float, now: float, *, tolera
 
 
 RECENT_ROUNDS = 8
-"""How many of a fragment's last rounds `round_scale` takes the usual round from."""
+"""How many of a fragment's last rounds `round_step` takes the usual round from."""
 MAX_REACH = 2.0
-"""The most progress per learner a round may carry, in usual rounds (see `round_scale`)."""
+"""The most progress per learner a round may carry, in usual rounds (see `round_step`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,28 +314,46 @@ def round_size(pieces: Iterable[_Piece]) -> RoundSize:
     return RoundSize(tokens=sum(p.tokens for p in pieces), learners=len({p.learner for p in pieces}))
 
 
-def round_scale(size: RoundSize, recent: Sequence[RoundSize]) -> float:
-    """The factor, in (0, 1], a round's merged update is scaled by before the outer step (the
-    coordinator's `scale_rounds`), against the fragment's usual round: the median of its recent
-    rounds (`recent`, up to RECENT_ROUNDS), so one odd round does not move it and a fleet that has
-    really changed is followed after a few rounds.
+@dataclass(frozen=True, slots=True)
+class RoundStep:
+    """How far a round's outer step goes (recorded in its manifest: `round_scale`, `progress`)."""
 
-    - **A small round** counts for its share of a usual round's tokens: one learner of four merged
-      alone (the last one still training at the end of a run) is noisier than an average and
-      moves the model a quarter as far.
+    scale: float
+    """In (0, 1]: the merged update's multiplier (`round_scale`). A round of fewer learners than
+    usual counts for their share of the fleet's mean (its merged update is theirs alone); a round
+    carrying more than MAX_REACH usual rounds of progress per learner is capped there."""
+    progress: float
+    """In (0, 1]: how much of a usual round's progress (tokens) the round carries: the outer step
+    is that fraction of a whole one, momentum included (`outer.nesterov_step`)."""
+
+
+def round_step(size: RoundSize, recent: Sequence[RoundSize]) -> RoundStep:
+    """The outer step of a round of `size` (the coordinator's `scale_rounds`), against the
+    fragment's usual round: the median of its recent rounds (`recent`, up to RECENT_ROUNDS), so one
+    odd round does not move it and a fleet that has really changed is followed after a few rounds.
+
+    - **A small round** (one learner of four merged alone, a learner late for the round that
+      merged, a last piece at the end of a run) moves the model only as far as the progress it
+      carries: its update counts for its learners' share of the fleet, and its step, momentum
+      included, for its share of a usual round's tokens. Cutting the same deltas into more rounds
+      then gives nearly the model one round gives (invariant 8), where a whole Nesterov step per
+      extra round would push the momentum again each time.
     - **An oversized round** is capped at MAX_REACH usual rounds of progress per learner: a learner
       back from an S3 outage (its queued pieces coalesced into one delta of hundreds of steps), or
       a backlog merged at once after the coordinator was down, would otherwise take one outer step
       many times the usual size, which momentum then carries on for rounds. A straggler's two
       intervals in one round stay within the cap.
 
-    Without history (a run's first round) or without token counts the scale is 1.
+    A round larger than usual (more learners, more tokens) takes a whole step, not more. Without
+    history (a run's first round) or without token counts the step is whole.
     """
     if size.tokens <= 0 or not recent:
-        return 1.0
+        return RoundStep(1.0, 1.0)
     usual_tokens = statistics.median(r.tokens for r in recent)
+    usual_learners = statistics.median(r.learners for r in recent)
     usual_reach = statistics.median(r.reach for r in recent)
-    scale = min(1.0, size.tokens / usual_tokens) if usual_tokens > 0 else 1.0
+    progress = min(1.0, size.tokens / usual_tokens) if usual_tokens > 0 else 1.0
+    scale = min(1.0, size.learners / usual_learners) if usual_learners > 0 else 1.0
     if usual_reach > 0 and size.reach > MAX_REACH * usual_reach:
         scale *= MAX_REACH * usual_reach / size.reach
-    return scale
+    return RoundStep(scale=scale, progress=progress)

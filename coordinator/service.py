@@ -27,7 +27,7 @@ from coordinator.intake import Contribution, check_announcement, fetch_tensors, 
 from coordinator.leadership import Fenced, Leadership
 from coordinator.outer import NesterovState, apply_round
 from coordinator.policy import (RECENT_ROUNDS, RoundSize, RoundState, decide_round, merge_order, merge_weights,
-                                next_cadence, round_scale, round_size, served_deadline, staleness_verdict)
+                                next_cadence, round_size, round_step, served_deadline, staleness_verdict)
 from coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
 from coordinator.recovery import reannounce_lost
 from coordinator.timing import PhaseTimes
@@ -77,7 +77,7 @@ class Fragment:
     merged_deadline: float = 0.0
     """The latest clock deadline a round merged here served (0: none since this coordinator started)."""
     recent: list[RoundSize] = field(default_factory=list)
-    """The last rounds merged here (`policy.round_scale`'s usual round)."""
+    """The last rounds merged here (`policy.round_step`'s usual round)."""
 
 
 class Coordinator:
@@ -434,7 +434,8 @@ class Coordinator:
             weights = merge_weights(ordered, frag.head, self.round_cfg)
             settings = self._settings("delta")
             if self.config.scale_rounds:
-                settings["round_scale"] = round_scale(round_size(ordered), frag.recent)
+                step = round_step(round_size(ordered), frag.recent)
+                settings |= {"round_scale": step.scale, "progress": step.progress}
             # The settings the manifest records configure the merge itself: a replay runs the same call.
             params, state = apply_round(frag.params, frag.state, [c.delta for c in contributions], weights, settings,
                                         timed=self.timing)

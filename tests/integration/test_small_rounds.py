@@ -1,9 +1,10 @@
 """A round smaller than usual takes a smaller outer step, also right after a coordinator restart.
 
-With `scale_rounds` (the default) the coordinator scales a small round's merged update by its
-tokens over the median of the fragment's recent rounds (`policy.round_scale`) and records the
-factor in the manifest's settings; a round carrying more than two usual rounds of progress per
-learner (a backlog) is scaled down to that. A coordinator that starts on an existing run recalls those
+With `scale_rounds` (the default) the coordinator sizes each round's outer step against the median
+of the fragment's recent rounds (`policy.round_step`): a small round's merged update counts for its
+learners' share of the fleet and its fractional Nesterov step for its share of the tokens; both are
+recorded in the manifest's settings (`round_scale`, `progress`). A round carrying more than two
+usual rounds of progress per learner (a backlog) is scaled down to that. A coordinator that starts on an existing run recalls those
 recent rounds from the manifests, so a lone learner's round right after a restart or a standby
 takeover is scaled as it would have been without one.
 """
@@ -23,13 +24,14 @@ def merge_all(coord) -> None:  # noqa: ANN001
         coord.step(block_ms=50)
 
 
-def last_round(coord) -> tuple[int, float]:  # noqa: ANN001
-    """(tokens, round_scale) of fragment 0's head version."""
+def last_round(coord) -> tuple[int, float, float]:  # noqa: ANN001
+    """(tokens, round_scale, progress) of fragment 0's head version."""
     m = read_manifest(coord.store, coord.keys, 0, coord.bus.heads()[0])
-    return sum(c.tokens for c in m.inputs), m.settings.get("round_scale", 1.0)
+    assert m.settings["outer"] == "fractional_nesterov"
+    return sum(c.tokens for c in m.inputs), m.settings["round_scale"], m.settings["progress"]
 
 
-def test_a_lone_learners_round_is_scaled_by_its_share_and_a_backlog_capped_also_after_a_restart(endpoints, run_id):
+def test_a_lone_learners_round_steps_by_its_share_and_a_backlog_is_capped_also_after_a_restart(endpoints, run_id):
     coord = make_coordinator(endpoints, run_id, settings=RUN)
     (a, opt_a), (b, opt_b) = join(endpoints, run_id, coord, "a"), join(endpoints, run_id, coord, "b")
     try:
@@ -37,20 +39,20 @@ def test_a_lone_learners_round_is_scaled_by_its_share_and_a_backlog_capped_also_
             train(a, opt_a, 4)
             train(b, opt_b, 4)
             merge_all(coord)
-            assert last_round(coord) == (80, 1.0)
-        train(a, opt_a, 4)  # a alone: half a usual round
+            assert last_round(coord) == (80, 1.0, 1.0)
+        train(a, opt_a, 4)  # a alone: half the fleet, half a usual round's tokens
         merge_all(coord)
-        assert last_round(coord) == (40, 0.5)
+        assert last_round(coord) == (40, 0.5, 0.5)
         coord.close()
         coord = make_coordinator(endpoints, run_id, settings=RUN)  # recalls 80, 80, 80, 40: median 80
         train(a, opt_a, 4)
         merge_all(coord)
-        assert last_round(coord) == (40, 0.5)
+        assert last_round(coord) == (40, 0.5, 0.5)
         # A backlog: a's four sends merged in one round, 160 tokens from one learner where a usual
-        # round holds 40 per learner: capped at two rounds' worth.
+        # round holds 40 per learner: half the fleet, capped at two rounds' worth; a whole step's time.
         train(a, opt_a, 16)
         merge_all(coord)
-        assert last_round(coord) == (160, 0.5)
+        assert last_round(coord) == (160, 0.25, 1.0)
     finally:
         a.close()
         b.close()

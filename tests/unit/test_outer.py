@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from coordinator.outer import NesterovState, merge_deltas, nesterov_step, round_delta
+from coordinator.outer import NesterovState, apply_round, merge_deltas, nesterov_step, round_delta
+from coordinator.policy import (RECENT_ROUNDS, Arrival, RoundConfig, RoundSize, merge_weights, round_size,
+                                round_step)
 
 SHAPES = {"blocks.0.w": (33, 7), "blocks.0.b": (7,), "scalar": ()}
 
@@ -161,3 +163,90 @@ def test_round_delta_applies_the_recorded_round_scale_and_refuses_a_bad_one() ->
     for bad in (0.0, 1.5, True, "half"):
         with pytest.raises(ValueError, match="round_scale"):
             round_delta(deltas, [0.5, 0.5], settings | {"round_scale": bad})
+
+
+# --- fractional steps: a round moves the model as far as the progress it carries ----------------
+
+OUTER = {"merge": "weighted_mean", "outer_lr": 0.7, "outer_momentum": 0.9}
+
+
+def test_a_whole_fractional_step_is_the_torch_sgd_step_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(5)
+    params, state = random_tensors(gen), NesterovState()
+    for _ in range(3):
+        delta = random_tensors(gen, 0.1)
+        whole, whole_state = nesterov_step(params, delta, state)
+        frac, frac_state = apply_round(params, state, [delta], [1.0],
+                                       OUTER | {"outer": "fractional_nesterov", "progress": 1.0})
+        assert same(whole, frac) and same(whole_state.momentum, frac_state.momentum)
+        params, state = whole, whole_state
+
+
+def test_a_small_step_moves_the_model_by_its_progress_momentum_included() -> None:
+    gen = torch.Generator().manual_seed(6)
+    params, state = random_tensors(gen), NesterovState()
+    for _ in range(5):  # a warm buffer: the momentum push is what a whole step would repeat
+        params, state = nesterov_step(params, random_tensors(gen, 0.1), state)
+    tiny = {k: torch.zeros_like(v) for k, v in params.items()}  # a round carrying no update at all
+    whole, _ = nesterov_step(params, tiny, state)
+    for s in (0.5, 0.1, 0.01):
+        part, part_state = nesterov_step(params, tiny, state, progress=s)
+        for k in params:
+            moved, full = (part[k] - params[k]).norm(), (whole[k] - params[k]).norm()
+            # A whole step pushes lr * m * (m * buf); s of a step pushes s of lr * m * (m ** s * buf).
+            torch.testing.assert_close(moved, full * s * 0.9 ** s / 0.9, rtol=1e-4, atol=1e-7)
+            torch.testing.assert_close(part_state.momentum[k], state.momentum[k] * 0.9 ** s, rtol=1e-5, atol=1e-7)
+
+
+def test_fractional_steps_are_bit_identical_for_the_same_inputs() -> None:
+    gen = torch.Generator().manual_seed(7)
+    params, delta = random_tensors(gen), random_tensors(gen, 0.1)
+    _, state = nesterov_step(params, random_tensors(gen, 0.1), NesterovState())
+    first = nesterov_step(params, delta, state, progress=0.37)
+    again = nesterov_step(clone(params), clone(delta), NesterovState(dict(state.momentum), state.steps), progress=0.37)
+    assert same(first[0], again[0]) and same(first[1].momentum, again[1].momentum)
+    for bad in (0.0, 1.5, -0.1, True):
+        with pytest.raises(ValueError, match="progress"):
+            nesterov_step(params, delta, state, progress=bad)
+
+
+def test_the_outer_step_of_a_manifest_is_one_this_build_knows() -> None:
+    deltas = [{"w": torch.ones(2)}]
+    with pytest.raises(ValueError, match="outer optimizer"):
+        apply_round({"w": torch.zeros(2)}, NesterovState(), deltas, [1.0], OUTER | {"outer": "adam"})
+
+
+def _cut_into_rounds(cuts: list[list[list[int]]], fractional: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """4 learners' deltas over 4 intervals, merged in the rounds `cuts` gives each interval, through
+    the coordinator's own weights, round steps and outer step. Returns (params before, after)."""
+    gen = torch.Generator().manual_seed(seed)
+    common = torch.randn(300, generator=gen)
+    params, state = {"w": torch.zeros(300)}, NesterovState()
+    for _ in range(3):  # momentum already in play, as mid-run
+        params, state = apply_round(params, state, [{"w": common * 0.1}], [1.0], OUTER)
+    before = params["w"].clone()
+    recent, head, cfg = [RoundSize(4 * 3000, 4)] * RECENT_ROUNDS, 0, RoundConfig()
+    for t, groups in enumerate(cuts):
+        deltas = [common * 0.1 + 0.1 * torch.randn(300, generator=gen) for _ in range(4)]
+        for group in groups:
+            arrivals = [Arrival(f"c{t}-{i}", f"l{i}", head, 3000, 30, 0.0, 0.1) for i in group]
+            step = round_step(round_size(arrivals), recent)
+            settings = OUTER | ({"outer": "fractional_nesterov", "round_scale": step.scale, "progress": step.progress}
+                                if fractional else {"round_scale": step.scale})
+            params, state = apply_round(params, state, [{"w": deltas[i]} for i in group],
+                                        merge_weights(arrivals, head, cfg), settings)
+            recent, head = [*recent, round_size(arrivals)][-RECENT_ROUNDS:], head + 1
+    return before, params["w"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_same_deltas_cut_into_more_rounds_give_nearly_the_same_model(seed: int) -> None:
+    whole = [[[0, 1, 2, 3]]] * 4  # 4 rounds of 4 learners
+    cut = [[[0, 1, 2, 3]], [[0, 1], [2, 3]], [[0], [1, 2, 3]], [[0, 1, 2], [3]]]  # the same deltas in 7 rounds
+    before, four = _cut_into_rounds(whole, fractional=True, seed=seed)
+    _, seven = _cut_into_rounds(cut, fractional=True, seed=seed)
+    assert float((four - seven).norm() / (four - before).norm()) < 0.08
+    # A whole Nesterov step per round (the merged update scaled, the momentum push not): far apart.
+    before, four = _cut_into_rounds(whole, fractional=False, seed=seed)
+    _, seven = _cut_into_rounds(cut, fractional=False, seed=seed)
+    assert float((four - seven).norm() / (four - before).norm()) > 0.3

@@ -13,13 +13,14 @@ from coordinator.policy import (
     Decision,
     RoundConfig,
     RoundSize,
+    RoundStep,
     RoundState,
     decide_round,
     merge_order,
     merge_weights,
     next_cadence,
     quorum_target,
-    round_scale,
+    round_step,
     round_size,
     staleness_verdict,
 )
@@ -263,23 +264,30 @@ def test_the_round_clock_is_re_set_only_on_a_large_change_and_keeps_its_phase() 
     assert slower.next_deadline(0, 2, after=1009.0) == 1014.5
 
 
-def test_a_round_smaller_than_usual_is_scaled_by_its_share_and_a_larger_one_is_not() -> None:
+def test_a_round_smaller_than_usual_steps_by_its_share_and_a_larger_one_takes_a_whole_step() -> None:
     usual = [RoundSize(t, 4) for t in (4000, 4100, 3900, 4000)] + [RoundSize(1000, 1)]  # one odd round
-    assert round_scale(RoundSize(1000, 1), usual) == pytest.approx(0.25)  # one learner of four, alone
-    assert round_scale(RoundSize(3000, 3), usual) == pytest.approx(0.75)
-    assert round_scale(RoundSize(5000, 4), usual) == 1.0  # a straggler's two intervals: not scaled up
-    assert round_scale(RoundSize(1000, 1), []) == 1.0  # no history: a run's first round
-    assert round_scale(RoundSize(0, 1), usual) == 1.0  # no token counts
+    # One learner of four, alone, with a usual interval: a quarter of the fleet's update, a quarter step.
+    assert round_step(RoundSize(1000, 1), usual) == RoundStep(scale=0.25, progress=pytest.approx(0.25))
+    assert round_step(RoundSize(3000, 3), usual) == RoundStep(scale=0.75, progress=pytest.approx(0.75))
+    # A straggler's two intervals: not scaled up, a whole step.
+    assert round_step(RoundSize(5000, 4), usual) == RoundStep(1.0, 1.0)
+    # Everyone's last piece, a tenth of an interval each: the whole fleet's update (whose deltas are
+    # short already), a tenth of a step.
+    assert round_step(RoundSize(400, 4), usual) == RoundStep(scale=1.0, progress=pytest.approx(0.1))
+    # One learner's last piece alone: its share of the fleet, and only the progress it carries.
+    assert round_step(RoundSize(100, 1), usual) == RoundStep(scale=0.25, progress=pytest.approx(0.025))
+    assert round_step(RoundSize(1000, 1), []) == RoundStep(1.0, 1.0)  # no history: a run's first round
+    assert round_step(RoundSize(0, 1), usual) == RoundStep(1.0, 1.0)  # no token counts
 
 
 def test_a_round_carrying_more_than_two_usual_rounds_per_learner_is_capped_there() -> None:
     usual = [RoundSize(4000, 4)] * 8  # 1000 tokens per learner
-    assert round_scale(RoundSize(8000, 4), usual) == 1.0  # two rounds' worth each: within the cap
+    assert round_step(RoundSize(8000, 4), usual) == RoundStep(1.0, 1.0)  # two rounds' worth each: within the cap
     # A backlog: every learner's pieces of 16 rounds merged at once.
-    assert round_scale(RoundSize(64000, 4), usual) == pytest.approx(2 / 16)
+    assert round_step(RoundSize(64000, 4), usual) == RoundStep(scale=pytest.approx(2 / 16), progress=1.0)
     # A learner back from an S3 outage alone, its queued pieces coalesced into one 16-round delta:
-    # more tokens than a usual round (no small-round share), 16 rounds' reach, capped at 2.
-    assert round_scale(RoundSize(16000, 1), usual) == pytest.approx(2 / 16)
+    # a quarter of the fleet, 16 rounds' reach capped at 2; a whole step's time.
+    assert round_step(RoundSize(16000, 1), usual) == RoundStep(scale=pytest.approx(0.25 * 2 / 16), progress=1.0)
 
 
 def test_round_size_counts_tokens_and_distinct_learners() -> None:
