@@ -26,6 +26,7 @@ import functools
 import logging
 import ssl
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
@@ -35,7 +36,8 @@ from tenacity import retry, retry_if_exception, stop_after_delay, wait_random_ex
 
 from storage.errors import ConfigError, Refused
 from storage.keys import RunKeys
-from storage.protocol import Announcement, Cadence, Refusal, VersionEvent, pack, unpack
+from storage.protocol import (Announcement, Cadence, FinishRequest, LearnerFinished, Refusal, RunEnd, VersionEvent,
+                              pack, unpack)
 from storage.settings import ENV_REDIS_URL, Endpoints, redact_url
 
 log = logging.getLogger(__name__)
@@ -149,10 +151,26 @@ return 1
 """
 
 _HEARTBEAT_LUA = """
--- KEYS: learners, learner_stats; ARGV: learner, ttl_s, [stats]
+-- KEYS: learners, learner_stats, joined; ARGV: learner, ttl_s, joined (1/0), [stats]
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[2]), ARGV[1])
-if ARGV[3] then redis.call('HSET', KEYS[2], ARGV[1], ARGV[3]) end
+if ARGV[3] == '1' then redis.call('SADD', KEYS[3], ARGV[1]) end
+if ARGV[4] then redis.call('HSET', KEYS[2], ARGV[1], ARGV[4]) end
+return 1
+"""
+
+_FLEET_LUA = """
+-- KEYS: learners, joined, finished_learners, finish_request
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+return {redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%.6f', now), '+inf'), redis.call('SMEMBERS', KEYS[2]),
+        redis.call('HKEYS', KEYS[3]), redis.call('GET', KEYS[4]) or ''}
+"""
+
+_SET_FINISHED_LUA = """
+-- KEYS: epoch, finished; ARGV: epoch, record
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2])
 return 1
 """
 
@@ -178,6 +196,20 @@ def connect(url: str) -> redis.Redis:
 Entry = tuple[str, "Announcement | Refused"]
 
 
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """The learners of a run as one read sees them (`Bus.fleet`)."""
+
+    live: frozenset[str]
+    """Heartbeat not expired, on the Redis server's clock."""
+    joined: frozenset[str]
+    """Joined the run at some point (`Bus.join`)."""
+    finished: frozenset[str]
+    """Finished (`Bus.finish`) and not joined again since."""
+    finish_request: FinishRequest | None
+    """An operator's `diloco finish`, if one asked (None also if the request does not decode)."""
+
+
 class Bus:
     """The Redis side of one run. Thread-safe (redis-py pools connections)."""
 
@@ -192,6 +224,8 @@ class Bus:
         self._commit = self.r.register_script(_COMMIT_LUA)
         self._ack = self.r.register_script(_ACK_LUA)
         self._heartbeat = self.r.register_script(_HEARTBEAT_LUA)
+        self._fleet = self.r.register_script(_FLEET_LUA)
+        self._set_finished = self.r.register_script(_SET_FINISHED_LUA)
 
     @redis_retry
     def ping(self) -> bool:
@@ -353,6 +387,12 @@ class Bus:
 
     # ---- the round clock ---------------------------------------------------------------
     @redis_retry
+    def epoch(self) -> int | None:
+        """The current fencing epoch; None if Redis lost it."""
+        raw = self.r.get(self.keys.epoch)
+        return None if raw is None else int(raw)
+
+    @redis_retry
     def wiped(self) -> bool:
         """Redis has lost the run's keys: the fencing epoch key is gone (restarted empty, or flushed)."""
         return not self.r.exists(self.keys.epoch)
@@ -379,14 +419,67 @@ class Bus:
 
     # ---- learners ----------------------------------------------------------------------
     @redis_retry
-    def heartbeat(self, learner: str, ttl_s: float, stats: dict[str, Any] | None = None) -> None:
-        """Live until `ttl_s` from now on the Redis server's clock (machines' clocks may disagree)."""
-        args: list[Any] = [learner, ttl_s] + ([] if stats is None else [pack(stats)])
-        self._heartbeat(keys=[self.keys.learners, self.keys.learner_stats], args=args)
+    def heartbeat(self, learner: str, ttl_s: float, stats: dict[str, Any] | None = None, *,
+                  joined: bool = False) -> None:
+        """Live until `ttl_s` from now on the Redis server's clock (machines' clocks may disagree).
+        `joined`: also (again, should Redis have lost it) a member of the joined set."""
+        args: list[Any] = [learner, ttl_s, int(joined)] + ([] if stats is None else [pack(stats)])
+        self._heartbeat(keys=[self.keys.learners, self.keys.learner_stats, self.keys.joined], args=args)
 
     @redis_retry
     def leave(self, learner: str) -> None:
         self.r.zrem(self.keys.learners, learner)
+
+    @redis_retry
+    def join(self, learner: str) -> None:
+        """`learner` has joined: the run counts on it until it finishes (again, if it had finished before)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.sadd(self.keys.joined, learner)
+        pipe.hdel(self.keys.finished_learners, learner)
+        pipe.execute()
+
+    @redis_retry
+    def finish(self, record: LearnerFinished) -> None:
+        """Record that a learner finished and take it out of the live set, in one transaction: a
+        reader never sees it gone from both."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self.keys.finished_learners, record.learner, record.to_wire())
+        pipe.zrem(self.keys.learners, record.learner)
+        pipe.execute()
+
+    @redis_retry
+    def finished_learners(self) -> dict[str, LearnerFinished]:
+        raw = self.r.hgetall(self.keys.finished_learners)
+        return {k.decode(): LearnerFinished.from_wire(v) for k, v in raw.items()}
+
+    @redis_retry
+    def fleet(self) -> Fleet:
+        """Live, joined and finished learners and the finish request, in one consistent read."""
+        live, joined, finished, request = self._fleet(keys=[self.keys.learners, self.keys.joined,
+                                                             self.keys.finished_learners, self.keys.finish_request])
+        try:
+            asked = FinishRequest.from_wire(request) if request else None
+        except Refused as exc:
+            log.warning("ignoring an unreadable finish request: %s", exc.reason)
+            asked = None
+        return Fleet(live=frozenset(m.decode() for m in live), joined=frozenset(m.decode() for m in joined),
+                     finished=frozenset(m.decode() for m in finished), finish_request=asked)
+
+    # ---- the end of a run ----------------------------------------------------------------
+    @redis_retry
+    def ask_finish(self, request: FinishRequest) -> None:
+        self.r.set(self.keys.finish_request, request.to_wire())
+
+    @redis_retry
+    def set_run_end(self, end: RunEnd, epoch: int) -> bool:
+        """Publish the run's end, fenced: False (nothing written) if `epoch` is not the current one."""
+        return bool(self._set_finished(keys=[self.keys.epoch, self.keys.finished], args=[epoch, end.to_wire()]))
+
+    @redis_retry
+    def run_end(self) -> RunEnd | None:
+        """The run's end, if it is finished (S3's `finished.msgpack` is the truth; this is its copy)."""
+        raw = self.r.get(self.keys.finished)
+        return None if raw is None else RunEnd.from_wire(raw)
 
     @redis_retry
     def live_learners(self) -> list[str]:

@@ -32,3 +32,7 @@ class StorageUnavailable(DilocoError):
 
 class Conflict(DilocoError):
     """A compare-and-set lost: someone else wrote first (object exists, head moved, epoch changed)."""
+
+
+class RunFinished(DilocoError):
+    """The run is finished (`RunEnd`): nothing joins or is merged any more; start a new run to train on."""

@@ -17,7 +17,8 @@ from storage import codecs
 from storage.errors import Refused
 from storage.keys import RunKeys
 from storage.objects import ObjectMissing, Store
-from storage.protocol import MAX_MESSAGE_BYTES, MAX_RECORD_BYTES, Collection, Contribution, Layout, Manifest, RunSpec
+from storage.protocol import (MAX_MESSAGE_BYTES, MAX_RECORD_BYTES, Collection, Contribution, Layout, Manifest, RunEnd,
+                              RunSpec)
 
 
 def sha256_hex(data: bytes) -> str:
@@ -39,6 +40,14 @@ def require_run_spec(store: Store, keys: RunKeys) -> RunSpec:
         raise Refused("missing_object", f"run {keys.run!r} has no run spec at {store.url(keys.run_spec())}: "
                       "wrong run, bucket, DILOCO_S3_PREFIX or --dir?")
     return spec
+
+
+def read_run_end(store: Store, keys: RunKeys) -> RunEnd | None:
+    """The run's end (`finished.msgpack`), or None while it is not finished."""
+    try:
+        return RunEnd.from_wire(store.get(keys.finished_record(), max_bytes=MAX_MESSAGE_BYTES))
+    except ObjectMissing:
+        return None
 
 
 def read_layout(store: Store, keys: RunKeys) -> Layout | None:

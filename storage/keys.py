@@ -13,6 +13,7 @@ Integers are zero-padded so that lexicographic listing order is numeric order
     versions/{fragment}/{version}/outer_state.{epoch}  outer-optimizer state after that version
     versions/{fragment}/{version}/manifest             the commit record (Manifest): names the two above
     collections/{n}                               a Collection: what a gc pass removed (or where a what-if run starts)
+    finished.msgpack                              RunEnd: the run is finished, with each fragment's final version
 
 Version objects carry the writer's fencing epoch, so a deposed coordinator racing the current one
 never overwrites the objects that a committed manifest points to.
@@ -85,6 +86,10 @@ class RunKeys:
 
     def collections_prefix(self) -> str:
         return f"{self.root}collections/"
+
+    def finished_record(self) -> str:
+        """The run's RunEnd, written create-only by the coordinator that finishes the run."""
+        return f"{self.root}finished.msgpack"
 
     def parse_genesis_key(self, key: str) -> tuple[str, int] | None:
         """Inverse of genesis_params: (learner, fragment) or None (also for a proposed layout)."""
@@ -185,6 +190,26 @@ class RunKeys:
     def learner_stats(self) -> str:
         """Hash: learner -> msgpack of its last reported stats (steps, tokens, loss, step time)."""
         return self._r + "learner_stats"
+
+    @property
+    def joined(self) -> str:
+        """Set: learners that have joined the run (the run ends by itself once each has finished)."""
+        return self._r + "joined"
+
+    @property
+    def finished_learners(self) -> str:
+        """Hash: learner -> msgpack LearnerFinished, for learners that finished (removed when one joins again)."""
+        return self._r + "finished_learners"
+
+    @property
+    def finish_request(self) -> str:
+        """String: msgpack FinishRequest, an operator's `diloco finish`."""
+        return self._r + "finish_request"
+
+    @property
+    def finished(self) -> str:
+        """String: msgpack RunEnd, the same record as the run's `finished.msgpack` once it is finished."""
+        return self._r + "finished"
 
     @property
     def counters(self) -> str:

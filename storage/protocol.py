@@ -278,6 +278,9 @@ class Announcement(Record):
     """Learner wall clock, informational."""
     deadline: float = 0.0
     """The clock round (Cadence deadline, unix seconds) this was sent for; 0 when sent on a step count."""
+    final: bool = False
+    """The sender's last piece for this fragment: it leaves the run after it (it finished, or was
+    preempted), so no round need wait for more from it."""
 
     def __post_init__(self) -> None:
         _require(self.kind in KINDS, f"unknown kind {self.kind!r}")
@@ -412,3 +415,57 @@ class VersionEvent(Record):
     contributions: tuple[str, ...] = field(default=())
     """contribution_ids merged into this version."""
     committed_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerFinished(Record):
+    """A learner that has finished its part in the run (`finished_learners` hash), written as it
+    leaves, after its final pieces were announced."""
+
+    learner: str
+    finished_at: float
+    """Redis server time (unix seconds)."""
+    steps: int
+    """Inner steps it trained in its last incarnation."""
+    final: tuple[str, ...] = ()
+    """Contribution ids of its final pieces (none for a fragment it had just sent)."""
+
+    def __post_init__(self) -> None:
+        check_id("learner", self.learner)
+
+
+@dataclass(frozen=True, slots=True)
+class FinishRequest(Record):
+    """Operator -> coordinator (`finish_request` key, `diloco finish`): finish the run now."""
+
+    run: str
+    asked_at: float
+    """Redis server time (unix seconds)."""
+    by: str
+    """Who asked, for a person: e.g. 'diloco finish on host-1 (pid 42)'."""
+
+    def __post_init__(self) -> None:
+        check_id("run", self.run)
+
+
+@dataclass(frozen=True, slots=True)
+class RunEnd(Record):
+    """The end of a run (`finished.msgpack`, create-only, and the `finished` key): no contribution
+    is merged after it, and `versions` are the model to take."""
+
+    run: str
+    finished_at: float
+    """Redis server time (unix seconds)."""
+    by: str
+    """'learners' (every learner that joined has finished) or 'operator' (`diloco finish`)."""
+    reason: str
+    """The sentence the coordinator logged."""
+    versions: tuple[int, ...]
+    """Per fragment (index = fragment): its final version (-1: it never had one)."""
+    epoch: int
+    """Fencing epoch of the coordinator that wrote it."""
+
+    def __post_init__(self) -> None:
+        check_id("run", self.run)
+        _require(self.by in ("learners", "operator"), f"by must be 'learners' or 'operator', got {self.by!r}")
+        _require(all(v >= -1 for v in self.versions), "final versions must be >= -1")

@@ -4,8 +4,8 @@ import msgpack
 import pytest
 
 from storage.errors import Refused
-from storage.protocol import (SCHEMA_VERSION, Announcement, Collection, Contribution, Layout, Manifest, ParamSpec,
-                              Refusal, RunSpec, VersionEvent, pack)
+from storage.protocol import (SCHEMA_VERSION, Announcement, Collection, Contribution, FinishRequest, Layout,
+                              LearnerFinished, Manifest, ParamSpec, Refusal, RunEnd, RunSpec, VersionEvent, pack)
 
 
 def announcement(**over):
@@ -37,6 +37,10 @@ def manifest():
                       (ParamSpec(name="b", shape=(), dtype="float32"),))),
     Collection(run="r1", created_at=5.0, by="gc --keep-last 2", first_replayable=(3, 0), deleted_objects=7,
                deleted_bytes=900),
+    announcement(final=True),
+    LearnerFinished(learner="l-0", finished_at=9.0, steps=120, final=("ab" * 16,)),
+    FinishRequest(run="r1", asked_at=9.0, by="diloco finish on host (pid 1)"),
+    RunEnd(run="r1", finished_at=9.5, by="operator", reason="an operator asked", versions=(12, -1), epoch=2),
 ])
 def test_round_trip(record):
     assert type(record).from_wire(record.to_wire()) == record
@@ -83,6 +87,12 @@ def test_garbage_is_refused(blob, code):
     with pytest.raises(Refused) as err:
         Announcement.from_wire(blob)
     assert err.value.code == code
+
+
+def test_an_announcement_written_before_final_existed_decodes_as_not_final():
+    d = body(announcement())
+    d.pop("final")
+    assert Announcement.from_wire(pack(d)) == announcement(final=False)
 
 
 def test_invalid_run_spec_is_refused():
