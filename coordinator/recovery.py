@@ -7,7 +7,7 @@ for objects stored before the outage.
 
 Learners store a contribution in S3 before they announce it, and every contribution object
 describes itself in its header (run, fragment, learner, contribution id, base version, tokens,
-steps, step time, deadline). So the bucket knows what Redis forgot: a contribution object that
+steps, step time, deadline, final). So the bucket knows what Redis forgot: a contribution object that
 no recent manifest accounts for (merged or refused) and that the coordinator is not holding in an
 open round was announced into the lost stream, or never announced. `reannounce_lost` announces
 each such object again, on the learner's behalf, with the ids from its header: it then goes
@@ -60,7 +60,7 @@ def announcement_from_object(key: str, blob: bytes, *, max_bytes: int) -> Announ
             seq=int(key.rsplit("/", 1)[1]), contribution_id=str(meta["contribution_id"]),
             base_version=int(meta["base_version"]), tokens=int(meta["tokens"]), steps=int(meta["steps"]),
             step_time_s=float(meta["step_time_s"]), object_key=key, size_bytes=len(blob), sha256=sha256_hex(blob),
-            sent_at=time.time(), deadline=float(meta.get("deadline", 0.0)))
+            sent_at=time.time(), deadline=float(meta.get("deadline", 0.0)), final=bool(meta.get("final", 0)))
     except (KeyError, ValueError) as exc:
         raise Refused("bad_header", f"{key}: its header does not describe a contribution ({exc})") from None
 

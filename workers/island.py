@@ -87,9 +87,11 @@ class Replica:
         dist.broadcast(box, src=0)
         return box[1:1 + int(box[0].item())].tolist()
 
-    def share_plan(self, due: list[int] | None, merge: list[int] | None, num_fragments: int) -> tuple[list[int], list[int]]:
-        """Rank 0's plan for this step (fragments to send, fragments to merge) on every rank, in one broadcast."""
-        packed = None if due is None or merge is None else [len(due), *due, *merge]
-        got = self.share(packed, 2 * num_fragments + 1)
+    def share_plan(self, due: list[int] | None, merge: list[int] | None, num_fragments: int,
+                   flag: bool = False) -> tuple[list[int], list[int], bool]:
+        """Rank 0's plan for this step (fragments to send, fragments to merge, and one flag: the learner
+        uses it for "the run is finished") on every rank, in one broadcast."""
+        packed = None if due is None or merge is None else [len(due), int(flag), *due, *merge]
+        got = self.share(packed, 2 * num_fragments + 2)
         n_due = got[0]
-        return got[1:1 + n_due], got[1 + n_due:]
+        return got[2:2 + n_due], got[2 + n_due:], bool(got[1])

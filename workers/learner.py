@@ -20,6 +20,10 @@ gathering the fragment (sharded DTensor parameters: FSDP2, tensor parallelism) a
 its new values (`workers.island.Replica`). Replicated parameters (DDP) cost a broadcast per merge
 only. Only rank 0 reports tokens: pass the whole island's tokens per step as `tokens_per_step`.
 
+Leaving: `with learner:` ending without an exception is a finish (`finish`): the progress since the
+last sends goes out as final pieces, then the learner records that it finished and leaves. An
+exception leaves without sending anything (`close`).
+
 Bookkeeping per fragment f: `anchor[f]` is the point unsent progress is measured from.
 Sending: delta = anchor - local, then anchor = local. Taking version G:
 'rebase': local = G + (local - anchor) (keeps progress made since the send), anchor = G;
@@ -40,10 +44,10 @@ import redis
 import torch
 
 from storage.bus import Bus
-from storage.errors import ConfigError, DilocoError, StorageUnavailable
-from storage.history import read_layout, read_manifest, read_params, read_run_spec
+from storage.errors import ConfigError, DilocoError, RunFinished, StorageUnavailable
+from storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec
 from storage.objects import ObjectStore
-from storage.protocol import Layout, check_id
+from storage.protocol import Layout, LearnerFinished, RunEnd, check_id
 from storage.settings import Endpoints
 from workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout
 from workers.island import Replica
@@ -61,8 +65,8 @@ class LearnerConfig:
     lease_s: float = 10.0
     """A learner whose last heartbeat is older than this is not counted as live."""
     close_timeout_s: float = 30.0
-    """On exit (also on SIGTERM, a preemption notice): how long to wait for queued uploads before
-    abandoning them and leaving. Exiting takes at most about this long."""
+    """On leaving (finished, preempted or failed): how long to wait for queued uploads, final pieces
+    included, before abandoning them and leaving. Leaving takes at most about this long."""
     upload_deadline_s: float = 120.0
     """A contribution that cannot be stored and announced for this long (S3 or Redis down) is dropped and counted."""
     wait_for_merge: bool = False
@@ -118,6 +122,9 @@ class Learner:
         self._clock_offset_s = 0.0  # Redis server time - local time
         self._last_boundary: float | None = None  # the previous step's end, on the cadence clock
         self._hook = None
+        self._joined = False  # rank 0: joined (heartbeats then keep it in the run's joined set)
+        self._run_end: RunEnd | None = None  # rank 0: the run's end, once a heartbeat has seen it
+        self._run_finished = False  # every rank: as rank 0 last shared it
         self._stop = threading.Event()
         self.sync_s = 0.0
         """Time the training loop spent in this learner's step hook: snapshots, deltas, merges and,
@@ -130,8 +137,18 @@ class Learner:
         self.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.close()
+
+    @property
+    def run_finished(self) -> bool:
+        """The run was finished (every learner finished, or `diloco finish`): nothing this learner
+        sends is merged any more, so it sends nothing more, and a training loop may stop. Seen by
+        rank 0's heartbeat, and by every rank of an island at its next step."""
+        return self._run_finished
 
     def start(self) -> None:
         """Join the run: wait for its spec, propose version 0 if none exists, adopt the latest versions.
@@ -146,6 +163,7 @@ class Learner:
                 values = self._join(initial)
             except BaseException as exc:  # noqa: BLE001 (re-raised below, after telling the other ranks)
                 failure = exc
+                self._abandon()
         status = self.replica.share(None if not self.is_leader else
                                     [int(failure is not None), 0 if failure else len(self.layout.fragments)], 2)
         if failure is not None:
@@ -160,9 +178,58 @@ class Learner:
         self.replica.write(values, [n for names in self._names for n in names])
         self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
 
+    def finish(self, *, preempted: bool = False) -> None:
+        """Leave the run cleanly: send every fragment's progress since its last send as a final piece
+        (for the fragment's next round), wait up to `close_timeout_s` for the uploads, record that this
+        learner has finished, and leave. `with learner:` calls it when the block ends without an
+        exception. The run ends by itself once every learner that joined has finished.
+
+        `preempted=True` (a preemption notice, SIGTERM): the progress is sent all the same, but the
+        learner is not recorded as finished, as it may come back: the run does not end without it.
+        Once the run is finished (`run_finished`), nothing is sent and the learner just leaves.
+        Call it between steps; on an island every rank calls it (they take part in the gathers).
+        Does nothing if the learner has not joined or has left already."""
+        if self._hook is None:
+            return  # never joined (refused, or failed to start), or left already
+        final = self._send_progress(final=True)
+        finished = None if preempted or self._run_end is not None else final
+        self._leave_run(finished)
+
     def close(self) -> None:
-        """Leave the run: wait up to `close_timeout_s` for queued uploads, stop the threads and
-        announce leaving. Progress since the last sends is not sent (see `send_progress`)."""
+        """Leave the run without sending anything: wait up to `close_timeout_s` for queued uploads,
+        stop the threads and announce leaving. `with learner:` calls it when the block ends with an
+        exception: the progress since the last sends is dropped, and the learner is not finished."""
+        if self._hook is not None:
+            self._leave_run(None)
+
+    def send_progress(self) -> None:
+        """Send every fragment's progress since its last send now, for the round it would have gone to
+        next, and go on training (`finish` does the same on leaving). Call it between steps; on an
+        island every rank calls it."""
+        if self._hook is not None:
+            self._send_progress(final=False)
+
+    def _send_progress(self, *, final: bool) -> list[str]:
+        """Send each fragment's unsent progress (nothing once the run is finished); rank 0 returns
+        the contribution ids it went out under, the other ranks []."""
+        due: dict[int, float] | None = None
+        if self.is_leader:
+            cadence = self._cadence if self.spec.cadence == "clock" else None
+            now = time.time() + self._clock_offset_s
+            due = {} if self._run_end is not None else {
+                f: cadence.next_deadline(f, self.spec.num_fragments, after=now) if cadence else 0.0
+                for f in range(self.spec.num_fragments) if self._since.get(f, [self.tokens, self.step])[1] > 0}
+        to_send, _, _ = self.replica.share_plan(None if due is None else list(due), None if due is None else [],
+                                                len(self._names))
+        sent = [self._send(f, due.get(f, 0.0) if due else 0.0, final=final) for f in to_send]
+        if to_send:
+            log.info("sent the progress since the last send of fragment(s) %s%s", to_send,
+                     " as final pieces" if final else "")
+        return [cid for cid in sent if cid is not None]
+
+    def _leave_run(self, finished: list[str] | None) -> None:
+        """Wait up to `close_timeout_s` for queued uploads, stop the threads, then (rank 0) record that
+        this learner finished with its `finished` final pieces (None: it did not finish) and leave."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -181,38 +248,35 @@ class Learner:
             thread.join(timeout=max(0.5, deadline - time.monotonic()))
         # Leaving is best effort (the lease expires anyway) and must not outlast the deadline
         # while Redis is unreachable: it runs in a thread that is abandoned then.
-        leaving = threading.Thread(target=self._leave, name="leave", daemon=True)
+        leaving = threading.Thread(target=self._leave, args=(finished,), name="leave", daemon=True)
         leaving.start()
         leaving.join(timeout=max(0.5, deadline - time.monotonic()))
 
-    def send_progress(self) -> None:
-        """Send every fragment's progress since its last send now, for the round it would have gone to
-        next: for a learner preempted alone, so that the steps trained since its last sends are not
-        lost; the piece joins the others' next round. Not done on leaving: when a whole fleet stops
-        at once, rounds made only of such short pieces still take full outer steps, momentum
-        included, and overshoot (the quality benchmark's decoupled arm went from 1.208 to 1.307).
-        Call it between steps; on an island every rank calls it (they take part in the gathers)."""
-        if self._hook is None:
-            return  # not joined, or closed
-        due: dict[int, float] | None = None
-        if self.is_leader:
-            cadence = self._cadence if self.spec.cadence == "clock" else None
-            now = time.time() + self._clock_offset_s
-            due = {f: cadence.next_deadline(f, self.spec.num_fragments, after=now) if cadence else 0.0
-                   for f in range(self.spec.num_fragments) if self._since.get(f, [self.tokens, self.step])[1] > 0}
-        to_send, _ = self.replica.share_plan(None if due is None else list(due), None if due is None else [],
-                                             len(self._names))
-        for f in to_send:
-            self._send(f, due.get(f, 0.0) if due else 0.0)
-        if to_send:
-            log.info("leaving: sent the progress since the last send of fragment(s) %s", to_send)
-
-    def _leave(self) -> None:
+    def _leave(self, finished: list[str] | None) -> None:
         try:
             self._heartbeat()
-            self.bus.leave(self.learner_id)
+            if finished is None:
+                self.bus.leave(self.learner_id)
+                return
+            self.bus.finish(LearnerFinished(learner=self.learner_id, finished_at=time.time() + self._clock_offset_s,
+                                            steps=self.step, final=tuple(finished)))
+            log.info("learner %s finished run %s after %d steps (final pieces: %d)", self.learner_id, self.run,
+                     self.step, len(finished))
         except Exception as exc:  # noqa: BLE001
             log.warning("could not announce leaving: %s", exc)
+
+    def _abandon(self) -> None:
+        """Rank 0, joining failed: stop whatever `_join` started and leave the live set (best effort).
+        The learner never joined, so it neither sends nor finishes anything."""
+        self._stop.set()
+        for name in ("uploader", "fetcher"):
+            thread = getattr(self, name, None)
+            if thread is not None:
+                thread.close()
+        if getattr(self, "bus", None) is not None:
+            leaving = threading.Thread(target=self._leave, args=(None,), name="leave", daemon=True)
+            leaving.start()
+            leaving.join(timeout=2.0)  # the lease lapses anyway
 
     def report(self, *, loss: float | None = None, tokens: int | None = None) -> None:
         """Optional, before optimizer.step(): the step's loss (for progress) and token count (else tokens_per_step)."""
@@ -231,6 +295,10 @@ class Learner:
         deadline = time.monotonic() + self.config.join_timeout_s
         self.spec = self._wait(lambda: read_run_spec(self.store, keys), deadline,
                                f"run {self.run!r} to be created by a coordinator")
+        end = self._wait(lambda: read_run_end(self.store, keys), deadline, "the run's state", found=False)
+        if end is not None:
+            raise RunFinished(f"run {self.run!r} is finished ({end.reason}; final versions "
+                              f"{list(end.versions)}): nothing joins it any more; train on in a new run")
         mine = plan_layout(model_params(self.model), self.spec.num_fragments)
         layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout", found=False)
         self.uploader = Uploader(self.store, self.bus, self.spec, self.learner_id, self.stats,
@@ -259,6 +327,8 @@ class Learner:
             self.base_version[fragment] = version
         self.fetcher = Fetcher(self.store, self.bus, layout, self.stats)
         self.fetcher.start()
+        self.bus.join(self.learner_id)
+        self._joined = True
         log.info("learner %s joined run %s at versions %s", self.learner_id, self.run,
                  [heads[f] for f in sorted(heads)])
         return values
@@ -322,14 +392,18 @@ class Learner:
                 acc[1] += 1
             due, ready = self._due(), self._ready()
         # Rank 0 decides; on an island every rank then takes part in the same gathers and writes.
-        to_send, to_merge = self.replica.share_plan(list(due), list(ready), len(self._names))
+        to_send, to_merge, self._run_finished = self.replica.share_plan(list(due), list(ready), len(self._names),
+                                                                        self._run_end is not None)
         for f in to_send:
             self._send(f, due.get(f, 0.0))
         for f in to_merge:
             self._merge(f, ready.get(f))
 
     def _due(self) -> dict[int, float]:
-        """Rank 0: fragments to send after this step -> the clock deadline they serve (0 on the step cadence)."""
+        """Rank 0: fragments to send after this step -> the clock deadline they serve (0 on the step
+        cadence). None once the run is finished: it merges nothing more."""
+        if self._run_end is not None:
+            return {}
         cadence = self._cadence
         if self.spec.cadence == "clock" and cadence is not None:
             now = time.time() + self._clock_offset_s
@@ -368,10 +442,11 @@ class Learner:
         return ready
 
     @torch.no_grad()
-    def _send(self, fragment: int, deadline: float) -> None:
+    def _send(self, fragment: int, deadline: float, *, final: bool = False) -> str | None:
+        """Send the fragment's progress since its last send; rank 0 returns its contribution id."""
         snapshot = self.replica.read(self._names[fragment])
         if snapshot is None:
-            return  # not rank 0: the gather was our part
+            return None  # not rank 0: the gather was our part
         # First send of a fragment: everything since joining counts.
         tokens, steps = self._since.get(fragment, [self.tokens, self.step])
         anchor = self.anchor[fragment]
@@ -379,9 +454,11 @@ class Learner:
         self.anchor[fragment] = snapshot
         self._since[fragment] = [0, 0]
         self._sent_id[fragment] = self.uploader.submit(UploadJob(fragment, delta, self.base_version[fragment], tokens,
-                                                                 steps, self._step_time_s, deadline=deadline))
+                                                                 steps, self._step_time_s, deadline=deadline,
+                                                                 final=final))
         self._awaiting[fragment] = self.step + self.spec.overlap_steps
         self.fetcher.want(fragment, self.base_version[fragment])
+        return self._sent_id[fragment]
 
     @torch.no_grad()
     def _merge(self, fragment: int, fetched: Fetched | None) -> None:
@@ -411,12 +488,17 @@ class Learner:
     _incarnation = uuid.uuid4().hex[:8]
 
     def _heartbeat(self) -> None:
-        """Report progress, and refresh the round clock and our offset to the Redis clock."""
-        self.bus.heartbeat(self.learner_id, self.config.lease_s, self.progress())
+        """Report progress, and refresh the round clock, our offset to the Redis clock and whether
+        the run is finished."""
+        self.bus.heartbeat(self.learner_id, self.config.lease_s, self.progress(), joined=self._joined)
         before = time.time()
         server = self.bus.server_time()
         self._clock_offset_s = server - (before + time.time()) / 2
         self._cadence = self.bus.cadence()
+        if self._run_end is None and self._joined and (end := self.bus.run_end()) is not None:
+            log.info("run %s is finished (%s; final versions %s): learner %s sends nothing more", self.run,
+                     end.reason, list(end.versions), self.learner_id)
+            self._run_end = end
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.heartbeat_s):

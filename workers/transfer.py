@@ -47,6 +47,8 @@ class UploadJob:
     step_time_s: float
     kind: str = "delta"
     deadline: float = 0.0
+    final: bool = False
+    """The learner's last piece for this fragment before it leaves (`Announcement.final`)."""
     created_at: float = field(default_factory=time.monotonic)
     contribution_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     blob: bytes | None = None
@@ -63,6 +65,7 @@ class UploadJob:
         self.steps += newer.steps
         self.step_time_s = newer.step_time_s
         self.deadline = newer.deadline
+        self.final = self.final or newer.final
 
 
 @dataclass
@@ -185,7 +188,7 @@ class Uploader(threading.Thread):
             kind=job.kind, run=self.spec.run, fragment=job.fragment, learner=self.learner, seq=job.seq,
             contribution_id=job.contribution_id, base_version=job.base_version, tokens=job.tokens, steps=job.steps,
             step_time_s=job.step_time_s, object_key=job.key, size_bytes=len(blob), sha256=sha256_hex(blob),
-            sent_at=time.time(), deadline=job.deadline))
+            sent_at=time.time(), deadline=job.deadline, final=job.final))
         self.stats.uploaded += 1
         self.stats.bytes_uploaded += len(blob)
         self.stats.upload_s += time.monotonic() - t0
@@ -197,6 +200,8 @@ class Uploader(threading.Thread):
         meta = {"run": self.spec.run, "fragment": job.fragment, "learner": self.learner, "kind": job.kind,
                 "contribution_id": job.contribution_id, "base_version": job.base_version, "tokens": job.tokens,
                 "steps": job.steps, "step_time_s": job.step_time_s, "deadline": job.deadline}
+        if job.final:
+            meta["final"] = 1
         return codecs.encode(job.delta, codec, compress=compress, meta=meta)
 
     def _store(self, job: UploadJob) -> None:

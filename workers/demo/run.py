@@ -47,9 +47,9 @@ def train_demo_learner(task: DemoTask, args: DemoLearnerArgs, endpoints: Endpoin
                        config: LearnerConfig | None = None) -> Learner:
     torch.set_num_threads(args.threads)
     stop = threading.Event()
-    # SIGTERM (e.g. a spot preemption notice): finish the current step, flush uploads, leave. (Not
-    # `learner.send_progress()`: a whole fleet SIGTERMed at once, a run being stopped, would merge
-    # rounds of short last pieces, each at a full outer step.)
+    # SIGTERM (e.g. a spot preemption notice): finish the current step, send the progress since the
+    # last sends (it joins the others' next round), flush and leave, but not as finished: the learner
+    # may come back, and the run does not end without it.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     model = task.make_model(args.model_seed)
     optimizer = task.make_inner_optimizer(model)
@@ -60,8 +60,10 @@ def train_demo_learner(task: DemoTask, args: DemoLearnerArgs, endpoints: Endpoin
         log.info("learner %s: %d steps, slowdown x%.2f", args.learner_id, args.steps, args.slowdown)
         until = args.until if args.until > 0 else float("inf")
         for step in range(args.steps):
-            if stop.is_set():
-                log.info("learner %s: SIGTERM, leaving after step %d", args.learner_id, step)
+            if stop.is_set() or learner.run_finished:
+                log.info("learner %s: %s, leaving after step %d", args.learner_id,
+                         "SIGTERM" if stop.is_set() else "the run is finished", step)
+                learner.finish(preempted=True)
                 break
             if time.time() >= until:
                 log.info("learner %s: time budget spent, leaving after step %d", args.learner_id, step)
