@@ -118,4 +118,5 @@ def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, 
 
 def to_arrival(a: Announcement, arrived_at: float) -> Arrival:
     return Arrival(contribution_id=a.contribution_id, learner=a.learner, base_version=a.base_version, tokens=a.tokens,
-                   steps=a.steps, arrived_at=arrived_at, step_time_s=a.step_time_s, deadline=a.deadline)
+                   steps=a.steps, arrived_at=arrived_at, step_time_s=a.step_time_s, deadline=a.deadline,
+                   final=a.final)

@@ -50,6 +50,8 @@ class Arrival:
     """The learner's measured mean inner-step time, as reported in the announcement."""
     deadline: float = 0.0
     """The clock round (Cadence deadline, same clock as `arrived_at`) it was sent for; 0 if sent on a step count."""
+    final: bool = False
+    """The learner's last piece before it left the run (it finished, or was preempted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,13 +96,17 @@ class RoundState:
     arrivals: tuple[Arrival, ...]
     """Distinct learners' latest pending contributions to this fragment, in arrival order."""
     live_learners: int
-    """Learners with a live heartbeat."""
+    """Learners with a live heartbeat that have not finished."""
     sync_time_s: float = 0.0
     """Recent time the coordinator took from merge start to commit (EMA); 0 if unknown."""
     period_s: float = 0.0
     """The round clock's period (clock cadence); 0 for step cadence."""
     merged_deadline: float = 0.0
     """The latest clock deadline a merged round of this fragment served; 0 if none (or unknown)."""
+    finished: frozenset[str] = frozenset()
+    """Learners that have finished the run, all their final pieces read: no longer part of the fleet."""
+    finish_asked: bool = False
+    """An operator asked to finish the run (`diloco finish`): every open round merges now."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +135,12 @@ def decide_round(now: float, state: RoundState, cfg: RoundConfig) -> Decision:
     """Merge now, or wait (until `wake_at`, or the next arrival); the reason says why.
 
     A learner whose contribution is pending counts as part of the fleet even if its heartbeat has
-    lapsed since, so a fleet of 0 live learners with pending work still merges it.
+    lapsed since, so a fleet of 0 live learners with pending work still merges it. A learner that
+    has left (its piece in the round is final, or it has finished) counts among the learners in,
+    but the round waits for nothing more from it. Once no live learner is left unfinished, every
+    learner of the fleet has finished: the round merges at once, so the final pieces of a fleet that
+    ends together merge as one round, not one per learner. Every open round also merges at once
+    when an operator has asked to finish the run.
     """
     if not state.arrivals:
         return Decision(False, f"wait: no contributions pending (head v{state.head_version})")
@@ -137,7 +148,15 @@ def decide_round(now: float, state: RoundState, cfg: RoundConfig) -> Decision:
     for a in sorted(state.arrivals, key=lambda a: a.arrived_at):
         first_seen.setdefault(a.learner, a.arrived_at)
     arrived = len(first_seen)
-    fleet = max(state.live_learners, arrived)
+    learners_in = _n(arrived, "learner")
+    if state.finish_asked:
+        return Decision(True, f"merge: an operator asked to finish the run, so every open round merges now "
+                              f"({learners_in} in)")
+    if state.live_learners == 0 and state.finished:
+        return Decision(True, f"merge: every learner of the fleet has finished, so their final pieces merge "
+                              f"as one round ({learners_in} in)")
+    gone = {a.learner for a in state.arrivals if a.final} | (first_seen.keys() & state.finished)
+    fleet = max(state.live_learners, arrived - len(gone)) + len(gone)
     target = quorum_target(cfg, fleet)
     shrunk = (f" (lowered from min_quorum {cfg.min_quorum}: only {_n(fleet, 'learner')} live)"
               if target < cfg.min_quorum else "")
@@ -145,8 +164,9 @@ def decide_round(now: float, state: RoundState, cfg: RoundConfig) -> Decision:
         return Decision(False, f"wait: {arrived}/{target} learners in, quorum not reached "
                                f"({state.live_learners} live){shrunk}")
     if arrived >= fleet:
+        leaving = f" ({len(gone)} of them leaving)" if gone else ""
         return Decision(True, f"merge: quorum {target} reached and all {_n(fleet, 'live learner')} "
-                              f"arrived{shrunk}")
+                              f"arrived{leaving}{shrunk}")
     deadline = max(a.deadline for a in state.arrivals)
     if deadline > 0 and state.period_s > 0:
         late = deadline <= state.merged_deadline
@@ -196,6 +216,26 @@ def _clock_round(now: float, deadline: float, period_s: float, cfg: RoundConfig,
                               f"(gamma {cfg.grace_gamma:g} x period {period_s:.2f}s), {learners_in}")
     return Decision(False, f"wait: round deadline grace open for {close - now:.2f}s more, {learners_in}",
                     wake_at=close)
+
+
+def run_end(*, joined: frozenset[str], live: frozenset[str], finished: frozenset[str], asked_by: str | None,
+            pending: int) -> tuple[str, str] | None:
+    """(by, reason) once the run is over, None while it is not (`by`: 'operator' or 'learners').
+
+    Nothing may be pending: no open round, no announcement unread or not yet fetched. Then the run
+    is over if an operator asked to finish it (`asked_by` says who), or once every learner that
+    joined has finished and no live learner is left unfinished. A learner that joined and died
+    without finishing holds the run open, as it may be restarted; `diloco finish` ends such a run.
+    """
+    if pending:
+        return None
+    if asked_by is not None:
+        return "operator", f"an operator asked to finish it ({asked_by})"
+    if not finished or not joined <= finished or not live <= finished:
+        return None
+    names = sorted(finished)
+    who = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return "learners", f"every learner that joined has finished ({who})"
 
 
 def staleness_verdict(base_version: int, head_version: int, cfg: RoundConfig) -> tuple[bool, int, str]:

@@ -3,7 +3,8 @@
 Loop: read announcements (own pending entries first after a restart) -> check and fetch each one
 (in parallel) -> add it to its fragment's round -> ask `decide_round` for every open round ->
 merge the due ones (token-weighted, deterministic order) -> outer Nesterov step -> publish
-(objects, manifest, fenced Redis commit). Only the policy functions decide; this module does I/O.
+(objects, manifest, fenced Redis commit) -> once every learner has finished, or an operator asked,
+and nothing is pending: the run's end. Only the policy functions decide; this module does I/O.
 
 An announcement leaves the pending list exactly once: acknowledged inside the commit of the
 version that merged it, or acknowledged together with the record of its refusal. If S3 cannot be
@@ -27,17 +28,17 @@ from coordinator.intake import Contribution, check_announcement, fetch_tensors, 
 from coordinator.leadership import Fenced, Leadership
 from coordinator.outer import NesterovState, apply_round
 from coordinator.policy import (RECENT_ROUNDS, RoundSize, RoundState, decide_round, merge_order, merge_weights,
-                                next_cadence, round_size, round_step, served_deadline, staleness_verdict)
+                                next_cadence, round_size, round_step, run_end, served_deadline, staleness_verdict)
 from coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
 from coordinator.recovery import reannounce_lost
 from coordinator.timing import PhaseTimes
-from storage.bus import Bus, CommitResult
+from storage.bus import Bus, CommitResult, Fleet
 from storage.crashpoints import crash_point
 from storage.errors import ConfigError, Conflict, Refused, StorageUnavailable
-from storage.history import read_layout, read_manifest, read_params, read_run_spec, read_verified
+from storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec, read_verified
 from storage.objects import ObjectMissing, ObjectStore
-from storage.protocol import (MAX_RECORD_BYTES, Announcement, Cadence, Contribution as Input, Layout, Manifest, Refusal,
-                              RunSpec)
+from storage.protocol import (MAX_RECORD_BYTES, Announcement, Cadence, Contribution as Input, FinishRequest, Layout,
+                              Manifest, Refusal, RunEnd, RunSpec)
 from storage.settings import Endpoints
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,14 @@ class Coordinator:
         self.fragments = {f: Fragment(head=heads.get(f, -1)) for f in range(self.spec.num_fragments)}
         self.sync_time_s = 0.0
         self.live = 0
+        """Live learners that have not finished (`_see_fleet`)."""
+        self.finished: frozenset[str] = frozenset()
+        """Learners that have finished, as of the last read that took in every announcement before it."""
+        self.finish_asked: FinishRequest | None = None
+        self.ended: RunEnd | None = read_run_end(self.store, self.keys)
+        """The run's end once it is finished: every contribution is refused from then on."""
+        if self.ended is not None and not self.bus.set_run_end(self.ended, self.epoch):
+            raise Fenced(f"another coordinator took run {run!r} over while this one started")
         self.cadence: Cadence | None = self.bus.cadence()
         self._clock_offset_s = self.bus.server_time() - time.time()
         self.leadership.start_renewing()  # only now: a start-up that failed leaves the lease to lapse
@@ -186,6 +195,8 @@ class Coordinator:
             frag.round = [c for c in frag.round if not self.bus.is_applied(c.announcement.contribution_id)]
         if self.cadence is not None:
             self.bus.set_cadence(self.cadence)
+        if self.ended is not None:
+            self.bus.set_run_end(self.ended, self.epoch)
         again = self._announce_lost(heads)
         self._outage_at, self._redis_run_id = None, self._server_run_id()  # the lost work is looked for already
         self.bus.incr("redis_rebuilds")
@@ -246,24 +257,76 @@ class Coordinator:
         return again
 
     def step(self, block_ms: int = 0) -> None:
-        """One iteration: read what arrived, then merge every round that is due."""
+        """One iteration: read what arrived, merge every round that is due, and end the run once it is over."""
         with self.timing("read"):
+            # The learners before the read: one seen finished here announced its final pieces before,
+            # so a read that takes in everything up to now has them all.
+            fleet = self.bus.fleet()
             count = self._read_count()
             if self._read_pending:
                 entries = self.bus.read_announcements(self.config.consumer, pending=True, count=count)
                 self._read_pending = len(entries) == count
+                complete = False
             else:
                 entries = self.bus.read_announcements(self.config.consumer, block_ms=block_ms, count=count)
+                complete = len(entries) < count
         self._drained = not entries and not self._read_pending
         retry, self._retry = self._retry, []
         self._intake(list(entries) + retry)
+        complete = complete and not self._retry
+        self._see_fleet(fleet, complete)
         with self.timing("read"):
-            self.live = len(self.bus.live_learners())
             if self.spec.cadence == "clock" and time.monotonic() - self._last_cadence_check > 1.0:
                 self._tend_cadence()
         for fragment, frag in self.fragments.items():
             if frag.round:
                 self._maybe_merge(fragment, frag)
+        if self.ended is None:
+            self._maybe_end(fleet, complete)
+
+    def _see_fleet(self, fleet: Fleet, complete: bool) -> None:
+        """The learners the rounds wait for. A learner counts as finished only once a `complete` read
+        (every announcement made before `fleet` was read is in) has taken in its final pieces; until
+        then it counts as live, so that no round merges without them."""
+        if complete:
+            self.finished = fleet.finished
+        self.live = len((fleet.live | fleet.finished) - self.finished)
+        self.finish_asked = fleet.finish_request
+
+    def _maybe_end(self, fleet: Fleet, complete: bool) -> None:
+        """Finish the run once `policy.run_end` says it is over and no announcement is pending in the
+        stream either (none left to another consumer)."""
+        pending = sum(len(f.round) for f in self.fragments.values()) + len(self._retry) + int(not complete)
+        asked = fleet.finish_request
+        over = run_end(joined=fleet.joined, live=fleet.live, finished=fleet.finished,
+                       asked_by=asked.by if asked else None, pending=pending)
+        if over is not None and self.bus.pending_count() == 0:
+            self._end(*over)
+
+    def _end(self, by: str, reason: str) -> None:
+        """Mark the run finished: `finished.msgpack` (create-only: S3 is the truth), then its copy in
+        Redis, fenced by our epoch. A coordinator that was deposed a moment ago must not end the run
+        at its stale heads: it checks its epoch first."""
+        current = self.bus.epoch()
+        if current is None:
+            return  # Redis lost its data: the loop rebuilds it, then the run ends on a later step
+        if current != self.epoch:
+            self.leadership.deposed()
+            raise Fenced(f"another coordinator holds run {self.spec.run!r} (epoch {current}, ours {self.epoch})")
+        end = RunEnd(run=self.spec.run, finished_at=self.now(), by=by, reason=reason,
+                     versions=tuple(self.fragments[f].head for f in range(self.spec.num_fragments)), epoch=self.epoch)
+        try:
+            self.store.put(self.keys.finished_record(), end.to_wire(), create_only=True)
+        except Conflict:
+            stored = read_run_end(self.store, self.keys)  # a predecessor ended it just before it stopped
+            assert stored is not None
+            end = stored
+        if not self.bus.set_run_end(end, self.epoch):
+            self.leadership.deposed()
+            raise Fenced(f"another coordinator took run {self.spec.run!r} over while this one ended it")
+        self.ended = end
+        log.info("run %s finished: %s; final versions %s", self.spec.run, end.reason,
+                 {f: v for f, v in enumerate(end.versions)})
 
     def _read_count(self) -> int:
         """Announcements per read: as many of the largest fragment as `read_batch_bytes` holds, 1 to
@@ -352,6 +415,9 @@ class Coordinator:
             where = "is already in an open round" if a.contribution_id in seen else "was applied in a committed version"
             raise Refused("duplicate", f"contribution {a.contribution_id} from {a.learner} {where}: this is "
                           "the same announcement delivered again, and it is applied at most once")
+        if self.ended is not None:
+            raise Refused("run_finished", f"run {self.spec.run!r} is finished ({self.ended.reason}): nothing is "
+                          f"merged after its final versions {list(self.ended.versions)}")
         frag = self.fragments.get(a.fragment)
         head = None if frag is None or frag.head < 0 else frag.head
         check_announcement(a, spec=self.spec, keys=self.keys, head=head, cfg=self.round_cfg)
@@ -398,6 +464,8 @@ class Coordinator:
                           code=exc.code, reason=_clip(exc.reason, MAX_REASON_CHARS))
         log.warning("refused %s from %s (entry %s): %s", exc.code, refusal.learner or "?", entry_id, refusal.reason)
         self.bus.refuse(entry_id, refusal)
+        if self.ended is not None:
+            return  # no manifest follows the end: the refusals stream and the counters keep it
         frag = self.fragments.get(a.fragment) if a is not None else None
         (frag.refused if frag is not None else self._unplaced).append(refusal)
 
@@ -414,7 +482,8 @@ class Coordinator:
         arrivals = tuple(c.arrival for c in frag.round)
         state = RoundState(fragment=fragment, head_version=frag.head, arrivals=arrivals, live_learners=self.live,
                            sync_time_s=self.sync_time_s, period_s=self.cadence.period_s if self.cadence else 0.0,
-                           merged_deadline=frag.merged_deadline)
+                           merged_deadline=frag.merged_deadline, finished=self.finished,
+                           finish_asked=self.finish_asked is not None)
         decision = decide_round(self.now(), state, self.round_cfg)
         frag.wake_at = decision.wake_at
         if decision.reason != frag.last_reason:

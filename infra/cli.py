@@ -86,6 +86,8 @@ COMMANDS: list[Command] = [
      _lazy("run_coordinator")),
     ("learner", "train the built-in demo model as one learner of a run", _lazy("add_learner_arguments"),
      _lazy("run_learner")),
+    ("finish", "finish a run now: its coordinator merges what is pending and records each fragment's final version",
+     _lazy("add_finish_arguments"), _lazy("run_finish")),
     ("demo", "a whole run on an embedded local stack, with a learner killed midway, vs a baseline",
      _lazy("add_demo_arguments"), _lazy("run_demo")),
     ("simulate", "the goodput simulator: data-parallel, elastic and decoupled DiLoCo on a fleet of failing chips",

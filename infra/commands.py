@@ -1,5 +1,5 @@
-"""The run-time subcommands: `diloco coordinator`, `diloco learner`, `diloco demo`, `diloco replay`,
-`diloco export`, `diloco import`, `diloco chaos`.
+"""The run-time subcommands: `diloco coordinator`, `diloco learner`, `diloco finish`, `diloco demo`,
+`diloco replay`, `diloco export`, `diloco import`, `diloco chaos`.
 
 Each is `add_arguments(parser)` + `run(args) -> int`, listed in `infra.cli.COMMANDS`. Options of
 the coordinator and learner come from their config dataclasses (field docstring = help text).
@@ -12,7 +12,9 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -28,9 +30,13 @@ from infra.archive import (add_range_arguments, add_source_arguments, export_run
 from infra.options import add_options, build
 from infra.output import write_json
 from infra.replay import VersionCheck, replay_run
-from storage.errors import StorageUnavailable
+from storage.bus import Bus
+from storage.errors import DilocoError, StorageUnavailable
+from storage.history import read_run_end, require_run_spec
 from storage.keys import RunKeys
+from storage.lease import Lease
 from storage.objects import ObjectStore
+from storage.protocol import FinishRequest, RunEnd
 from storage.settings import ENV_S3_PREFIX, Endpoints
 from workers.demo.run import DemoLearnerArgs, train_demo_learner
 from workers.demo.task import DemoTask
@@ -101,6 +107,46 @@ def run_learner(args: argparse.Namespace) -> int:
     learner = train_demo_learner(task, build(DemoLearnerArgs, args), Endpoints.from_env(), build(LearnerConfig, args))
     log.info("learner %s done: %s", args.learner_id, learner.progress())
     return 0
+
+
+# -- finish --------------------------------------------------------------------------------------
+
+def add_finish_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, help="run id to finish")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds to wait for the run's coordinator to finish it (default: %(default)s)")
+
+
+def run_finish(args: argparse.Namespace) -> int:
+    """Ask the run's coordinator to finish the run now: it merges what is pending, then writes the
+    run's end. Prints each fragment's final version; exit 1 if no coordinator did so in time."""
+    endpoints = Endpoints.from_env()
+    store, bus = ObjectStore(endpoints), Bus(endpoints, args.run)
+    require_run_spec(store, bus.keys)
+    end = read_run_end(store, bus.keys)
+    if end is None:
+        by = f"diloco finish on {socket.gethostname()} (pid {os.getpid()})"
+        bus.ask_finish(FinishRequest(run=args.run, asked_at=bus.server_time(), by=by))
+        log.info("asked the coordinator of run %s to finish it; waiting up to %.0fs", args.run, args.timeout)
+        end = _wait_for_end(bus, args.timeout)
+    print(f"run {end.run} finished by {end.by}: {end.reason}")
+    for fragment, version in enumerate(end.versions):
+        print(f"fragment {fragment}: version {version}")
+    return 0
+
+
+def _wait_for_end(bus: Bus, timeout_s: float) -> RunEnd:
+    deadline = time.monotonic() + timeout_s
+    while (end := bus.run_end()) is None:
+        if time.monotonic() > deadline:
+            holder = Lease(bus, "diloco-finish", 1.0).held_by_other()
+            who = (f"its coordinator {holder.name} did not answer" if holder else
+                   "no coordinator holds the run")
+            raise DilocoError(f"run {bus.run!r} was not finished within {timeout_s:.0f}s: {who}. The request stays: "
+                              f"the run's coordinator finishes the run when it runs (`diloco coordinator --run "
+                              f"{bus.run}`), and `diloco finish` waits for it again")
+        time.sleep(0.2)
+    return end
 
 
 # -- demo ----------------------------------------------------------------------------------------

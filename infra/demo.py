@@ -168,8 +168,10 @@ def _watch(cfg: DemoConfig, endpoints: Endpoints, coordinator: Proc, learners: l
             parts = [f"{n}: step {int(s.get('step', 0))} loss {s.get('loss', float('nan')):.3f}"
                      for n, s in sorted(stats.items())]
             say(f"versions {dict(sorted(heads.items()))} | " + " | ".join(parts))
-    # Let the coordinator merge what the last learners sent.
-    deadline = time.monotonic() + 15.0
-    while bus.pending_count() and time.monotonic() < deadline:
+    # Every learner has finished: the coordinator merges their final pieces and ends the run.
+    deadline = time.monotonic() + 30.0
+    while (end := bus.run_end()) is None and time.monotonic() < deadline:
         time.sleep(0.5)
+    say(f"run finished: final versions {dict(enumerate(end.versions))}" if end else
+        "the coordinator did not end the run within 30s of the last learner: taking the heads as they are")
     return {"restarts": restarts}

@@ -22,6 +22,7 @@ from coordinator.policy import (
     quorum_target,
     round_step,
     round_size,
+    run_end,
     staleness_verdict,
 )
 from storage.errors import ConfigError
@@ -124,6 +125,65 @@ def test_grace_is_capped_at_max_grace_s() -> None:
 def test_invalid_round_config_is_refused(kwargs: dict) -> None:
     with pytest.raises(ConfigError):
         RoundConfig(**kwargs)
+
+
+# --- finishing ------------------------------------------------------------------------------
+
+def final_arrival(learner: str, at: float, deadline: float = 100.0) -> Arrival:
+    return replace(clock_arrival(learner, at, deadline), final=True)
+
+
+def test_a_finished_learners_final_piece_joins_the_others_round_which_waits_for_nothing_more_from_it() -> None:
+    cfg = RoundConfig(grace_gamma=0.5, max_grace_s=30.0)
+    # a finished (its final piece is in); b, c and d train on: the round is theirs too.
+    s = RoundState(fragment=0, head_version=HEAD, arrivals=(final_arrival("a", 98.0),), live_learners=3,
+                   period_s=4.0, finished=frozenset({"a"}))
+    d = decide_round(99.0, s, cfg)
+    assert not d.merge and d.wake_at == pytest.approx(102.0) and "1/4 learners in" in d.reason
+    s = replace(s, arrivals=(*s.arrivals, *(clock_arrival(x, 99.9) for x in "bcd")))
+    d = decide_round(100.0, s, cfg)
+    assert d.merge and "all 4 live learners arrived (1 of them leaving)" in d.reason
+    # A final piece says the same before the learner's finish is seen (or of a preempted learner).
+    preempted = replace(s, finished=frozenset())
+    assert decide_round(100.0, preempted, cfg).merge
+
+
+def test_once_every_learner_of_the_fleet_has_finished_their_final_pieces_merge_at_once_as_one_round() -> None:
+    cfg = RoundConfig(min_quorum=4, grace_gamma=0.5, max_grace_s=30.0)
+    s = RoundState(fragment=0, head_version=HEAD, arrivals=(final_arrival("a", 98.0), final_arrival("b", 98.5)),
+                   live_learners=1, period_s=4.0, finished=frozenset({"a", "b"}))
+    assert not decide_round(99.0, s, cfg).merge  # c still trains: its piece of this round is to come
+    d = decide_round(99.0, replace(s, live_learners=0), cfg)
+    assert d.merge and "every learner of the fleet has finished" in d.reason and "2 learners in" in d.reason
+
+
+def test_an_operator_asking_to_finish_merges_every_open_round_now() -> None:
+    s = state(arrival("a", 100.0), live=4)
+    assert not decide_round(100.0, s, CFG).merge
+    d = decide_round(100.0, replace(s, finish_asked=True), CFG)
+    assert d.merge and "an operator asked to finish the run" in d.reason and "1 learner in" in d.reason
+
+
+def test_a_run_is_over_once_nothing_is_pending_and_every_learner_that_joined_has_finished() -> None:
+    ab = frozenset({"a", "b"})
+    assert run_end(joined=ab, live=frozenset(), finished=ab, asked_by=None, pending=0) == (
+        "learners", "every learner that joined has finished (a, b)")
+    assert run_end(joined=ab, live=frozenset(), finished=ab, asked_by=None, pending=1) is None
+    # b joined and died without finishing: it may be restarted, so the run stays open ...
+    assert run_end(joined=ab, live=frozenset(), finished=frozenset({"a"}), asked_by=None, pending=0) is None
+    # ... as it does for a live learner that is not finished (the joined set lost with Redis's data).
+    assert run_end(joined=frozenset(), live=frozenset({"c"}), finished=ab, asked_by=None, pending=0) is None
+    assert run_end(joined=frozenset(), live=frozenset(), finished=frozenset(), asked_by=None, pending=0) is None
+    many = frozenset(f"l{i}" for i in range(7))
+    assert run_end(joined=many, live=frozenset(), finished=many, asked_by=None, pending=0)[1].endswith(
+        "(l0, l1, l2, l3, l4 and 2 more)")
+
+
+def test_an_operator_ends_the_run_whoever_still_trains_once_nothing_is_pending() -> None:
+    live = frozenset({"a"})
+    assert run_end(joined=live, live=live, finished=frozenset(), asked_by="ops", pending=2) is None
+    assert run_end(joined=live, live=live, finished=frozenset(), asked_by="ops", pending=0) == (
+        "operator", "an operator asked to finish it (ops)")
 
 
 # --- staleness_verdict --------------------------------------------------------------------
