@@ -8,7 +8,6 @@ the coordinator and learner come from their config dataclasses (field docstring 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -38,6 +37,7 @@ from storage.lease import Lease
 from storage.objects import ObjectStore
 from storage.protocol import FinishRequest, RunEnd
 from storage.settings import ENV_S3_PREFIX, Endpoints
+from infra.task_model import load_task
 from workers.demo.run import DemoLearnerArgs, train_demo_learner
 from workers.demo.task import DemoTask
 from workers.learner import LearnerConfig
@@ -87,13 +87,14 @@ def _start_coordinator(args: argparse.Namespace, config: CoordinatorConfig,
                 return None
 
 
-# -- learner (the built-in demo model) ---------------------------------------------------------------
+# -- learner (a built-in task: the demo's by default) ----------------------------------------------
 
 def add_learner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="run id (the coordinator creates it)")
     parser.add_argument("--id", dest="learner_id", required=True, help="learner id, unique in the run")
-    parser.add_argument("--task", type=Path, help="JSON of the demo task (model, data, inner optimizer); "
-                        "default: the built-in synthetic language")
+    parser.add_argument("--task", type=Path, help="JSON of the task to train (its `kind`: demo, gpt2, vision; "
+                        "model, data, inner optimizer and schedule), as the benchmarks and `diloco demo` write it; "
+                        "default: the demo task on its synthetic language")
     parser.add_argument("--text", help="train on this text file (byte level) instead of the synthetic language")
     add_options(parser, DemoLearnerArgs, skip=("run", "learner_id"))
     add_options(parser, LearnerConfig)
@@ -101,7 +102,7 @@ def add_learner_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_learner(args: argparse.Namespace) -> int:
     if args.task:
-        task = DemoTask.from_wire(json.loads(args.task.read_text()))
+        task = load_task(args.task)
     else:
         task = DemoTask(text_path=args.text) if args.text else DemoTask()
     learner = train_demo_learner(task, build(DemoLearnerArgs, args), Endpoints.from_env(), build(LearnerConfig, args))

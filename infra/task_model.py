@@ -1,4 +1,4 @@
-"""The demo task's model holding a run's global parameters: for the tools that evaluate a run.
+"""A task's model holding a run's global parameters: for the tools that evaluate a run.
 
 `diloco demo`, `diloco whatif --task`, `diloco blame --task`, the benchmarks' loss curves, the
 chaos report and the tests all evaluate the global model the same way: build the task's model,
@@ -20,21 +20,22 @@ from storage.history import read_layout, read_manifest, read_params
 from storage.keys import RunKeys
 from storage.objects import Store
 from storage.protocol import Layout, Manifest
-from workers.demo.task import DemoTask
+from workers.tasks.base import Task
+from workers.tasks.kinds import task_from_wire
 
 
-def load_task(path: Path) -> DemoTask:
-    """The demo task in a JSON file (as `diloco demo` writes OUT/task.json). Raises ConfigError if
-    the file cannot be read or does not hold a task."""
+def load_task(path: Path) -> Task:
+    """The task in a JSON file (as `diloco demo` writes OUT/task.json, of any kind in
+    `workers.tasks.kinds`). Raises ConfigError if the file cannot be read or does not hold a task."""
     try:
-        return DemoTask.from_wire(json.loads(path.read_text()))
+        return task_from_wire(json.loads(path.read_text()))
     except OSError as exc:
         raise ConfigError(f"cannot read the task {path}: {exc}") from None
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{path} is not a demo task JSON (as `diloco demo` writes to OUT/task.json): {exc}") from None
+        raise ConfigError(f"{path} is not a task JSON (as `diloco demo` writes to OUT/task.json): {exc}") from None
 
 
-def check_task_fits(task: DemoTask, layout: Layout, run: str) -> None:
+def check_task_fits(task: Task, layout: Layout, run: str) -> None:
     """Refuse a task whose model's parameters (names and shapes) are not the run's `layout`: its
     eval losses would be of another model, or loading the run's parameters into it would fail."""
     wanted = {p.name: tuple(p.shape) for specs in layout.fragments for p in specs}
@@ -58,7 +59,7 @@ def load_version(model: torch.nn.Module, store: Store, layout: Layout, manifest:
     load_params(model, read_params(store, layout, manifest))
 
 
-def global_model(task: DemoTask, store: Store, keys: RunKeys, heads: Mapping[int, int]) -> torch.nn.Module:
+def global_model(task: Task, store: Store, keys: RunKeys, heads: Mapping[int, int]) -> torch.nn.Module:
     """The task's model holding the global parameters at `heads` (fragment -> version), read from S3."""
     model = task.make_model(0)
     layout = read_layout(store, keys)

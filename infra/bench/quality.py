@@ -1,23 +1,30 @@
-"""`diloco bench quality`: decoupled vs synchronous DiLoCo vs one AdamW replica, same model, data and tokens.
+"""`diloco bench quality`: on each task, decoupled DiLoCo vs synchronous DiLoCo (ours and torchft's)
+vs one replica, the same model, data and tokens.
 
-Arms, each on the same stack, with M learners of equal speed training `--steps` inner steps each
-(so every arm trains the same number of tokens, from the same seeds):
+Arms, on one stack, each with M learners (replicas) of equal speed training a task's `steps` inner
+steps each, learner i on data stream i, all from the same initial weights, inner optimizer and
+schedule (so every arm trains the same tokens from the same seeds):
 
 - decoupled: quorum K = 1, the adaptive grace window, clock cadence (the defaults);
-- synchronous DiLoCo: the whole model as one fragment, quorum K = M, no grace window, step
-  cadence, and every learner waits for the new version before training on (`--wait-for-merge`):
-  the barrier of DiLoCo (with several fragments on staggered schedules, learners that joined at
-  different times would wait on different rounds);
-- baseline: one replica with AdamW for M x steps steps of the same batch size (the same tokens),
-  trained in this process.
+- sync: our synchronous DiLoCo: the whole model as one fragment, quorum K = M, no grace window, step
+  cadence, and every learner waits for the new version before training on (`--wait-for-merge`);
+- torchft: torchft 0.2.0's synchronous DiLoCo (`infra.bench.peer`): one fragment, quorum of all M
+  replicas, gloo, the same H and outer optimizer (Nesterov, lr 0.7, momentum 0.9); skipped, with a
+  message, when torchft is not installed (`pip install -e '.[peer]'`);
+- baseline: one replica for M x steps steps of the same batch size (the same tokens), trained in
+  this process, its schedule spanning them all.
 
-Prints eval losses, the ratios to the baseline and the gap to the synthetic language's entropy
-floor (the best loss any model can reach). Target: decoupled / baseline <= 1.01.
+Our arms' learners are `diloco learner --task` processes (the public `Learner` API). Every arm's
+global model is evaluated after every committed version (outer step; every M x H steps for the
+baseline), after the arm has ended. Prints a table task x arm (final eval loss, best of the last
+10%, end-of-run damage, ratios to torchft and to the baseline, gap to the floor) and each task's
+verdict against issue 13's targets (`infra.bench.quality_report`). Tasks: `infra.bench.quality_tasks`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -25,42 +32,59 @@ from pathlib import Path
 
 import torch
 
-from infra.output import figures_table
+from infra.bench.peer import run_torchft, torchft_missing
+from infra.bench.quality_report import ArmCurve, TaskReport, table
+from infra.bench.quality_tasks import TASKS, BenchTask, pick
 from infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
-from workers.demo.task import DemoTask, train_baseline
+from infra.stack import LocalStack
+from workers.tasks.base import train_baseline
 
 log = logging.getLogger(__name__)
 
 NAME = "quality"
-HELP = "eval loss of decoupled DiLoCo, synchronous DiLoCo and a single AdamW replica on the same token budget"
+HELP = ("eval loss of decoupled DiLoCo, synchronous DiLoCo (ours, torchft's) and a single replica on the same "
+        "token budget, per task")
+ARMS = ("decoupled", "sync", "torchft", "baseline")
+BUDGET_S = 3600.0
+"""A cap only: the arms end when every learner has done its steps."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("out/bench/quality"), help="stack data and logs")
+    parser.add_argument("--tasks", default="demo",
+                        help=f"comma-separated subset of {','.join(TASKS)}, or all (default: %(default)s)")
     parser.add_argument("--learners", type=int, default=4, help="M (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=1000, help="inner steps per learner (default: %(default)s)")
-    parser.add_argument("--fragments", type=int, default=2, help="P (default: %(default)s)")
-    parser.add_argument("--sync-every", type=int, default=30, help="H (default: %(default)s)")
-    parser.add_argument("--overlap-steps", type=int, default=3, help="tau (default: %(default)s)")
-    parser.add_argument("--codec", default="int8", help="outer-gradient codec (default: %(default)s)")
+    parser.add_argument("--steps", type=int, help="inner steps per learner (default: the task's)")
+    parser.add_argument("--fragments", type=int, default=2, help="P of the decoupled arm (default: %(default)s)")
+    parser.add_argument("--sync-every", type=int, help="H of every DiLoCo arm (default: the task's)")
+    parser.add_argument("--overlap-steps", type=int, default=3, help="tau of our arms (default: %(default)s)")
+    parser.add_argument("--codec", default="int8", help="outer-gradient codec of our arms (default: %(default)s)")
     parser.add_argument("--learner-args", default="",
                         help="extra options for the decoupled arm's learners, e.g. '--own-version-wait 0'")
     parser.add_argument("--coordinator-args", default="",
                         help="extra options for the decoupled arm's coordinator, after the run's settings (so they "
                              "override them), e.g. '--fragments 1' or '--no-staleness-discount'")
-    parser.add_argument("--arms", default="decoupled,sync,baseline",
-                        help="comma-separated subset of decoupled,sync,baseline (default: %(default)s)")
+    parser.add_argument("--arms", default=",".join(ARMS),
+                        help="comma-separated subset of %(default)s (default: all four)")
 
 
-def arms(args: argparse.Namespace) -> dict[str, Trial]:
-    budget_s = 3600.0  # a cap only: the arms end when every learner has done its steps
-    learners = tuple(LearnerPlan(f"learner-{i}", steps=args.steps, data_seed=i) for i in range(args.learners))
+@dataclass(frozen=True, slots=True)
+class Budget:
+    steps: int
+    sync_every: int
+
+
+def budget(args: argparse.Namespace, bench: BenchTask) -> Budget:
+    return Budget(args.steps or bench.steps, args.sync_every or bench.sync_every)
+
+
+def our_arms(args: argparse.Namespace, b: Budget) -> dict[str, Trial]:
+    learners = tuple(LearnerPlan(f"learner-{i}", steps=b.steps, data_seed=i) for i in range(args.learners))
     return {
-        "decoupled": Trial("decoupled", learners, budget_s,
-                           run_args(args.fragments, args.sync_every, args.overlap_steps, args.codec),
-                           ("--min-quorum", "1", *args.coordinator_args.split()),
-                           tuple(args.learner_args.split())),
-        "sync": sync_trial("sync", learners, budget_s, sync_every=args.sync_every, overlap_steps=args.overlap_steps,
+        "decoupled": Trial("decoupled", learners, BUDGET_S,
+                           run_args(args.fragments, b.sync_every, args.overlap_steps, args.codec),
+                           ("--min-quorum", "1", *args.coordinator_args.split()), tuple(args.learner_args.split())),
+        "sync": sync_trial("sync", learners, BUDGET_S, sync_every=b.sync_every, overlap_steps=args.overlap_steps,
                            codec=args.codec),
     }
 
@@ -68,62 +92,68 @@ def arms(args: argparse.Namespace) -> dict[str, Trial]:
 @dataclass
 class QualityResult:
     learners: int
-    steps: int
-    floor: float | None
-    trials: dict[str, TrialResult]
-    baseline: float | None
-    baseline_s: float
-
-    def losses(self) -> dict[str, float]:
-        out = {name: t.eval_loss for name, t in self.trials.items()}
-        if self.baseline is not None:
-            out["baseline"] = self.baseline
-        return out
+    reports: list[TaskReport]
 
     def table(self) -> str:
-        rows = []
-        for name, loss in self.losses().items():
-            trial = self.trials.get(name)
-            ratio = loss / self.baseline if self.baseline else None
-            gap = loss - self.floor if self.floor is not None else None
-            wall = trial.wall_s if trial else self.baseline_s
-            versions = trial.counters.get("versions_committed") if trial else None
-            r = trial.rounds if trial else None
-            rows.append([name, loss, ratio, gap, versions, r and r.learners_per_version,
-                         r and 100 * r.stale_share, r and r.weight_sum, wall])
-        head = (f"quality: {self.learners} learners x {self.steps} steps, same tokens for every arm; "
-                f"entropy floor {self.floor:.4f}" if self.floor is not None else "")
-        verdict = ""
-        if self.baseline and "decoupled" in self.trials:
-            r = self.trials["decoupled"].eval_loss / self.baseline
-            verdict = f"\ndecoupled / baseline = {r:.3f} (target <= 1.01: {'met' if r <= 1.01 else 'NOT met'})"
-        return head + "\n" + figures_table(["arm", "eval loss", "/ baseline", "- floor", "versions",
-                                            "learners/version", "stale %", "weight sum", "wall s"], rows) + verdict
+        return table(self.reports, self.learners)
 
     def to_json(self) -> dict:
-        return {"bench": NAME, "learners": self.learners, "steps_per_learner": self.steps, "entropy_floor": self.floor,
-                "eval_loss": self.losses(),
-                "ratio_to_baseline": {k: v / self.baseline for k, v in self.losses().items()} if self.baseline else {},
-                "baseline_wall_s": self.baseline_s, "trials": {k: t.to_json() for k, t in self.trials.items()}}
+        return {"bench": NAME, "learners": self.learners, "tasks": {r.task: r.to_json() for r in self.reports}}
+
+
+def trial_curve(t: TrialResult) -> ArmCurve:
+    details = {"run": t.run, "curve_versions": [list(v) for v in t.curve_versions], "counters": t.counters,
+               "heads": {str(k): v for k, v in t.heads.items()}, "merged_tokens": t.merged_tokens,
+               "rounds": None if t.rounds is None else t.rounds.to_json()}
+    return ArmCurve(t.name, t.curve, t.wall_s, details=details)
+
+
+def run_task(name: str, bench: BenchTask, args: argparse.Namespace, wanted: list[str],
+             stack: LocalStack) -> TaskReport:
+    b, task, out = budget(args, bench), bench.task, args.out / name
+    out.mkdir(parents=True, exist_ok=True)
+    arms: dict[str, ArmCurve] = {}
+    skipped: dict[str, str] = {}
+    for arm, trial in our_arms(args, b).items():
+        if arm in wanted:
+            log.info("quality %s: arm %s ...", name, arm)
+            result = run_trial(stack, trial, task, out, curve_points=None)
+            arms[arm] = trial_curve(result)
+            log.info("quality %s: arm %s: eval %.4f in %.0fs", name, arm, result.eval_loss, result.wall_s)
+    if "torchft" in wanted:
+        missing = torchft_missing()
+        if missing:
+            skipped["torchft"] = missing
+            log.warning("quality %s: torchft arm skipped: %s", name, missing)
+        else:
+            log.info("quality %s: arm torchft ...", name)
+            task_path = out / "task.json"
+            task_path.write_text(json.dumps(task.to_wire()))
+            peer = run_torchft(task, task_path, out, replicas=args.learners, steps=b.steps, sync_every=b.sync_every,
+                               budget_s=BUDGET_S)
+            arms["torchft"] = ArmCurve("torchft", peer.curve, peer.wall_s,
+                                       details={"steps": peer.steps, "unsynced_steps": peer.unsynced_steps})
+            log.info("quality %s: arm torchft: eval %.4f in %.0fs", name, peer.eval_loss, peer.wall_s)
+    if "baseline" in wanted:
+        torch.set_num_threads(2)
+        t0 = time.monotonic()
+        total = args.learners * b.steps
+        initial = task.eval_loss(task.make_model(0))
+        curve = train_baseline(task, total, seed=0, eval_every=args.learners * b.sync_every)
+        arms["baseline"] = ArmCurve("baseline", [(0.0, initial), *curve], time.monotonic() - t0, x_unit="steps")
+    return TaskReport(name, b.steps, b.sync_every, task.entropy_floor(), arms, skipped)
 
 
 def run(args: argparse.Namespace) -> QualityResult:
     wanted = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = set(wanted) - {"decoupled", "sync", "baseline"}
+    unknown = set(wanted) - set(ARMS)
     if unknown:
-        raise SystemExit(f"unknown arm(s) {sorted(unknown)}: choose from decoupled, sync, baseline")
-    task = DemoTask()
-    trials: dict[str, TrialResult] = {}
+        raise SystemExit(f"unknown arm(s) {sorted(unknown)}: choose from {', '.join(ARMS)}")
+    tasks = pick(args.tasks)
+    reports = []
     with bench_stack(args.out) as stack:
-        for name, trial in arms(args).items():
-            if name in wanted:
-                log.info("quality: arm %s ...", name)
-                trials[name] = run_trial(stack, trial, task, args.out)
-                log.info("quality: arm %s: eval %.4f in %.0fs", name, trials[name].eval_loss, trials[name].wall_s)
-    baseline, baseline_s = None, 0.0
-    if "baseline" in wanted:
-        torch.set_num_threads(2)
-        t0 = time.monotonic()
-        baseline = train_baseline(task, args.learners * args.steps, seed=0)[-1][1]
-        baseline_s = time.monotonic() - t0
-    return QualityResult(args.learners, args.steps, task.entropy_floor(), trials, baseline, baseline_s)
+        for name, bench in tasks.items():
+            reports.append(run_task(name, bench, args, wanted, stack))
+            if len(tasks) > 1:
+                log.info("quality %s done:\n%s", name, table(reports[-1:], args.learners))
+    return QualityResult(args.learners, reports)

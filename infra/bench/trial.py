@@ -6,7 +6,8 @@ starts the processes on a stack the caller owns (each trial is its own run id, s
 stack), supervises them, and afterwards reads everything back from S3 and Redis:
 
 - the global model's eval loss over wall time, evaluated after the run from the manifests'
-  commit times (evaluating while the learners train would steal their CPU);
+  commit times (evaluating while the learners train would steal their CPU): at a few evenly
+  spaced times, or after every committed version (`curve_points=None`);
 - counters, versions, and every learner's last heartbeat (steps, tokens, bytes uploaded, time
   spent in its step hook) for the communication and stall figures.
 """
@@ -30,7 +31,7 @@ from storage.history import list_versions, read_layout, read_manifest
 from storage.keys import RunKeys
 from storage.objects import ObjectStore
 from storage.protocol import Layout, Manifest
-from workers.demo.task import DemoTask
+from workers.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,9 @@ class TrialResult:
     eval_loss: float
     curve: list[tuple[float, float]]
     """(seconds since the trial started, eval loss of the global model at that time)."""
+    curve_versions: list[tuple[int, int]]
+    """With a curve of every version: the (fragment, version) whose commit each point follows ((-1, 0)
+    for the first point, every fragment's version 0); else empty."""
     counters: dict[str, int]
     heads: dict[int, int]
     learners: dict[str, dict]
@@ -94,7 +98,9 @@ class TrialResult:
 
     def to_json(self) -> dict:
         return {"name": self.name, "run": self.run, "wall_s": round(self.wall_s, 2), "eval_loss": self.eval_loss,
-                "curve": [[round(t, 2), loss] for t, loss in self.curve], "counters": self.counters,
+                "curve": [[round(t, 2), loss] for t, loss in self.curve],
+                **({"curve_versions": [list(v) for v in self.curve_versions]} if self.curve_versions else {}),
+                "counters": self.counters,
                 "heads": {str(k): v for k, v in self.heads.items()}, "learners": self.learners,
                 "restarts": self.restarts, "merged_tokens": self.merged_tokens,
                 "rounds": None if self.rounds is None else self.rounds.to_json()}
@@ -142,9 +148,11 @@ def _learner_proc(trial: Trial, plan: LearnerPlan, run: str, env: dict[str, str]
     return Proc(plan.name, argv, logs / f"{trial.name}-{plan.name}.log", env)
 
 
-def run_trial(stack: LocalStack, trial: Trial, task: DemoTask, out: Path, *, run: str | None = None,
-              curve_points: int = 8) -> TrialResult:
-    """Run `trial` to the end of its budget on `stack` and measure it (see the module docstring)."""
+def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: str | None = None,
+              curve_points: int | None = 8) -> TrialResult:
+    """Run `trial` to the end of its budget on `stack` and measure it (see the module docstring).
+    `curve_points`: evaluate the global model at that many evenly spaced times, or after every
+    committed version if None."""
     run = run or f"{trial.name}-{int(time.time())}"
     out.mkdir(parents=True, exist_ok=True)
     task_path = out / "task.json"
@@ -214,14 +222,17 @@ def run_trial(stack: LocalStack, trial: Trial, task: DemoTask, out: Path, *, run
             raise RuntimeError(f"{trial.name}: run {run} never committed version 0: see {logs}")
         manifests = {f: [read_manifest(store, keys, f, v) for v in list_versions(store, keys, f)]
                      for f in range(len(layout.fragments))}
-        curve = eval_curve(task, store, layout, manifests, started_unix, wall_s, curve_points)
+        if curve_points is None:
+            curve, curve_versions = version_curve(task, store, layout, manifests, started_unix)
+        else:
+            curve, curve_versions = eval_curve(task, store, layout, manifests, started_unix, wall_s, curve_points), []
     # Each fragment's contributions cover the learner's tokens once: the fleet's merged tokens are the mean.
     merged = sum(c.tokens for history in manifests.values() for m in history[1:] for c in m.inputs) // len(manifests)
-    return TrialResult(trial.name, run, wall_s, curve[-1][1], curve, counters, heads,
+    return TrialResult(trial.name, run, wall_s, curve[-1][1], curve, curve_versions, counters, heads,
                        {k: dict(v) for k, v in learners.items()}, restarts, merged, round_stats(manifests))
 
 
-def eval_curve(task: DemoTask, store: ObjectStore, layout: Layout, manifests: dict[int, list[Manifest]],
+def eval_curve(task: Task, store: ObjectStore, layout: Layout, manifests: dict[int, list[Manifest]],
                started_unix: float, wall_s: float, points: int) -> list[tuple[float, float]]:
     """Eval loss of the global model as it stood at `points` evenly spaced times (the last at the end),
     from the manifests' commit times."""
@@ -238,6 +249,25 @@ def eval_curve(task: DemoTask, store: ObjectStore, layout: Layout, manifests: di
             loaded[f] = at[-1].version
         curve.append((t, task.eval_loss(model)))
     return curve
+
+
+def version_curve(task: Task, store: ObjectStore, layout: Layout, manifests: dict[int, list[Manifest]],
+                  started_unix: float) -> tuple[list[tuple[float, float]], list[tuple[int, int]]]:
+    """Eval loss of the global model after every commit, in commit order: first every fragment's
+    version 0 (the genesis), then, after each committed version, the latest version of every
+    fragment. Returns the curve (seconds since the trial started, loss) and the (fragment, version)
+    each point follows ((-1, 0) for the genesis)."""
+    model = task.make_model(0)
+    for history in manifests.values():
+        load_version(model, store, layout, history[0])
+    curve = [(max(h[0].committed_at for h in manifests.values()) - started_unix, task.eval_loss(model))]
+    labels = [(-1, 0)]
+    for m in sorted((m for h in manifests.values() for m in h[1:]), key=lambda m: (m.committed_at, m.fragment,
+                                                                                 m.version)):
+        load_version(model, store, layout, m)
+        curve.append((m.committed_at - started_unix, task.eval_loss(model)))
+        labels.append((m.fragment, m.version))
+    return curve, labels
 
 
 @contextmanager

@@ -1,7 +1,8 @@
-"""`diloco learner`: the built-in demo model trained as one learner of a run.
+"""`diloco learner`: a built-in task (the demo's, or any kind in `workers.tasks.kinds`) trained as
+one learner of a run.
 
-This is also the reference for wrapping your own loop: build the model and the inner optimizer,
-wrap them in a `Learner`, train as usual.
+This is also the reference for wrapping your own loop: build the model, the inner optimizer and
+its schedule, wrap the model and optimizer in a `Learner`, train as usual.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from storage.settings import Endpoints
-from workers.demo.task import DemoTask
 from workers.learner import Learner, LearnerConfig
+from workers.tasks.base import Task, train_step
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ class DemoLearnerArgs:
     run: str
     learner_id: str
     steps: int
-    """Inner steps to train before leaving."""
+    """Inner steps to train before leaving (the inner learning-rate schedule spans them)."""
     slowdown: float = 1.0
     """Step-time multiplier: 2.0 makes this learner take twice as long per step (a slower chip)."""
     step_time_s: float = 0.0
@@ -43,7 +44,7 @@ class DemoLearnerArgs:
     """torch intra-op threads."""
 
 
-def train_demo_learner(task: DemoTask, args: DemoLearnerArgs, endpoints: Endpoints | None = None,
+def train_demo_learner(task: Task, args: DemoLearnerArgs, endpoints: Endpoints | None = None,
                        config: LearnerConfig | None = None) -> Learner:
     torch.set_num_threads(args.threads)
     stop = threading.Event()
@@ -53,6 +54,7 @@ def train_demo_learner(task: DemoTask, args: DemoLearnerArgs, endpoints: Endpoin
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     model = task.make_model(args.model_seed)
     optimizer = task.make_inner_optimizer(model)
+    schedule = task.make_lr_schedule(optimizer, args.steps)
     batches = task.train_batches(args.data_seed)
     learner = Learner(model, optimizer, run=args.run, endpoints=endpoints, learner_id=args.learner_id,
                       tokens_per_step=task.tokens_per_step(), config=config)
@@ -69,7 +71,7 @@ def train_demo_learner(task: DemoTask, args: DemoLearnerArgs, endpoints: Endpoin
                 log.info("learner %s: time budget spent, leaving after step %d", args.learner_id, step)
                 break
             t0 = time.perf_counter()
-            loss = task.inner_step(model, optimizer, next(batches), step)
+            loss = train_step(task, model, optimizer, schedule, next(batches))
             learner.report(loss=loss)
             elapsed = time.perf_counter() - t0
             if args.step_time_s > 0:

@@ -12,17 +12,19 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch.optim.lr_scheduler import LambdaLR
 
 from workers.demo.language import ByteText, MarkovLanguage
 from workers.demo.model import TinyGPT, TinyGPTConfig
+from workers.tasks.base import Batch, fields_from_wire, to_wire
 
 log = logging.getLogger(__name__)
 
-TASK_SCHEMA_VERSION = 1
 _EVAL_BATCH = 64
 # Generator seeds: train stream s uses 1_000_003 * (s + 1), eval set e uses 7_919 * (e + 1); both are
 # primes, so the two only meet when s + 1 is a multiple of 7_919 and e + 1 one of 1_000_003.
@@ -32,6 +34,9 @@ _EVAL_SEED_BASE = 7_919
 
 @dataclass(frozen=True)
 class DemoTask:
+    """A TinyGPT on a synthetic Markov language (exact floor), AdamW with warmup (a `workers.tasks.base.Task`)."""
+
+    kind: ClassVar[str] = "demo"
     # The language (ignored when text_path is set).
     vocab_size: int = 32
     """Tokens in the synthetic language."""
@@ -85,15 +90,12 @@ class DemoTask:
     # ---- wire form (the demo passes the task to learner processes) ----
 
     def to_wire(self) -> dict:
-        return {"schema": TASK_SCHEMA_VERSION, **asdict(self), "betas": list(self.betas)}
+        return to_wire(self)
 
     @classmethod
     def from_wire(cls, wire: dict) -> DemoTask:
-        if wire.get("schema") != TASK_SCHEMA_VERSION:
-            raise ValueError(f"task schema {wire.get('schema')!r}, this code reads {TASK_SCHEMA_VERSION}")
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in wire.items() if k in known}
-        return cls(**{**values, "betas": tuple(values.get("betas", cls.betas))})
+        """Also reads task files written before tasks had a kind (they are demo tasks)."""
+        return cls(**fields_from_wire(cls, wire, default_kind=cls.kind))
 
     # ---- data ----
 
@@ -136,6 +138,14 @@ class DemoTask:
         groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
 
+    def make_lr_schedule(self, optimizer: torch.optim.Optimizer, total_steps: int) -> LambdaLR:
+        """`inner_lr` as a scheduler (for loops that step one, as `workers.tasks.base.train_step` does)."""
+        return LambdaLR(optimizer, lambda step: self.inner_lr(step, total_steps) / self.lr)
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        inputs, targets = batch
+        return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
     def inner_lr(self, step: int, total_steps: int | None = None) -> float:
         """Inner learning rate at a learner's local step (0-based): linear warmup, then constant or cosine.
 
@@ -155,8 +165,7 @@ class DemoTask:
         """One AdamW step on one batch at local step `step` (of `total_steps`); returns the training loss."""
         for group in optimizer.param_groups:
             group["lr"] = self.inner_lr(step, total_steps)
-        inputs, targets = batch
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        loss = self.loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.grad_clip is not None:

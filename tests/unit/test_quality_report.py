@@ -1,0 +1,39 @@
+"""The quality benchmark's figures: the end of a run, the ratios and the verdict against the targets."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.bench.quality_report import ArmCurve, TaskReport, end_of_run, table
+
+
+def test_end_of_run_is_the_best_of_the_last_tenth_of_the_points() -> None:
+    losses = [3.0, 2.0, 1.5, 1.4, 1.3, 1.25, 1.2, 1.1, 1.0, 1.05, 1.04, 1.08]  # 12 points: the last 2 count
+    end = end_of_run(losses)
+    assert (end.final, end.best_last, end.points) == (1.08, 1.04, 2)
+    assert end.damage == pytest.approx(0.04) and end.damage_share == pytest.approx(0.04 / 1.04)
+    assert end_of_run([2.0]).damage == 0.0
+    assert end_of_run(list(range(30, 0, -1))).damage == 0.0  # still improving at the end: no damage
+    with pytest.raises(ValueError):
+        end_of_run([])
+
+
+def curve(*losses: float) -> list[tuple[float, float]]:
+    return [(float(i), loss) for i, loss in enumerate((4.0, *losses))]  # the genesis first, not counted
+
+
+def test_verdict_holds_the_decoupled_arm_to_torchft_the_baseline_and_its_own_end() -> None:
+    arms = {"decoupled": ArmCurve("decoupled", curve(2.0, 1.50, 1.505), 10.0),
+            "torchft": ArmCurve("torchft", curve(2.0, 1.49), 10.0),
+            "baseline": ArmCurve("baseline", curve(1.48), 5.0, x_unit="steps")}
+    report = TaskReport("demo", 100, 10, 1.0, arms, {})
+    assert report.ratio("decoupled", "torchft") == pytest.approx(1.505 / 1.49)
+    assert report.verdict() == {"to_torchft": False, "to_baseline": True, "end_of_run": True}
+    assert "NOT met" in report.verdict_line()
+    rows = {row[1]: row for row in report.rows()}
+    assert rows["decoupled"][7] == pytest.approx(0.505) and rows["decoupled"][8] == 3  # gap to floor, points
+    partial = TaskReport("gpt2", 100, 10, None, {"decoupled": arms["decoupled"]}, {"torchft": "not installed"})
+    assert partial.verdict() == {"to_torchft": None, "to_baseline": None, "end_of_run": True}
+    text = table([report, partial], 4)
+    assert "torchft skipped: not installed" in text and "floor unknown" in text
+    assert report.to_json()["arms"]["decoupled"]["gap_to_floor"] == pytest.approx(0.505)

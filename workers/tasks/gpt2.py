@@ -1,0 +1,162 @@
+"""A tiny Hugging Face GPT-2, unmodified, with AdamW and a cosine schedule with warmup, on a synthetic
+Markov language whose floor is exact.
+
+Unlike the demo task: the model is `transformers.GPT2LMHeadModel` (tied input and output embeddings,
+`transformer.h.<i>` blocks), the optimizer decays weights, the learning rate follows
+`transformers.get_cosine_schedule_with_warmup` down to zero at the end of a replica's budget, and the
+language is peakier (Dirichlet concentration below 1) with more successors per context.
+`transformers` is imported only when a model or schedule is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch.optim.lr_scheduler import LambdaLR
+
+from workers.demo.language import MarkovLanguage
+from workers.tasks.base import Batch, fields_from_wire, to_wire
+
+_EVAL_BATCH = 64
+_TRAIN_SEED_BASE = 1_000_003  # as the demo task: train stream s and eval set e never share a seed
+_EVAL_SEED_BASE = 7_919
+
+
+@dataclass(frozen=True)
+class GPT2Task:
+    kind: ClassVar[str] = "gpt2"
+    # The language.
+    vocab_size: int = 48
+    """Tokens in the synthetic language (also the model's vocabulary)."""
+    order: int = 2
+    """Markov order k: the next token depends on the previous k."""
+    branching: int = 6
+    """Possible next tokens per context."""
+    concentration: float = 0.5
+    """Dirichlet concentration of each context's next-token probabilities (below 1: peaky)."""
+    language_seed: int = 1
+    """Seed of the language's transition tables."""
+    # The model (GPT2Config).
+    n_layer: int = 3
+    """Transformer blocks."""
+    n_embd: int = 96
+    """Width of the residual stream."""
+    n_head: int = 4
+    """Attention heads per block."""
+    # Data and evaluation.
+    seq_len: int = 64
+    """Tokens per training sequence (also the model's context, n_positions)."""
+    batch_size: int = 16
+    """Sequences per inner step."""
+    eval_tokens: int = 8_192
+    """Size of the fixed held-out set (predicted tokens)."""
+    eval_seed: int = 0
+    """Seed of the held-out set."""
+    # Inner optimizer: AdamW, cosine schedule with linear warmup.
+    lr: float = 2e-3
+    """Peak inner learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, on matrices only (not biases, norms; the tied embedding included)."""
+    warmup_steps: int = 40
+    """Linear warmup over a replica's first steps, then cosine decay to 0 at the end of its budget."""
+    grad_clip: float | None = 1.0
+    """Clip each inner step's gradient to this global norm (None = no clipping)."""
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head or self.seq_len < 2 or self.eval_tokens < self.seq_len:
+            raise ValueError(f"need n_head | n_embd, seq_len >= 2, eval_tokens >= seq_len: {self}")
+
+    def to_wire(self) -> dict:
+        return to_wire(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> GPT2Task:
+        return cls(**fields_from_wire(cls, wire))
+
+    # ---- data ----
+
+    @property
+    def language(self) -> MarkovLanguage:
+        return _language(self.vocab_size, self.order, self.branching, self.language_seed, self.concentration)
+
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def train_batches(self, stream_seed: int) -> Iterator[Batch]:
+        generator = torch.Generator().manual_seed(_TRAIN_SEED_BASE * (stream_seed + 1))
+        while True:
+            window = self.language.windows(self.batch_size, self.seq_len + 1, generator)
+            yield window[:, :-1], window[:, 1:]
+
+    def entropy_floor(self) -> float:
+        return self.language.window_floor_nats(self.seq_len + 1)
+
+    def eval_set(self) -> torch.Tensor:
+        """The fixed held-out windows, int64 [n, seq_len + 1]."""
+        return _eval_set(self)
+
+    # ---- model, optimizer, loss ----
+
+    def config(self):  # noqa: ANN201 (a transformers.GPT2Config; transformers is imported lazily)
+        from transformers import GPT2Config
+
+        # bos/eos inside the vocabulary (the default 50256 only makes transformers warn); no dropout:
+        # the data never repeats, and dropout would draw from the global RNG.
+        return GPT2Config(vocab_size=self.vocab_size, n_positions=self.seq_len, n_embd=self.n_embd,
+                          n_layer=self.n_layer, n_head=self.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+    def make_model(self, seed: int) -> torch.nn.Module:
+        from transformers import GPT2LMHeadModel
+
+        with torch.random.fork_rng(devices=[]):  # transformers initializes from the global RNG
+            torch.manual_seed(seed)
+            return GPT2LMHeadModel(self.config())
+
+    def make_inner_optimizer(self, model: torch.nn.Module) -> torch.optim.AdamW:
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": self.weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+
+    def make_lr_schedule(self, optimizer: torch.optim.Optimizer, total_steps: int) -> LambdaLR:
+        from transformers import get_cosine_schedule_with_warmup
+
+        return get_cosine_schedule_with_warmup(optimizer, self.warmup_steps, total_steps)
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        inputs, targets = batch
+        return F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), targets.flatten())
+
+    @torch.no_grad()
+    def eval_loss(self, model: torch.nn.Module) -> float:
+        was_training = model.training
+        model.eval()
+        try:
+            total, count = 0.0, 0
+            for window in self.eval_set().split(_EVAL_BATCH):
+                logits = model(input_ids=window[:, :-1]).logits
+                total += F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten(), reduction="sum").item()
+                count += window[:, 1:].numel()
+            return total / count
+        finally:
+            model.train(was_training)
+
+
+@functools.lru_cache(maxsize=4)
+def _language(vocab_size: int, order: int, branching: int, seed: int, concentration: float) -> MarkovLanguage:
+    return MarkovLanguage(vocab_size, order, branching, seed, concentration)
+
+
+@functools.lru_cache(maxsize=4)
+def _eval_set(task: GPT2Task) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(_EVAL_SEED_BASE * (task.eval_seed + 1))
+    return task.language.windows(math.ceil(task.eval_tokens / task.seq_len), task.seq_len + 1, generator)

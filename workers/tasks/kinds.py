@@ -1,0 +1,22 @@
+"""Every task kind a learner can train, and reading one from its wire form (a JSON file's contents)."""
+
+from __future__ import annotations
+
+from workers.demo.task import DemoTask
+from workers.tasks.base import Task
+from workers.tasks.gpt2 import GPT2Task
+from workers.tasks.vision import VisionTask
+
+KINDS: dict[str, type] = {cls.kind: cls for cls in (DemoTask, GPT2Task, VisionTask)}
+"""Task classes by their wire `kind`."""
+
+
+def task_from_wire(wire: dict) -> Task:
+    """The task `wire` describes. A wire form without a kind is a demo task (files written before
+    there were other kinds). Raises ValueError for an unknown kind or a bad field."""
+    if not isinstance(wire, dict):
+        raise ValueError(f"a task is a JSON object, not {type(wire).__name__}")
+    kind = wire.get("kind", DemoTask.kind)
+    if kind not in KINDS:
+        raise ValueError(f"unknown task kind {kind!r}: one of {', '.join(sorted(KINDS))}")
+    return KINDS[kind].from_wire(wire)
