@@ -141,7 +141,7 @@ def run_task(name: str, bench: BenchTask, args: argparse.Namespace, wanted: list
         initial = task.eval_loss(task.make_model(0))
         curve = train_baseline(task, total, seed=0, eval_every=args.learners * b.sync_every)
         arms["baseline"] = ArmCurve("baseline", [(0.0, initial), *curve], time.monotonic() - t0, x_unit="steps")
-    return TaskReport(name, b.steps, b.sync_every, task.entropy_floor(), arms, skipped)
+    return TaskReport(name, b.steps, b.sync_every, task.entropy_floor(), arms, skipped, task.to_wire())
 
 
 def run(args: argparse.Namespace) -> QualityResult:

@@ -83,6 +83,8 @@ class TaskReport:
     arms: dict[str, ArmCurve]
     skipped: dict[str, str]
     """Arms that did not run, and why."""
+    wire: dict | None = None
+    """The task's wire form (what every arm trained), for the JSON."""
 
     def ratio(self, arm: str, to: str) -> float | None:
         if arm not in self.arms or to not in self.arms:
@@ -119,7 +121,7 @@ class TaskReport:
                 f"(<= {100 * MAX_DAMAGE}%: {said(v['end_of_run'])})")
 
     def to_json(self) -> dict:
-        return {"steps_per_learner": self.steps, "sync_every": self.sync_every, "entropy_floor": self.floor,
+        return {"task": self.wire, "steps_per_learner": self.steps, "sync_every": self.sync_every, "entropy_floor": self.floor,
                 "arms": {name: {**arm.to_json(), "ratio_to_torchft": self.ratio(name, "torchft"),
                                 "ratio_to_baseline": self.ratio(name, "baseline"),
                                 "gap_to_floor": None if self.floor is None else arm.end.final - self.floor}

@@ -42,6 +42,10 @@ SYNC_LEARNER = ("--wait-for-merge", "--merge-wait-s", "60")
 OVERRUN_S = 90.0
 """Learners still running this long after the budget (stuck at a barrier) are killed."""
 
+RUN_END_S = 30.0
+"""How long after the last learner exits to wait for the coordinator to end the run (merge the final
+pieces of learners that finished); a run whose learners were killed may never end."""
+
 
 @dataclass(frozen=True, slots=True)
 class LearnerPlan:
@@ -209,6 +213,12 @@ def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: st
         deadline = time.monotonic() + 15.0
         while bus.pending_count() and time.monotonic() < deadline:  # let the last round merge
             time.sleep(0.2)
+        deadline = time.monotonic() + RUN_END_S
+        while bus.run_end() is None and time.monotonic() < deadline:  # the learners' final pieces merged
+            time.sleep(0.2)
+        if bus.run_end() is None:
+            log.warning("%s: run %s did not end within %.0fs of its last learner: measuring the heads as they are",
+                        trial.name, run, RUN_END_S)
         wall_s = time.monotonic() - started
         counters, heads, learners = bus.counters(), bus.heads(), bus.learner_stats()
     finally:
