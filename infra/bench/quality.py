@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator.config import RunSettings
 from infra.bench.peer import run_torchft, torchft_missing
 from infra.bench.quality_report import ArmCurve, TaskReport, table
 from infra.bench.quality_tasks import TASKS, BenchTask, pick
@@ -45,6 +46,8 @@ NAME = "quality"
 HELP = ("eval loss of decoupled DiLoCo, synchronous DiLoCo (ours, torchft's) and a single replica on the same "
         "token budget, per task")
 ARMS = ("decoupled", "sync", "torchft", "baseline")
+DEFAULTS = RunSettings()
+"""The decoupled arm runs with the defaults a user gets (P, tau, codec, cadence), H being the task's."""
 BUDGET_S = 3600.0
 """A cap only: the arms end when every learner has done its steps."""
 
@@ -55,9 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated subset of {','.join(TASKS)}, or all (default: %(default)s)")
     parser.add_argument("--learners", type=int, default=4, help="M (default: %(default)s)")
     parser.add_argument("--steps", type=int, help="inner steps per learner (default: the task's)")
-    parser.add_argument("--fragments", type=int, default=2, help="P of the decoupled arm (default: %(default)s)")
+    parser.add_argument("--fragments", type=int, default=DEFAULTS.num_fragments,
+                        help="P of the decoupled arm (default: the run default, %(default)s)")
     parser.add_argument("--sync-every", type=int, help="H of every DiLoCo arm (default: the task's)")
-    parser.add_argument("--overlap-steps", type=int, default=3, help="tau of our arms (default: %(default)s)")
+    parser.add_argument("--overlap-steps", type=int, default=DEFAULTS.overlap_steps,
+                        help="tau of our arms (default: the run default, %(default)s)")
     parser.add_argument("--codec", default="int8", help="outer-gradient codec of our arms (default: %(default)s)")
     parser.add_argument("--learner-args", default="",
                         help="extra options for the decoupled arm's learners, e.g. '--own-version-wait 0'")
