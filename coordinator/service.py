@@ -105,6 +105,7 @@ class Coordinator:
         self.live = 0
         """Live learners that have not finished (`_see_fleet`)."""
         self.finished: frozenset[str] = frozenset()
+        self.live_names: frozenset[str] = frozenset()
         """Learners that have finished, as of the last read that took in every announcement before it."""
         self.finish_asked: FinishRequest | None = None
         self.ended: RunEnd | None = read_run_end(self.store, self.keys)
@@ -290,7 +291,8 @@ class Coordinator:
         then it counts as live, so that no round merges without them."""
         if complete:
             self.finished = fleet.finished
-        self.live = len((fleet.live | fleet.finished) - self.finished)
+        self.live_names = (fleet.live | fleet.finished) - self.finished
+        self.live = len(self.live_names)
         self.finish_asked = fleet.finish_request
 
     def _maybe_end(self, fleet: Fleet, complete: bool) -> None:
@@ -480,7 +482,12 @@ class Coordinator:
 
     def _maybe_merge(self, fragment: int, frag: Fragment) -> None:
         arrivals = tuple(c.arrival for c in frag.round)
-        state = RoundState(fragment=fragment, head_version=frag.head, arrivals=arrivals, live_learners=self.live,
+        # The fleet is the live learners and those with a piece in the round: one that sent its piece
+        # and left (its lease gone) must not stand in for one still live whose piece is on its way.
+        arrived = {a.learner for a in arrivals}
+        gone = {a.learner for a in arrivals if a.final} | (arrived & self.finished)
+        live = len((self.live_names | arrived) - gone)
+        state = RoundState(fragment=fragment, head_version=frag.head, arrivals=arrivals, live_learners=live,
                            sync_time_s=self.sync_time_s, period_s=self.cadence.period_s if self.cadence else 0.0,
                            merged_deadline=frag.merged_deadline, finished=self.finished,
                            finish_asked=self.finish_asked is not None)

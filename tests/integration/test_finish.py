@@ -9,6 +9,7 @@ version. An operator can end a run earlier with `diloco finish`. Nothing is merg
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 import uuid
@@ -21,11 +22,22 @@ from coordinator.policy import RoundConfig
 from coordinator.service import Coordinator
 from harness import (TINY_RUN, announcements, join, make_coordinator, serving, tiny_learner, train,
                      wait_for)
-from infra.cli import main
+from infra.cli import main as cli_main
 from storage.errors import RunFinished
 from storage.history import read_manifest, read_run_end
 
 STEPS_RUN = dataclasses.replace(TINY_RUN, cadence="steps")  # H = 4: fragment 0 sends at step 4, fragment 1 at 6
+
+
+def main(argv: list[str]) -> int:
+    """`diloco ARGV` in this process, its exit code. cli.main configures logging for the process (it
+    quiets botocore and the like): their levels are put back, so later tests see the same logging."""
+    noisy = {name: logging.getLogger(name).level for name in ("botocore", "boto3", "urllib3", "s3transfer")}
+    try:
+        return cli_main(argv)
+    finally:
+        for name, level in noisy.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def step_until(coord, what: str, condition, steps: int = 100) -> None:  # noqa: ANN001
