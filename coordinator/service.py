@@ -275,7 +275,7 @@ class Coordinator:
         retry, self._retry = self._retry, []
         self._intake(list(entries) + retry)
         complete = complete and not self._retry
-        self._see_fleet(fleet, complete)
+        self._see_fleet(fleet, complete, self.bus.fleet())
         with self.timing("read"):
             if self.spec.cadence == "clock" and time.monotonic() - self._last_cadence_check > 1.0:
                 self._tend_cadence()
@@ -285,13 +285,14 @@ class Coordinator:
         if self.ended is None:
             self._maybe_end(fleet, complete)
 
-    def _see_fleet(self, fleet: Fleet, complete: bool) -> None:
+    def _see_fleet(self, fleet: Fleet, complete: bool, now: Fleet) -> None:
         """The learners the rounds wait for. A learner counts as finished only once a `complete` read
         (every announcement made before `fleet` was read is in) has taken in its final pieces; until
-        then it counts as live, so that no round merges without them."""
+        then it counts as live, so that no round merges without them. Who is live is read again
+        after the read (`now`): a read may block, and learners that joined meanwhile count."""
         if complete:
             self.finished = fleet.finished
-        self.live_names = (fleet.live | fleet.finished) - self.finished
+        self.live_names = (now.live | now.finished) - self.finished
         self.live = len(self.live_names)
         self.finish_asked = fleet.finish_request
 
