@@ -21,7 +21,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from workers.demo.language import ByteText, MarkovLanguage
 from workers.demo.model import TinyGPT, TinyGPTConfig
-from workers.tasks.base import Batch, fields_from_wire, to_wire
+from workers.tasks.base import Batch, descend, fields_from_wire, to_wire
 
 log = logging.getLogger(__name__)
 
@@ -165,13 +165,7 @@ class DemoTask:
         """One AdamW step on one batch at local step `step` (of `total_steps`); returns the training loss."""
         for group in optimizer.param_groups:
             group["lr"] = self.inner_lr(step, total_steps)
-        loss = self.loss(model, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip)
-        optimizer.step()
-        return loss.item()
+        return descend(self, model, optimizer, batch)
 
     def eval_set(self) -> torch.Tensor:
         """The fixed held-out windows, int64 [n, seq_len + 1] (built once per task, cached)."""

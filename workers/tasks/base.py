@@ -99,13 +99,20 @@ def train_step(task: Task, model: torch.nn.Module, optimizer: torch.optim.Optimi
                batch: Batch) -> float:
     """One inner step as a user's loop does it; returns the batch's training loss. A `Learner` or a
     peer system's DiLoCo hooks `optimizer.step()`, so every arm's step is this one."""
+    loss = descend(task, model, optimizer, batch)
+    schedule.step()
+    return loss
+
+
+def descend(task: Task, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> float:
+    """Loss, backward, the task's gradient clipping and `optimizer.step()` on one batch, at the lr the
+    optimizer holds; returns the batch's training loss."""
     loss = task.loss(model, batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if task.grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), task.grad_clip)
     optimizer.step()
-    schedule.step()
     return loss.item()
 
 
