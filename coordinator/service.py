@@ -102,7 +102,6 @@ class Coordinator:
         self.layout: Layout | None = read_layout(self.store, self.keys)
         self.fragments = {f: Fragment(head=heads.get(f, -1)) for f in range(self.spec.num_fragments)}
         self.sync_time_s = 0.0
-        self.live = 0
         """Live learners that have not finished (`_see_fleet`)."""
         self.finished: frozenset[str] = frozenset()
         self.live_names: frozenset[str] = frozenset()
@@ -293,7 +292,6 @@ class Coordinator:
         if complete:
             self.finished = fleet.finished
         self.live_names = (now.live | now.finished) - self.finished
-        self.live = len(self.live_names)
         self.finish_asked = fleet.finish_request
 
     def _maybe_end(self, fleet: Fleet, complete: bool) -> None:
