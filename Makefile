@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: 2.13.0 resolves to the CPU build on the dev machines.
 	$(BIN)/pip install --quiet torch==2.13.0
+	# Editable: setuptools' import finder maps diloco.storage to storage/ and so on (pyproject.toml).
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from coordinator.outer import NesterovState, apply_round, round_delta
-from coordinator.replay import recomputed_weights
-from storage.protocol import Contribution
+from diloco.coordinator.outer import NesterovState, apply_round, round_delta
+from diloco.coordinator.replay import recomputed_weights
+from diloco.storage.protocol import Contribution
 
 Tensors = Mapping[str, Tensor]
 

@@ -13,9 +13,9 @@ import time
 import torch
 from dataclasses import dataclass, field
 
-from coordinator.policy import RoundConfig
-from storage.errors import ConfigError
-from storage.protocol import RunSpec
+from diloco.coordinator.policy import RoundConfig
+from diloco.storage.errors import ConfigError
+from diloco.storage.protocol import RunSpec
 
 
 @dataclass(frozen=True, slots=True)

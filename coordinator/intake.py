@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.policy import Arrival, RoundConfig, staleness_verdict
-from coordinator.timing import Timed, untimed
-from storage import codecs
-from storage.errors import Refused
-from storage.history import sha256_hex
-from storage.keys import SEQ_DIGITS, RunKeys
-from storage.objects import ObjectMissing, ObjectStore
-from storage.protocol import Announcement, Layout, RunSpec
+from diloco.coordinator.policy import Arrival, RoundConfig, staleness_verdict
+from diloco.coordinator.timing import Timed, untimed
+from diloco.storage import codecs
+from diloco.storage.errors import Refused
+from diloco.storage.history import sha256_hex
+from diloco.storage.keys import SEQ_DIGITS, RunKeys
+from diloco.storage.objects import ObjectMissing, ObjectStore
+from diloco.storage.protocol import Announcement, Layout, RunSpec
 
 
 @dataclass

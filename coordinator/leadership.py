@@ -22,10 +22,10 @@ import uuid
 
 import redis
 
-from storage.bus import Bus
-from storage.errors import Conflict, DilocoError, StorageUnavailable
-from storage.lease import Holder, Lease, Renewal
-from storage.objects import ObjectStore
+from diloco.storage.bus import Bus
+from diloco.storage.errors import Conflict, DilocoError, StorageUnavailable
+from diloco.storage.lease import Holder, Lease, Renewal
+from diloco.storage.objects import ObjectStore
 
 log = logging.getLogger(__name__)
 

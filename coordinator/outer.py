@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from coordinator.timing import Timed, untimed
+from diloco.coordinator.timing import Timed, untimed
 
 
 def merge_deltas(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], *,

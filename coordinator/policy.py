@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from storage.errors import ConfigError
-from storage.protocol import Cadence
+from diloco.storage.errors import ConfigError
+from diloco.storage.protocol import Cadence
 
 
 @dataclass(frozen=True, slots=True)

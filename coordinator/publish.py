@@ -22,16 +22,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from coordinator.outer import NesterovState
-from coordinator.timing import Timed, untimed
-from storage import codecs
-from storage.bus import Bus, CommitResult
-from storage.crashpoints import crash_point
-from storage.errors import Conflict
-from storage.history import latest_version, read_manifest, sha256_hex
-from storage.keys import RunKeys
-from storage.objects import ObjectStore, Store
-from storage.protocol import Contribution, Manifest, Refusal, VersionEvent
+from diloco.coordinator.outer import NesterovState
+from diloco.coordinator.timing import Timed, untimed
+from diloco.storage import codecs
+from diloco.storage.bus import Bus, CommitResult
+from diloco.storage.crashpoints import crash_point
+from diloco.storage.errors import Conflict
+from diloco.storage.history import latest_version, read_manifest, sha256_hex
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectStore, Store
+from diloco.storage.protocol import Contribution, Manifest, Refusal, VersionEvent
 
 log = logging.getLogger(__name__)
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 import logging
 import time
 
-from storage import codecs
-from storage.bus import Bus
-from storage.errors import Refused
-from storage.history import read_manifest, sha256_hex
-from storage.keys import RunKeys
-from storage.objects import ObjectMissing, ObjectStore
-from storage.protocol import Announcement
+from diloco.storage import codecs
+from diloco.storage.bus import Bus
+from diloco.storage.errors import Refused
+from diloco.storage.history import read_manifest, sha256_hex
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectMissing, ObjectStore
+from diloco.storage.protocol import Announcement
 
 log = logging.getLogger(__name__)
 

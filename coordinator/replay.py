@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from coordinator.outer import NesterovState, apply_round
-from coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
-from coordinator.publish import encode_params, encode_state
-from storage.history import sha256_hex
-from storage.keys import RunKeys
-from storage.protocol import Contribution, Manifest
+from diloco.coordinator.outer import NesterovState, apply_round
+from diloco.coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
+from diloco.coordinator.publish import encode_params, encode_state
+from diloco.storage.history import sha256_hex
+from diloco.storage.keys import RunKeys
+from diloco.storage.protocol import Contribution, Manifest
 
 WEIGHTS_RULE = "tokens*tokens/steps"
 """The only weighting rule `merge_weights` implements (recorded as the manifest's `weights` setting)."""

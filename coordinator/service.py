@@ -23,23 +23,24 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
-from coordinator.config import CoordinatorConfig, RunSettings
-from coordinator.intake import Contribution, check_announcement, fetch_tensors, to_arrival
-from coordinator.leadership import Fenced, Leadership
-from coordinator.outer import NesterovState, apply_round
-from coordinator.policy import (RECENT_ROUNDS, RoundSize, RoundState, decide_round, merge_order, merge_weights,
-                                next_cadence, round_size, round_step, run_end, served_deadline, staleness_verdict)
-from coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
-from coordinator.recovery import reannounce_lost
-from coordinator.timing import PhaseTimes
-from storage.bus import Bus, CommitResult, Fleet
-from storage.crashpoints import crash_point
-from storage.errors import ConfigError, Conflict, Refused, StorageUnavailable
-from storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec, read_verified
-from storage.objects import ObjectMissing, ObjectStore
-from storage.protocol import (MAX_RECORD_BYTES, Announcement, Cadence, Contribution as Input, FinishRequest, Layout,
-                              Manifest, Refusal, RunEnd, RunSpec)
-from storage.settings import Endpoints
+from diloco.coordinator.config import CoordinatorConfig, RunSettings
+from diloco.coordinator.intake import Contribution, check_announcement, fetch_tensors, to_arrival
+from diloco.coordinator.leadership import Fenced, Leadership
+from diloco.coordinator.outer import NesterovState, apply_round
+from diloco.coordinator.policy import (RECENT_ROUNDS, RoundSize, RoundState, decide_round, merge_order, merge_weights,
+                                       next_cadence, round_size, round_step, run_end, served_deadline,
+                                       staleness_verdict)
+from diloco.coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
+from diloco.coordinator.recovery import reannounce_lost
+from diloco.coordinator.timing import PhaseTimes
+from diloco.storage.bus import Bus, CommitResult, Fleet
+from diloco.storage.crashpoints import crash_point
+from diloco.storage.errors import ConfigError, Conflict, Refused, StorageUnavailable
+from diloco.storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec, read_verified
+from diloco.storage.objects import ObjectMissing, ObjectStore
+from diloco.storage.protocol import (MAX_RECORD_BYTES, Announcement, Cadence, Contribution as Input, FinishRequest,
+                                     Layout, Manifest, Refusal, RunEnd, RunSpec)
+from diloco.storage.settings import Endpoints
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.errors import ConfigError, Refused
-from storage.history import params_limit, read_layout, require_run_spec
-from storage.keys import RunKeys
-from storage.localdir import DirStore
-from storage.objects import ObjectStore, Store
-from storage.protocol import MAX_RECORD_BYTES
-from storage.settings import ENV_S3_PREFIX, Endpoints
+from diloco.storage.errors import ConfigError, Refused
+from diloco.storage.history import params_limit, read_layout, require_run_spec
+from diloco.storage.keys import RunKeys
+from diloco.storage.localdir import DirStore
+from diloco.storage.objects import ObjectStore, Store
+from diloco.storage.protocol import MAX_RECORD_BYTES
+from diloco.storage.settings import ENV_S3_PREFIX, Endpoints
 
 log = logging.getLogger(__name__)
 

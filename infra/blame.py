@@ -26,17 +26,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from coordinator.attribution import LearnerRound, learner_rounds, round_without
-from coordinator.outer import apply_round
-from infra.output import num, table
-from infra.rounds import Round, Run, check_fragment, read_state, rounds, versions
-from infra.task_model import check_task_fits, load_params, load_version
-from infra.verdict import MIN_OTHERS, LearnerBlame, judge, ranked
-from storage.errors import Refused
-from storage.history import read_manifest
-from storage.objects import ObjectMissing
-from storage.protocol import Manifest
-from workers.demo.task import DemoTask
+from diloco.coordinator.attribution import LearnerRound, learner_rounds, round_without
+from diloco.coordinator.outer import apply_round
+from diloco.infra.output import num, table
+from diloco.infra.rounds import Round, Run, check_fragment, read_state, rounds, versions
+from diloco.infra.task_model import check_task_fits, load_params, load_version
+from diloco.infra.verdict import MIN_OTHERS, LearnerBlame, judge, ranked
+from diloco.storage.errors import Refused
+from diloco.storage.history import read_manifest
+from diloco.storage.objects import ObjectMissing
+from diloco.storage.protocol import Manifest
+from diloco.workers.demo.task import DemoTask
 
 log = logging.getLogger(__name__)
 

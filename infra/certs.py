@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.errors import DilocoError
+from diloco.storage.errors import DilocoError
 
 _SERVER_EXT = """\
 basicConstraints=critical,CA:FALSE

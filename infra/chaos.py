@@ -38,18 +38,18 @@ from pathlib import Path
 
 import redis
 
-from infra.chaos_fleet import ChaosFleet, Tally
-from infra.faults import CORRUPTIONS, HEAVY, Fault, forge, labels, schedule
-from infra.fleet import process_env
-from infra.ledger import Ledger, StreamWatcher, account, backlog, gather
-from infra.stack import LocalStack, aws_env
-from infra.task_model import global_model
-from storage.bus import Bus
-from storage.errors import DilocoError
-from storage.history import read_layout, read_run_spec
-from storage.objects import ObjectStore
-from storage.protocol import Announcement, Layout, RunSpec
-from workers.demo.task import DemoTask
+from diloco.infra.chaos_fleet import ChaosFleet, Tally
+from diloco.infra.faults import CORRUPTIONS, HEAVY, Fault, forge, labels, schedule
+from diloco.infra.fleet import process_env
+from diloco.infra.ledger import Ledger, StreamWatcher, account, backlog, gather
+from diloco.infra.stack import LocalStack, aws_env
+from diloco.infra.task_model import global_model
+from diloco.storage.bus import Bus
+from diloco.storage.errors import DilocoError
+from diloco.storage.history import read_layout, read_run_spec
+from diloco.storage.objects import ObjectStore
+from diloco.storage.protocol import Announcement, Layout, RunSpec
+from diloco.workers.demo.task import DemoTask
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from infra.faults import Fault
-from infra.fleet import Proc, diloco_command
-from storage.crashpoints import ENV as CRASH_ENV
+from diloco.infra.faults import Fault
+from diloco.infra.fleet import Proc, diloco_command
+from diloco.storage.crashpoints import ENV as CRASH_ENV
 
 if TYPE_CHECKING:
-    from infra.chaos import ChaosConfig
+    from diloco.infra.chaos import ChaosConfig
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from storage.errors import DilocoError
-from storage.settings import redact_url
+from diloco.storage.errors import DilocoError
+from diloco.storage.settings import redact_url
 
 log = logging.getLogger("diloco")
 
@@ -45,7 +45,7 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_stack(args: argparse.Namespace) -> int:
-    from infra.stack import DetachedStack, stack_down, stack_up
+    from diloco.infra.stack import DetachedStack, stack_down, stack_up
 
     data_dir: Path = args.dir
     if args.action == "up":
@@ -73,7 +73,7 @@ def run_stack(args: argparse.Namespace) -> int:
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 
-def _lazy(name: str, module: str = "infra.commands") -> Callable:
+def _lazy(name: str, module: str = "diloco.infra.commands") -> Callable:
     """A function of `module`, imported on first use: `diloco stack` stays fast (no torch import)."""
     def call(arg):  # noqa: ANN001, ANN202
         return getattr(importlib.import_module(module), name)(arg)
@@ -91,20 +91,21 @@ COMMANDS: list[Command] = [
     ("demo", "a whole run on an embedded local stack, with a learner killed midway, vs a baseline",
      _lazy("add_demo_arguments"), _lazy("run_demo")),
     ("simulate", "the goodput simulator: data-parallel, elastic and decoupled DiLoCo on a fleet of failing chips",
-     _lazy("add_arguments", "infra.goodput.cli"), _lazy("run", "infra.goodput.cli")),
+     _lazy("add_arguments", "diloco.infra.goodput.cli"), _lazy("run", "diloco.infra.goodput.cli")),
     ("replay", "re-derive committed versions from S3 alone and check them bit for bit against their manifests",
      _lazy("add_replay_arguments"), _lazy("run_replay")),
     ("gc", "delete the objects a run no longer needs (old versions' params, merged inputs), keeping every manifest "
-     "and what replaying the last N versions needs", _lazy("add_gc_arguments", "infra.gc"), _lazy("run_gc", "infra.gc")),
+     "and what replaying the last N versions needs", _lazy("add_gc_arguments", "diloco.infra.gc"),
+     _lazy("run_gc", "diloco.infra.gc")),
     ("whatif", "re-derive a range of versions with other settings (outer lr, momentum, merge rule, staleness "
-     "discount) into a scratch run, and say how far it drifts", _lazy("add_whatif_arguments", "infra.whatif"),
-     _lazy("run_whatif", "infra.whatif")),
+     "discount) into a scratch run, and say how far it drifts", _lazy("add_whatif_arguments", "diloco.infra.whatif"),
+     _lazy("run_whatif", "diloco.infra.whatif")),
     ("inspect", "what went into a version (inputs, weights, norms, cosine to the merged update, refusals) or a "
-     "run, per learner", _lazy("add_inspect_arguments", "infra.history_commands"),
-     _lazy("run_inspect", "infra.history_commands")),
+     "run, per learner", _lazy("add_inspect_arguments", "diloco.infra.history_commands"),
+     _lazy("run_inspect", "diloco.infra.history_commands")),
     ("blame", "rank learners by how much their contributions went against the others' (and, with --task, hurt the "
-     "eval loss)", _lazy("add_blame_arguments", "infra.history_commands"),
-     _lazy("run_blame", "infra.history_commands")),
+     "eval loss)", _lazy("add_blame_arguments", "diloco.infra.history_commands"),
+     _lazy("run_blame", "diloco.infra.history_commands")),
     ("export", "copy a run's history (every object under its root) from the bucket to a local directory",
      _lazy("add_export_arguments"), _lazy("run_export")),
     ("import", "copy a run's history from an export directory back into the bucket the environment names",
@@ -112,7 +113,7 @@ COMMANDS: list[Command] = [
     ("chaos", "a run of real processes on a local stack under a seeded schedule of faults, then an audit of "
      "every contribution", _lazy("add_chaos_arguments"), _lazy("run_chaos")),
     ("bench", "benchmarks on real processes and servers: quality, failures, comm, stall, coordinator, hetero",
-     _lazy("add_bench_arguments", "infra.bench.cli"), _lazy("run_bench", "infra.bench.cli")),
+     _lazy("add_bench_arguments", "diloco.infra.bench.cli"), _lazy("run_bench", "diloco.infra.bench.cli")),
 ]
 
 

@@ -20,27 +20,27 @@ from pathlib import Path
 
 import redis
 
-from coordinator.config import CoordinatorConfig, RunSettings
-from coordinator.leadership import Stopped
-from coordinator.policy import RoundConfig
-from coordinator.service import Coordinator
-from infra.archive import (add_range_arguments, add_source_arguments, export_run, import_keys, import_run,
-                           open_source)
-from infra.options import add_options, build
-from infra.output import write_json
-from infra.replay import VersionCheck, replay_run
-from storage.bus import Bus
-from storage.errors import DilocoError, StorageUnavailable
-from storage.history import read_run_end, require_run_spec
-from storage.keys import RunKeys
-from storage.lease import Lease
-from storage.objects import ObjectStore
-from storage.protocol import FinishRequest, RunEnd
-from storage.settings import ENV_S3_PREFIX, Endpoints
-from infra.task_model import load_task
-from workers.demo.run import DemoLearnerArgs, train_demo_learner
-from workers.demo.task import DemoTask
-from workers.learner import LearnerConfig
+from diloco.coordinator.config import CoordinatorConfig, RunSettings
+from diloco.coordinator.leadership import Stopped
+from diloco.coordinator.policy import RoundConfig
+from diloco.coordinator.service import Coordinator
+from diloco.infra.archive import (add_range_arguments, add_source_arguments, export_run, import_keys, import_run,
+                                  open_source)
+from diloco.infra.options import add_options, build
+from diloco.infra.output import write_json
+from diloco.infra.replay import VersionCheck, replay_run
+from diloco.storage.bus import Bus
+from diloco.storage.errors import DilocoError, StorageUnavailable
+from diloco.storage.history import read_run_end, require_run_spec
+from diloco.storage.keys import RunKeys
+from diloco.storage.lease import Lease
+from diloco.storage.objects import ObjectStore
+from diloco.storage.protocol import FinishRequest, RunEnd
+from diloco.storage.settings import ENV_S3_PREFIX, Endpoints
+from diloco.infra.task_model import load_task
+from diloco.workers.demo.run import DemoLearnerArgs, train_demo_learner
+from diloco.workers.demo.task import DemoTask
+from diloco.workers.learner import LearnerConfig
 
 log = logging.getLogger("diloco")
 
@@ -153,7 +153,7 @@ def _wait_for_end(bus: Bus, timeout_s: float) -> RunEnd:
 # -- demo ----------------------------------------------------------------------------------------
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    from infra.demo import DemoConfig
+    from diloco.infra.demo import DemoConfig
 
     parser.add_argument("--out", type=Path, default=Path("out/demo"),
                         help="output directory; its previous contents are replaced (default: %(default)s)")
@@ -162,7 +162,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from infra.demo import DemoConfig, run_demo as demo
+    from diloco.infra.demo import DemoConfig, run_demo as demo
 
     demo(build(DemoConfig, args))
     return 0
@@ -234,7 +234,7 @@ def run_import(args: argparse.Namespace) -> int:
 # -- chaos ---------------------------------------------------------------------------------------
 
 def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
-    from infra.chaos import ChaosConfig
+    from diloco.infra.chaos import ChaosConfig
 
     parser.add_argument("--out", type=Path, default=Path("out/chaos"),
                         help="output directory: the stack's data and every process's log; its stack is "
@@ -247,7 +247,7 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
 def run_chaos(args: argparse.Namespace) -> int:
     """Exit 0 only if nothing was lost or applied twice, every fault kind fired, versions are
     contiguous and the global model's loss is finite and below its start."""
-    from infra.chaos import ChaosConfig, run_chaos as chaos
+    from diloco.infra.chaos import ChaosConfig, run_chaos as chaos
 
     report = chaos(build(ChaosConfig, args))
     write_json(args.json, report.figures())

@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch
 
-from coordinator.config import RunSettings
-from infra.archive import export_run
-from infra.fleet import Proc, diloco_command, process_env
-from infra.stack import LocalStack, aws_env
-from infra.task_model import global_model
-from storage.bus import Bus
-from storage.objects import ObjectStore
-from storage.settings import Endpoints, redact_url
-from workers.demo.task import DemoTask, train_baseline
+from diloco.coordinator.config import RunSettings
+from diloco.infra.archive import export_run
+from diloco.infra.fleet import Proc, diloco_command, process_env
+from diloco.infra.stack import LocalStack, aws_env
+from diloco.infra.task_model import global_model
+from diloco.storage.bus import Bus
+from diloco.storage.objects import ObjectStore
+from diloco.storage.settings import Endpoints, redact_url
+from diloco.workers.demo.task import DemoTask, train_baseline
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ import msgpack
 import torch
 import zstandard
 
-from storage import codecs
-from storage.crashpoints import POINTS
-from storage.history import sha256_hex
+from diloco.storage import codecs
+from diloco.storage.crashpoints import POINTS
+from diloco.storage.history import sha256_hex
 
 LEARNER_FAULTS = ("learner_kill", "learner_term")
 HEAVY = ("coordinator_kill", "redis_restart", "s3_restart")

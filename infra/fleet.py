@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def diloco_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "infra.cli", *args]
+    return [sys.executable, "-m", "diloco.infra.cli", *args]
 
 
 @dataclass

@@ -38,14 +38,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.archive import add_source_arguments, open_source
-from infra.output import write_json
-from storage import codecs
-from storage.errors import ConfigError, Conflict, Refused
-from storage.history import floors_of, read_collections, read_manifest, require_run_spec
-from storage.keys import RunKeys
-from storage.objects import ObjectMissing, Store
-from storage.protocol import Collection, Manifest
+from diloco.infra.archive import add_source_arguments, open_source
+from diloco.infra.output import write_json
+from diloco.storage import codecs
+from diloco.storage.errors import ConfigError, Conflict, Refused
+from diloco.storage.history import floors_of, read_collections, read_manifest, require_run_spec
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectMissing, Store
+from diloco.storage.protocol import Collection, Manifest
 
 log = logging.getLogger(__name__)
 

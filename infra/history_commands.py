@@ -12,13 +12,13 @@ import argparse
 import logging
 from pathlib import Path
 
-from infra.archive import add_range_arguments, add_source_arguments, open_source
-from infra.blame import blame_run
-from infra.inspect import inspect_run, inspect_version
-from infra.output import write_json
-from infra.rounds import Run, open_run
-from infra.task_model import load_task
-from storage.errors import ConfigError
+from diloco.infra.archive import add_range_arguments, add_source_arguments, open_source
+from diloco.infra.blame import blame_run
+from diloco.infra.inspect import inspect_run, inspect_version
+from diloco.infra.output import write_json
+from diloco.infra.rounds import Run, open_run
+from diloco.infra.task_model import load_task
+from diloco.storage.errors import ConfigError
 
 log = logging.getLogger("diloco")
 

@@ -16,12 +16,12 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from coordinator.attribution import input_figures
-from infra.rounds import Round, Run, check_fragment, read_round, rounds, versions
-from infra.output import num, table
-from storage.errors import Refused
-from storage.objects import ObjectMissing
-from storage.protocol import Manifest
+from diloco.coordinator.attribution import input_figures
+from diloco.infra.rounds import Round, Run, check_fragment, read_round, rounds, versions
+from diloco.infra.output import num, table
+from diloco.storage.errors import Refused
+from diloco.storage.objects import ObjectMissing
+from diloco.storage.protocol import Manifest
 
 SETTINGS_SHOWN = ("merge", "outer_lr", "outer_momentum", "min_quorum", "max_staleness", "staleness_discount")
 """The manifest settings that shape a merge, shown in the headers."""

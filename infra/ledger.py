@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 import redis
 
-from storage.bus import FIELD, Bus
-from storage.errors import Refused
-from storage.history import read_manifest
-from storage.keys import RunKeys
-from storage.objects import ObjectStore
-from storage.protocol import Announcement, Manifest, Refusal
+from diloco.storage.bus import FIELD, Bus
+from diloco.storage.errors import Refused
+from diloco.storage.history import read_manifest
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectStore
+from diloco.storage.protocol import Announcement, Manifest, Refusal
 
 log = logging.getLogger(__name__)
 

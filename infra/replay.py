@@ -20,14 +20,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from coordinator.outer import NesterovState
-from coordinator.replay import Problem, rederive
-from infra.rounds import Run, check_fragment, open_run, read_state, versions
-from storage.errors import Refused
-from storage.history import Floor, params_limit, read_input, read_manifest, read_verified
-from storage.keys import RunKeys
-from storage.objects import ObjectMissing, Store
-from storage.protocol import Manifest
+from diloco.coordinator.outer import NesterovState
+from diloco.coordinator.replay import Problem, rederive
+from diloco.infra.rounds import Run, check_fragment, open_run, read_state, versions
+from diloco.storage.errors import Refused
+from diloco.storage.history import Floor, params_limit, read_input, read_manifest, read_verified
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectMissing, Store
+from diloco.storage.protocol import Manifest
 
 log = logging.getLogger(__name__)
 

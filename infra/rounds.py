@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.outer import NesterovState
-from coordinator.publish import decode_state
-from storage.errors import Refused
-from storage.history import (Floor, list_versions, params_limit, read_floors, read_input, read_layout,
-                             read_manifest, read_params, read_run_spec, read_verified)
-from storage.keys import RunKeys
-from storage.objects import ObjectMissing, Store
-from storage.protocol import Layout, Manifest, RunSpec
+from diloco.coordinator.outer import NesterovState
+from diloco.coordinator.publish import decode_state
+from diloco.storage.errors import Refused
+from diloco.storage.history import (Floor, list_versions, params_limit, read_floors, read_input, read_layout,
+                                    read_manifest, read_params, read_run_spec, read_verified)
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectMissing, Store
+from diloco.storage.protocol import Layout, Manifest, RunSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,9 +47,9 @@ import botocore.exceptions as bexc
 import redis
 from botocore.config import Config
 
-from infra.certs import ServerCerts, ensure_server_certs
-from storage.errors import DilocoError
-from storage.settings import Endpoints, redact_url
+from diloco.infra.certs import ServerCerts, ensure_server_certs
+from diloco.storage.errors import DilocoError
+from diloco.storage.settings import Endpoints, redact_url
 
 log = logging.getLogger(__name__)
 

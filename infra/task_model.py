@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from storage.errors import ConfigError
-from storage.history import read_layout, read_manifest, read_params
-from storage.keys import RunKeys
-from storage.objects import Store
-from storage.protocol import Layout, Manifest
-from workers.tasks.base import Task
-from workers.tasks.kinds import task_from_wire
+from diloco.storage.errors import ConfigError
+from diloco.storage.history import read_layout, read_manifest, read_params
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import Store
+from diloco.storage.protocol import Layout, Manifest
+from diloco.workers.tasks.base import Task
+from diloco.workers.tasks.kinds import task_from_wire
 
 
 def load_task(path: Path) -> Task:

@@ -30,7 +30,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from coordinator.attribution import LearnerRound
+from diloco.coordinator.attribution import LearnerRound
 
 MIN_OTHERS = 2
 """Other learners a version must hold to be evidence about a learner."""

@@ -34,21 +34,21 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from coordinator.outer import MERGE_RULES, NesterovState, apply_round
-from coordinator.publish import decode_state, write_version
-from coordinator.replay import recomputed_weights
-from infra.archive import add_range_arguments, add_source_arguments, open_source
-from infra.output import write_json
-from infra.rounds import Run, check_fragment, open_run, versions
-from infra.task_model import check_task_fits, global_model, load_params, load_task
-from storage import codecs
-from storage.errors import ConfigError
-from storage.history import Floor, params_limit, read_input, read_manifest, read_params, read_verified
-from storage.keys import RunKeys
-from storage.localdir import DirStore
-from storage.objects import Store
-from storage.protocol import MAX_RECORD_BYTES, Collection, Manifest, Scalar
-from workers.demo.task import DemoTask
+from diloco.coordinator.outer import MERGE_RULES, NesterovState, apply_round
+from diloco.coordinator.publish import decode_state, write_version
+from diloco.coordinator.replay import recomputed_weights
+from diloco.infra.archive import add_range_arguments, add_source_arguments, open_source
+from diloco.infra.output import write_json
+from diloco.infra.rounds import Run, check_fragment, open_run, versions
+from diloco.infra.task_model import check_task_fits, global_model, load_params, load_task
+from diloco.storage import codecs
+from diloco.storage.errors import ConfigError
+from diloco.storage.history import Floor, params_limit, read_input, read_manifest, read_params, read_verified
+from diloco.storage.keys import RunKeys
+from diloco.storage.localdir import DirStore
+from diloco.storage.objects import Store
+from diloco.storage.protocol import MAX_RECORD_BYTES, Collection, Manifest, Scalar
+from diloco.workers.demo.task import DemoTask
 
 log = logging.getLogger(__name__)
 

@@ -34,11 +34,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from tenacity import retry, retry_if_exception, stop_after_delay, wait_random_exponential
 
-from storage.errors import ConfigError, Refused
-from storage.keys import RunKeys
-from storage.protocol import (Announcement, Cadence, FinishRequest, LearnerFinished, Refusal, RunEnd, VersionEvent,
-                              pack, unpack)
-from storage.settings import ENV_REDIS_URL, Endpoints, redact_url
+from diloco.storage.errors import ConfigError, Refused
+from diloco.storage.keys import RunKeys
+from diloco.storage.protocol import (Announcement, Cadence, FinishRequest, LearnerFinished, Refusal, RunEnd,
+                                     VersionEvent, pack, unpack)
+from diloco.storage.settings import ENV_REDIS_URL, Endpoints, redact_url
 
 log = logging.getLogger(__name__)
 

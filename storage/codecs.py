@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 import zstandard
 
-from storage.errors import Refused
+from diloco.storage.errors import Refused
 
 CODECS = ("fp32", "bf16", "int8", "int4")
 COMPRESSIONS = ("none", "zstd")
@@ -83,7 +83,7 @@ _HEADER_FIELDS = {"codec": str, "compression": str, "payload_bytes": int, "paylo
 _TENSOR_FIELDS = {"name": str, "shape": list, "offset": int, "nbytes": int}
 
 if sys.byteorder != "little":  # payload bytes are reinterpreted in place as little-endian numbers
-    raise ImportError("storage.codecs needs a little-endian host")
+    raise ImportError("diloco.storage.codecs needs a little-endian host")
 
 
 @dataclass(frozen=True, slots=True)

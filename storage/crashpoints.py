@@ -20,7 +20,7 @@ import os
 import signal
 from collections import Counter
 
-from storage.errors import ConfigError
+from diloco.storage.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

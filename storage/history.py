@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from storage import codecs
-from storage.errors import Refused
-from storage.keys import RunKeys
-from storage.objects import ObjectMissing, Store
-from storage.protocol import (MAX_MESSAGE_BYTES, MAX_RECORD_BYTES, Collection, Contribution, Layout, Manifest, RunEnd,
-                              RunSpec)
+from diloco.storage import codecs
+from diloco.storage.errors import Refused
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectMissing, Store
+from diloco.storage.protocol import (MAX_MESSAGE_BYTES, MAX_RECORD_BYTES, Collection, Contribution, Layout, Manifest,
+                                     RunEnd, RunSpec)
 
 
 def sha256_hex(data: bytes) -> str:

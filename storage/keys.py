@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from storage.protocol import check_id
+from diloco.storage.protocol import check_id
 
 FRAGMENT_DIGITS = 4
 VERSION_DIGITS = 12

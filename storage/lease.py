@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from storage.bus import Bus, redis_retry
+from diloco.storage.bus import Bus, redis_retry
 
 _ACQUIRE_LUA = """
 -- KEYS: lease, epoch; ARGV: holder, ttl_ms, floor

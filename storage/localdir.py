@@ -16,8 +16,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from storage.errors import Conflict, Refused
-from storage.objects import ObjectMissing
+from diloco.storage.errors import Conflict, Refused
+from diloco.storage.objects import ObjectMissing
 
 TMP_DIR = ".diloco-tmp"
 """Where puts stage their bytes, under `root` (same file system, so the final link is atomic)."""

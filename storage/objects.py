@@ -27,8 +27,8 @@ import botocore.exceptions as bexc
 from botocore.config import Config
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
-from storage.settings import Endpoints
+from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
+from diloco.storage.settings import Endpoints
 
 log = logging.getLogger(__name__)
 

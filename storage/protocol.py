@@ -23,7 +23,7 @@ from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
-from storage.errors import Refused
+from diloco.storage.errors import Refused
 
 SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20

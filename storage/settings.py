@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-from storage.errors import ConfigError
+from diloco.storage.errors import ConfigError
 
 ENV_REDIS_URL = "DILOCO_REDIS_URL"
 ENV_S3_ENDPOINT = "DILOCO_S3_ENDPOINT"

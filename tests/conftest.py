@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from diloco.infra.fleet import Proc, process_env
+from diloco.infra.stack import LocalStack
+from diloco.storage.settings import Endpoints
 from harness import TASK, fresh_endpoints
-from infra.fleet import Proc, process_env
-from infra.stack import LocalStack
-from storage.settings import Endpoints
 
 _TESTS = Path(__file__).parent
 

@@ -13,18 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.config import CoordinatorConfig, RunSettings
-from coordinator.policy import RoundConfig
-from coordinator.service import Coordinator
-from infra.fleet import Proc, diloco_command
-from infra.stack import LocalStack, create_bucket
-from infra.task_model import global_model
-from storage.bus import Bus
-from storage.objects import ObjectStore
-from storage.protocol import Announcement
-from storage.settings import Endpoints
-from workers.demo.task import DemoTask
-from workers.learner import Learner
+from diloco.coordinator.config import CoordinatorConfig, RunSettings
+from diloco.coordinator.policy import RoundConfig
+from diloco.coordinator.service import Coordinator
+from diloco.infra.fleet import Proc, diloco_command
+from diloco.infra.stack import LocalStack, create_bucket
+from diloco.infra.task_model import global_model
+from diloco.storage.bus import Bus
+from diloco.storage.objects import ObjectStore
+from diloco.storage.protocol import Announcement
+from diloco.storage.settings import Endpoints
+from diloco.workers.demo.task import DemoTask
+from diloco.workers.learner import Learner
 
 
 @contextmanager

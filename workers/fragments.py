@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from storage.protocol import Cadence, Layout, ParamSpec
+from diloco.storage.protocol import Cadence, Layout, ParamSpec
 
 if TYPE_CHECKING:  # only for a type hint: the schedules are imported where torch is not (the goodput simulator)
     import torch

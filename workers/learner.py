@@ -43,15 +43,15 @@ from dataclasses import dataclass
 import redis
 import torch
 
-from storage.bus import Bus
-from storage.errors import ConfigError, DilocoError, RunFinished, StorageUnavailable
-from storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec
-from storage.objects import ObjectStore
-from storage.protocol import Layout, LearnerFinished, RunEnd, check_id
-from storage.settings import Endpoints
-from workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout
-from workers.island import Replica
-from workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
+from diloco.storage.bus import Bus
+from diloco.storage.errors import ConfigError, DilocoError, RunFinished, StorageUnavailable
+from diloco.storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec
+from diloco.storage.objects import ObjectStore
+from diloco.storage.protocol import Layout, LearnerFinished, RunEnd, check_id
+from diloco.storage.settings import Endpoints
+from diloco.workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout
+from diloco.workers.island import Replica
+from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
 log = logging.getLogger(__name__)
 

@@ -24,15 +24,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from storage import codecs
-from storage.bus import Bus
+from diloco.storage import codecs
+from diloco.storage.bus import Bus
 import redis
 
-from storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
-from storage.history import read_manifest, read_params, sha256_hex
-from storage.keys import RunKeys
-from storage.objects import ObjectStore
-from storage.protocol import Announcement, Layout, RunSpec, VersionEvent
+from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
+from diloco.storage.history import read_manifest, read_params, sha256_hex
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectStore
+from diloco.storage.protocol import Announcement, Layout, RunSpec, VersionEvent
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import importlib
 import logging
 from pathlib import Path
 
-from infra.output import write_json
+from diloco.infra.output import write_json
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +18,7 @@ MODULES = {"coordinator": "throughput"}
 
 
 def module(name: str):  # noqa: ANN201 (a module)
-    return importlib.import_module(f"infra.bench.{MODULES.get(name, name)}")
+    return importlib.import_module(f"diloco.infra.bench.{MODULES.get(name, name)}")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         try:
             bench = module(name)
         except ModuleNotFoundError as exc:
-            if exc.name != f"infra.bench.{MODULES.get(name, name)}":
+            if exc.name != f"diloco.infra.bench.{MODULES.get(name, name)}":
                 raise
             continue  # not built yet
         p = sub.add_parser(name, help=bench.HELP, description=bench.HELP)

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from infra.output import figures_table
-from infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
-from storage import codecs
-from storage.history import read_layout, read_manifest, read_input, list_versions, read_run_spec
-from storage.keys import RunKeys
-from storage.objects import ObjectStore
-from workers.demo.task import DemoTask
+from diloco.infra.output import figures_table
+from diloco.infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
+from diloco.storage import codecs
+from diloco.storage.history import read_layout, read_manifest, read_input, list_versions, read_run_spec
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectStore
+from diloco.workers.demo.task import DemoTask
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.output import figures_table
-from infra.bench.trial import (LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial,
-                               time_to)
-from workers.demo.task import DemoTask
+from diloco.infra.output import figures_table
+from diloco.infra.bench.trial import (LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial,
+                                      time_to)
+from diloco.workers.demo.task import DemoTask
 
 log = logging.getLogger(__name__)
 

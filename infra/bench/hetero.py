@@ -28,9 +28,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.output import figures_table
-from infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
-from workers.demo.task import DemoTask
+from diloco.infra.output import figures_table
+from diloco.infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
+from diloco.workers.demo.task import DemoTask
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from infra.fleet import Proc, process_env
-from infra.stack import free_ports
-from infra.task_model import load_params
-from workers.tasks.base import Task
+from diloco.infra.fleet import Proc, process_env
+from diloco.infra.stack import free_ports
+from diloco.infra.task_model import load_params
+from diloco.workers.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def run_torchft(task: Task, task_path: Path, out: Path, *, replicas: int, steps:
     env = process_env({})
     lighthouse, address = start_lighthouse(replicas, out / "logs" / "torchft-lighthouse.log", env)
     started, started_unix = time.monotonic(), time.time()
-    procs = [Proc(f"replica-{i}", [sys.executable, "-m", "infra.bench.torchft_replica", "--task", str(task_path),
+    procs = [Proc(f"replica-{i}", [sys.executable, "-m", "diloco.infra.bench.torchft_replica", "--task", str(task_path),
                                    "--replica", str(i), "--replicas", str(replicas),
                                    "--lighthouse", address, "--steps", str(steps),
                                    "--sync-every", str(sync_every), "--data-seed", str(i), "--out", str(arm)],

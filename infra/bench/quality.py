@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-from coordinator.config import RunSettings
-from infra.bench.peer import run_torchft, torchft_missing
-from infra.bench.quality_report import ArmCurve, TaskReport, table
-from infra.bench.quality_tasks import TASKS, BenchTask, pick
-from infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
-from infra.stack import LocalStack
-from workers.tasks.base import train_baseline
+from diloco.coordinator.config import RunSettings
+from diloco.infra.bench.peer import run_torchft, torchft_missing
+from diloco.infra.bench.quality_report import ArmCurve, TaskReport, table
+from diloco.infra.bench.quality_tasks import TASKS, BenchTask, pick
+from diloco.infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
+from diloco.infra.stack import LocalStack
+from diloco.workers.tasks.base import train_baseline
 
 log = logging.getLogger(__name__)
 

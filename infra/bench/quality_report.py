@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infra.output import figures_table
+from diloco.infra.output import figures_table
 
 LAST_SHARE = 0.1
 """The end of a run: this share of its curve points."""

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.demo.task import DemoTask
-from workers.tasks.base import Task
-from workers.tasks.gpt2 import GPT2Task
-from workers.tasks.vision import VisionTask
+from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.base import Task
+from diloco.workers.tasks.gpt2 import GPT2Task
+from diloco.workers.tasks.vision import VisionTask
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,9 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.output import figures_table
-from infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
-from workers.demo.task import DemoTask
+from diloco.infra.output import figures_table
+from diloco.infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
+from diloco.workers.demo.task import DemoTask
 
 NAME = "stall"
 HELP = "fraction of learner wall time blocked on synchronization, decoupled vs synchronous"

@@ -42,20 +42,20 @@ from pathlib import Path
 
 import torch
 
-from coordinator.config import CoordinatorConfig, RunSettings
-from coordinator.policy import RoundConfig
-from coordinator.service import Coordinator
-from infra.output import figures_table
-from infra.options import add_options, build
-from infra.stack import LocalStack, aws_env, create_bucket
-from storage.bus import Bus
-from storage.codecs import CODECS
-from storage.errors import ConfigError, DilocoError
-from storage.history import read_manifest
-from storage.objects import ObjectStore
-from storage.protocol import Announcement
-from storage.settings import Endpoints
-from workers.learner import Learner
+from diloco.coordinator.config import CoordinatorConfig, RunSettings
+from diloco.coordinator.policy import RoundConfig
+from diloco.coordinator.service import Coordinator
+from diloco.infra.output import figures_table
+from diloco.infra.options import add_options, build
+from diloco.infra.stack import LocalStack, aws_env, create_bucket
+from diloco.storage.bus import Bus
+from diloco.storage.codecs import CODECS
+from diloco.storage.errors import ConfigError, DilocoError
+from diloco.storage.history import read_manifest
+from diloco.storage.objects import ObjectStore
+from diloco.storage.protocol import Announcement
+from diloco.storage.settings import Endpoints
+from diloco.workers.learner import Learner
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """One replica group of the quality benchmark's torchft arm: synchronous DiLoCo in torchft 0.2.0.
 
-    python -m infra.bench.torchft_replica --task T.json --replica 0 --replicas 4 --lighthouse ADDR \\
+    python -m diloco.infra.bench.torchft_replica --task T.json --replica 0 --replicas 4 --lighthouse ADDR \\
         --steps 1000 --sync-every 30 --out DIR
 
 The replica trains the task exactly as a learner of our own arms does (same initial weights, data
@@ -32,8 +32,8 @@ from safetensors.torch import save_file
 from torchft import Manager, ProcessGroupGloo
 from torchft.local_sgd import DiLoCo
 
-from infra.task_model import load_task
-from workers.tasks.base import train_step
+from diloco.infra.task_model import load_task
+from diloco.workers.tasks.base import train_step
 
 log = logging.getLogger("torchft_replica")
 

@@ -23,15 +23,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.fleet import Proc, diloco_command, process_env
-from infra.stack import LocalStack, aws_env
-from infra.task_model import load_version
-from storage.bus import Bus
-from storage.history import list_versions, read_layout, read_manifest
-from storage.keys import RunKeys
-from storage.objects import ObjectStore
-from storage.protocol import Layout, Manifest
-from workers.tasks.base import Task
+from diloco.infra.fleet import Proc, diloco_command, process_env
+from diloco.infra.stack import LocalStack, aws_env
+from diloco.infra.task_model import load_version
+from diloco.storage.bus import Bus
+from diloco.storage.history import list_versions, read_layout, read_manifest
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectStore
+from diloco.storage.protocol import Layout, Manifest
+from diloco.workers.tasks.base import Task
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ import logging
 import time
 from pathlib import Path
 
-from coordinator.policy import RoundConfig
-from infra.goodput.model import Model
-from infra.goodput.sweep import plot, point_table, simulate, sweep, sweep_table, to_json
-from infra.goodput.timings import Timings, project
-from infra.options import add_options, build
-from infra.output import write_json
-from storage.errors import ConfigError
+from diloco.coordinator.policy import RoundConfig
+from diloco.infra.goodput.model import Model
+from diloco.infra.goodput.sweep import plot, point_table, simulate, sweep, sweep_table, to_json
+from diloco.infra.goodput.timings import Timings, project
+from diloco.infra.options import add_options, build
+from diloco.infra.output import write_json
+from diloco.storage.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _record(args: argparse.Namespace) -> int:
-    from infra.goodput.record import record_run
-    from storage.settings import Endpoints
+    from diloco.infra.goodput.record import record_run
+    from diloco.storage.settings import Endpoints
 
     timings = record_run(Endpoints.from_env(), args.record)
     if args.json:

@@ -29,11 +29,11 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 
-from coordinator import policy
-from infra.goodput.engine import EPS, Engine, Fleet, Job, book_result, new_book, speed_multipliers
-from infra.goodput.model import Model, Result
-from storage.protocol import Cadence
-from workers.fragments import clock_due, due_fragments
+from diloco.coordinator import policy
+from diloco.infra.goodput.engine import EPS, Engine, Fleet, Job, book_result, new_book, speed_multipliers
+from diloco.infra.goodput.model import Model, Result
+from diloco.storage.protocol import Cadence
+from diloco.workers.fragments import clock_due, due_fragments
 
 
 @dataclass

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from infra.goodput.model import CATEGORIES, Model, Result
+from diloco.infra.goodput.model import CATEGORIES, Model, Result
 
 EPS = 1e-9
 """Tolerance, in steps, when counting the step boundaries before a time (events sit on boundaries)."""

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.policy import RoundConfig
-from storage.errors import ConfigError
+from diloco.coordinator.policy import RoundConfig
+from diloco.storage.errors import ConfigError
 
 YEAR_S = 365.25 * 86400.0
 

@@ -7,13 +7,13 @@ the runs of a benchmark or a demo, not for a run of millions of contributions.
 
 from __future__ import annotations
 
-from infra.goodput.timings import Timings, timings_from_run
-from storage.bus import Bus
-from storage.errors import ConfigError
-from storage.history import list_versions, read_manifest, read_run_spec
-from storage.objects import ObjectStore
-from storage.protocol import Announcement, Manifest
-from storage.settings import Endpoints
+from diloco.infra.goodput.timings import Timings, timings_from_run
+from diloco.storage.bus import Bus
+from diloco.storage.errors import ConfigError
+from diloco.storage.history import list_versions, read_manifest, read_run_spec
+from diloco.storage.objects import ObjectStore
+from diloco.storage.protocol import Announcement, Manifest
+from diloco.storage.settings import Endpoints
 
 
 def record_run(endpoints: Endpoints, run: str) -> Timings:

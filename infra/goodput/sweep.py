@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from infra.goodput.decoupled import decoupled
-from infra.goodput.model import CATEGORIES, YEAR_S, Model, Result
-from infra.goodput.sync import data_parallel, elastic
+from diloco.infra.goodput.decoupled import decoupled
+from diloco.infra.goodput.model import CATEGORIES, YEAR_S, Model, Result
+from diloco.infra.goodput.sync import data_parallel, elastic
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import time
 
-from infra.goodput.engine import Engine, Fleet, Job, book_result, new_book, speed_multipliers
-from infra.goodput.model import Model, Result
+from diloco.infra.goodput.engine import Engine, Fleet, Job, book_result, new_book, speed_multipliers
+from diloco.infra.goodput.model import Model, Result
 
 
 def _barrier(book: dict[str, float], speeds: list[float]) -> None:

@@ -37,10 +37,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from infra.goodput.model import YEAR_S, Model
-from infra.output import write_json
-from storage.errors import ConfigError
-from storage.protocol import Announcement, Manifest, RunSpec
+from diloco.infra.goodput.model import YEAR_S, Model
+from diloco.infra.output import write_json
+from diloco.storage.errors import ConfigError
+from diloco.storage.protocol import Announcement, Manifest, RunSpec
 
 FORMAT = "diloco-timings/1"
 GAP_FACTOR = 5.0

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from infra.chaos import ChaosConfig, run_chaos
-from infra.faults import CORRUPTIONS, labels
+from diloco.infra.chaos import ChaosConfig, run_chaos
+from diloco.infra.faults import CORRUPTIONS, labels
 
 SECONDS = 45.0
 SEED = 5

@@ -15,16 +15,16 @@ import uuid
 
 import pytest
 
+from diloco.infra.archive import INDEX, dir_keys, export_run, import_keys, import_run
+from diloco.infra.fleet import diloco_command, process_env
+from diloco.infra.replay import replay_run
+from diloco.storage.errors import ConfigError, Conflict
+from diloco.storage.history import read_manifest
+from diloco.storage.keys import RunKeys
+from diloco.storage.localdir import DirStore
+from diloco.storage.objects import ObjectStore
+from diloco.storage.settings import ENV_REDIS_URL
 from harness import create_bucket, fresh_endpoints
-from infra.archive import INDEX, dir_keys, export_run, import_keys, import_run
-from infra.fleet import diloco_command, process_env
-from infra.replay import replay_run
-from storage.errors import ConfigError, Conflict
-from storage.history import read_manifest
-from storage.keys import RunKeys
-from storage.localdir import DirStore
-from storage.objects import ObjectStore
-from storage.settings import ENV_REDIS_URL
 from test_replay import make_history
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from diloco.storage.history import read_manifest
+from diloco.workers.fragments import model_params, plan_layout
 from harness import TINY_RUN, Tiny, announcements, join, make_coordinator, train
-from storage.history import read_manifest
-from workers.fragments import model_params, plan_layout
 
 
 def test_a_backlog_is_read_two_fragments_worth_at_a_time_and_all_merged(endpoints, run_id):

@@ -33,16 +33,16 @@ import pytest
 import torch
 import zstandard
 
-from coordinator.config import CoordinatorConfig, RunSettings
-from coordinator.policy import RoundConfig
-from coordinator.service import MAX_REASON_CHARS, Coordinator
-from storage import codecs
-from storage.bus import FIELD
-from storage.history import read_manifest, sha256_hex
-from storage.protocol import Announcement, pack
-from storage.settings import Endpoints
-from workers.fragments import model_params, plan_layout
-from workers.transfer import TransferStats, UploadJob, Uploader
+from diloco.coordinator.config import CoordinatorConfig, RunSettings
+from diloco.coordinator.policy import RoundConfig
+from diloco.coordinator.service import MAX_REASON_CHARS, Coordinator
+from diloco.storage import codecs
+from diloco.storage.bus import FIELD
+from diloco.storage.history import read_manifest, sha256_hex
+from diloco.storage.protocol import Announcement, pack
+from diloco.storage.settings import Endpoints
+from diloco.workers.fragments import model_params, plan_layout
+from diloco.workers.transfer import TransferStats, UploadJob, Uploader
 from harness import Tiny
 
 LIMIT = 64 << 10
@@ -190,7 +190,7 @@ class Rig:
 
 @pytest.fixture
 def make_rig(endpoints: Endpoints, run_id: str, caplog: pytest.LogCaptureFixture) -> Iterator[Callable[..., Rig]]:
-    caplog.set_level(logging.WARNING, logger="coordinator")
+    caplog.set_level(logging.WARNING, logger="diloco.coordinator")
     rigs: list[Rig] = []
 
     def make(**kw) -> Rig:

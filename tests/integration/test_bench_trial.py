@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from infra.bench.failures import ideal_tokens
-from infra.bench.trial import LearnerPlan, Trial, run_args, run_trial
+from diloco.infra.bench.failures import ideal_tokens
+from diloco.infra.bench.trial import LearnerPlan, Trial, run_args, run_trial
 from harness import TASK
 
 

@@ -23,17 +23,17 @@ import uuid
 import pytest
 import torch
 
-from coordinator.config import CoordinatorConfig, RunSettings
-from coordinator.policy import RoundConfig
-from coordinator.service import Coordinator
+from diloco.coordinator.config import CoordinatorConfig, RunSettings
+from diloco.coordinator.policy import RoundConfig
+from diloco.coordinator.service import Coordinator
+from diloco.infra.archive import export_run
+from diloco.infra.cli import build_parser
+from diloco.storage.history import list_versions
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectStore
+from diloco.storage.settings import ENV_REDIS_URL, Endpoints
+from diloco.workers.learner import Learner
 from harness import TASK, global_eval, serving
-from infra.archive import export_run
-from infra.cli import build_parser
-from storage.history import list_versions
-from storage.keys import RunKeys
-from storage.objects import ObjectStore
-from storage.settings import ENV_REDIS_URL, Endpoints
-from workers.learner import Learner
 
 STEPS = 120
 """Inner steps per learner: 12 rounds of each fragment at H = 10."""

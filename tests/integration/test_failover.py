@@ -12,14 +12,14 @@ import time
 
 import pytest
 
-from coordinator.leadership import Fenced
+from diloco.coordinator.leadership import Fenced
+from diloco.infra.fleet import Proc, diloco_command
+from diloco.storage.bus import Bus
+from diloco.storage.crashpoints import ENV as CRASH_ENV, POINTS
+from diloco.storage.history import read_manifest
+from diloco.storage.objects import ObjectStore
 from harness import (announcements, join, make_coordinator, spawn_coordinator, spawn_learner, tiny_learner, train,
                      wait_all)
-from infra.fleet import Proc, diloco_command
-from storage.bus import Bus
-from storage.crashpoints import ENV as CRASH_ENV, POINTS
-from storage.history import read_manifest
-from storage.objects import ObjectStore
 
 LEASE_S = 2.0
 

@@ -17,14 +17,14 @@ import uuid
 import pytest
 import torch
 
-from coordinator.config import CoordinatorConfig
-from coordinator.policy import RoundConfig
-from coordinator.service import Coordinator
+from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.policy import RoundConfig
+from diloco.coordinator.service import Coordinator
+from diloco.infra.cli import main as cli_main
+from diloco.storage.errors import RunFinished
+from diloco.storage.history import read_manifest, read_run_end
 from harness import (TINY_RUN, announcements, join, make_coordinator, serving, tiny_learner, train,
                      wait_for)
-from infra.cli import main as cli_main
-from storage.errors import RunFinished
-from storage.history import read_manifest, read_run_end
 
 STEPS_RUN = dataclasses.replace(TINY_RUN, cadence="steps")  # H = 4: fragment 0 sends at step 4, fragment 1 at 6
 

@@ -15,16 +15,16 @@ import json
 
 import pytest
 
+from diloco.infra.archive import export_run
+from diloco.infra.gc import collect
+from diloco.infra.replay import replay_run
+from diloco.storage import codecs
+from diloco.storage.errors import ConfigError
+from diloco.storage.history import list_versions, read_manifest
+from diloco.storage.keys import RunKeys
+from diloco.storage.localdir import DirStore
+from diloco.storage.objects import ObjectStore
 from harness import TINY_RUN, join, make_coordinator, train
-from infra.archive import export_run
-from infra.gc import collect
-from infra.replay import replay_run
-from storage import codecs
-from storage.errors import ConfigError
-from storage.history import list_versions, read_manifest
-from storage.keys import RunKeys
-from storage.localdir import DirStore
-from storage.objects import ObjectStore
 from test_archive import cli
 from test_replay import make_history
 

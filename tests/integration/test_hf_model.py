@@ -17,12 +17,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from coordinator.config import CoordinatorConfig, RunSettings  # noqa: E402
-from coordinator.policy import RoundConfig  # noqa: E402
-from coordinator.service import Coordinator  # noqa: E402
+from diloco.coordinator.config import CoordinatorConfig, RunSettings  # noqa: E402
+from diloco.coordinator.policy import RoundConfig  # noqa: E402
+from diloco.coordinator.service import Coordinator  # noqa: E402
+from diloco.storage.history import read_layout  # noqa: E402
+from diloco.workers.learner import Learner  # noqa: E402
 from harness import serving  # noqa: E402
-from storage.history import read_layout  # noqa: E402
-from workers.learner import Learner  # noqa: E402
 
 MIN_STEPS = 40
 ADOPT_DEADLINE_S = 60.0

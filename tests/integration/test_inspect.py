@@ -19,19 +19,19 @@ import uuid
 import pytest
 import torch
 
-from coordinator.outer import round_delta
+from diloco.coordinator.outer import round_delta
+from diloco.infra.archive import export_run
+from diloco.infra.cli import build_parser
+from diloco.infra.fleet import diloco_command, process_env
+from diloco.infra.gc import collect
+from diloco.storage import codecs
+from diloco.storage.errors import Refused
+from diloco.storage.history import list_versions, read_manifest, sha256_hex
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectStore
+from diloco.storage.protocol import Announcement
+from diloco.storage.settings import ENV_REDIS_URL, Endpoints
 from harness import TINY_RUN, join, make_coordinator, train
-from infra.archive import export_run
-from infra.cli import build_parser
-from infra.fleet import diloco_command, process_env
-from infra.gc import collect
-from storage import codecs
-from storage.errors import Refused
-from storage.history import list_versions, read_manifest, sha256_hex
-from storage.keys import RunKeys
-from storage.objects import ObjectStore
-from storage.protocol import Announcement
-from storage.settings import ENV_REDIS_URL, Endpoints
 
 FORGER = "mallory"
 

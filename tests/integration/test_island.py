@@ -33,16 +33,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from coordinator.config import CoordinatorConfig, RunSettings
-from coordinator.policy import RoundConfig
-from coordinator.service import Coordinator
+from diloco.coordinator.config import CoordinatorConfig, RunSettings
+from diloco.coordinator.policy import RoundConfig
+from diloco.coordinator.service import Coordinator
+from diloco.infra.stack import free_ports
+from diloco.storage.bus import Bus
+from diloco.storage.history import read_layout, read_manifest, read_params
+from diloco.storage.objects import ObjectStore
+from diloco.storage.settings import Endpoints
+from diloco.workers.learner import Learner
 from harness import serving
-from infra.stack import free_ports
-from storage.bus import Bus
-from storage.history import read_layout, read_manifest, read_params
-from storage.objects import ObjectStore
-from storage.settings import Endpoints
-from workers.learner import Learner
 
 WORLD = 2
 MIN_STEPS = 12

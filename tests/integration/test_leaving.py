@@ -14,10 +14,10 @@ import threading
 
 import torch
 
+from diloco.storage.errors import ConfigError
+from diloco.storage.history import read_manifest
+from diloco.workers.learner import Learner
 from harness import TINY_RUN, announcements, join, make_coordinator, tiny_learner, train
-from storage.errors import ConfigError
-from storage.history import read_manifest
-from workers.learner import Learner
 
 STEPS_RUN = dataclasses.replace(TINY_RUN, cadence="steps")  # H = 4: fragment 0 sends at step 4, fragment 1 at 6
 

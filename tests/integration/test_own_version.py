@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from diloco.storage.history import read_manifest
+from diloco.workers.learner import LearnerConfig
 from harness import TINY_RUN, join, make_coordinator, train
-from storage.history import read_manifest
-from workers.learner import LearnerConfig
 
 
 def parked_version(learner, fragment: int) -> int | None:  # noqa: ANN001

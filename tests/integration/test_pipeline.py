@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import time
 
-from storage.bus import Bus
-from storage.history import read_manifest
-from storage.objects import ObjectStore
+from diloco.storage.bus import Bus
+from diloco.storage.history import read_manifest
+from diloco.storage.objects import ObjectStore
 from harness import global_eval, make_coordinator, spawn_coordinator, spawn_learner, wait_all
 
 def test_three_learners_train_the_global_model(endpoints, run_id, tmp_path, fleet_env):

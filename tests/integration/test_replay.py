@@ -15,15 +15,15 @@ import socket
 import subprocess
 
 
+from diloco.infra.cli import build_parser
+from diloco.infra.fleet import diloco_command, process_env
+from diloco.infra.replay import ReplayReport, replay_run
+from diloco.storage import codecs
+from diloco.storage.history import read_manifest
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectStore
+from diloco.storage.settings import ENV_REDIS_URL, Endpoints
 from harness import TINY_RUN, join, make_coordinator, train
-from infra.cli import build_parser
-from infra.fleet import diloco_command, process_env
-from infra.replay import ReplayReport, replay_run
-from storage import codecs
-from storage.history import read_manifest
-from storage.keys import RunKeys
-from storage.objects import ObjectStore
-from storage.settings import ENV_REDIS_URL, Endpoints
 
 
 def make_history(endpoints: Endpoints, run_id: str, rounds: int = 3) -> dict[int, int]:

@@ -15,7 +15,6 @@ import secrets
 import shlex
 import stat
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,17 +23,17 @@ import pytest
 import redis
 import torch
 
-from coordinator.outer import NesterovState
-from coordinator.publish import write_version
+from diloco.coordinator.outer import NesterovState
+from diloco.coordinator.publish import write_version
+from diloco.infra.fleet import diloco_command
+from diloco.infra.stack import LocalStack, StackError, find_redis_server
+from diloco.storage.bus import Bus, connect
+from diloco.storage.errors import ConfigError, Conflict
+from diloco.storage.history import read_layout, read_manifest, read_params
+from diloco.storage.objects import ObjectStore
+from diloco.storage.settings import Endpoints
 from harness import TINY_RUN, announcements, fresh_endpoints, join, make_coordinator, train
-from infra.stack import LocalStack, StackError, find_redis_server
-from storage.bus import Bus, connect
-from storage.errors import ConfigError, Conflict
-from storage.history import read_layout, read_manifest, read_params
-from storage.objects import ObjectStore
-from storage.settings import Endpoints
 
-ROOT = Path(__file__).resolve().parents[2]
 REQUIRE_TLS = "DILOCO_TEST_REQUIRE_TLS"
 
 
@@ -141,9 +140,7 @@ def test_no_secret_reaches_the_logs_of_a_run(secure_stack, secure_endpoints, run
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "infra.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(diloco_command(*args), capture_output=True, text=True, timeout=120)
 
 
 def test_stack_up_with_auth_and_tls_exports_a_working_url_and_logs_no_password(tmp_path):

@@ -11,13 +11,13 @@ import time
 
 import torch
 
+from diloco.storage import codecs
+from diloco.storage.bus import Bus
+from diloco.storage.history import latest_version, read_layout, read_manifest
+from diloco.storage.objects import ObjectStore
+from diloco.storage.settings import Endpoints
 from harness import (announcements, join, make_coordinator, serving, spawn_coordinator, spawn_learner, train,
                      wait_for)
-from storage import codecs
-from storage.bus import Bus
-from storage.history import latest_version, read_layout, read_manifest
-from storage.objects import ObjectStore
-from storage.settings import Endpoints
 
 RUN = "faults"
 

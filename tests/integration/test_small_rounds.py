@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from diloco.storage.history import read_manifest
 from harness import TINY_RUN, join, make_coordinator, train
-from storage.history import read_manifest
 
 RUN = dataclasses.replace(TINY_RUN, cadence="steps")
 

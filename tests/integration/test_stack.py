@@ -4,11 +4,9 @@ restarts and leave no process behind, in-process and through `diloco stack up/do
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import boto3
@@ -18,10 +16,9 @@ import redis
 from botocore import UNSIGNED
 from botocore.config import Config
 
-from infra.stack import LocalStack, StackError, pid_alive, s3_client
-from storage.settings import Endpoints
-
-ROOT = Path(__file__).resolve().parents[2]
+from diloco.infra.fleet import diloco_command
+from diloco.infra.stack import LocalStack, StackError, pid_alive, s3_client
+from diloco.storage.settings import Endpoints
 
 
 def test_redis_and_s3_answer_with_the_credentials_from_the_environment(endpoints, run_id):
@@ -84,9 +81,7 @@ def test_a_failed_start_stops_what_it_started(tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "infra.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(diloco_command(*args), capture_output=True, text=True, timeout=120)
 
 
 def _exports(stdout: str) -> dict[str, str]:

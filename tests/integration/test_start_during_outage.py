@@ -8,8 +8,8 @@ is back, the standby takes over when the active coordinator dies.
 
 from __future__ import annotations
 
+from diloco.storage.bus import Bus
 from harness import announcements, spawn_coordinator, spawn_learner, wait_for
-from storage.bus import Bus
 
 RUN = "outage"
 

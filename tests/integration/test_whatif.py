@@ -16,18 +16,18 @@ import threading
 import pytest
 import torch
 
+from diloco.infra.archive import export_run
+from diloco.infra.replay import replay_run
+from diloco.infra.whatif import what_if
+from diloco.storage.errors import ConfigError
+from diloco.storage.history import list_versions, read_manifest
+from diloco.storage.keys import RunKeys
+from diloco.storage.localdir import DirStore
+from diloco.storage.objects import ObjectStore
 from harness import TASK, TINY_RUN, global_eval, make_coordinator, train
-from infra.archive import export_run
-from infra.replay import replay_run
-from infra.whatif import what_if
-from storage.errors import ConfigError
-from storage.history import list_versions, read_manifest
-from storage.keys import RunKeys
-from storage.localdir import DirStore
-from storage.objects import ObjectStore
 from test_archive import cli
 from test_replay import make_history
-from workers.learner import Learner
+from diloco.workers.learner import Learner
 
 
 def test_a_what_if_with_the_recorded_settings_reproduces_every_version_exactly(endpoints, run_id, tmp_path):

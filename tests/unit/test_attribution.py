@@ -8,11 +8,11 @@ import uuid
 import pytest
 import torch
 
-from coordinator.attribution import cosine, flat, input_figures, learner_rounds, round_without, weights_without
-from coordinator.config import CoordinatorConfig
-from coordinator.outer import NesterovState, apply_round, round_delta
-from coordinator.policy import RoundConfig
-from storage.protocol import Contribution
+from diloco.coordinator.attribution import cosine, flat, input_figures, learner_rounds, round_without, weights_without
+from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.outer import NesterovState, apply_round, round_delta
+from diloco.coordinator.policy import RoundConfig
+from diloco.storage.protocol import Contribution
 
 SHAPES = {"w": (6, 5), "b": (5,)}
 SETTINGS = CoordinatorConfig().settings(RoundConfig()) | {"kind": "delta"}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from infra.bench.failures import outage_schedule
-from infra.output import figures_table
-from infra.bench.trial import time_to
+from diloco.infra.bench.failures import outage_schedule
+from diloco.infra.output import figures_table
+from diloco.infra.bench.trial import time_to
 
 
 def test_time_to_interpolates_between_the_last_point_above_and_the_first_below():

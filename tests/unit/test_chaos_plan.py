@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infra.faults import CORRUPTIONS, HEAVY, KINDS, forge, labels, schedule
-from infra.ledger import Evidence, account
-from storage import codecs
-from storage.errors import Refused
-from storage.history import sha256_hex
-from storage.protocol import Contribution, Manifest, Refusal
+from diloco.infra.faults import CORRUPTIONS, HEAVY, KINDS, forge, labels, schedule
+from diloco.infra.ledger import Evidence, account
+from diloco.storage import codecs
+from diloco.storage.errors import Refused
+from diloco.storage.history import sha256_hex
+from diloco.storage.protocol import Contribution, Manifest, Refusal
 
 
 @pytest.mark.parametrize("seconds", [10, 30, 45, 120, 600])

@@ -15,8 +15,8 @@ import pytest
 import torch
 import zstandard
 
-from storage.codecs import CODECS, MAGIC, decode, encode, error_bound, read_header
-from storage.errors import Refused
+from diloco.storage.codecs import CODECS, MAGIC, decode, encode, error_bound, read_header
+from diloco.storage.errors import Refused
 
 LIMIT = 64 << 20
 SHAPES = {"scalar": (), "empty": (0,), "odd": (7,), "matrix": (3, 5), "blocks": (1000,), "odd_blocks": (9, 57)}

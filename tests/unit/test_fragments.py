@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from workers.fragments import due_fragments, layout_mismatch, model_params, plan_layout, unit_of
+from diloco.workers.fragments import due_fragments, layout_mismatch, model_params, plan_layout, unit_of
 
 
 class Block(torch.nn.Module):
@@ -71,8 +71,8 @@ def test_schedule_is_staggered_and_every_fragment_syncs_every_h_steps():
 
 
 def test_clock_cadence_sends_each_fragment_once_per_deadline_at_the_last_step_before_it():
-    from storage.protocol import Cadence
-    from workers.fragments import clock_due
+    from diloco.storage.protocol import Cadence
+    from diloco.workers.fragments import clock_due
     cadence = Cadence(origin=1000.0, period_s=4.0)  # fragment 0 due at 1004, 1008...; fragment 1 at 1002, 1006...
     assert cadence.next_deadline(1, 2, after=1000.0) == pytest.approx(1002.0)
     assert cadence.next_deadline(0, 2, after=1004.0) == pytest.approx(1008.0)
@@ -89,8 +89,8 @@ def test_clock_cadence_sends_each_fragment_once_per_deadline_at_the_last_step_be
 
 
 def test_clock_cadence_sends_late_for_a_deadline_that_a_slow_step_crossed():
-    from storage.protocol import Cadence
-    from workers.fragments import clock_due
+    from diloco.storage.protocol import Cadence
+    from diloco.workers.fragments import clock_due
     cadence = Cadence(origin=1000.0, period_s=4.0)  # fragment 0 of 1 due at 1004, 1008...
     sent: dict[int, float] = {}
     assert clock_due(1003.5, 0.25, cadence, 1, sent, previous=1003.25) == []  # 1003.75 < 1004: not yet

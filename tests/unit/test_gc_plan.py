@@ -1,8 +1,8 @@
 """`plan_gc`: what a gc pass deletes and keeps, decided from a listing and the manifests alone."""
 
-from infra.gc import Listed, committed_versions, manifests_to_read, plan_gc
-from storage.keys import RunKeys
-from storage.protocol import Contribution, Manifest, Refusal
+from diloco.infra.gc import Listed, committed_versions, manifests_to_read, plan_gc
+from diloco.storage.keys import RunKeys
+from diloco.storage.protocol import Contribution, Manifest, Refusal
 
 K = RunKeys("p", "r")
 HEAD = 5

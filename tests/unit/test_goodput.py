@@ -8,14 +8,14 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator import policy
-from coordinator.policy import RoundConfig
-from infra.goodput.decoupled import decoupled
-from infra.goodput.engine import Job, new_book
-from infra.goodput.model import CATEGORIES, Model
-from infra.goodput.sweep import PAPER, simulate
-from infra.goodput.sync import data_parallel, elastic
-from storage.errors import ConfigError
+from diloco.coordinator import policy
+from diloco.coordinator.policy import RoundConfig
+from diloco.infra.goodput.decoupled import decoupled
+from diloco.infra.goodput.engine import Job, new_book
+from diloco.infra.goodput.model import CATEGORIES, Model
+from diloco.infra.goodput.sweep import PAPER, simulate
+from diloco.infra.goodput.sync import data_parallel, elastic
+from diloco.storage.errors import ConfigError
 
 SMALL = Model(chips=300_000, learners=4, hours=6.0)
 NEVER = 1e9

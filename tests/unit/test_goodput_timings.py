@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from infra.cli import build_parser
-from infra.goodput.model import YEAR_S, Model
-from infra.goodput.timings import Failure, Timings, project, timings_from_run
-from storage.errors import ConfigError
-from storage.protocol import Announcement, Contribution, Manifest, RunSpec
+from diloco.infra.cli import build_parser
+from diloco.infra.goodput.model import YEAR_S, Model
+from diloco.infra.goodput.timings import Failure, Timings, project, timings_from_run
+from diloco.storage.errors import ConfigError
+from diloco.storage.protocol import Announcement, Contribution, Manifest, RunSpec
 
 RUN = "timed"
 SPEC = RunSpec(run=RUN, num_fragments=1, sync_every=10, overlap_steps=2, merge_rule="rebase", alpha=0.5,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from storage.errors import Refused
-from storage.keys import RunKeys
+from diloco.storage.errors import Refused
+from diloco.storage.keys import RunKeys
 
 
 def test_listing_order_is_numeric_order():

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from storage.errors import Conflict, Refused
-from storage.localdir import DirStore
-from storage.objects import ObjectMissing
+from diloco.storage.errors import Conflict, Refused
+from diloco.storage.localdir import DirStore
+from diloco.storage.objects import ObjectMissing
 
 
 def test_create_only_put_keeps_the_first_writer_and_accepts_its_own_retry(tmp_path):

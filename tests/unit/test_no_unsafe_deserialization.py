@@ -1,16 +1,17 @@
 """No bytes from the network may reach pickle, marshal, torch.load or eval: they run code.
 
 Every payload is msgpack (`storage.protocol`) or a tensor object (`storage.codecs`), both parsed
-with bounds and refusals. This test parses every module of the four layers and fails, naming
-file:line, on an import of a module that unpickles or a call that loads or evaluates code. Nothing
-is allowlisted: a new use must show here, with a comment saying why its input is not from the network.
+with bounds and refusals. This test parses every module of the package (diloco/ and the four layers)
+and fails, naming file:line, on an import of a module that unpickles or a call that loads or
+evaluates code. Nothing is allowlisted: a new use must show here, with a comment saying why its
+input is not from the network.
 """
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = ("storage", "workers", "coordinator", "infra")
+LAYERS = ("diloco", "storage", "workers", "coordinator", "infra")
 
 UNSAFE_MODULES = {"pickle", "_pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle", "joblib"}
 """Each of them turns bytes into objects by running what the bytes say."""

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from coordinator.outer import NesterovState, apply_round, merge_deltas, nesterov_step, round_delta
-from coordinator.policy import (RECENT_ROUNDS, Arrival, RoundConfig, RoundSize, merge_weights, round_size,
-                                round_step)
+from diloco.coordinator.outer import NesterovState, apply_round, merge_deltas, nesterov_step, round_delta
+from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundConfig, RoundSize, merge_weights, round_size,
+                                       round_step)
 
 SHAPES = {"blocks.0.w": (33, 7), "blocks.0.b": (7,), "scalar": ()}
 

@@ -8,25 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator.policy import (
-    Arrival,
-    Decision,
-    RoundConfig,
-    RoundSize,
-    RoundStep,
-    RoundState,
-    decide_round,
-    merge_order,
-    merge_weights,
-    next_cadence,
-    quorum_target,
-    round_step,
-    round_size,
-    run_end,
-    staleness_verdict,
-)
-from storage.errors import ConfigError
-from storage.protocol import Cadence
+from diloco.coordinator.policy import (Arrival, Decision, RoundConfig, RoundSize, RoundStep, RoundState, decide_round,
+                                       merge_order, merge_weights, next_cadence, quorum_target, round_step, round_size,
+                                       run_end, staleness_verdict)
+from diloco.storage.errors import ConfigError
+from diloco.storage.protocol import Cadence
 
 HEAD = 5
 

@@ -3,9 +3,9 @@
 import msgpack
 import pytest
 
-from storage.errors import Refused
-from storage.protocol import (SCHEMA_VERSION, Announcement, Collection, Contribution, FinishRequest, Layout,
-                              LearnerFinished, Manifest, ParamSpec, Refusal, RunEnd, RunSpec, VersionEvent, pack)
+from diloco.storage.errors import Refused
+from diloco.storage.protocol import (SCHEMA_VERSION, Announcement, Collection, Contribution, FinishRequest, Layout,
+                                     LearnerFinished, Manifest, ParamSpec, Refusal, RunEnd, RunSpec, VersionEvent, pack)
 
 
 def announcement(**over):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.bench.quality_report import ArmCurve, TaskReport, end_of_run, table
+from diloco.infra.bench.quality_report import ArmCurve, TaskReport, end_of_run, table
 
 
 def test_end_of_run_is_the_best_of_the_last_tenth_of_the_points() -> None:

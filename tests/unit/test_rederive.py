@@ -8,14 +8,14 @@ import uuid
 import pytest
 import torch
 
-from coordinator.config import CoordinatorConfig
-from coordinator.outer import NesterovState, apply_round
-from coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
-from coordinator.publish import encode_params, encode_state
-from coordinator.replay import rederive
-from storage.history import sha256_hex
-from storage.keys import RunKeys
-from storage.protocol import Contribution, Manifest
+from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.outer import NesterovState, apply_round
+from diloco.coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
+from diloco.coordinator.publish import encode_params, encode_state
+from diloco.coordinator.replay import rederive
+from diloco.storage.history import sha256_hex
+from diloco.storage.keys import RunKeys
+from diloco.storage.protocol import Contribution, Manifest
 
 KEYS = RunKeys("p", "run")
 SHAPES = {"w": (5, 3), "b": (3,)}

@@ -2,8 +2,8 @@
 
 import pytest
 
-from storage.errors import ConfigError
-from storage.settings import Endpoints, redact_url
+from diloco.storage.errors import ConfigError
+from diloco.storage.settings import Endpoints, redact_url
 
 
 @pytest.mark.parametrize("url, shown", [
@@ -31,7 +31,7 @@ def test_endpoints_never_show_the_redis_password():
 
 
 def test_s3_only_tools_need_no_redis_url_but_a_bus_refuses_to_start_without_one():
-    from storage.bus import Bus
+    from diloco.storage.bus import Bus
 
     env = {"DILOCO_S3_BUCKET": "b"}
     with pytest.raises(ConfigError, match="DILOCO_REDIS_URL"):

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infra.bench.quality_tasks import TASKS, pick
-from workers.demo.language import MarkovLanguage
-from workers.demo.task import DemoTask
-from workers.tasks.base import train_baseline
-from workers.tasks.gpt2 import GPT2Task, window_nll
-from workers.tasks.kinds import KINDS, task_from_wire
-from workers.tasks.vision import VisionTask
+from diloco.infra.bench.quality_tasks import TASKS, pick
+from diloco.workers.demo.language import MarkovLanguage
+from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.base import train_baseline
+from diloco.workers.tasks.gpt2 import GPT2Task, window_nll
+from diloco.workers.tasks.kinds import KINDS, task_from_wire
+from diloco.workers.tasks.vision import VisionTask
 
 VISION = VisionTask(image_size=4, classes=5, teacher_width=4, width=4, hidden=16, batch_size=32, eval_samples=512,
                     warmup_steps=5)

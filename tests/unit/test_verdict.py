@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.attribution import LearnerRound
-from infra.verdict import MIN_VERSIONS, judge, ranked, sign_test
+from diloco.coordinator.attribution import LearnerRound
+from diloco.infra.verdict import MIN_VERSIONS, judge, ranked, sign_test
 
 
 def rounds(cosines: list[float], *, others: int = 3, ratio: float = 1.0, share: float = 0.25,

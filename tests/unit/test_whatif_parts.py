@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from infra.whatif import check_into, parse_changes, plan_ranges, relative_l2, whatif_settings
-from storage.errors import ConfigError
-from storage.history import Floor
-from storage.keys import RunKeys
-from storage.protocol import Collection
+from diloco.infra.whatif import check_into, parse_changes, plan_ranges, relative_l2, whatif_settings
+from diloco.storage.errors import ConfigError
+from diloco.storage.history import Floor
+from diloco.storage.keys import RunKeys
+from diloco.storage.protocol import Collection
 
 
 def test_known_settings_are_parsed_and_typed():

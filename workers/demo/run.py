@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from storage.settings import Endpoints
-from workers.learner import Learner, LearnerConfig
-from workers.tasks.base import Task, train_step
+from diloco.storage.settings import Endpoints
+from diloco.workers.learner import Learner, LearnerConfig
+from diloco.workers.tasks.base import Task, train_step
 
 log = logging.getLogger(__name__)
 

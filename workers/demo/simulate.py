@@ -6,9 +6,9 @@ applied to the global parameters, and every replica restarts from the new global
 own AdamW state). The baseline is one replica with AdamW for M x steps on the same batch size,
 i.e. the same number of tokens.
 
-    python -m workers.demo.simulate                       # the demo's defaults
-    python -m workers.demo.simulate --H 50 --set lr=2e-3  # a variant
-    python -m workers.demo.simulate --no-baseline --json  # one JSON line, for sweeps
+    python -m diloco.workers.demo.simulate                       # the demo's defaults
+    python -m diloco.workers.demo.simulate --H 50 --set lr=2e-3  # a variant
+    python -m diloco.workers.demo.simulate --no-baseline --json  # one JSON line, for sweeps
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from workers.demo.task import DemoTask, train_baseline
+from diloco.workers.demo.task import DemoTask, train_baseline
 
 DEFAULT_STEPS_PER_LEARNER = 1000
 DEFAULT_LEARNERS = 4

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
-from workers.demo.language import ByteText, MarkovLanguage
-from workers.demo.model import TinyGPT, TinyGPTConfig
-from workers.tasks.base import Batch, descend, fields_from_wire, to_wire
+from diloco.workers.demo.language import ByteText, MarkovLanguage
+from diloco.workers.demo.model import TinyGPT, TinyGPTConfig
+from diloco.workers.tasks.base import Batch, descend, fields_from_wire, to_wire
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
-from workers.demo.language import MarkovLanguage
-from workers.tasks.base import Batch, fields_from_wire, to_wire
+from diloco.workers.demo.language import MarkovLanguage
+from diloco.workers.tasks.base import Batch, fields_from_wire, to_wire
 
 _EVAL_BATCH = 64
 _TRAIN_SEED_BASE = 1_000_003  # as the demo task: train stream s and eval set e never share a seed

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from workers.demo.task import DemoTask
-from workers.tasks.base import Task
-from workers.tasks.gpt2 import GPT2Task
-from workers.tasks.vision import VisionTask
+from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.base import Task
+from diloco.workers.tasks.gpt2 import GPT2Task
+from diloco.workers.tasks.vision import VisionTask
 
 KINDS: dict[str, type] = {cls.kind: cls for cls in (DemoTask, GPT2Task, VisionTask)}
 """Task classes by their wire `kind`."""

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from workers.tasks.base import Batch, fields_from_wire, to_wire
+from diloco.workers.tasks.base import Batch, fields_from_wire, to_wire
 
 _TRAIN_SEED_BASE = 1_000_003
 _EVAL_SEED_BASE = 7_919

@@ -1,0 +1,45 @@
+"""Decoupled DiLoCo over S3 and Redis.
+
+The public API is what a training loop needs:
+
+    from diloco import Learner, LearnerConfig, Endpoints
+
+Everything else lives in the layers, each a subpackage: `diloco.storage` (records, keys, codecs,
+S3 and Redis adapters), `diloco.workers` (the learner), `diloco.coordinator` (the merge loop) and
+`diloco.infra` (the `diloco` command line, the local stack, the demo, the benchmarks). In a
+source checkout they are the top-level folders storage/, workers/, coordinator/ and infra/;
+pyproject.toml maps them under this package.
+
+The names are imported on first use, so `import diloco` (and `diloco stack`) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from diloco.storage.settings import Endpoints
+    from diloco.workers.learner import Learner, LearnerConfig
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "Learner": "diloco.workers.learner",
+    "LearnerConfig": "diloco.workers.learner",
+    "Endpoints": "diloco.storage.settings",
+}
+
+__all__ = ["Endpoints", "Learner", "LearnerConfig", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'diloco' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
