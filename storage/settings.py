@@ -1,6 +1,6 @@
 """Where the servers are: read once from the environment, passed explicitly afterwards.
 
-The same variable names are printed by `diloco stack up`, set by `infra/docker-compose.yml`
+The same variable names are printed by `diloco stack up`, set by `infra/local/docker-compose.yml`
 and read here. S3 credentials are never read here: boto3 takes them from the standard AWS chain
 (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws, instance roles). The Redis URL may carry a
 password (`rediss://user:password@host:port/0`): `redact_url` is the only form of it that may be

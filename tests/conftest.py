@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco.infra.fleet import Proc, process_env
-from diloco.infra.stack import LocalStack
+from diloco.infra.local.fleet import Proc, process_env
+from diloco.infra.local.stack import LocalStack
 from diloco.storage.settings import Endpoints
 from harness import TASK, fresh_endpoints
 

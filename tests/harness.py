@@ -16,9 +16,9 @@ import torch
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.service import Coordinator
-from diloco.infra.fleet import Proc, diloco_command
-from diloco.infra.stack import LocalStack, create_bucket
-from diloco.infra.task_model import global_model
+from diloco.infra.history.task_model import global_model
+from diloco.infra.local.fleet import Proc, diloco_command
+from diloco.infra.local.stack import LocalStack, create_bucket
 from diloco.storage.bus import Bus
 from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import Announcement

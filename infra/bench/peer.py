@@ -22,9 +22,9 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from diloco.infra.fleet import Proc, process_env
-from diloco.infra.stack import free_ports
-from diloco.infra.task_model import load_params
+from diloco.infra.history.task_model import load_params
+from diloco.infra.local.fleet import Proc, process_env
+from diloco.infra.local.stack import free_ports
 from diloco.workers.tasks.base import Task
 
 log = logging.getLogger(__name__)

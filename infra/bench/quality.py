@@ -37,7 +37,7 @@ from diloco.infra.bench.peer import run_torchft, torchft_missing
 from diloco.infra.bench.quality_report import ArmCurve, TaskReport, table
 from diloco.infra.bench.quality_tasks import TASKS, BenchTask, pick
 from diloco.infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
-from diloco.infra.stack import LocalStack
+from diloco.infra.local.stack import LocalStack
 from diloco.workers.tasks.base import train_baseline
 
 log = logging.getLogger(__name__)

@@ -45,9 +45,9 @@ import torch
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.service import Coordinator
-from diloco.infra.output import figures_table
+from diloco.infra.local.stack import LocalStack, aws_env, create_bucket
 from diloco.infra.options import add_options, build
-from diloco.infra.stack import LocalStack, aws_env, create_bucket
+from diloco.infra.output import figures_table
 from diloco.storage.bus import Bus
 from diloco.storage.codecs import CODECS
 from diloco.storage.errors import ConfigError, DilocoError

@@ -32,8 +32,8 @@ from safetensors.torch import save_file
 from torchft import Manager, ProcessGroupGloo
 from torchft.local_sgd import DiLoCo
 
-from diloco.infra.task_model import load_task
 from diloco.workers.tasks.base import train_step
+from diloco.workers.tasks.kinds import load_task
 
 log = logging.getLogger("torchft_replica")
 

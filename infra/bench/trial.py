@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco.infra.fleet import Proc, diloco_command, process_env
-from diloco.infra.stack import LocalStack, aws_env
-from diloco.infra.task_model import load_version
+from diloco.infra.history.task_model import load_version
+from diloco.infra.local.fleet import Proc, diloco_command, process_env
+from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.storage.bus import Bus
 from diloco.storage.history import list_versions, read_layout, read_manifest
 from diloco.storage.keys import RunKeys

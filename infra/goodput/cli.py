@@ -28,7 +28,7 @@ from diloco.storage.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--sweep", action="store_true",
                       help="the paper's grid: 150k..2.4M chips x data-parallel, elastic, decoupled M=2/4/8/16 "
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(chips=None)  # None when not given: --from-json then keeps the recorded fleet
 
 
-def run(args: argparse.Namespace) -> int:
+def run_simulate(args: argparse.Namespace) -> int:
     if args.record:
         return _record(args)
     if args.plot and not args.sweep:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 
-from diloco.infra.chaos import ChaosConfig, run_chaos
-from diloco.infra.faults import CORRUPTIONS, labels
+from diloco.infra.chaos.config import ChaosConfig
+from diloco.infra.chaos.faults import CORRUPTIONS, labels
+from diloco.infra.chaos.suite import run_chaos
 
 SECONDS = 45.0
 SEED = 5

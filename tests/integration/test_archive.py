@@ -15,9 +15,9 @@ import uuid
 
 import pytest
 
-from diloco.infra.archive import INDEX, dir_keys, export_run, import_keys, import_run
-from diloco.infra.fleet import diloco_command, process_env
-from diloco.infra.replay import replay_run
+from diloco.infra.history.archive import INDEX, dir_keys, export_run, import_keys, import_run
+from diloco.infra.history.replay import replay_run
+from diloco.infra.local.fleet import diloco_command, process_env
 from diloco.storage.errors import ConfigError, Conflict
 from diloco.storage.history import read_manifest
 from diloco.storage.keys import RunKeys

@@ -8,7 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from diloco.infra.fleet import diloco_command, process_env
+from diloco.infra.local.fleet import diloco_command, process_env
 
 
 def test_bench_coordinator_merges_every_contribution_once_and_writes_its_figures(tmp_path: Path) -> None:

@@ -26,8 +26,8 @@ import torch
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.service import Coordinator
-from diloco.infra.archive import export_run
 from diloco.infra.cli import build_parser
+from diloco.infra.history.archive import export_run
 from diloco.storage.history import list_versions
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from diloco.coordinator.leadership import Fenced
-from diloco.infra.fleet import Proc, diloco_command
+from diloco.infra.local.fleet import Proc, diloco_command
 from diloco.storage.bus import Bus
 from diloco.storage.crashpoints import ENV as CRASH_ENV, POINTS
 from diloco.storage.history import read_manifest

@@ -15,9 +15,9 @@ import json
 
 import pytest
 
-from diloco.infra.archive import export_run
-from diloco.infra.gc import collect
-from diloco.infra.replay import replay_run
+from diloco.infra.history.archive import export_run
+from diloco.infra.history.gc import collect
+from diloco.infra.history.replay import replay_run
 from diloco.storage import codecs
 from diloco.storage.errors import ConfigError
 from diloco.storage.history import list_versions, read_manifest

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from diloco.coordinator.outer import round_delta
-from diloco.infra.archive import export_run
 from diloco.infra.cli import build_parser
-from diloco.infra.fleet import diloco_command, process_env
-from diloco.infra.gc import collect
+from diloco.infra.history.archive import export_run
+from diloco.infra.history.gc import collect
+from diloco.infra.local.fleet import diloco_command, process_env
 from diloco.storage import codecs
 from diloco.storage.errors import Refused
 from diloco.storage.history import list_versions, read_manifest, sha256_hex

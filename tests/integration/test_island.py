@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.service import Coordinator
-from diloco.infra.stack import free_ports
+from diloco.infra.local.stack import free_ports
 from diloco.storage.bus import Bus
 from diloco.storage.history import read_layout, read_manifest, read_params
 from diloco.storage.objects import ObjectStore

@@ -16,8 +16,8 @@ import subprocess
 
 
 from diloco.infra.cli import build_parser
-from diloco.infra.fleet import diloco_command, process_env
-from diloco.infra.replay import ReplayReport, replay_run
+from diloco.infra.history.replay import ReplayReport, replay_run
+from diloco.infra.local.fleet import diloco_command, process_env
 from diloco.storage import codecs
 from diloco.storage.history import read_manifest
 from diloco.storage.keys import RunKeys

@@ -25,8 +25,8 @@ import torch
 
 from diloco.coordinator.outer import NesterovState
 from diloco.coordinator.publish import write_version
-from diloco.infra.fleet import diloco_command
-from diloco.infra.stack import LocalStack, StackError, find_redis_server
+from diloco.infra.local.fleet import diloco_command
+from diloco.infra.local.stack import LocalStack, StackError, find_redis_server
 from diloco.storage.bus import Bus, connect
 from diloco.storage.errors import ConfigError, Conflict
 from diloco.storage.history import read_layout, read_manifest, read_params

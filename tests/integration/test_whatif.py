@@ -16,9 +16,9 @@ import threading
 import pytest
 import torch
 
-from diloco.infra.archive import export_run
-from diloco.infra.replay import replay_run
-from diloco.infra.whatif import what_if
+from diloco.infra.history.archive import export_run
+from diloco.infra.history.replay import replay_run
+from diloco.infra.history.whatif import what_if
 from diloco.storage.errors import ConfigError
 from diloco.storage.history import list_versions, read_manifest
 from diloco.storage.keys import RunKeys

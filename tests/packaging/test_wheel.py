@@ -86,7 +86,7 @@ def test_the_wheel_installs_one_package_holding_every_module_and_the_compose_fil
     names = set(zipfile.ZipFile(wheel).namelist())
     top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert top_level == {"diloco"}
-    expected = {"diloco/__init__.py", "diloco/infra/docker-compose.yml"}
+    expected = {"diloco/__init__.py", "diloco/infra/local/docker-compose.yml"}
     for layer in LAYERS:
         expected |= {f"diloco/{path.relative_to(ROOT).as_posix()}" for path in (ROOT / layer).rglob("*.py")}
     missing = sorted(expected - names)
@@ -97,7 +97,7 @@ def test_diloco_imports_beside_the_users_own_storage_and_workers(wheel: Path, ve
     seen = json.loads(_run([str(venv / "bin" / "python"), "-c", USER_SCRIPT], cwd=user_project))
     installed = Path(seen["diloco"]).parent
     assert installed.is_relative_to(venv), f"diloco came from {installed}, not the wheel in {venv}"
-    assert (installed / "infra" / "docker-compose.yml").is_file()
+    assert (installed / "infra" / "local" / "docker-compose.yml").is_file()
     assert seen["version"] == wheel.name.split("-")[1]
     assert (seen["Learner"], seen["LearnerConfig"], seen["bus"]) == (
         "diloco.workers.learner", "LearnerConfig", "diloco.storage.bus")

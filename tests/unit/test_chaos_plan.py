@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.infra.faults import CORRUPTIONS, HEAVY, KINDS, forge, labels, schedule
-from diloco.infra.ledger import Evidence, account
+from diloco.infra.chaos.faults import CORRUPTIONS, HEAVY, KINDS, forge, labels, schedule
+from diloco.infra.chaos.ledger import Evidence, account
 from diloco.storage import codecs
 from diloco.storage.errors import Refused
 from diloco.storage.history import sha256_hex

@@ -1,6 +1,6 @@
 """`plan_gc`: what a gc pass deletes and keeps, decided from a listing and the manifests alone."""
 
-from diloco.infra.gc import Listed, committed_versions, manifests_to_read, plan_gc
+from diloco.infra.history.gc import Listed, committed_versions, manifests_to_read, plan_gc
 from diloco.storage.keys import RunKeys
 from diloco.storage.protocol import Contribution, Manifest, Refusal
 

@@ -3,6 +3,12 @@
 The layers are the folders storage/, workers/, coordinator/ and infra/, installed as `diloco.storage`
 and so on; diloco/ is the public API (`from diloco import Learner`), which exposes the learner's side
 only. Every import of the project is under `diloco.`: a top-level `storage` is a user's own package.
+
+Inside infra, each folder is a room (ROOMS). A room imports no room beside it, only those ROOMS
+lists below it: `local` (servers and processes on this machine) is under demo, chaos and bench, and
+so is `history` (they evaluate a run's global model, and the demo exports its history). The modules
+at infra's top are the command line: `cli.py` names the rooms' subcommands as strings and imports
+none of them; `options.py` and `output.py` are the kit every room may use, and import no room.
 """
 
 import ast
@@ -61,6 +67,77 @@ def test_layers_only_import_downwards():
     assert not violations, "layering violated:\n" + "\n".join(violations)
 
 
+ROOMS = {
+    "local": set(),
+    "history": set(),
+    "roles": set(),
+    "goodput": set(),
+    "demo": {"local", "history"},
+    "chaos": {"local", "history"},
+    "bench": {"local", "history"},
+}
+"""Each room of infra and the rooms it may import (besides itself and the kit)."""
+KIT = {"options", "output"}
+"""infra's top-level modules that every room may import."""
+INFRA = f"{PACKAGE}.infra"
+
+
+def infra_part(module: str) -> str | None:
+    """What of infra a module names: `diloco.infra.chaos.ledger` -> chaos (a room), `diloco.infra.output`
+    -> output (a top-level module), `diloco.infra` -> the package itself; None outside infra."""
+    parts = module.split(".")
+    if parts[:2] != [PACKAGE, "infra"]:
+        return None
+    return parts[2] if len(parts) > 2 else "infra"
+
+
+def imported_infra_parts(source: str, package: str) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = resolve_name("." * node.level + (node.module or ""), package) if node.level else node.module
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return {part for name in names if (part := infra_part(name)) is not None}
+
+
+def test_infra_is_rooms_and_the_command_line():
+    # A new folder must say where it sits (a room nobody listed would import anything), and the top
+    # holds only the command line and its kit.
+    folders = {p.name for p in (ROOT / "infra").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(ROOMS), f"rooms of infra not in ROOMS, or gone: {sorted(folders ^ set(ROOMS))}"
+    top = {p.stem for p in (ROOT / "infra").glob("*.py")}
+    assert top == {"__init__", "cli"} | KIT, f"infra's top holds {sorted(top)}: a module of a room belongs in it"
+    for room in ROOMS:
+        assert (ROOT / "infra" / room / "__init__.py").is_file(), f"infra/{room} is not a package"
+
+
+def test_rooms_import_only_the_rooms_below_them_and_the_kit():
+    violations = []
+    for path in sorted((ROOT / "infra").rglob("*.py")):
+        where = path.relative_to(ROOT / "infra").parts
+        if len(where) == 1:  # the top: cli.py imports no room, the kit imports nothing of infra but itself
+            allowed = set() if path.stem == "cli" else KIT
+        else:
+            allowed = {where[0], *ROOMS[where[0]], *KIT}
+        for part in imported_infra_parts(path.read_text(), package_of(path)) - allowed:
+            violations.append(f"{path.relative_to(ROOT)} imports infra.{part}")
+    assert not violations, "rooms of infra import sideways:\n" + "\n".join(violations)
+
+
+def test_every_subcommand_lives_in_its_rooms_cli():
+    from diloco.infra.cli import COMMANDS, room_cli
+
+    source = (ROOT / "infra" / "cli.py").read_text()
+    for name, room, _ in COMMANDS:
+        assert room in ROOMS, f"diloco {name}: no room {room}"
+        tree = ast.parse((ROOT / "infra" / room / "cli.py").read_text())
+        functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        assert {f"add_{name}_arguments", f"run_{name}"} <= functions, f"diloco {name}: not in {room_cli(room)}"
+    assert "import_module" in source  # rooms are imported by name, when their subcommand is chosen
+
+
 def test_the_scan_names_each_kind_of_import():
     # The rules must not pass because the scan stopped seeing imports.
     source = "\n".join(["import diloco.storage.bus", "from diloco.workers.learner import Learner",
@@ -68,3 +145,10 @@ def test_the_scan_names_each_kind_of_import():
                         "from . import policy", "from storage.settings import Endpoints", "import torch"])
     assert imported_layers(source, "diloco.coordinator") == {
         "storage", "workers", "coordinator", "diloco", "infra", "top-level storage"}
+
+
+def test_the_room_scan_names_rooms_the_top_and_relative_imports():
+    source = "\n".join(["from diloco.infra.local.stack import LocalStack", "import diloco.infra.output",
+                        "from diloco.infra import history", "from ..chaos import ledger", "from . import suite",
+                        "from diloco.storage.bus import Bus"])
+    assert imported_infra_parts(source, "diloco.infra.chaos") == {"local", "output", "history", "chaos"}

@@ -1,11 +1,11 @@
-"""Scores and verdicts of `diloco blame` (infra/verdict.py): pure, on hand-made evidence."""
+"""Scores and verdicts of `diloco blame` (infra/history/verdict.py): pure, on hand-made evidence."""
 
 from __future__ import annotations
 
 import pytest
 
 from diloco.coordinator.attribution import LearnerRound
-from diloco.infra.verdict import MIN_VERSIONS, judge, ranked, sign_test
+from diloco.infra.history.verdict import MIN_VERSIONS, judge, ranked, sign_test
 
 
 def rounds(cosines: list[float], *, others: int = 3, ratio: float = 1.0, share: float = 0.25,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from diloco.infra.whatif import check_into, parse_changes, plan_ranges, relative_l2, whatif_settings
+from diloco.infra.history.whatif import check_into, parse_changes, plan_ranges, relative_l2, whatif_settings
 from diloco.storage.errors import ConfigError
 from diloco.storage.history import Floor
 from diloco.storage.keys import RunKeys

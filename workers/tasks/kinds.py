@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from diloco.storage.errors import ConfigError
 from diloco.workers.demo.task import DemoTask
 from diloco.workers.tasks.base import Task
 from diloco.workers.tasks.gpt2 import GPT2Task
@@ -20,3 +24,15 @@ def task_from_wire(wire: dict) -> Task:
     if kind not in KINDS:
         raise ValueError(f"unknown task kind {kind!r}: one of {', '.join(sorted(KINDS))}")
     return KINDS[kind].from_wire(wire)
+
+
+def load_task(path: Path) -> Task:
+    """The task in a JSON file (as `diloco demo` writes OUT/task.json, of any kind in KINDS).
+    Raises ConfigError if the file cannot be read or does not hold a task, so a bad `--task` is a
+    one-line error before a tool reads or writes anything."""
+    try:
+        return task_from_wire(json.loads(path.read_text()))
+    except OSError as exc:
+        raise ConfigError(f"cannot read the task {path}: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{path} is not a task JSON (as `diloco demo` writes to OUT/task.json): {exc}") from None

@@ -1,6 +1,6 @@
 """The processes of a chaos run: coordinators armed with crash points, learners restarted after faults.
 
-`ChaosFleet.supervise()` is called every tick by the runner (infra/chaos.py). It
+`ChaosFleet.supervise()` is called every tick by the runner (infra/chaos/suite.py). It
 - judges every process that exited by what it was sent: a SIGTERMed learner must exit 0, a
   coordinator armed with a crash point must die there, anything unasked for is a failure;
 - restarts learners (same id, next data seed) `restart_delay_s` after they exited;
@@ -22,16 +22,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import redis
 
-from diloco.infra.faults import Fault
-from diloco.infra.fleet import Proc, diloco_command
+from diloco.infra.chaos.config import ChaosConfig
+from diloco.infra.chaos.faults import Fault
+from diloco.infra.local.fleet import Proc, diloco_command
 from diloco.storage.crashpoints import ENV as CRASH_ENV
-
-if TYPE_CHECKING:
-    from diloco.infra.chaos import ChaosConfig
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Two kinds of evidence, both from S3 (or an export) alone:
 
 - Geometry, from every version in the range: each learner's progress against the merged update
   of the other learners in the same round (`coordinator.attribution.learner_rounds`), scored and
-  judged by `infra.verdict`.
+  judged by `infra.history.verdict`.
 - Loss, when the run's task is given (`--task`, the JSON `diloco demo` writes to OUT/task.json):
   for the last `loss_versions` versions of each fragment that merged two or more learners, the
   version is re-derived without each learner in turn (`attribution.round_without`: the same
@@ -28,10 +28,10 @@ import torch
 
 from diloco.coordinator.attribution import LearnerRound, learner_rounds, round_without
 from diloco.coordinator.outer import apply_round
+from diloco.infra.history.rounds import Round, Run, check_fragment, read_state, rounds, versions
+from diloco.infra.history.task_model import check_task_fits, load_params, load_version
+from diloco.infra.history.verdict import MIN_OTHERS, LearnerBlame, judge, ranked
 from diloco.infra.output import num, table
-from diloco.infra.rounds import Round, Run, check_fragment, read_state, rounds, versions
-from diloco.infra.task_model import check_task_fits, load_params, load_version
-from diloco.infra.verdict import MIN_OTHERS, LearnerBlame, judge, ranked
 from diloco.storage.errors import Refused
 from diloco.storage.history import read_manifest
 from diloco.storage.objects import ObjectMissing
@@ -52,7 +52,7 @@ class BlameReport:
     with_evidence: int = 0
     """Of which merged MIN_OTHERS + 1 or more learners."""
     pairs: int = 0
-    """Of which merged exactly two learners (no geometric evidence: see infra.verdict)."""
+    """Of which merged exactly two learners (no geometric evidence: see infra.history.verdict)."""
     learners: list[LearnerBlame] = field(default_factory=list)
     loss: dict | None = None
     """How the loss evidence was gathered (versions per fragment asked for, versions re-derived, evaluations,

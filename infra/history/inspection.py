@@ -5,7 +5,7 @@ weight, staleness, base version), plus two figures from the decoded delta, the L
 cosine to the merged update the version applied (`coordinator.attribution`), and the
 refusals the manifest lists with their reasons. Without one: per-learner aggregates over a
 range of versions, and the refusals by code. Everything comes from S3 (or an export) through
-`infra.rounds`, verified; Redis is never contacted. The JSON holds the same data as the table
+`infra.history.rounds`, verified; Redis is never contacted. The JSON holds the same data as the table
 and nothing about where it was read from, so a bucket and its export give the same JSON.
 """
 
@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from diloco.coordinator.attribution import input_figures
-from diloco.infra.rounds import Round, Run, check_fragment, read_round, rounds, versions
+from diloco.infra.history.rounds import Round, Run, check_fragment, read_round, rounds, versions
 from diloco.infra.output import num, table
 from diloco.storage.errors import Refused
 from diloco.storage.objects import ObjectMissing
@@ -103,7 +103,7 @@ def _refusals(manifest: Manifest) -> list[RefusalRow]:
 
 
 def view_round(r: Round) -> VersionView:
-    """The figures of one version read by `infra.rounds`."""
+    """The figures of one version read by `infra.history.rounds`."""
     m = r.manifest
     figures, merged_norm = [None] * len(m.inputs), None
     problem = r.problem

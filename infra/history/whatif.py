@@ -21,7 +21,6 @@ exit code says "bit-exact"; a what-if writes a new run and its result is a dista
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import logging
@@ -29,7 +28,6 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -37,10 +35,8 @@ from torch import Tensor
 from diloco.coordinator.outer import MERGE_RULES, NesterovState, apply_round
 from diloco.coordinator.publish import decode_state, write_version
 from diloco.coordinator.replay import recomputed_weights
-from diloco.infra.archive import add_range_arguments, add_source_arguments, open_source
-from diloco.infra.output import write_json
-from diloco.infra.rounds import Run, check_fragment, open_run, versions
-from diloco.infra.task_model import check_task_fits, global_model, load_params, load_task
+from diloco.infra.history.rounds import Run, check_fragment, open_run, versions
+from diloco.infra.history.task_model import check_task_fits, global_model, load_params
 from diloco.storage import codecs
 from diloco.storage.errors import ConfigError
 from diloco.storage.history import Floor, params_limit, read_input, read_manifest, read_params, read_verified
@@ -363,33 +359,3 @@ def eval_losses(task: DemoTask, run: Run, report: WhatIfReport, finals: Mapping[
     for tensors in finals.values():
         load_params(whatif, tensors)
     return {"recorded": task.eval_loss(recorded), "whatif": task.eval_loss(whatif)}
-
-
-# -- the command ----------------------------------------------------------------------------------
-
-
-def add_whatif_arguments(parser: argparse.ArgumentParser) -> None:
-    add_source_arguments(parser)
-    parser.add_argument("--into", required=True, metavar="PREFIX",
-                        help="key prefix of the scratch run to write (`PREFIX/RUN/...` in the same bucket or export "
-                             "directory); must be empty and apart from the run's own prefix")
-    parser.add_argument("--set", dest="changes", action="append", default=[], metavar="KEY=VALUE",
-                        help="a setting to change, repeatable: " + ", ".join(f"{k} ({w})" for k, (w, _) in
-                                                                           SETTINGS.items())
-                        + "; none: re-derive with the recorded settings (a check)")
-    add_range_arguments(parser, verb="re-derive", start_default=None, start_help="1, or the first version gc kept",
-                        json_help="also write the results, version by version, to this JSON file")
-    parser.add_argument("--task", type=Path, metavar="PATH",
-                        help="the demo task JSON the run trained (the demo writes OUT/task.json): also print the eval "
-                             "loss of the recorded and the what-if global model at the end of the range")
-
-
-def run_whatif(args: argparse.Namespace) -> int:
-    changes = parse_changes(args.changes)
-    task = load_task(args.task) if args.task is not None else None
-    store, keys = open_source(args)
-    report, _ = what_if(store, keys, args.into, changes, fragment=args.fragment, start=args.start, end=args.end,
-                        task=task, progress=lambda step: log.info("%s", step.line()))
-    print(report.summary())
-    write_json(args.json_path, report.to_json())
-    return 0

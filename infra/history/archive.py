@@ -12,7 +12,6 @@ checked against the size the listing reported, so a truncated copy is not mistak
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -24,9 +23,9 @@ from diloco.storage.errors import ConfigError, Refused
 from diloco.storage.history import params_limit, read_layout, require_run_spec
 from diloco.storage.keys import RunKeys
 from diloco.storage.localdir import DirStore
-from diloco.storage.objects import ObjectStore, Store
+from diloco.storage.objects import Store
 from diloco.storage.protocol import MAX_RECORD_BYTES
-from diloco.storage.settings import ENV_S3_PREFIX, Endpoints
+from diloco.storage.settings import ENV_S3_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -133,41 +132,6 @@ def export_run(store: Store, keys: RunKeys, directory: Path, *, source: str = ""
 def import_run(directory: Path, store: Store, keys: RunKeys,
                progress: Callable[[int, int], None] | None = None) -> Copied:
     return copy_run(DirStore(directory), store, keys, progress)
-
-
-# -- where the history tools read from: a bucket (the environment) or an export (--dir) ----------
-
-
-def add_source_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", help="run id (optional with --dir when the export holds one run)")
-    parser.add_argument("--dir", type=Path, metavar="DIR",
-                        help="read the run from this export directory (`diloco export`) instead of the bucket "
-                             "the environment names")
-    parser.add_argument("--prefix", help="read the run under this key prefix instead of DILOCO_S3_PREFIX or the "
-                        "export's (e.g. a what-if run written by `diloco whatif --into PREFIX`)")
-
-
-def add_range_arguments(parser: argparse.ArgumentParser, *, verb: str, start_default: int | None,
-                        start_help: str, json_help: str) -> None:
-    """--fragment, --from, --to and --json, as every history tool takes them."""
-    parser.add_argument("--fragment", type=int, help="only this fragment (default: every fragment)")
-    parser.add_argument("--from", dest="start", type=int, default=start_default, metavar="V",
-                        help=f"first version to {verb} (default: {start_help})")
-    parser.add_argument("--to", dest="end", type=int, metavar="W", help=f"last version to {verb} (default: the latest)")
-    parser.add_argument("--json", dest="json_path", type=Path, metavar="PATH", help=json_help)
-
-
-def open_source(args: argparse.Namespace) -> tuple[Store, RunKeys]:
-    """The store and keys `--run` / `--dir` / `--prefix` name. The bucket needs only the S3
-    settings: the history tools never contact Redis."""
-    if args.dir is not None:
-        store, keys = DirStore(args.dir), dir_keys(args.dir, args.run)
-    elif not args.run:
-        raise ConfigError("--run is required (or --dir with an export)")
-    else:
-        endpoints = Endpoints.from_env(redis=False)
-        store, keys = ObjectStore(endpoints), RunKeys(endpoints.prefix, args.run)
-    return store, keys if args.prefix is None else RunKeys(args.prefix, keys.run)
 
 
 def import_keys(directory: Path, run: str | None, env_prefix: str | None) -> RunKeys:

@@ -47,7 +47,7 @@ import botocore.exceptions as bexc
 import redis
 from botocore.config import Config
 
-from diloco.infra.certs import ServerCerts, ensure_server_certs
+from diloco.infra.local.certs import ServerCerts, ensure_server_certs
 from diloco.storage.errors import DilocoError
 from diloco.storage.settings import Endpoints, redact_url
 

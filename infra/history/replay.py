@@ -22,7 +22,7 @@ import torch
 
 from diloco.coordinator.outer import NesterovState
 from diloco.coordinator.replay import Problem, rederive
-from diloco.infra.rounds import Run, check_fragment, open_run, read_state, versions
+from diloco.infra.history.rounds import Run, check_fragment, open_run, read_state, versions
 from diloco.storage.errors import Refused
 from diloco.storage.history import Floor, params_limit, read_input, read_manifest, read_verified
 from diloco.storage.keys import RunKeys

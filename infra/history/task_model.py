@@ -3,15 +3,14 @@
 `diloco demo`, `diloco whatif --task`, `diloco blame --task`, the benchmarks' loss curves, the
 chaos report and the tests all evaluate the global model the same way: build the task's model,
 copy each fragment's parameters at some version into it, and ask the task for its eval loss.
-The task a person passes is read and checked here first (`load_task`, `check_task_fits`), so a
-bad path or a task of another model is a one-line error before a tool reads or writes anything.
+A task a person passes (read by `workers.tasks.kinds.load_task`) is checked against the run here
+first (`check_task_fits`), so a task of another model is a one-line error before a tool reads or
+writes anything.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
@@ -21,18 +20,6 @@ from diloco.storage.keys import RunKeys
 from diloco.storage.objects import Store
 from diloco.storage.protocol import Layout, Manifest
 from diloco.workers.tasks.base import Task
-from diloco.workers.tasks.kinds import task_from_wire
-
-
-def load_task(path: Path) -> Task:
-    """The task in a JSON file (as `diloco demo` writes OUT/task.json, of any kind in
-    `workers.tasks.kinds`). Raises ConfigError if the file cannot be read or does not hold a task."""
-    try:
-        return task_from_wire(json.loads(path.read_text()))
-    except OSError as exc:
-        raise ConfigError(f"cannot read the task {path}: {exc}") from None
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{path} is not a task JSON (as `diloco demo` writes to OUT/task.json): {exc}") from None
 
 
 def check_task_fits(task: Task, layout: Layout, run: str) -> None:

@@ -31,15 +31,11 @@ the I/O around it.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from diloco.infra.archive import add_source_arguments, open_source
-from diloco.infra.output import write_json
 from diloco.storage import codecs
 from diloco.storage.errors import ConfigError, Conflict, Refused
 from diloco.storage.history import floors_of, read_collections, read_manifest, require_run_spec
@@ -360,28 +356,3 @@ def _record(store: Store, keys: RunKeys, collections: list[tuple[str, Collection
         raise Conflict(f"{store.url(key)} was written by another gc pass while this one planned: nothing was "
                        "deleted; run gc again") from None
     return key
-
-
-# -- the command ----------------------------------------------------------------------------------
-
-
-def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
-    add_source_arguments(parser)
-    parser.add_argument("--keep-last", type=int, required=True, metavar="N",
-                        help="keep what replaying the last N versions of each fragment needs (N >= 1)")
-    parser.add_argument("--min-age-s", type=float, default=DEFAULT_MIN_AGE_S, metavar="S",
-                        help="never delete an object younger than this (default: %(default)g s): a margin for "
-                             "readers of a live run")
-    parser.add_argument("--dry-run", action="store_true", help="say what would be deleted and delete nothing")
-    parser.add_argument("-v", "--verbose", dest="list_keys", action="store_true",
-                        help="also print every key deleted (or that would be) and every key kept for a reason")
-    parser.add_argument("--json", dest="json_path", type=Path, metavar="PATH",
-                        help="also write the figures and every key to this JSON file")
-
-
-def run_gc(args: argparse.Namespace) -> int:
-    store, keys = open_source(args)
-    result = collect(store, keys, keep_last=args.keep_last, min_age_s=args.min_age_s, dry_run=args.dry_run)
-    print(result.summary(list_keys=args.list_keys or args.verbose))
-    write_json(args.json_path, result.to_json())
-    return 0

@@ -2,7 +2,7 @@
 
 The fleet: a `LocalStack` of its own (Redis + S3 under `<out>/stack`), one coordinator holding the
 run plus one `--standby`, and a few learner processes training the demo task. For `seconds`, the
-faults of `infra.faults.schedule(seed, seconds)` are carried out:
+faults of `infra.chaos.faults.schedule(seed, seconds)` are carried out:
 
 - `learner_kill` / `learner_term`: SIGKILL / SIGTERM a learner (a preempted learner must exit 0);
   either way it is restarted under the same id, with a new data seed, `restart_delay_s` later.
@@ -14,13 +14,12 @@ faults of `infra.faults.schedule(seed, seconds)` are carried out:
 - `corrupt_object:<variant>`: a corrupt object under a learner-looking key of a real fragment,
   announced with a valid-looking announcement; the coordinator must refuse it with a reason.
 
-The processes are supervised by `infra.chaos_fleet`, which also arms the coordinators with their
-crash points. Heavy faults (servers, coordinator) wait for the one before to play out; light ones
-do not. Then
-the learners are stopped (SIGTERM), the coordinator drains what is pending and is stopped, and
-`infra.ledger` accounts for every announced contribution from S3 and Redis. The global model is
-evaluated at version 0 and at the heads. `ChaosReport.problems()` lists everything that went
-wrong; an empty list is a pass.
+The processes are supervised by `infra.chaos.processes`, which also arms the coordinators with
+their crash points. Heavy faults (servers, coordinator) wait for the one before to play out; light
+ones do not. Then the learners are stopped (SIGTERM), the coordinator drains what is pending and
+is stopped, and `infra.chaos.ledger` accounts for every announced contribution from S3 and Redis.
+The global model is evaluated at version 0 and at the heads. `ChaosReport.problems()` lists
+everything that went wrong; an empty list is a pass.
 """
 
 from __future__ import annotations
@@ -34,16 +33,16 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import redis
 
-from diloco.infra.chaos_fleet import ChaosFleet, Tally
-from diloco.infra.faults import CORRUPTIONS, HEAVY, Fault, forge, labels, schedule
-from diloco.infra.fleet import process_env
-from diloco.infra.ledger import Ledger, StreamWatcher, account, backlog, gather
-from diloco.infra.stack import LocalStack, aws_env
-from diloco.infra.task_model import global_model
+from diloco.infra.chaos.config import ChaosConfig
+from diloco.infra.chaos.faults import CORRUPTIONS, HEAVY, Fault, forge, labels, schedule
+from diloco.infra.chaos.ledger import Ledger, StreamWatcher, account, backlog, gather
+from diloco.infra.chaos.processes import ChaosFleet, Tally
+from diloco.infra.history.task_model import global_model
+from diloco.infra.local.fleet import process_env
+from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.storage.bus import Bus
 from diloco.storage.errors import DilocoError
 from diloco.storage.history import read_layout, read_run_spec
@@ -64,28 +63,6 @@ TICK_S = 0.2
 
 class ChaosError(DilocoError):
     """The fleet could not be brought up; the message says what was missing."""
-
-
-@dataclass
-class ChaosConfig:
-    out: Path
-    """Output directory: the stack's data (replaced at start), every process's log, report.json."""
-    seconds: float = 60.0
-    """Seconds of fault injection once the fleet is up (start-up and the final drain come on top)."""
-    seed: int = 1
-    """Seed of the fault schedule."""
-    learners: int = 3
-    """Learner processes (each restarted after a kill or a preemption)."""
-    slowdown: float = 3.0
-    """Step-time multiplier of every learner: keeps the fleet from saturating a small machine."""
-    lease_s: float = 2.0
-    """Coordinator lease: a killed coordinator's standby takes over after this long."""
-    restart_delay_s: float = 1.0
-    """A killed or preempted learner is restarted (same id, new data seed) after this long."""
-    drain_s: float = 60.0
-    """At the end: how long the coordinator may take to merge or refuse what is still pending."""
-    run: str = "chaos"
-    """Run id."""
 
 
 @dataclass

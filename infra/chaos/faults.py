@@ -1,7 +1,7 @@
 """The chaos suite's faults: a seeded schedule of what to break when, and the corrupt objects.
 
 `schedule(seed, seconds)` is a pure function, like torchft's EventInjector: the same seed gives
-the same list of `Fault(at_s, kind, target)`, and the runner (infra/chaos.py) only carries it
+the same list of `Fault(at_s, kind, target)`, and the runner (infra/chaos/suite.py) only carries it
 out. Faults come in two weights:
 
 - heavy ones take a server or the coordinator away for a while (`coordinator_kill`,

@@ -1,8 +1,8 @@
-"""The run-time subcommands: `diloco coordinator`, `diloco learner`, `diloco finish`, `diloco demo`,
-`diloco replay`, `diloco export`, `diloco import`, `diloco chaos`.
+"""The roles of a run as processes: `diloco coordinator`, `diloco learner`, and `diloco finish`.
 
-Each is `add_arguments(parser)` + `run(args) -> int`, listed in `infra.cli.COMMANDS`. Options of
-the coordinator and learner come from their config dataclasses (field docstring = help text).
+Each subcommand is `add_<name>_arguments(parser)` + `run_<name>(args) -> int`, listed in
+`infra.cli.COMMANDS`. Options of the coordinator and learner come from their config dataclasses
+(field docstring = help text).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,23 +23,18 @@ from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.leadership import Stopped
 from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.service import Coordinator
-from diloco.infra.archive import (add_range_arguments, add_source_arguments, export_run, import_keys, import_run,
-                                  open_source)
 from diloco.infra.options import add_options, build
-from diloco.infra.output import write_json
-from diloco.infra.replay import VersionCheck, replay_run
 from diloco.storage.bus import Bus
 from diloco.storage.errors import DilocoError, StorageUnavailable
 from diloco.storage.history import read_run_end, require_run_spec
-from diloco.storage.keys import RunKeys
 from diloco.storage.lease import Lease
 from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import FinishRequest, RunEnd
-from diloco.storage.settings import ENV_S3_PREFIX, Endpoints
-from diloco.infra.task_model import load_task
+from diloco.storage.settings import Endpoints
 from diloco.workers.demo.run import DemoLearnerArgs, train_demo_learner
 from diloco.workers.demo.task import DemoTask
 from diloco.workers.learner import LearnerConfig
+from diloco.workers.tasks.kinds import load_task
 
 log = logging.getLogger("diloco")
 
@@ -148,110 +142,3 @@ def _wait_for_end(bus: Bus, timeout_s: float) -> RunEnd:
                               f"{bus.run}`), and `diloco finish` waits for it again")
         time.sleep(0.2)
     return end
-
-
-# -- demo ----------------------------------------------------------------------------------------
-
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    from diloco.infra.demo import DemoConfig
-
-    parser.add_argument("--out", type=Path, default=Path("out/demo"),
-                        help="output directory; its previous contents are replaced (default: %(default)s)")
-    parser.add_argument("--text", help="train on this text file (byte level) instead of the synthetic language")
-    add_options(parser, DemoConfig, skip=("out", "text"))
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    from diloco.infra.demo import DemoConfig, run_demo as demo
-
-    demo(build(DemoConfig, args))
-    return 0
-
-
-# -- replay --------------------------------------------------------------------------------------
-
-def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
-    add_source_arguments(parser)
-    add_range_arguments(parser, verb="replay", start_default=None,
-                        start_help="the genesis, or the first version whose inputs `diloco gc` kept",
-                        json_help="also write the results, version by version, to this JSON file")
-
-
-def run_replay(args: argparse.Namespace) -> int:
-    """Exit 0 only if at least one version was checked and every one is bit-exact."""
-    store, keys = open_source(args)  # S3 (or an export) is the history: replay never needs Redis
-
-    def progress(check: VersionCheck) -> None:
-        (log.info if check.bit_exact else log.error)("%s", check.line())
-
-    report = replay_run(store, keys, fragment=args.fragment, start=args.start, end=args.end, progress=progress)
-    print(report.summary())
-    write_json(args.json_path, report.to_json())
-    if not report.checks:
-        log.error("no committed version of run %s in the range asked for", keys.run)
-    return 0 if report.ok else 1
-
-
-# -- export / import -------------------------------------------------------------------------------
-
-def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", required=True, help="run id to export")
-    parser.add_argument("--dir", type=Path, required=True, metavar="DIR",
-                        help="directory to copy the run's history into (created; an earlier export of the "
-                             "run there is brought up to date)")
-
-
-def _progress(verb: str) -> Callable[[int, int], None]:
-    def progress(done: int, total: int) -> None:
-        if done == total or done % 500 == 0:
-            log.info("%s %d/%d objects", verb, done, total)
-    return progress
-
-
-def run_export(args: argparse.Namespace) -> int:
-    endpoints = Endpoints.from_env(redis=False)
-    keys = RunKeys(endpoints.prefix, args.run)
-    copied = export_run(ObjectStore(endpoints), keys, args.dir, progress=_progress("exported"))
-    print(copied.line("exported", f"into {args.dir}"))
-    return 0
-
-
-def add_import_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", type=Path, required=True, metavar="DIR", help="an export directory")
-    parser.add_argument("--run", help="run id to import (optional when the export holds one run)")
-
-
-def run_import(args: argparse.Namespace) -> int:
-    keys = import_keys(args.dir, args.run, os.environ.get(ENV_S3_PREFIX))
-    endpoints = replace(Endpoints.from_env(redis=False), prefix=keys.prefix)
-    store = ObjectStore(endpoints)
-    store.ensure_bucket()
-    copied = import_run(args.dir, store, keys, progress=_progress("imported"))
-    print(copied.line("imported", f"into {store.url(keys.root)}"))
-    return 0
-
-
-# -- chaos ---------------------------------------------------------------------------------------
-
-def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
-    from diloco.infra.chaos import ChaosConfig
-
-    parser.add_argument("--out", type=Path, default=Path("out/chaos"),
-                        help="output directory: the stack's data and every process's log; its stack is "
-                             "replaced (default: %(default)s)")
-    parser.add_argument("--json", type=Path, help="write the figures (faults by kind, versions, contributions "
-                        "applied/refused/dropped/pending/announced, lost, duplicated) to this file")
-    add_options(parser, ChaosConfig, skip=("out",))
-
-
-def run_chaos(args: argparse.Namespace) -> int:
-    """Exit 0 only if nothing was lost or applied twice, every fault kind fired, versions are
-    contiguous and the global model's loss is finite and below its start."""
-    from diloco.infra.chaos import ChaosConfig, run_chaos as chaos
-
-    report = chaos(build(ChaosConfig, args))
-    write_json(args.json, report.figures())
-    for problem in report.problems():
-        log.error("chaos: %s", problem)
-    print(report.line(), flush=True)
-    return 0 if not report.problems() else 1

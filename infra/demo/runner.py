@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from diloco.coordinator.config import RunSettings
-from diloco.infra.archive import export_run
-from diloco.infra.fleet import Proc, diloco_command, process_env
-from diloco.infra.stack import LocalStack, aws_env
-from diloco.infra.task_model import global_model
+from diloco.infra.history.archive import export_run
+from diloco.infra.history.task_model import global_model
+from diloco.infra.local.fleet import Proc, diloco_command, process_env
+from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.storage.bus import Bus
 from diloco.storage.objects import ObjectStore
 from diloco.storage.settings import Endpoints, redact_url

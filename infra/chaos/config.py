@@ -1,0 +1,28 @@
+"""The settings of a chaos run (`diloco chaos`): each field is an option, its docstring the help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class ChaosConfig:
+    out: Path
+    """Output directory: the stack's data (replaced at start), every process's log, report.json."""
+    seconds: float = 60.0
+    """Seconds of fault injection once the fleet is up (start-up and the final drain come on top)."""
+    seed: int = 1
+    """Seed of the fault schedule."""
+    learners: int = 3
+    """Learner processes (each restarted after a kill or a preemption)."""
+    slowdown: float = 3.0
+    """Step-time multiplier of every learner: keeps the fleet from saturating a small machine."""
+    lease_s: float = 2.0
+    """Coordinator lease: a killed coordinator's standby takes over after this long."""
+    restart_delay_s: float = 1.0
+    """A killed or preempted learner is restarted (same id, new data seed) after this long."""
+    drain_s: float = 60.0
+    """At the end: how long the coordinator may take to merge or refuse what is still pending."""
+    run: str = "chaos"
+    """Run id."""
