@@ -17,7 +17,7 @@ from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.service import Coordinator
 from diloco.infra.history.task_model import global_model
-from diloco.infra.local.fleet import Proc, diloco_command
+from diloco.infra.local.fleet import Proc, diloco_command, learner_argv
 from diloco.infra.local.stack import LocalStack, create_bucket
 from diloco.storage.bus import Bus
 from diloco.storage.objects import ObjectStore
@@ -126,8 +126,7 @@ def spawn_coordinator(run_id: str, env: dict[str, str], log_dir: Path, *extra: s
 def spawn_learner(run_id: str, env: dict[str, str], tmp_path: Path, name: str, steps: int, seed: int = 0,
                   slowdown: float = 1.0) -> Proc:
     """A demo learner on TASK (the `fleet_env` fixture writes tmp_path/task.json)."""
-    argv = diloco_command("learner", "--run", run_id, "--id", name, "--steps", str(steps), "--data-seed", str(seed),
-                          "--slowdown", str(slowdown), "--task", str(tmp_path / "task.json"))
+    argv = learner_argv(run_id, name, tmp_path / "task.json", steps=steps, data_seed=seed, slowdown=slowdown)
     return Proc(name, argv, tmp_path / f"{name}.log", env).start()
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.infra.history.task_model import load_version
-from diloco.infra.local.fleet import Proc, diloco_command, process_env
+from diloco.infra.local.fleet import Proc, diloco_command, learner_argv, process_env
 from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.storage.bus import Bus
 from diloco.storage.history import list_versions, read_layout, read_manifest
@@ -145,10 +145,9 @@ def round_stats(manifests: dict[int, list[Manifest]]) -> RoundStats:
 
 def _learner_proc(trial: Trial, plan: LearnerPlan, run: str, env: dict[str, str], task_path: Path, logs: Path,
                   until: float, incarnation: int) -> Proc:
-    argv = diloco_command("learner", "--run", run, "--id", plan.name, "--steps", str(plan.steps),
-                          "--until", f"{until:.2f}", "--slowdown", str(plan.slowdown),
-                          "--step-time-s", str(trial.step_time_s), "--data-seed",
-                          str(plan.data_seed + 1000 * incarnation), "--task", str(task_path), *trial.learner_args)
+    argv = learner_argv(run, plan.name, task_path, steps=plan.steps, until=until, slowdown=plan.slowdown,
+                        step_time_s=trial.step_time_s, data_seed=plan.data_seed + 1000 * incarnation,
+                        extra=trial.learner_args)
     return Proc(plan.name, argv, logs / f"{trial.name}-{plan.name}.log", env)
 
 

@@ -27,7 +27,7 @@ import redis
 
 from diloco.infra.chaos.config import ChaosConfig
 from diloco.infra.chaos.faults import Fault
-from diloco.infra.local.fleet import Proc, diloco_command
+from diloco.infra.local.fleet import Proc, diloco_command, learner_argv
 from diloco.storage.crashpoints import ENV as CRASH_ENV
 
 log = logging.getLogger(__name__)
@@ -144,9 +144,8 @@ class ChaosFleet:
     def _start_learner(self, slot: LearnerSlot) -> None:
         if slot.incarnation:
             self.restarts += 1
-        argv = diloco_command("learner", "--run", self.cfg.run, "--id", slot.name, "--steps", "1000000",
-                              "--slowdown", str(self.cfg.slowdown), "--data-seed",
-                              str(1000 * slot.index + slot.incarnation), "--task", str(self.task_path))
+        argv = learner_argv(self.cfg.run, slot.name, self.task_path, steps=1_000_000, slowdown=self.cfg.slowdown,
+                            data_seed=1000 * slot.index + slot.incarnation)
         log_path = self.cfg.out / "logs" / f"{slot.name}.{slot.incarnation}.log"
         slot.proc, slot.restart_at = Proc(slot.name, argv, log_path, self.env).start(), None
         slot.incarnation += 1

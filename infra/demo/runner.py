@@ -22,7 +22,7 @@ import torch
 from diloco.coordinator.config import RunSettings
 from diloco.infra.history.archive import export_run
 from diloco.infra.history.task_model import global_model
-from diloco.infra.local.fleet import Proc, diloco_command, process_env
+from diloco.infra.local.fleet import Proc, diloco_command, learner_argv, process_env
 from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.storage.bus import Bus
 from diloco.storage.objects import ObjectStore
@@ -62,8 +62,8 @@ def _learner_proc(cfg: DemoConfig, env: dict[str, str], index: int, steps: int, 
                   task_path: Path) -> Proc:
     name = f"learner-{index}"
     slowdown = cfg.slow_factor if index == cfg.learners - 1 else 1.0
-    argv = diloco_command("learner", "--run", cfg.run, "--id", name, "--steps", str(steps), "--slowdown",
-                          str(slowdown), "--data-seed", str(1000 * index + incarnation), "--task", str(task_path))
+    argv = learner_argv(cfg.run, name, task_path, steps=steps, slowdown=slowdown,
+                        data_seed=1000 * index + incarnation)
     return Proc(name, argv, cfg.out / "logs" / f"{name}.log", env)
 
 

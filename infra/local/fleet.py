@@ -1,7 +1,7 @@
 """Starting and stopping `diloco` processes: the coordinator and learners as real OS processes.
 
-Used by the demo, the tests and the chaos harness, so that all of them exercise the same
-command lines a user runs.
+Used by the demo, the benchmarks, the chaos run and the tests, so that all of them exercise the
+same command lines a user runs; `learner_argv` is the one command line of a learner they start.
 """
 
 from __future__ import annotations
@@ -11,12 +11,29 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
 def diloco_command(*args: str) -> list[str]:
+    """`diloco ARGS` with this interpreter (`python -m diloco.infra.cli`): no PATH lookup."""
     return [sys.executable, "-m", "diloco.infra.cli", *args]
+
+
+def learner_argv(run: str, name: str, task: Path, *, steps: int, data_seed: int, slowdown: float = 1.0,
+                 until: float | None = None, step_time_s: float | None = None,
+                 extra: Sequence[str] = ()) -> list[str]:
+    """`diloco learner`: learner `name` of `run` trains the task in the JSON file `task` for `steps`
+    inner steps on data seed `data_seed`, each step `slowdown` times slower. `until` (a Unix time)
+    ends it earlier and `step_time_s` paces it (see DemoLearnerArgs); `extra`: more learner options."""
+    argv = ["learner", "--run", run, "--id", name, "--steps", str(steps), "--slowdown", str(slowdown),
+            "--data-seed", str(data_seed), "--task", str(task)]
+    if until is not None:
+        argv += ["--until", f"{until:.2f}"]
+    if step_time_s is not None:
+        argv += ["--step-time-s", str(step_time_s)]
+    return diloco_command(*argv, *extra)
 
 
 @dataclass
