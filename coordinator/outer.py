@@ -182,10 +182,15 @@ def round_delta(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float]
     scale = settings.get("round_scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 < scale <= 1.0:
         raise ValueError(f"round_scale {scale!r} must be a number in (0, 1]")
-    merged = merge_deltas(deltas, weights, radial_directional=MERGE_RULES[merge])
+    return scale_update(merge_deltas(deltas, weights, radial_directional=MERGE_RULES[merge]), float(scale))
+
+
+def scale_update(merged: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
+    """A merged update times a round's `round_scale`, in place (fp32 scalar: the same bits in a
+    replay as live)."""
     if scale == 1.0:
         return merged
-    factor = _fp32(float(scale))
+    factor = _fp32(scale)
     return {name: t.mul_(factor) for name, t in merged.items()}
 
 
@@ -194,17 +199,36 @@ OUTER_STEPS = ("nesterov", "fractional_nesterov")
 fractional steps existed); 'fractional_nesterov' takes the step of the round's recorded `progress`."""
 
 
+def update_norm(delta: Mapping[str, Tensor]) -> float:
+    """L2 norm of a round's merged update over all its tensors (fixed summation order, see `_norm`):
+    how far its learners moved the fragment, before the round's scale and momentum
+    (`policy.RoundSize.norm`)."""
+    return math.sqrt(math.fsum(_norm(delta[name]) ** 2 for name in sorted(delta)))
+
+
 def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequence[Mapping[str, Tensor]],
                 weights: Sequence[float], settings: Mapping[str, object], *,
                 timed: Timed = untimed) -> tuple[dict[str, Tensor], NesterovState]:
     """One round: merge `deltas` (in merge order) with `weights` (`round_delta`), then one outer
-    Nesterov step of the round's `progress` (`nesterov_step`).
+    Nesterov step of the round's `progress` (`outer_step`).
 
     Configured by the `settings` recorded in the version's manifest (`merge`, `round_scale`,
     `outer`, `outer_lr`, `outer_momentum`, `progress`), so that the live coordinator and a replay
     from the manifest run the very same computation. Raises ValueError for settings this build
     does not know. `timed` times the merge ("merge") and the outer step ("outer").
     """
+    with timed("merge"):
+        delta = round_delta(deltas, weights, settings)
+    with timed("outer"):
+        return outer_step(params, state, delta, settings)
+
+
+def outer_step(params: Mapping[str, Tensor], state: NesterovState, delta: Mapping[str, Tensor],
+               settings: Mapping[str, object]) -> tuple[dict[str, Tensor], NesterovState]:
+    """The outer step `settings` record (`outer`, `outer_lr`, `outer_momentum`, `progress`) with the
+    round's merged update `delta` (`round_delta`): the second half of `apply_round`, for the
+    coordinator, which sizes the step after measuring the update. Raises ValueError for settings
+    this build does not know."""
     outer = settings.get("outer", "nesterov")
     if outer not in OUTER_STEPS:
         raise ValueError(f"outer optimizer {outer!r} is not one this build knows ({', '.join(OUTER_STEPS)})")
@@ -215,7 +239,4 @@ def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequ
     progress = settings.get("progress", 1.0) if outer == "fractional_nesterov" else 1.0
     if isinstance(progress, bool) or not isinstance(progress, (int, float)):
         raise ValueError(f"progress {progress!r} must be a number in (0, 1]")
-    with timed("merge"):
-        delta = round_delta(deltas, weights, settings)
-    with timed("outer"):
-        return nesterov_step(params, delta, state, lr=float(lr), momentum=float(momentum), progress=float(progress))
+    return nesterov_step(params, delta, state, lr=float(lr), momentum=float(momentum), progress=float(progress))

@@ -64,7 +64,7 @@ class RoundConfig:
     grace_gamma: float = 0.5
     """gamma (0 < gamma < 1): share of the learners' remaining overlap slack the round may stay
     open after quorum, to gather near-simultaneous arrivals into one outer step."""
-    overlap_steps: int = 5
+    overlap_steps: int = 2
     """tau: inner steps a learner keeps training after sending a delta before it wants the new
     version of that fragment."""
     max_grace_s: float = 30.0
@@ -326,14 +326,23 @@ RECENT_ROUNDS = 8
 """How many of a fragment's last rounds `round_step` takes the usual round from."""
 MAX_REACH = 2.0
 """The most progress per learner a round may carry, in usual rounds (see `round_step`)."""
+STILL_SHARE = 0.5
+"""A round whose merged update moves the fragment less than this share of the usual round's
+counts its movement, not its tokens, as its progress (see `round_step`)."""
+STILL_PROGRESS = 1e-6
+"""The progress of a round whose learners did not move at all (an update of norm 0): a step must
+be positive, and this one changes nothing measurable."""
 
 
 @dataclass(frozen=True, slots=True)
 class RoundSize:
-    """What a merged round held: its tokens and its distinct learners."""
+    """What a merged round held: its tokens and its distinct learners, and how far they moved the
+    fragment (`norm`: the L2 norm of the round's merged update before its scale and momentum,
+    recorded as the manifest's `update_norm`; None if unknown: versions made before it was)."""
 
     tokens: int
     learners: int
+    norm: float | None = None
 
     @property
     def reach(self) -> float:
@@ -348,10 +357,11 @@ class _Piece(Protocol):
     def learner(self) -> str: ...
 
 
-def round_size(pieces: Iterable[_Piece]) -> RoundSize:
-    """The size of a round of `pieces` (its arrivals, or a manifest's inputs)."""
+def round_size(pieces: Iterable[_Piece], norm: float | None = None) -> RoundSize:
+    """The size of a round of `pieces` (its arrivals, or a manifest's inputs) whose merged update
+    has L2 norm `norm` (None: not measured)."""
     pieces = list(pieces)
-    return RoundSize(tokens=sum(p.tokens for p in pieces), learners=len({p.learner for p in pieces}))
+    return RoundSize(tokens=sum(p.tokens for p in pieces), learners=len({p.learner for p in pieces}), norm=norm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,8 +373,9 @@ class RoundStep:
     usual counts for their share of the fleet's mean (its merged update is theirs alone); a round
     carrying more than MAX_REACH usual rounds of progress per learner is capped there."""
     progress: float
-    """In (0, 1]: how much of a usual round's progress (tokens) the round carries: the outer step
-    is that fraction of a whole one, momentum included (`outer.nesterov_step`)."""
+    """In (0, 1]: how much of a usual round's progress (its tokens, or its movement when that is
+    far less) the round carries: the outer step is that fraction of a whole one, momentum included
+    (`outer.nesterov_step`)."""
 
 
 def round_step(size: RoundSize, recent: Sequence[RoundSize]) -> RoundStep:
@@ -384,6 +395,14 @@ def round_step(size: RoundSize, recent: Sequence[RoundSize]) -> RoundStep:
       many times the usual size, which momentum then carries on for rounds. A straggler's two
       intervals in one round stay within the cap.
 
+    - **A round that barely moves** carries the progress of its movement: when its merged update's
+      norm is under STILL_SHARE of the usual round's, its progress is its norm over that share of
+      the usual norm, if that is below its token share. Tokens trained at an inner learning rate
+      decayed to almost nothing (the end of a cosine schedule) are not a usual round's progress,
+      and a whole step would be mostly momentum: it would carry the model on, past where the
+      learners stopped, for as many rounds as the run has left. Mid-run, rounds move about as
+      far as the usual one and this never binds.
+
     A round larger than usual (more learners, more tokens) takes a whole step, not more. Without
     history (a run's first round) or without token counts the step is whole.
     """
@@ -393,6 +412,9 @@ def round_step(size: RoundSize, recent: Sequence[RoundSize]) -> RoundStep:
     usual_learners = statistics.median(r.learners for r in recent)
     usual_reach = statistics.median(r.reach for r in recent)
     progress = min(1.0, size.tokens / usual_tokens) if usual_tokens > 0 else 1.0
+    norms = [r.norm for r in recent if r.norm]
+    if size.norm is not None and norms:
+        progress = max(min(progress, size.norm / (STILL_SHARE * statistics.median(norms))), STILL_PROGRESS)
     scale = min(1.0, size.learners / usual_learners) if usual_learners > 0 else 1.0
     if usual_reach > 0 and size.reach > MAX_REACH * usual_reach:
         scale *= MAX_REACH * usual_reach / size.reach

@@ -14,6 +14,7 @@ read right now, the entry stays pending and is retried.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import replace
@@ -26,7 +27,7 @@ import torch
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.intake import Contribution, check_announcement, fetch_tensors, to_arrival
 from diloco.coordinator.leadership import Fenced, Leadership
-from diloco.coordinator.outer import NesterovState, apply_round
+from diloco.coordinator.outer import NesterovState, outer_step, round_delta, scale_update, update_norm
 from diloco.coordinator.policy import (RECENT_ROUNDS, RoundSize, RoundState, decide_round, merge_order, merge_weights,
                                        next_cadence, round_size, round_step, run_end, served_deadline,
                                        staleness_verdict)
@@ -509,12 +510,17 @@ class Coordinator:
             contributions = [by_id[a.contribution_id] for a in ordered]
             weights = merge_weights(ordered, frag.head, self.round_cfg)
             settings = self._settings("delta")
-            if self.config.scale_rounds:
-                step = round_step(round_size(ordered), frag.recent)
-                settings |= {"round_scale": step.scale, "progress": step.progress}
-            # The settings the manifest records configure the merge itself: a replay runs the same call.
-            params, state = apply_round(frag.params, frag.state, [c.delta for c in contributions], weights, settings,
-                                        timed=self.timing)
+            # The settings the manifest records configure the merge itself: a replay's `apply_round`
+            # runs the same merge, scale and outer step from them.
+            with self.timing("merge"):
+                update = round_delta([c.delta for c in contributions], weights, settings)
+                if self.config.scale_rounds:
+                    norm = update_norm(update)
+                    step = round_step(round_size(ordered, norm), frag.recent)
+                    settings |= {"round_scale": step.scale, "progress": step.progress, "update_norm": norm}
+                    update = scale_update(update, step.scale)
+            with self.timing("outer"):
+                params, state = outer_step(frag.params, frag.state, update, settings)
             with self.timing("outer"):
                 finite = _finite(params) and _finite(state.momentum)
             if finite:
@@ -563,7 +569,7 @@ class Coordinator:
         rounds: list[RoundSize] = []
         manifest: Manifest | None = head
         while manifest is not None and manifest.settings.get("kind") == "delta" and len(rounds) < RECENT_ROUNDS:
-            rounds.append(round_size(manifest.inputs))
+            rounds.append(round_size(manifest.inputs, _norm(manifest.settings)))
             previous = manifest.version - 1
             manifest = read_manifest(self.store, self.keys, fragment, previous) if previous > 0 else None
         return rounds[::-1]
@@ -609,9 +615,16 @@ class Coordinator:
         arrivals = [c.arrival for c in contributions]
         frag.merged_deadline = served_deadline(frag.merged_deadline, arrivals)
         if settings.get("kind") == "delta":
-            frag.recent = [*frag.recent, round_size(arrivals)][-RECENT_ROUNDS:]
+            frag.recent = [*frag.recent, round_size(arrivals, _norm(settings))][-RECENT_ROUNDS:]
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
         elapsed = time.monotonic() - t0
         self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed
         log.info("committed fragment %d version %d from %d contribution(s) in %.3fs", fragment, version,
                  len(contributions), elapsed)
+
+
+def _norm(settings: dict) -> float | None:
+    """The `update_norm` a manifest's settings record (`policy.RoundSize.norm`), None if they do not."""
+    norm = settings.get("update_norm")
+    return float(norm) if isinstance(norm, (int, float)) and not isinstance(norm, bool) and math.isfinite(norm) \
+        else None

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from diloco.coordinator.outer import NesterovState, apply_round, merge_deltas, nesterov_step, round_delta
+from diloco.coordinator.outer import (NesterovState, apply_round, merge_deltas, nesterov_step, outer_step, round_delta,
+                                      scale_update, update_norm)
 from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundConfig, RoundSize, merge_weights, round_size,
                                        round_step)
 
@@ -250,3 +251,40 @@ def test_the_same_deltas_cut_into_more_rounds_give_nearly_the_same_model(seed: i
     before, four = _cut_into_rounds(whole, fractional=False, seed=seed)
     _, seven = _cut_into_rounds(cut, fractional=False, seed=seed)
     assert float((four - seven).norm() / (four - before).norm()) > 0.3
+
+
+def _through_a_decay(inner_lrs: list[float], movement: bool, seed: int = 3) -> list[torch.Tensor]:
+    """4 learners' rounds whose deltas scale with `inner_lrs` (one per round), through the
+    coordinator's own path: merge, measure the update (or not), size the step, scale, outer step.
+    Returns the params after each round."""
+    gen = torch.Generator().manual_seed(seed)
+    direction = torch.randn(300, generator=gen)
+    params, state, recent, cfg, out = {"w": torch.zeros(300)}, NesterovState(), [], RoundConfig(), []
+    for r, lr in enumerate(inner_lrs):
+        deltas = [{"w": lr * (0.1 * direction + 0.05 * torch.randn(300, generator=gen))} for _ in range(4)]
+        arrivals = [Arrival(f"c{r}-{i}", f"l{i}", r, 3000, 30, 0.0, 0.1) for i in range(4)]
+        update = round_delta(deltas, merge_weights(arrivals, r, cfg), OUTER)
+        norm = update_norm(update) if movement else None
+        step = round_step(round_size(arrivals, norm), recent)
+        settings = OUTER | {"outer": "fractional_nesterov", "round_scale": step.scale, "progress": step.progress}
+        replayed, _ = apply_round(params, state, deltas, merge_weights(arrivals, r, cfg), settings)
+        params, state = outer_step(params, state, scale_update(update, step.scale), settings)
+        assert torch.equal(params["w"], replayed["w"])  # a replay from the manifest's settings: the same bits
+        recent = [*recent, round_size(arrivals, norm)][-RECENT_ROUNDS:]
+        out.append(params["w"].clone())
+    return out
+
+
+def test_when_the_learners_stop_moving_the_model_stops_too() -> None:
+    # Twelve rounds at a constant inner lr, then the last rounds of a cosine schedule decaying to 0.
+    lrs = [1.0] * 12 + [0.3, 0.1, 0.03, 0.01, 0.0]
+    tokens_only, by_movement = _through_a_decay(lrs, movement=False), _through_a_decay(lrs, movement=True)
+    # Mid-run every round moves about as far as usual: the same steps, bit for bit.
+    assert all(torch.equal(a, b) for a, b in zip(tokens_only[:12], by_movement[:12], strict=True))
+    # In the decay, a whole step per round is mostly momentum and carries the model on long after the
+    # learners stopped; a step of the round's movement stops nearly where they did.
+    usual = float((tokens_only[11] - tokens_only[10]).norm())
+    drift_tokens = float((tokens_only[-1] - tokens_only[11]).norm()) / usual
+    drift_movement = float((by_movement[-1] - by_movement[11]).norm()) / usual
+    assert drift_movement < 0.5 * drift_tokens
+    assert float((by_movement[-1] - by_movement[-2]).norm()) < 1e-4 * usual  # the round of lr 0: no move

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from diloco.coordinator.policy import (Arrival, Decision, RoundConfig, RoundSize, RoundStep, RoundState, decide_round,
-                                       merge_order, merge_weights, next_cadence, quorum_target, round_step, round_size,
-                                       run_end, staleness_verdict)
+from diloco.coordinator.policy import (STILL_PROGRESS, Arrival, Decision, RoundConfig, RoundSize, RoundState, RoundStep,
+                                       decide_round, merge_order, merge_weights, next_cadence, quorum_target, round_size,
+                                       round_step, run_end, staleness_verdict)
 from diloco.storage.errors import ConfigError
 from diloco.storage.protocol import Cadence
 
@@ -334,6 +334,25 @@ def test_a_round_carrying_more_than_two_usual_rounds_per_learner_is_capped_there
     # A learner back from an S3 outage alone, its queued pieces coalesced into one 16-round delta:
     # a quarter of the fleet, 16 rounds' reach capped at 2; a whole step's time.
     assert round_step(RoundSize(16000, 1), usual) == RoundStep(scale=pytest.approx(0.25 * 2 / 16), progress=1.0)
+
+
+def test_a_round_that_barely_moves_steps_by_its_movement_not_its_tokens() -> None:
+    usual = [RoundSize(4000, 4, norm) for norm in (2.0, 1.8, 2.2, 2.0)]  # usual movement: 2.0
+    # Mid-run, a round moves about as far as usual (or half as far): its tokens say how far it steps.
+    assert round_step(RoundSize(4000, 4, 1.1), usual) == RoundStep(1.0, 1.0)
+    assert round_step(RoundSize(2000, 4, 1.5), usual) == RoundStep(1.0, pytest.approx(0.5))
+    # The end of a cosine schedule: usual tokens, but its learners hardly moved (inner lr near 0):
+    # a step of its movement against half the usual one, momentum included.
+    assert round_step(RoundSize(4000, 4, 0.1), usual) == RoundStep(1.0, pytest.approx(0.1))
+    # The lesser of the two counts: a quarter of the tokens that moved a tenth as far.
+    assert round_step(RoundSize(1000, 4, 0.01), usual) == RoundStep(1.0, pytest.approx(0.01))
+    # Learners that did not move at all (an inner lr of exactly 0): a step that changes nothing.
+    assert round_step(RoundSize(4000, 4, 0.0), usual) == RoundStep(1.0, STILL_PROGRESS)
+    # Movement unknown on either side (versions made before it was recorded): tokens alone.
+    assert round_step(RoundSize(4000, 4), usual) == RoundStep(1.0, 1.0)
+    assert round_step(RoundSize(4000, 4, 0.1), [RoundSize(4000, 4)] * 4) == RoundStep(1.0, 1.0)
+    # Movement is before the round's scale: a learner alone moves as far as a fleet's mean.
+    assert round_step(RoundSize(1000, 1, 3.0), usual) == RoundStep(scale=0.25, progress=pytest.approx(0.25))
 
 
 def test_round_size_counts_tokens_and_distinct_learners() -> None:
