@@ -42,16 +42,23 @@ def layer_of(module: str) -> str:
     return parts[1] if len(parts) > 1 and parts[1] in LAYERS else PACKAGE
 
 
-def imported_layers(source: str, package: str) -> set[str]:
-    """The layers (as `layer_of` names them) that a module of `package` imports."""
+def imported_names(source: str, package: str) -> set[str]:
+    """Every name a module of `package` imports, absolute: `from . import policy` in diloco.coordinator
+    is diloco.coordinator.policy; `from diloco import storage` names diloco.storage (a layer) and
+    `from diloco import Learner` diloco.Learner (the API)."""
     names = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = resolve_name("." * node.level + (node.module or ""), package) if node.level else node.module
-            # `from diloco import storage` imports a layer; `from diloco import Learner` the API.
             names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def imported_layers(source: str, package: str) -> set[str]:
+    """The layers (as `layer_of` names them) that a module of `package` imports."""
+    names = imported_names(source, package)
     ours = {name for name in names if name.split(".")[0] in LAYERS | {PACKAGE}}
     return {layer_of(name) for name in ours}
 
@@ -92,14 +99,8 @@ def infra_part(module: str) -> str | None:
 
 
 def imported_infra_parts(source: str, package: str) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = resolve_name("." * node.level + (node.module or ""), package) if node.level else node.module
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-    return {part for name in names if (part := infra_part(name)) is not None}
+    """The rooms and top-level modules of infra (as `infra_part` names them) that a module imports."""
+    return {part for name in imported_names(source, package) if (part := infra_part(name)) is not None}
 
 
 def test_infra_is_rooms_and_the_command_line():
