@@ -17,7 +17,7 @@ from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.service import Coordinator
 from diloco.infra.history.task_model import global_model
-from diloco.infra.local.fleet import Proc, diloco_command, learner_argv
+from diloco.infra.local.fleet import Proc, diloco_command, learner_argv, wait_until
 from diloco.infra.local.stack import LocalStack, create_bucket
 from diloco.storage.bus import Bus
 from diloco.storage.objects import ObjectStore
@@ -146,9 +146,8 @@ def wait_all(procs: list[Proc], timeout_s: float = 240) -> None:
 
 def wait_for(what: str, condition, procs: list[Proc] | tuple = (), timeout_s: float = 90.0) -> None:  # noqa: ANN001
     """Poll `condition` until it holds; fail if it does not in time or if one of `procs` exits."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
+    def all_alive() -> None:
         for p in procs:
             assert p.alive(), f"{p.name} exited {p.returncode()} while waiting for {what}:\n{p.tail(30)}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+
+    assert wait_until(condition, timeout_s, between=all_alive), f"timed out waiting for {what}"

@@ -23,7 +23,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from diloco.infra.history.task_model import load_params
-from diloco.infra.local.fleet import Proc, process_env
+from diloco.infra.local.fleet import Fleet, Proc, process_env
 from diloco.infra.local.stack import free_ports
 from diloco.workers.tasks.base import Task
 
@@ -105,25 +105,24 @@ def run_torchft(task: Task, task_path: Path, out: Path, *, replicas: int, steps:
     env = process_env({})
     lighthouse, address = start_lighthouse(replicas, out / "logs" / "torchft-lighthouse.log", env)
     started, started_unix = time.monotonic(), time.time()
-    procs = [Proc(f"replica-{i}", [sys.executable, "-m", "diloco.infra.bench.torchft_replica", "--task", str(task_path),
-                                   "--replica", str(i), "--replicas", str(replicas),
-                                   "--lighthouse", address, "--steps", str(steps),
-                                   "--sync-every", str(sync_every), "--data-seed", str(i), "--out", str(arm)],
-                  out / "logs" / f"torchft-replica-{i}.log", env).start() for i in range(replicas)]
-    try:
-        while any(p.alive() for p in procs):
-            time.sleep(0.5)
-            failed = [p for p in procs if p.returncode() not in (None, 0)]
-            if failed:
-                raise RuntimeError(f"torchft: {failed[0].name} failed ({failed[0].returncode()}):\n{failed[0].tail()}")
-            if time.monotonic() - started > budget_s + OVERRUN_S:
-                raise RuntimeError(f"torchft: replicas still running after {budget_s + OVERRUN_S:.0f}s: see "
-                                   f"{out / 'logs'}")
-        wall_s = time.monotonic() - started
-    finally:
-        for proc in procs:
-            proc.terminate(10)
-        lighthouse.terminate(10)
+    with Fleet(env, out / "logs") as fleet:
+        try:
+            for i in range(replicas):
+                fleet.add(f"replica-{i}", [sys.executable, "-m", "diloco.infra.bench.torchft_replica", "--task",
+                                           str(task_path), "--replica", str(i), "--replicas", str(replicas),
+                                           "--lighthouse", address, "--steps", str(steps),
+                                           "--sync-every", str(sync_every), "--data-seed", str(i), "--out", str(arm)],
+                          log=f"torchft-replica-{i}.log")
+            while fleet.busy():
+                time.sleep(0.5)
+                fleet.check()  # a replica must end with 0
+                if time.monotonic() - started > budget_s + OVERRUN_S:
+                    raise RuntimeError(f"torchft: replicas still running after {budget_s + OVERRUN_S:.0f}s: see "
+                                       f"{out / 'logs'}")
+            wall_s = time.monotonic() - started
+        finally:
+            fleet.stop(timeout_s=10)
+            lighthouse.terminate(10)
     return PeerResult("torchft", wall_s, *evaluate_versions(task, versions, started_unix), steps)
 
 

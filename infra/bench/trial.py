@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.infra.history.task_model import load_version
-from diloco.infra.local.fleet import Proc, diloco_command, learner_argv, process_env
+from diloco.infra.local.fleet import Fleet, diloco_command, learner_argv, process_env, wait_until
 from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.storage.bus import Bus
 from diloco.storage.history import list_versions, read_layout, read_manifest
@@ -143,12 +143,11 @@ def round_stats(manifests: dict[int, list[Manifest]]) -> RoundStats:
         weight_sum=sum(sum(c.weight for c in m.inputs) for m in merged) / n)
 
 
-def _learner_proc(trial: Trial, plan: LearnerPlan, run: str, env: dict[str, str], task_path: Path, logs: Path,
-                  until: float, incarnation: int) -> Proc:
-    argv = learner_argv(run, plan.name, task_path, steps=plan.steps, until=until, slowdown=plan.slowdown,
+def _learner_argv(trial: Trial, plan: LearnerPlan, run: str, task_path: Path, until: float,
+                  incarnation: int) -> list[str]:
+    return learner_argv(run, plan.name, task_path, steps=plan.steps, until=until, slowdown=plan.slowdown,
                         step_time_s=trial.step_time_s, data_seed=plan.data_seed + 1000 * incarnation,
                         extra=trial.learner_args)
-    return Proc(plan.name, argv, logs / f"{trial.name}-{plan.name}.log", env)
 
 
 def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: str | None = None,
@@ -160,70 +159,30 @@ def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: st
     out.mkdir(parents=True, exist_ok=True)
     task_path = out / "task.json"
     task_path.write_text(json.dumps(task.to_wire()))
-    env = process_env(stack.env())
-    logs = out / "logs"
     started = time.monotonic()
     started_unix = time.time()
-    coordinator = Proc("coordinator", diloco_command("coordinator", "--run", run, *trial.run_args,
-                                                     *trial.coordinator_args),
-                       logs / f"{trial.name}-coordinator.log", env).start()
     until = started_unix + trial.budget_s
-    procs = {p.name: _learner_proc(trial, p, run, env, task_path, logs, until, 0).start()
-             for p in trial.learners}
-    plans = {p.name: p for p in trial.learners}
-    next_outage = {name: 0 for name in plans}
-    down: dict[str, float] = {}  # killed learners -> when they come back
-    killed: set[str] = set()  # learners whose current process we killed
-    restarts = 0
-    try:
-        while any(p.alive() for p in procs.values()) or down:
-            time.sleep(0.2)
-            elapsed = time.monotonic() - started
-            if not coordinator.alive():
-                raise RuntimeError(f"{trial.name}: the coordinator exited ({coordinator.returncode()}):\n"
-                                   f"{coordinator.tail()}")
-            if elapsed > trial.budget_s + OVERRUN_S:
-                stuck = [name for name, proc in procs.items() if proc.alive()]
-                log.warning("%s: %s still running %.0fs after the budget: killed", trial.name, stuck, OVERRUN_S)
-                for name in stuck:
-                    procs[name].kill()
-                break
-            for name, proc in procs.items():
-                if proc.returncode() not in (None, 0) and name not in killed:
-                    raise RuntimeError(f"{trial.name}: {name} failed ({proc.returncode()}):\n{proc.tail()}")
-                outages = plans[name].outages
-                if name not in down and next_outage[name] < len(outages) and elapsed >= outages[next_outage[name]][0]:
-                    down_s = outages[next_outage[name]][1]
-                    next_outage[name] += 1
-                    if proc.alive():
-                        proc.kill()
-                        killed.add(name)
-                        down[name] = elapsed + down_s
-                        log.info("%s: SIGKILL %s at %.0fs; back in %.0fs", trial.name, name, elapsed, down_s)
-            for name, back_at in list(down.items()):
-                if elapsed >= back_at:
-                    del down[name]
-                    if elapsed < trial.budget_s - 1.0:
-                        killed.discard(name)
-                        restarts += 1
-                        procs[name] = _learner_proc(trial, plans[name], run, env, task_path, logs, until,
-                                                    restarts).start()
-        bus = Bus(stack.endpoints, run)
-        deadline = time.monotonic() + 15.0
-        while bus.pending_count() and time.monotonic() < deadline:  # let the last round merge
-            time.sleep(0.2)
-        deadline = time.monotonic() + RUN_END_S
-        while bus.run_end() is None and time.monotonic() < deadline:  # the learners' final pieces merged
-            time.sleep(0.2)
-        if bus.run_end() is None:
-            log.warning("%s: run %s did not end within %.0fs of its last learner: measuring the heads as they are",
-                        trial.name, run, RUN_END_S)
-        wall_s = time.monotonic() - started
-        counters, heads, learners = bus.counters(), bus.heads(), bus.learner_stats()
-    finally:
-        for proc in procs.values():
-            proc.terminate(10)
-        coordinator.terminate()
+    coordinator = f"{trial.name}-coordinator"
+    plans = {f"{trial.name}-{p.name}": p for p in trial.learners}  # the fleet's names, and so its logs' names
+    with Fleet(process_env(stack.env()), out / "logs") as fleet:
+        try:
+            fleet.add(coordinator, diloco_command("coordinator", "--run", run, *trial.run_args,
+                                                  *trial.coordinator_args), service=True)
+            for name, plan in plans.items():
+                # A restarted learner's data seed counts the trial's restarts so far, not its own.
+                fleet.add(name, lambda i, plan=plan: _learner_argv(trial, plan, run, task_path, until,
+                                                                   fleet.restarts if i else 0))
+            _supervise(trial, fleet, plans, started)
+            bus = Bus(stack.endpoints, run)
+            wait_until(lambda: bus.pending_count() == 0, 15.0)  # let the last round merge
+            if not wait_until(lambda: bus.run_end() is not None, RUN_END_S):  # the learners' final pieces merged
+                log.warning("%s: run %s did not end within %.0fs of its last learner: measuring the heads as they "
+                            "are", trial.name, run, RUN_END_S)
+            wall_s = time.monotonic() - started
+            counters, heads, learners = bus.counters(), bus.heads(), bus.learner_stats()
+        finally:
+            fleet.stop(plans, timeout_s=10)
+            fleet.stop([coordinator])
     with aws_env(stack.env()):
         store, keys = ObjectStore(stack.endpoints), RunKeys(stack.endpoints.prefix, run)
         layout = read_layout(store, keys)
@@ -238,7 +197,32 @@ def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: st
     # Each fragment's contributions cover the learner's tokens once: the fleet's merged tokens are the mean.
     merged = sum(c.tokens for history in manifests.values() for m in history[1:] for c in m.inputs) // len(manifests)
     return TrialResult(trial.name, run, wall_s, curve[-1][1], curve, curve_versions, counters, heads,
-                       {k: dict(v) for k, v in learners.items()}, restarts, merged, round_stats(manifests))
+                       {k: dict(v) for k, v in learners.items()}, fleet.restarts, merged, round_stats(manifests))
+
+
+def _supervise(trial: Trial, fleet: Fleet, plans: dict[str, LearnerPlan], started: float) -> None:
+    """Watch the trial until its learners are done, carrying out their outages: SIGKILL at at_s, back
+    down_s later (unless that is within a second of the budget's end). Learners still running
+    OVERRUN_S after the budget are killed."""
+    next_outage = dict.fromkeys(plans, 0)
+    while fleet.busy(plans):
+        time.sleep(0.2)
+        fleet.check()  # the coordinator must not exit, a learner must end with 0 unless we killed it
+        elapsed = time.monotonic() - started
+        if elapsed > trial.budget_s + OVERRUN_S:
+            stuck = [name for name in plans if fleet.alive(name)]
+            log.warning("%s: %s still running %.0fs after the budget: killed", trial.name, stuck, OVERRUN_S)
+            for name in stuck:
+                fleet.kill(name)
+            return
+        for name, plan in plans.items():
+            due = next_outage[name]
+            if fleet.members[name].back_at is None and due < len(plan.outages) and elapsed >= plan.outages[due][0]:
+                next_outage[name] += 1
+                down_s = plan.outages[due][1]
+                if fleet.alive(name):
+                    fleet.kill(name, back_in_s=down_s if elapsed + down_s < trial.budget_s - 1.0 else None)
+                    log.info("%s: SIGKILL %s at %.0fs; back in %.0fs", trial.name, plan.name, elapsed, down_s)
 
 
 def eval_curve(task: Task, store: ObjectStore, layout: Layout, manifests: dict[int, list[Manifest]],

@@ -1,6 +1,7 @@
 """The processes of a chaos run: coordinators armed with crash points, learners restarted after faults.
 
-`ChaosFleet.supervise()` is called every tick by the runner (infra/chaos/suite.py). It
+`ChaosFleet.supervise()` is called every tick by the runner (infra/chaos/suite.py). On a `Fleet`
+(infra.local.fleet), it
 - judges every process that exited by what it was sent: a SIGTERMed learner must exit 0, a
   coordinator armed with a crash point must die there, anything unasked for is a failure;
 - restarts learners (same id, next data seed) `restart_delay_s` after they exited;
@@ -27,7 +28,7 @@ import redis
 
 from diloco.infra.chaos.config import ChaosConfig
 from diloco.infra.chaos.faults import Fault
-from diloco.infra.local.fleet import Proc, diloco_command, learner_argv
+from diloco.infra.local.fleet import Exit, Fleet, Member, Proc, diloco_command, learner_argv
 from diloco.storage.crashpoints import ENV as CRASH_ENV
 
 log = logging.getLogger(__name__)
@@ -62,16 +63,24 @@ class Tally:
 
 @dataclass
 class CoordinatorProc:
+    member: Member
     proc: Proc
     fault: Fault | None
     """The coordinator fault it is armed for: it SIGKILLs itself at that commit step (DILOCO_CRASH_AT)."""
-    stopping: bool = False
-    """We sent it SIGKILL or SIGTERM."""
     ready: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.member.name
 
     @property
     def point(self) -> str | None:
         return None if self.fault is None else self.fault.target
+
+    @property
+    def stopping(self) -> bool:
+        """We sent it SIGKILL or SIGTERM."""
+        return self.member.sent is not None
 
     def standing_by(self) -> bool:
         """Started and waiting for the lease (its imports done, so it takes over without delay)."""
@@ -81,25 +90,24 @@ class CoordinatorProc:
 
 @dataclass
 class LearnerSlot:
-    name: str
-    index: int
-    proc: Proc | None = None
-    incarnation: int = 0
-    restart_at: float | None = 0.0
-    expect: str = ""
-    """'kill' or 'term' once we signalled it, so that its exit is judged by what it was sent."""
-    signalled_at: float = 0.0
+    member: Member
     joined_at: float | None = None
-    """When it was first seen to have joined the run (its log says so)."""
+    """When its current process was first seen to have joined the run (its log says so)."""
+
+    @property
+    def name(self) -> str:
+        return self.member.name
 
     def joined(self) -> bool:
-        if self.joined_at is None and self.proc is not None and "joined run" in self.proc.tail(200):
+        proc = self.member.proc
+        if self.joined_at is None and proc is not None and "joined run" in proc.tail(200):
             self.joined_at = time.monotonic()
         return self.joined_at is not None
 
     def training_for_s(self) -> float:
-        """Seconds since it joined and started training; 0 if it is not training."""
-        if self.proc is None or self.expect or not self.proc.alive() or not self.joined():
+        """Seconds since it joined and started training; 0 if it is not training (or we signalled it)."""
+        proc = self.member.proc
+        if proc is None or self.member.sent is not None or not proc.alive() or not self.joined():
             return 0.0
         return time.monotonic() - (self.joined_at or 0.0)
 
@@ -107,48 +115,47 @@ class LearnerSlot:
 class ChaosFleet:
     def __init__(self, cfg: ChaosConfig, env: dict[str, str], quick: redis.Redis, lease_key: str,
                  task_path: Path, tally: Tally) -> None:
-        self.cfg, self.env, self.quick, self.lease_key, self.task_path = cfg, env, quick, lease_key, task_path
+        self.cfg, self.quick, self.lease_key, self.task_path = cfg, quick, lease_key, task_path
         self.tally = tally
+        self.fleet = Fleet(env, cfg.out / "logs", term_timeout_s=TERM_TIMEOUT_S)
         self.coordinators: list[CoordinatorProc] = []
-        self.slots = [LearnerSlot(f"l{i}", i) for i in range(cfg.learners)]
+        # Learners train until stopped (any exit of their own is a failure) and come back, same id, next
+        # data seed, restart_delay_s after any exit; each incarnation logs to a file of its own.
+        self.slots = [LearnerSlot(self.fleet.add(
+            f"l{i}", lambda incarnation, i=i: self._learner_argv(i, incarnation), log=lambda n, i=i: f"l{i}.{n}.log",
+            service=True, restart_after_s=cfg.restart_delay_s, start=False)) for i in range(cfg.learners)]
         self.coordinator_faults: list[Fault] = []
         """Coordinator faults that have not fired yet, by time."""
-        self.spawned = self.restarts = self.deposed = 0
+        self.spawned = self.deposed = 0
+
+    @property
+    def restarts(self) -> int:
+        return self.fleet.restarts
 
     def supervise(self, elapsed: float, *, arming: bool, restart: bool, may_kill: bool) -> None:
         """`arming`: carry out coordinator faults; `restart`: restart learners that exited;
         `may_kill`: a due coordinator fault may SIGKILL the holder now (no server is restarting)."""
-        self._learners(restart)
-        self._reap_coordinators()
+        self._judge(self.fleet.watch(restart=restart))
         self._keep_coordinators(elapsed, arming, may_kill)
 
-    # ---- learners ------------------------------------------------------------------------------
-    def _learners(self, restart: bool) -> None:
-        now = time.monotonic()
-        for slot in self.slots:
-            p = slot.proc
-            if p is not None and p.returncode() is not None:
-                rc = p.returncode()
-                if slot.expect == "term" and rc != 0:
-                    self.tally.fail(f"{p.name} exited {rc} after SIGTERM, not 0:\n{p.tail(15)}")
-                elif not slot.expect:
-                    self.tally.fail(f"{p.name} exited {rc} on its own:\n{p.tail(15)}")
-                slot.proc, slot.expect, slot.joined_at = None, "", None
-                slot.restart_at = now + self.cfg.restart_delay_s
-            elif p is not None and slot.expect == "term" and now - slot.signalled_at > TERM_TIMEOUT_S:
-                self.tally.fail(f"{p.name} still running {TERM_TIMEOUT_S:.0f}s after SIGTERM:\n{p.tail(15)}")
-                p.kill()
-            if slot.proc is None and restart and slot.restart_at is not None and now >= slot.restart_at:
-                self._start_learner(slot)
+    def _judge(self, exits: list[Exit]) -> None:
+        learners = {s.name: s for s in self.slots}
+        for done in exits:
+            if done.name in learners:
+                learners[done.name].joined_at = None
+                if done.problem:  # judged by the fleet: by what it was sent, and a learner trains until stopped
+                    self.tally.fail(done.problem)
+            else:
+                self._coordinator_exited(done)
 
-    def _start_learner(self, slot: LearnerSlot) -> None:
-        if slot.incarnation:
-            self.restarts += 1
-        argv = learner_argv(self.cfg.run, slot.name, self.task_path, steps=1_000_000, slowdown=self.cfg.slowdown,
-                            data_seed=1000 * slot.index + slot.incarnation)
-        log_path = self.cfg.out / "logs" / f"{slot.name}.{slot.incarnation}.log"
-        slot.proc, slot.restart_at = Proc(slot.name, argv, log_path, self.env).start(), None
-        slot.incarnation += 1
+    # ---- learners ------------------------------------------------------------------------------
+    def _learner_argv(self, index: int, incarnation: int) -> list[str]:
+        return learner_argv(self.cfg.run, f"l{index}", self.task_path, steps=1_000_000, slowdown=self.cfg.slowdown,
+                            data_seed=1000 * index + incarnation)
+
+    def start_learners(self) -> None:
+        for slot in self.slots:
+            self.fleet.start(slot.name)
 
     def all_joined(self) -> bool:
         return all(s.joined() for s in self.slots)
@@ -161,48 +168,43 @@ class ChaosFleet:
         for slot in sorted(training, key=lambda s: s.name != fault.target):
             if len(training) < 2 or slot.training_for_s() < MIN_TRAINING_S:
                 continue
-            self._signal(slot, "term" if fault.kind == "learner_term" else "kill")
+            if fault.kind == "learner_term":
+                self.fleet.term(slot.name)
+            else:
+                self.fleet.kill(slot.name)
             return True
         return False
-
-    def _signal(self, slot: LearnerSlot, how: str) -> None:
-        assert slot.proc is not None
-        slot.expect, slot.signalled_at = how, time.monotonic()
-        if how == "kill":
-            slot.proc.kill()
-        else:
-            slot.proc.send(signal.SIGTERM)
 
     def stop_learners(self) -> None:
         """SIGTERM every learner that trains (it must exit 0); SIGKILL any still starting, whose
         SIGTERM handler may not be set yet."""
         for slot in self.slots:
-            if slot.proc is not None and slot.proc.alive() and not slot.expect:
-                self._signal(slot, "term" if slot.joined() else "kill")
+            if self.fleet.alive(slot.name) and slot.member.sent is None:
+                if slot.joined():
+                    self.fleet.term(slot.name)
+                else:
+                    self.fleet.kill(slot.name)
 
     def learners_gone(self) -> bool:
-        return all(s.proc is None for s in self.slots)
+        return all(s.member.proc is None for s in self.slots)
 
     # ---- coordinators --------------------------------------------------------------------------
-    def _reap_coordinators(self) -> None:
-        for c in list(self.coordinators):
-            rc = c.proc.returncode()
-            if rc is None:
-                continue
-            self.coordinators.remove(c)
-            tail = c.proc.tail(30)
-            if c.point is not None and rc == -signal.SIGKILL and f"crash point {c.point} reached" in tail:
-                self.tally.count(f"coordinator_kill:{c.point}")
-                if c.fault in self.coordinator_faults:
-                    self.coordinator_faults.remove(c.fault)
-                log.info("chaos: %s died at crash point %s", c.proc.name, c.point)
-            elif c.stopping and rc in (0, -signal.SIGKILL, -signal.SIGTERM):
-                pass
-            elif rc == 1 and ("another coordinator" in tail or "FENCED" in tail):
-                self.deposed += 1  # it lost the lease (e.g. across a Redis restart) and stopped: by design
-                log.info("chaos: %s was deposed and stopped", c.proc.name)
-            else:
-                self.tally.fail(f"{c.proc.name} exited {rc}:\n{c.proc.tail(15)}")
+    def _coordinator_exited(self, done: Exit) -> None:
+        c = next(c for c in self.coordinators if c.name == done.name)
+        self.coordinators.remove(c)
+        rc, tail = done.returncode, c.proc.tail(30)
+        if c.point is not None and rc == -signal.SIGKILL and f"crash point {c.point} reached" in tail:
+            self.tally.count(f"coordinator_kill:{c.point}")
+            if c.fault in self.coordinator_faults:
+                self.coordinator_faults.remove(c.fault)
+            log.info("chaos: %s died at crash point %s", c.name, c.point)
+        elif done.sent is not None and rc in (0, -signal.SIGKILL, -signal.SIGTERM):
+            pass
+        elif rc == 1 and ("another coordinator" in tail or "FENCED" in tail):
+            self.deposed += 1  # it lost the lease (e.g. across a Redis restart) and stopped: by design
+            log.info("chaos: %s was deposed and stopped", c.name)
+        else:
+            self.tally.fail(f"{c.name} exited {rc}:\n{done.tail}")
 
     def _keep_coordinators(self, elapsed: float, arming: bool, may_kill: bool) -> None:
         try:
@@ -219,8 +221,7 @@ class ChaosFleet:
         plain = [c for c in standbys if c.fault is None]
         if len(plain) < len(standbys):
             for c in plain:  # it would race the armed ones for the lease
-                c.stopping = True
-                c.proc.send(signal.SIGTERM)
+                self.fleet.term(c.name)
         elif not standbys:
             self._spawn_coordinator(None)
         due = faults[0] if faults and faults[0].at_s <= elapsed else None
@@ -228,10 +229,9 @@ class ChaosFleet:
             return  # nothing due, or the previous coordinator fault is still playing out
         ready = [c for c in standbys if c.fault is not None and c.standing_by()]
         if ready:
-            log.info("chaos: t=%.1fs SIGKILL %s; standing by, armed: %s", elapsed, holder.proc.name,
-                     ", ".join(c.proc.name for c in ready))
-            holder.stopping = True
-            holder.proc.kill()
+            log.info("chaos: t=%.1fs SIGKILL %s; standing by, armed: %s", elapsed, holder.name,
+                     ", ".join(c.name for c in ready))
+            self.fleet.kill(holder.name)
 
     def _spawn_coordinator(self, fault: Fault | None) -> CoordinatorProc:
         point = None if fault is None else fault.target
@@ -240,10 +240,11 @@ class ChaosFleet:
         argv = diloco_command("coordinator", "--run", self.cfg.run, "--fragments", "2", "--sync-every", "10",
                               "--overlap-steps", "5", "--codec", "int8", "--lease-s", str(self.cfg.lease_s),
                               "--standby")
-        env = self.env | ({CRASH_ENV: f"{point}:1"} if point else {})
-        proc = Proc(name, argv, self.cfg.out / "logs" / f"{name}.log", env).start()
+        env = self.fleet.env | ({CRASH_ENV: f"{point}:1"} if point else {})
+        member = self.fleet.add(name, argv, env=env, service=True)
         log.info("chaos: started %s", name)
-        self.coordinators.append(CoordinatorProc(proc, fault))
+        assert member.proc is not None
+        self.coordinators.append(CoordinatorProc(member, member.proc, fault))
         return self.coordinators[-1]
 
     def holder(self) -> CoordinatorProc | None:
@@ -267,18 +268,12 @@ class ChaosFleet:
     def stop_coordinators(self) -> None:
         """SIGTERM the standbys, then the active one, which must exit 0."""
         holder = self.holder()
-        for c in sorted(self.coordinators, key=lambda c: c is holder):
-            c.stopping = True
-            rc = c.proc.terminate(timeout_s=30.0)
-            if c is holder and rc != 0:
-                self.tally.fail(f"{c.proc.name} (active) exited {rc} on SIGTERM:\n{c.proc.tail(15)}")
-        self._reap_coordinators()
+        codes = self.fleet.stop([c.name for c in sorted(self.coordinators, key=lambda c: c is holder)],
+                                timeout_s=30.0)
+        if holder is not None and codes[holder.name] != 0:
+            self.tally.fail(f"{holder.name} (active) exited {codes[holder.name]} on SIGTERM:\n{holder.proc.tail(15)}")
+        self._judge(self.fleet.watch(restart=False))
 
     def kill_all(self) -> None:
         """Whatever happened: nothing of ours keeps running."""
-        for c in self.coordinators:
-            c.stopping = True
-            c.proc.kill()
-        for slot in self.slots:
-            if slot.proc is not None:
-                slot.proc.kill()
+        self.fleet.kill_all()

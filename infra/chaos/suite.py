@@ -41,7 +41,7 @@ from diloco.infra.chaos.faults import CORRUPTIONS, HEAVY, Fault, forge, labels, 
 from diloco.infra.chaos.ledger import Ledger, StreamWatcher, account, backlog, gather
 from diloco.infra.chaos.processes import ChaosFleet, Tally
 from diloco.infra.history.task_model import global_model
-from diloco.infra.local.fleet import process_env
+from diloco.infra.local.fleet import process_env, wait_until
 from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.storage.bus import Bus
 from diloco.storage.errors import DilocoError
@@ -173,6 +173,7 @@ class Chaos:
 
     def _bring_up(self) -> None:
         self.fleet.task_path.write_text(json.dumps(TASK.to_wire()))
+        self.fleet.start_learners()
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             self.fleet.supervise(0.0, arming=False, restart=True, may_kill=False)
@@ -219,24 +220,16 @@ class Chaos:
         if self.server_fault is not None:
             self.server_fault.join()
         self.fleet.stop_learners()
-        while not self.fleet.learners_gone():  # each one exits, or is SIGKILLed after TERM_TIMEOUT_S
-            self.fleet.supervise(math.inf, arming=False, restart=False, may_kill=False)
-            time.sleep(TICK_S)
-        deadline = time.monotonic() + self.cfg.drain_s
-        while True:
-            self.fleet.supervise(math.inf, arming=False, restart=False, may_kill=False)
-            try:
-                left = backlog(self.quick, self.bus.keys)
-            except redis.RedisError:
-                left = -1
-            if left == 0:
-                break
-            if time.monotonic() > deadline:
-                self.tally.fail(f"{left} announcement(s) still pending {self.cfg.drain_s:.0f}s after the learners "
-                                "stopped")
-                break
-            time.sleep(TICK_S)
+        # Each learner exits, or is SIGKILLed TERM_TIMEOUT_S after its SIGTERM.
+        wait_until(self.fleet.learners_gone, math.inf, tick_s=TICK_S, between=self._supervise_draining)
+        if not wait_until(lambda: self._backlog() == 0, self.cfg.drain_s, tick_s=TICK_S,
+                          between=self._supervise_draining):
+            self.tally.fail(f"{self._backlog()} announcement(s) still pending {self.cfg.drain_s:.0f}s after the "
+                            "learners stopped")
         self.fleet.stop_coordinators()
+
+    def _supervise_draining(self) -> None:
+        self.fleet.supervise(math.inf, arming=False, restart=False, may_kill=False)
 
     # ---- faults --------------------------------------------------------------------------------
     def _execute(self, fault: Fault) -> bool:
@@ -296,6 +289,13 @@ class Chaos:
             return False
         self.forged[cid] = fault.target
         return True
+
+    def _backlog(self) -> int:
+        """Announcements the coordinator has not dealt with yet; -1 while Redis does not answer."""
+        try:
+            return backlog(self.quick, self.bus.keys)
+        except redis.RedisError:
+            return -1
 
     def _heads(self) -> dict[int, int]:
         try:

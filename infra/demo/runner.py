@@ -22,7 +22,7 @@ import torch
 from diloco.coordinator.config import RunSettings
 from diloco.infra.history.archive import export_run
 from diloco.infra.history.task_model import global_model
-from diloco.infra.local.fleet import Proc, diloco_command, learner_argv, process_env
+from diloco.infra.local.fleet import Fleet, diloco_command, learner_argv, process_env, wait_until
 from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.storage.bus import Bus
 from diloco.storage.objects import ObjectStore
@@ -58,13 +58,10 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _learner_proc(cfg: DemoConfig, env: dict[str, str], index: int, steps: int, incarnation: int,
-                  task_path: Path) -> Proc:
-    name = f"learner-{index}"
+def _learner_argv(cfg: DemoConfig, index: int, steps: int, incarnation: int, task_path: Path) -> list[str]:
     slowdown = cfg.slow_factor if index == cfg.learners - 1 else 1.0
-    argv = learner_argv(cfg.run, name, task_path, steps=steps, slowdown=slowdown,
+    return learner_argv(cfg.run, f"learner-{index}", task_path, steps=steps, slowdown=slowdown,
                         data_seed=1000 * index + incarnation)
-    return Proc(name, argv, cfg.out / "logs" / f"{name}.log", env)
 
 
 def run_demo(cfg: DemoConfig) -> dict:
@@ -82,16 +79,17 @@ def run_demo(cfg: DemoConfig) -> dict:
         + (f"{floor:.4f} nats/token" if floor is not None else "unknown (text)"))
     with LocalStack(cfg.out / "stack") as stack, aws_env(stack.env()):  # its credentials for our own S3 reads
         endpoints = stack.start()
-        env = process_env(stack.env())
         say(f"stack: redis {redact_url(endpoints.redis_url)}, s3 {endpoints.s3_endpoint} bucket {endpoints.bucket}")
         s = cfg.settings
-        coordinator = Proc("coordinator", diloco_command(
-            "coordinator", "--run", cfg.run, "--fragments", str(s.num_fragments), "--sync-every", str(s.sync_every),
-            "--overlap-steps", str(s.overlap_steps), "--codec", s.codec, "--min-quorum", str(cfg.min_quorum)),
-            cfg.out / "logs" / "coordinator.log", env).start()
-        learners = [_learner_proc(cfg, env, i, cfg.steps, 0, task_path).start() for i in range(cfg.learners)]
-        summary = _watch(cfg, endpoints, coordinator, learners, task_path, env)
-        coordinator.terminate()
+        with Fleet(process_env(stack.env()), cfg.out / "logs") as fleet:
+            fleet.add("coordinator", diloco_command(
+                "coordinator", "--run", cfg.run, "--fragments", str(s.num_fragments), "--sync-every",
+                str(s.sync_every), "--overlap-steps", str(s.overlap_steps), "--codec", s.codec, "--min-quorum",
+                str(cfg.min_quorum)), service=True)
+            for i in range(cfg.learners):
+                fleet.add(f"learner-{i}", _learner_argv(cfg, i, cfg.steps, 0, task_path))
+            _watch(cfg, endpoints, fleet, task_path)
+            fleet.stop(["coordinator"])
         store = ObjectStore(endpoints)
         bus = Bus(endpoints, cfg.run)
         heads = bus.heads()
@@ -120,7 +118,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         "versions_committed": counters.get("versions_committed", 0),
         "contributions_applied": counters.get("contributions_applied", 0),
         "contributions_refused": counters.get("contributions_refused", 0),
-        "learner_restarts": summary["restarts"],
+        "learner_restarts": fleet.restarts,
         "heads": {str(k): v for k, v in sorted(heads.items())},
         "tokens_per_learner_step": task.tokens_per_step(),
         "learners": cfg.learners,
@@ -140,28 +138,24 @@ def run_demo(cfg: DemoConfig) -> dict:
     return result
 
 
-def _watch(cfg: DemoConfig, endpoints: Endpoints, coordinator: Proc, learners: list[Proc], task_path: Path,
-           env: dict[str, str]) -> dict:
-    """Print progress, kill and restart learner 1 midway, return when every learner has finished."""
+def _watch(cfg: DemoConfig, endpoints: Endpoints, fleet: Fleet, task_path: Path) -> None:
+    """Print progress, kill learner 1 midway and restart it a second later, return when every learner
+    has finished and the coordinator has ended the run (or 30 s later)."""
     bus = Bus(endpoints, cfg.run)
-    victim, killed, restarts = 1 % cfg.learners, False, 0
+    learners = [f"learner-{i}" for i in range(cfg.learners)]
+    victim, killed = 1 % cfg.learners, False
     last_print = 0.0
-    while any(p.alive() for p in learners):
+    while fleet.busy(learners):
         time.sleep(0.5)
-        if not coordinator.alive():
-            raise RuntimeError(f"the coordinator exited ({coordinator.returncode()}):\n{coordinator.tail()}")
-        for p in learners:
-            if p.returncode() not in (None, 0):
-                raise RuntimeError(f"{p.name} failed ({p.returncode()}):\n{p.tail()}")
+        fleet.check()  # the coordinator must not exit, a learner must finish with 0
         stats = bus.learner_stats()
-        if not killed and stats.get(learners[victim].name, {}).get("step", 0) >= cfg.kill_at * cfg.steps:
-            done = int(stats[learners[victim].name]["step"])
-            learners[victim].kill()
-            say(f"!! SIGKILL {learners[victim].name} at step {done}; restarting it for the remaining "
+        if not killed and stats.get(learners[victim], {}).get("step", 0) >= cfg.kill_at * cfg.steps:
+            done = int(stats[learners[victim]]["step"])
+            fleet.kill(learners[victim], back_in_s=1.0,
+                       argv=_learner_argv(cfg, victim, cfg.steps - done, 1, task_path))
+            say(f"!! SIGKILL {learners[victim]} at step {done}; restarting it for the remaining "
                 f"{cfg.steps - done} steps")
-            time.sleep(1.0)
-            learners[victim] = _learner_proc(cfg, env, victim, cfg.steps - done, 1, task_path).start()
-            killed, restarts = True, restarts + 1
+            killed = True
         if time.monotonic() - last_print > 3.0:
             last_print = time.monotonic()
             heads = bus.heads()
@@ -169,9 +163,7 @@ def _watch(cfg: DemoConfig, endpoints: Endpoints, coordinator: Proc, learners: l
                      for n, s in sorted(stats.items())]
             say(f"versions {dict(sorted(heads.items()))} | " + " | ".join(parts))
     # Every learner has finished: the coordinator merges their final pieces and ends the run.
-    deadline = time.monotonic() + 30.0
-    while (end := bus.run_end()) is None and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_until(lambda: bus.run_end() is not None, 30.0, tick_s=0.5)
+    end = bus.run_end()
     say(f"run finished: final versions {dict(enumerate(end.versions))}" if end else
         "the coordinator did not end the run within 30s of the last learner: taking the heads as they are")
-    return {"restarts": restarts}

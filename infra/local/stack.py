@@ -11,9 +11,9 @@ certificate made under `<dir>/redis/tls/` with `openssl`; needs a redis-server b
 as Debian's). `redis_url` then carries all a client needs:
 `rediss://user:password@127.0.0.1:port/0?ssl_ca_certs=<dir>/redis/tls/ca.pem&ssl_cert_reqs=required`.
 
-Every server runs in its own session (process group): stopping sends SIGTERM to the group, waits
-with a deadline and then sends SIGKILL, so nothing outlives `stop()`, also when `start()` failed
-halfway. `stack up` (detached mode) leaves the servers running and records them in
+Every server is a `Proc` (infra.local.fleet), in its own session (process group): stopping sends
+SIGTERM to the group, waits with a deadline and then sends SIGKILL, so nothing outlives `stop()`,
+also when `start()` failed halfway. `stack up` (detached mode) leaves the servers running and records them in
 `<dir>/stack.json`; `stack down` stops them from that record.
 
     with LocalStack(tmp_dir) as stack:           # starts both servers
@@ -31,7 +31,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +47,7 @@ import redis
 from botocore.config import Config
 
 from diloco.infra.local.certs import ServerCerts, ensure_server_certs
+from diloco.infra.local.fleet import Proc
 from diloco.storage.errors import DilocoError
 from diloco.storage.settings import Endpoints, redact_url
 
@@ -148,125 +148,22 @@ def create_bucket(client, bucket: str) -> None:  # noqa: ANN001 (boto3 client ty
             raise
 
 
-def _wait_until(not_ready: Callable[[], str | None], server: ServerProcess, timeout_s: float) -> None:
+def _wait_until(not_ready: Callable[[], str | None], server: Proc, timeout_s: float) -> None:
     """Poll `not_ready()` (None when ready, else why not) until it is None; fail early if the server
     died. The error carries the last reason and the tail of the server's log."""
     deadline = time.monotonic() + timeout_s
     while (reason := not_ready()) is not None:
         if not server.alive():
-            raise StackError(f"{server.name} exited while starting (last check: {reason})\n{server.tail()}")
+            raise StackError(f"{server.name} exited while starting (last check: {reason})\n{_tail(server)}")
         if time.monotonic() > deadline:
-            raise StackError(f"{server.name} not ready after {timeout_s:.0f}s (last check: {reason})\n{server.tail()}")
+            raise StackError(f"{server.name} not ready after {timeout_s:.0f}s (last check: {reason})\n"
+                             f"{_tail(server)}")
         time.sleep(0.05)
 
 
-# ---------------------------------------------------------------------------------------------
-# One server process.
-
-
-def pid_alive(pid: int) -> bool:
-    """True if `pid` runs (a zombie, or a pid we cannot see, counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no /proc (macOS): kill(0) is all we know
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _pid_runs(pid: int, exe: str) -> bool:
-    """True if `pid` is alive and still runs `exe` (guards `stack down` against a recycled pid)."""
-    if not pid_alive(pid):
-        return False
-    if not Path("/proc/self/exe").exists():
-        return True  # no /proc (macOS): trust the pid
-    try:
-        return os.path.realpath(f"/proc/{pid}/exe", strict=True) == os.path.realpath(exe)
-    except OSError:
-        return False  # it exited while we looked
-
-
-@dataclass
-class ServerProcess:
-    """A server in its own process group. `popen` is None when adopted from a state file."""
-
-    name: str
-    argv: list[str]
-    log_path: Path
-    pid: int = 0
-    stop_timeout_s: float = 10.0
-    popen: subprocess.Popen | None = None
-
-    def spawn(self, *, cwd: Path, env: dict[str, str] | None = None) -> ServerProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log_file:
-            self.popen = subprocess.Popen(self.argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
-        self.pid = self.popen.pid
-        log.debug("started %s pid %d: %s", self.name, self.pid, " ".join(self.argv))
-        return self
-
-    def alive(self) -> bool:
-        if self.popen is not None:
-            return self.popen.poll() is None
-        return self.pid > 0 and _pid_runs(self.pid, self.argv[0])
-
-    def stop(self) -> None:
-        """SIGTERM to the group, wait up to `stop_timeout_s`, then SIGKILL."""
-        if self._signal(signal.SIGTERM) and not self._wait(self.stop_timeout_s):
-            log.debug("%s did not exit %.0fs after SIGTERM; sending SIGKILL", self.name, self.stop_timeout_s)
-            self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL to the whole group: no chance to flush anything, like a machine that vanished."""
-        if self._signal(signal.SIGKILL) and not self._wait(10.0):
-            raise StackError(f"{self.name} (pid {self.pid}) survived SIGKILL")
-
-    def _signal(self, sig: signal.Signals) -> bool:
-        if not self.alive():
-            return False
-        try:
-            os.killpg(self.pid, sig)  # pgid == pid: started with start_new_session
-        except ProcessLookupError:
-            return False
-        return True
-
-    def _wait(self, timeout_s: float) -> bool:
-        if self.popen is not None:
-            try:
-                self.popen.wait(timeout_s)
-                return True
-            except subprocess.TimeoutExpired:
-                return False
-        deadline = time.monotonic() + timeout_s
-        while self.alive():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
-    def tail(self, lines: int = 15) -> str:
-        """The last lines of the log, after the fatal-looking ones (a Go panic buries its cause)."""
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return "(no log)"
-        fatal = [line for line in text[:-lines] if _FATAL.search(line)][-5:]
-        return "\n".join([*fatal, *(["..."] if fatal else []), *text[-lines:]])
-
-    def to_wire(self) -> dict:
-        return {"name": self.name, "pid": self.pid, "argv": self.argv, "log": str(self.log_path),
-                "stop_timeout_s": self.stop_timeout_s}
-
-    @classmethod
-    def from_wire(cls, d: dict) -> ServerProcess:
-        return cls(name=d["name"], argv=d["argv"], log_path=Path(d["log"]), pid=d["pid"],
-                   stop_timeout_s=d["stop_timeout_s"])
+def _tail(server: Proc) -> str:
+    """The end of a server's log, after its fatal-looking lines (a Go panic buries its cause)."""
+    return server.tail(15, notable=_FATAL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,8 +290,8 @@ class LocalStack:
         self.s3_ports = dict(zip(names, free_ports(len(names))))
         if s3_port:
             self.s3_ports["s3"] = s3_port
-        self.redis_server: ServerProcess | None = None
-        self.s3_server: ServerProcess | None = None
+        self.redis_server: Proc | None = None
+        self.s3_server: Proc | None = None
 
     # -- endpoints ------------------------------------------------------------------------------
 
@@ -467,7 +364,7 @@ class LocalStack:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def servers(self) -> list[ServerProcess]:
+    def servers(self) -> list[Proc]:
         return [s for s in (self.redis_server, self.s3_server) if s is not None]
 
     # -- Redis ----------------------------------------------------------------------------------
@@ -481,8 +378,8 @@ class LocalStack:
         certs = ensure_server_certs(self.redis_tls_dir) if self.redis_tls else None
         _write_private(data / "redis.conf", _redis_config(data, self.redis_port, user=self.redis_user,
                                                           password=self.redis_password, certs=certs))
-        self.redis_server = ServerProcess("redis", [self.redis_exe, str(data / "redis.conf")], data / "redis.log")
-        self.redis_server.spawn(cwd=data, env=_server_env())
+        self.redis_server = Proc("redis", [self.redis_exe, str(data / "redis.conf")], data / "redis.log",
+                                 env=_server_env(), cwd=data, stop_timeout_s=10.0).start()
         client = self.redis_client()
 
         def not_ready() -> str | None:
@@ -500,7 +397,7 @@ class LocalStack:
     def stop_redis(self) -> None:
         """SIGTERM: Redis fsyncs its append-only file and exits."""
         if self.redis_server is not None:
-            self.redis_server.stop()
+            self.redis_server.terminate()
 
     def kill_redis(self) -> None:
         """SIGKILL, no shutdown. What Redis wrote to its AOF is in the OS page cache and comes back on
@@ -536,8 +433,8 @@ class LocalStack:
             (data / "master.toml").write_text(_WEED_MASTER_TOML)
             argv, env = _weed_argv(self.s3_exe, data, self.s3_ports), _server_env()
             stop_timeout_s = 2.0  # SeaweedFS 4.48 hangs after SIGTERM (filer stops, master never exits)
-        self.s3_server = ServerProcess("s3", argv, data / f"{self.s3_kind}.log", stop_timeout_s=stop_timeout_s)
-        self.s3_server.spawn(cwd=data, env=env)
+        self.s3_server = Proc("s3", argv, data / f"{self.s3_kind}.log", env=env, cwd=data,
+                              stop_timeout_s=stop_timeout_s).start()
         client = s3_client(self.s3_endpoint, self.access_key, self.secret_key, timeout_s=2.0, attempts=1)
 
         def not_ready() -> str | None:
@@ -556,7 +453,7 @@ class LocalStack:
 
     def stop_s3(self) -> None:
         if self.s3_server is not None:
-            self.s3_server.stop()
+            self.s3_server.terminate()
             _remove_weed_sockets(self.s3_ports)
 
     # -- detached mode (`diloco stack up/down`) -------------------------------------------------
@@ -582,7 +479,7 @@ class DetachedStack:
 
     path: Path
     env: dict[str, str]
-    servers: tuple[ServerProcess, ...]
+    servers: tuple[Proc, ...]
     s3_ports: dict[str, int]
 
     @classmethod
@@ -592,7 +489,7 @@ class DetachedStack:
             state = json.loads(path.read_text())
         except FileNotFoundError:
             return None
-        return cls(path, state["env"], tuple(ServerProcess.from_wire(s) for s in state["servers"]), state["s3_ports"])
+        return cls(path, state["env"], tuple(Proc.from_wire(s) for s in state["servers"]), state["s3_ports"])
 
     def running(self) -> bool:
         return all(s.alive() for s in self.servers)
@@ -600,7 +497,7 @@ class DetachedStack:
     def stop(self) -> None:
         """Stop every recorded server that still runs, then remove the state file."""
         for s in reversed(self.servers):  # S3 first, Redis last: the same order as LocalStack.stop()
-            s.stop()
+            s.terminate()
         _remove_weed_sockets(self.s3_ports)
         self.path.unlink(missing_ok=True)
 

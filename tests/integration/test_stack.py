@@ -16,8 +16,8 @@ import redis
 from botocore import UNSIGNED
 from botocore.config import Config
 
-from diloco.infra.local.fleet import diloco_command
-from diloco.infra.local.stack import LocalStack, StackError, pid_alive, s3_client
+from diloco.infra.local.fleet import diloco_command, pid_alive
+from diloco.infra.local.stack import LocalStack, StackError, s3_client
 from diloco.storage.settings import Endpoints
 
 

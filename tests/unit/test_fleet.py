@@ -1,9 +1,13 @@
 """The command lines and process supervision of infra/local/fleet.py, without servers."""
 
+import signal
+import time
 from pathlib import Path
 
+import pytest
+
 from diloco.infra.cli import build_parser
-from diloco.infra.local.fleet import learner_argv
+from diloco.infra.local.fleet import Exit, Fleet, ProcessError, learner_argv, process_env, wait_until
 from diloco.workers.demo.run import DemoLearnerArgs
 
 
@@ -24,3 +28,93 @@ def test_a_learner_argv_without_a_deadline_or_pace_keeps_the_learners_defaults()
     args = _parsed(learner_argv("r1", "l0", Path("task.json"), steps=5, data_seed=0))
     defaults = DemoLearnerArgs(run="r1", learner_id="l0", steps=5)
     assert (args.slowdown, args.until, args.step_time_s) == (1.0, defaults.until, defaults.step_time_s)
+
+
+# ---- the supervisor, on small shell processes ------------------------------------------------------
+
+def _sh(script: str) -> list[str]:
+    return ["sh", "-c", script]
+
+
+RUNS = _sh("while :; do sleep 0.05; done")
+EXITS_0_ON_TERM = _sh("trap 'exit 0' TERM; while :; do sleep 0.05; done")
+IGNORES_TERM = _sh("trap '' TERM; while :; do sleep 0.05; done")
+
+
+def _exits(fleet: Fleet, timeout_s: float = 5.0) -> list[Exit]:
+    """The exits `watch` reports until one comes (or the timeout)."""
+    seen: list[Exit] = []
+    wait_until(lambda: bool(seen.extend(fleet.watch()) or seen), timeout_s, tick_s=0.02)
+    return seen
+
+
+def test_exits_are_judged_by_what_the_process_was_sent(tmp_path):
+    with Fleet(process_env({}), tmp_path) as fleet:
+        fleet.add("finishes", _sh("echo done; exit 0"))
+        (done,) = _exits(fleet)
+        assert (done.name, done.returncode, done.problem) == ("finishes", 0, None) and "done" in done.tail
+        fleet.add("fails", _sh("exit 3"))
+        (failed,) = _exits(fleet)
+        assert failed.problem.startswith("fails failed (3)")
+        fleet.add("coordinator", _sh("exit 0"), service=True)  # a service must not exit at all
+        (gone,) = _exits(fleet)
+        assert gone.problem.startswith("coordinator exited 0 on its own")
+        fleet.add("killed", RUNS)
+        fleet.kill("killed")
+        (killed,) = _exits(fleet)
+        assert (killed.returncode, killed.sent, killed.problem) == (-signal.SIGKILL, signal.SIGKILL, None)
+        fleet.add("preempted", EXITS_0_ON_TERM, service=True)
+        time.sleep(0.2)  # its trap is set
+        fleet.term("preempted")
+        (preempted,) = _exits(fleet)
+        assert (preempted.returncode, preempted.sent, preempted.problem) == (0, signal.SIGTERM, None)
+
+
+def test_check_raises_on_a_failure_with_the_tail_of_the_log(tmp_path):
+    with Fleet(process_env({}), tmp_path) as fleet:
+        fleet.add("learner", _sh("echo 'Traceback: boom'; exit 1"))
+        assert wait_until(lambda: not fleet.alive("learner"), 5.0, tick_s=0.02)
+        with pytest.raises(ProcessError, match="learner failed \\(1\\):\nTraceback: boom"):
+            fleet.check()
+
+
+def test_a_member_killed_for_an_outage_comes_back_as_its_next_incarnation(tmp_path):
+    with Fleet(process_env({}), tmp_path) as fleet:
+        fleet.add("l0", lambda i: _sh(f"echo incarnation {i}; while :; do sleep 0.05; done"))
+        fleet.kill("l0", back_in_s=0.3)
+        assert fleet.busy(["l0"]) and not fleet.alive("l0")  # down, but due back
+        assert _exits(fleet)[0].problem is None
+        assert wait_until(lambda: fleet.alive("l0"), 5.0, tick_s=0.02, between=fleet.watch)
+        assert fleet.restarts == 1 and fleet.members["l0"].starts == 2
+        assert wait_until(lambda: "incarnation 1" in fleet.proc("l0").tail(), 5.0, tick_s=0.02)
+        fleet.kill("l0", back_in_s=0.0, argv=_sh("echo replaced; exit 0"))  # this once, another command line
+        assert wait_until(lambda: not fleet.busy(["l0"]), 5.0, tick_s=0.02, between=fleet.watch)
+        assert (tmp_path / "l0.log").read_text().splitlines()[-1] == "replaced"  # one log over incarnations
+
+
+def test_restart_after_any_exit_with_a_log_per_incarnation(tmp_path):
+    with Fleet(process_env({}), tmp_path) as fleet:
+        fleet.add("l1", lambda i: _sh(f"echo run {i}; exit 0"), log=lambda i: f"l1.{i}.log", service=True,
+                  restart_after_s=0.0)
+        assert wait_until(lambda: fleet.members["l1"].starts >= 3, 5.0, tick_s=0.02, between=fleet.watch)
+        fleet.stop()
+    assert [(tmp_path / f"l1.{i}.log").read_text() for i in range(2)] == ["run 0\n", "run 1\n"]
+
+
+def test_a_member_that_ignores_sigterm_is_killed_after_the_deadline_and_that_is_a_failure(tmp_path):
+    with Fleet(process_env({}), tmp_path, term_timeout_s=0.2) as fleet:
+        fleet.add("stuck", IGNORES_TERM)
+        time.sleep(0.2)  # its trap is set
+        fleet.term("stuck")
+        (stuck,) = _exits(fleet)
+        assert stuck.returncode == -signal.SIGKILL and stuck.problem.startswith("stuck still running 0s after SIGTERM")
+
+
+def test_stop_terminates_in_order_and_leaving_the_with_block_kills_what_is_left(tmp_path):
+    with Fleet(process_env({}), tmp_path) as fleet:
+        fleet.add("a", EXITS_0_ON_TERM)
+        fleet.add("b", RUNS)
+        time.sleep(0.2)
+        assert fleet.stop(["a"], timeout_s=5) == {"a": 0}
+        b = fleet.proc("b")
+    assert b is not None and b.returncode() == -signal.SIGKILL
