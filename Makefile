@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 OUT    ?= out/demo
 
-.PHONY: install demo test unit clean
+.PHONY: install demo test test-all unit clean
 
 install: $(VENV)/.installed
 
@@ -19,7 +19,12 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/diloco demo --out $(OUT)
 
+# The suite less the tests marked slow (benchmark harnesses, long trained runs): under 8 minutes.
 test: install
+	$(BIN)/pytest -m "not slow"
+
+# Every test, the slow ones included: what CI runs after `make test`.
+test-all: install
 	$(BIN)/pytest
 
 unit: install

@@ -25,7 +25,7 @@ from diloco.storage.protocol import Announcement, Layout, RunSpec
 
 
 @dataclass
-class Contribution:
+class PendingDelta:
     """A verified contribution waiting in its fragment's round."""
 
     entry_id: str

@@ -14,7 +14,6 @@ read right now, the entry stays pending and is retried.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import replace
@@ -25,9 +24,9 @@ import redis
 import torch
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
-from diloco.coordinator.intake import Contribution, check_announcement, fetch_tensors, to_arrival
+from diloco.coordinator.intake import PendingDelta, check_announcement, fetch_tensors, to_arrival
 from diloco.coordinator.leadership import Fenced, Leadership
-from diloco.coordinator.outer import NesterovState, outer_step, round_delta, scale_update, update_norm
+from diloco.coordinator.outer import MergeSettings, NesterovState, outer_step, round_delta, scale_update, update_norm
 from diloco.coordinator.policy import (RECENT_ROUNDS, RoundSize, RoundState, decide_round, merge_order, merge_weights,
                                        next_cadence, round_size, round_step, run_end, served_deadline,
                                        staleness_verdict)
@@ -39,7 +38,7 @@ from diloco.storage.crashpoints import crash_point
 from diloco.storage.errors import ConfigError, Conflict, Refused, StorageUnavailable
 from diloco.storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec, read_verified
 from diloco.storage.objects import ObjectMissing, ObjectStore
-from diloco.storage.protocol import (MAX_RECORD_BYTES, Announcement, Cadence, Contribution as Input, FinishRequest,
+from diloco.storage.protocol import (MAX_RECORD_BYTES, Announcement, Cadence, Contribution, FinishRequest,
                                      Layout, Manifest, Refusal, RunEnd, RunSpec)
 from diloco.storage.settings import Endpoints
 
@@ -73,7 +72,7 @@ class Fragment:
     head: int
     params: dict[str, torch.Tensor] | None = None
     state: NesterovState | None = None
-    round: list[Contribution] = field(default_factory=list)
+    round: list[PendingDelta] = field(default_factory=list)
     refused: list[Refusal] = field(default_factory=list)
     wake_at: float | None = None
     last_reason: str = ""
@@ -359,8 +358,8 @@ class Coordinator:
         period = self.config.round_s
         if period <= 0:
             live = set(self.bus.live_learners())
-            steps = [float(s["step_time_s"]) for name, s in self.bus.learner_stats().items()
-                     if name in live and float(s.get("step_time_s", 0.0)) > 0]
+            steps = [s.step_time_s for name, s in self.bus.learner_stats().items()
+                     if name in live and s.step_time_s > 0]
             if not steps:
                 return
             period = max(self.config.min_round_s, self.spec.sync_every * min(steps))
@@ -409,7 +408,7 @@ class Coordinator:
                 self._genesis(entry_id, a, tensors)
             else:
                 self.fragments[a.fragment].round.append(
-                    Contribution(entry_id, a, to_arrival(a, self.now()), tensors))
+                    PendingDelta(entry_id, a, to_arrival(a, self.now()), tensors))
 
     def _check(self, a: Announcement, seen: set[str], applied: set[str]) -> None:
         """Refuse a duplicate (`seen` in an open round or this batch, or `applied`), then whatever
@@ -478,7 +477,7 @@ class Coordinator:
         if frag.head >= 0:
             self._superseded(entry_id, a)
             return
-        c = Contribution(entry_id, a, to_arrival(a, self.now()), tensors)
+        c = PendingDelta(entry_id, a, to_arrival(a, self.now()), tensors)
         self._publish(a.fragment, frag, [c], [1.0], tensors, NesterovState(), self._settings("genesis"))
 
     def _maybe_merge(self, fragment: int, frag: Fragment) -> None:
@@ -510,17 +509,19 @@ class Coordinator:
             contributions = [by_id[a.contribution_id] for a in ordered]
             weights = merge_weights(ordered, frag.head, self.round_cfg)
             settings = self._settings("delta")
+            merge = MergeSettings.read(settings)
             # The settings the manifest records configure the merge itself: a replay's `apply_round`
             # runs the same merge, scale and outer step from them.
             with self.timing("merge"):
-                update = round_delta([c.delta for c in contributions], weights, settings)
+                update = round_delta([c.delta for c in contributions], weights, merge)
                 if self.config.scale_rounds:
                     norm = update_norm(update)
                     step = round_step(round_size(ordered, norm), frag.recent)
-                    settings |= {"round_scale": step.scale, "progress": step.progress, "update_norm": norm}
+                    merge = replace(merge, round_scale=step.scale, progress=step.progress, update_norm=norm)
+                    settings |= merge.round_map()
                     update = scale_update(update, step.scale)
             with self.timing("outer"):
-                params, state = outer_step(frag.params, frag.state, update, settings)
+                params, state = outer_step(frag.params, frag.state, update, merge)
             with self.timing("outer"):
                 finite = _finite(params) and _finite(state.momentum)
             if finite:
@@ -528,7 +529,7 @@ class Coordinator:
                 return
             self._refuse_overflow(fragment, frag, contributions)
 
-    def _refuse_overflow(self, fragment: int, frag: Fragment, contributions: list[Contribution]) -> None:
+    def _refuse_overflow(self, fragment: int, frag: Fragment, contributions: list[PendingDelta]) -> None:
         """Each delta is finite, yet the outer step overflowed float32: refuse the largest one (the
         first in merge order on a tie) and let the others merge without it."""
         culprit = max(contributions, key=lambda c: _absmax(c.delta))
@@ -569,7 +570,7 @@ class Coordinator:
         rounds: list[RoundSize] = []
         manifest: Manifest | None = head
         while manifest is not None and manifest.settings.get("kind") == "delta" and len(rounds) < RECENT_ROUNDS:
-            rounds.append(round_size(manifest.inputs, _norm(manifest.settings)))
+            rounds.append(round_size(manifest.inputs, _norm(manifest)))
             previous = manifest.version - 1
             manifest = read_manifest(self.store, self.keys, fragment, previous) if previous > 0 else None
         return rounds[::-1]
@@ -578,12 +579,12 @@ class Coordinator:
         """What the manifest of a version of this `kind` records, and what its merge is configured by."""
         return self.config.settings(self.round_cfg) | {"kind": kind}
 
-    def _publish(self, fragment: int, frag: Fragment, contributions: list[Contribution], weights: list[float],
+    def _publish(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
                  params: dict[str, torch.Tensor], state: NesterovState, settings: dict) -> None:
         t0 = time.monotonic()
         version = frag.head + 1
         inputs = tuple(
-            Input(contribution_id=c.announcement.contribution_id, learner=c.announcement.learner,
+            Contribution(contribution_id=c.announcement.contribution_id, learner=c.announcement.learner,
                   seq=c.announcement.seq, object_key=c.announcement.object_key, sha256=c.announcement.sha256,
                   base_version=c.announcement.base_version,
                   staleness=staleness_verdict(c.announcement.base_version, frag.head, self.round_cfg)[1]
@@ -614,8 +615,8 @@ class Coordinator:
         frag.refused, self._unplaced = [], []
         arrivals = [c.arrival for c in contributions]
         frag.merged_deadline = served_deadline(frag.merged_deadline, arrivals)
-        if settings.get("kind") == "delta":
-            frag.recent = [*frag.recent, round_size(arrivals, _norm(settings))][-RECENT_ROUNDS:]
+        if manifest.settings.get("kind") == "delta":
+            frag.recent = [*frag.recent, round_size(arrivals, _norm(manifest))][-RECENT_ROUNDS:]
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
         elapsed = time.monotonic() - t0
         self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed
@@ -623,8 +624,10 @@ class Coordinator:
                  len(contributions), elapsed)
 
 
-def _norm(settings: dict) -> float | None:
-    """The `update_norm` a manifest's settings record (`policy.RoundSize.norm`), None if they do not."""
-    norm = settings.get("update_norm")
-    return float(norm) if isinstance(norm, (int, float)) and not isinstance(norm, bool) and math.isfinite(norm) \
-        else None
+def _norm(manifest: Manifest) -> float | None:
+    """The `update_norm` a manifest records (`policy.RoundSize.norm`); None if it records none, or
+    settings this build does not read (such a version does not replay either)."""
+    try:
+        return MergeSettings.read(manifest.settings).update_norm
+    except ValueError:
+        return None

@@ -36,8 +36,8 @@ from tenacity import retry, retry_if_exception, stop_after_delay, wait_random_ex
 
 from diloco.storage.errors import ConfigError, Refused
 from diloco.storage.keys import RunKeys
-from diloco.storage.protocol import (Announcement, Cadence, FinishRequest, LearnerFinished, Refusal, RunEnd,
-                                     VersionEvent, pack, unpack)
+from diloco.storage.protocol import (Announcement, Cadence, FinishRequest, LearnerFinished, LearnerStats, Refusal,
+                                     RunEnd, VersionEvent)
 from diloco.storage.settings import ENV_REDIS_URL, Endpoints, redact_url
 
 log = logging.getLogger(__name__)
@@ -419,11 +419,11 @@ class Bus:
 
     # ---- learners ----------------------------------------------------------------------
     @redis_retry
-    def heartbeat(self, learner: str, ttl_s: float, stats: dict[str, Any] | None = None, *,
+    def heartbeat(self, learner: str, ttl_s: float, stats: LearnerStats | None = None, *,
                   joined: bool = False) -> None:
         """Live until `ttl_s` from now on the Redis server's clock (machines' clocks may disagree).
         `joined`: also (again, should Redis have lost it) a member of the joined set."""
-        args: list[Any] = [learner, ttl_s, int(joined)] + ([] if stats is None else [pack(stats)])
+        args: list[Any] = [learner, ttl_s, int(joined)] + ([] if stats is None else [stats.to_wire()])
         self._heartbeat(keys=[self.keys.learners, self.keys.learner_stats, self.keys.joined], args=args)
 
     @redis_retry
@@ -487,15 +487,21 @@ class Bus:
         return [m.decode() for m in self.r.zrangebyscore(self.keys.learners, self.server_time(), "+inf")]
 
     @redis_retry
-    def learner_stats(self) -> dict[str, dict[str, Any]]:
+    def learner_stats(self) -> dict[str, LearnerStats]:
+        """Each learner's last reported stats; a record that does not decode, or that names another
+        learner than its key, is skipped with a warning (a learner's heartbeat cannot break its reader)."""
         out = {}
         for k, v in self.r.hgetall(self.keys.learner_stats).items():
+            name = k.decode(errors="replace")
             try:
-                stats = unpack(v)
-            except Refused:
+                stats = LearnerStats.from_wire(v)
+            except Refused as exc:
+                log.warning("skipping the stats of learner %r: %s", name, exc.reason)
                 continue
-            if isinstance(stats, dict):
-                out[k.decode()] = stats
+            if stats.learner != name:
+                log.warning("skipping the stats under %r: they name learner %r", name, stats.learner)
+                continue
+            out[name] = stats
         return out
 
     # ---- counters ----------------------------------------------------------------------

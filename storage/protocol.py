@@ -435,6 +435,47 @@ class LearnerFinished(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class LearnerStats(Record):
+    """A learner's progress, sent with every heartbeat (`learner_stats` hash). The coordinator sets
+    the round clock from `step_time_s`; `diloco demo`, the benchmarks and the tests read the rest.
+    A record that fails these checks is skipped by its reader, with a warning."""
+
+    learner: str
+    step: int = 0
+    """Inner steps of this incarnation."""
+    tokens: int = 0
+    """Tokens of those steps."""
+    loss: float = math.nan
+    """The last loss given to `Learner.report` (nan: none)."""
+    step_time_s: float = 0.0
+    """Moving average of the wall time of an inner step (0: not measured yet)."""
+    adopted: int = 0
+    """Global versions merged into the local model."""
+    uploaded: int = 0
+    """Contributions stored and announced."""
+    upload_failed: int = 0
+    """Contributions dropped after the upload deadline."""
+    bytes_uploaded: int = 0
+    sync_s: float = 0.0
+    """Time the training loop spent in the learner's step hook."""
+    wall_s: float = 0.0
+    """Wall time since the end of the first step."""
+    pid: int = 0
+    incarnation: str = ""
+    """Random per process: tells a restarted learner of the same id from its previous life."""
+
+    def __post_init__(self) -> None:
+        check_id("learner", self.learner)
+        counts = {"step": self.step, "tokens": self.tokens, "adopted": self.adopted, "uploaded": self.uploaded,
+                  "upload_failed": self.upload_failed, "bytes_uploaded": self.bytes_uploaded, "pid": self.pid}
+        for name, value in counts.items():
+            _require(value >= 0, f"{name} must be >= 0, got {value}")
+        for name, value in {"step_time_s": self.step_time_s, "sync_s": self.sync_s, "wall_s": self.wall_s}.items():
+            _require(math.isfinite(value) and value >= 0.0, f"{name} must be a finite number >= 0, got {value}")
+        _require(len(self.incarnation) <= 64, "incarnation longer than 64 characters")
+
+
+@dataclass(frozen=True, slots=True)
 class FinishRequest(Record):
     """Operator -> coordinator (`finish_request` key, `diloco finish`): finish the run now."""
 

@@ -25,6 +25,8 @@ _TESTS = Path(__file__).parent
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "integration: needs real Redis and S3 server processes (tests/integration)")
     config.addinivalue_line("markers", "chaos: kills or restarts processes and servers (tests/chaos)")
+    config.addinivalue_line("markers", "slow: left out of `make test` to keep it under 8 minutes; `make test-all` "
+                            "(and CI) runs them")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

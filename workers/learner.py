@@ -24,7 +24,7 @@ Leaving: `with learner:` ending without an exception is a finish (`finish`): the
 last sends goes out as final pieces, then the learner records that it finished and leaves. An
 exception leaves without sending anything (`close`).
 
-Bookkeeping per fragment f: `anchor[f]` is the point unsent progress is measured from.
+Bookkeeping per fragment (`FragmentState`): `anchor` is the point unsent progress is measured from.
 Sending: delta = anchor - local, then anchor = local. Taking version G:
 'rebase': local = G + (local - anchor) (keeps progress made since the send), anchor = G;
 'mix':    local = alpha * local + (1 - alpha) * G, anchor = G.
@@ -33,12 +33,13 @@ Sending: delta = anchor - local, then anchor = local. Taking version G:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 import torch
@@ -47,7 +48,7 @@ from diloco.storage.bus import Bus
 from diloco.storage.errors import ConfigError, DilocoError, RunFinished, StorageUnavailable
 from diloco.storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec
 from diloco.storage.objects import ObjectStore
-from diloco.storage.protocol import Layout, LearnerFinished, RunEnd, check_id
+from diloco.storage.protocol import Layout, LearnerFinished, LearnerStats, RunEnd, check_id
 from diloco.storage.settings import Endpoints
 from diloco.workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout
 from diloco.workers.island import Replica
@@ -88,6 +89,30 @@ class LearnerConfig:
             raise ConfigError(f"lease_s ({self.lease_s}) must exceed heartbeat_s ({self.heartbeat_s})")
 
 
+@dataclass
+class FragmentState:
+    """What a learner keeps for one fragment of the model. Every rank of an island knows `names`;
+    the rest is rank 0's."""
+
+    names: list[str]
+    """The fragment's parameter names."""
+    anchor: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The point unsent progress is measured from: the local values at the last send, or the global
+    version taken since."""
+    base_version: int = -1
+    """The global version the anchor descends from: a delta sent now is based on it."""
+    tokens: int = 0
+    """Tokens trained since the last send (since joining, before the first)."""
+    steps: int = 0
+    """Inner steps since the last send."""
+    awaiting: int | None = None
+    """After a send: the earliest step at which to merge a newer version; None: nothing awaited."""
+    sent_id: str | None = None
+    """Contribution id of the last send."""
+    sent_deadline: float | None = None
+    """The clock deadline the last send served (clock cadence)."""
+
+
 def default_learner_id() -> str:
     return f"{socket.gethostname().split('.')[0][:40]}-{os.getpid()}"
 
@@ -110,14 +135,11 @@ class Learner:
         self.stats = TransferStats()
         self.replica = Replica({n: p for n, p in model.named_parameters() if p.requires_grad})
         self.is_leader = self.replica.is_leader
-        self._names: list[list[str]] = []  # fragment -> its parameter names (every rank)
+        self.fragments: list[FragmentState] = []
+        """Per fragment (index = fragment), set when joining."""
         self._pending_tokens: int | None = None
         self._step_time_s = 0.0
         self._last_step_at: float | None = None
-        self._since: dict[int, list[int]] = {}  # fragment -> [tokens, steps] since its last send
-        self._awaiting: dict[int, int] = {}  # fragment -> earliest step to merge a newer version
-        self._sent_id: dict[int, str] = {}  # fragment -> contribution id of its last send
-        self._sent_deadline: dict[int, float] = {}  # fragment -> clock deadline last sent for
         self._cadence = None
         self._clock_offset_s = 0.0  # Redis server time - local time
         self._last_boundary: float | None = None  # the previous step's end, on the cadence clock
@@ -150,17 +172,23 @@ class Learner:
         rank 0's heartbeat, and by every rank of an island at its next step."""
         return self._run_finished
 
+    @property
+    def versions(self) -> dict[int, int]:
+        """Fragment -> the global version its local values descend from (rank 0; the last one taken)."""
+        return {f: state.base_version for f, state in enumerate(self.fragments)}
+
     def start(self) -> None:
         """Join the run: wait for its spec, propose version 0 if none exists, adopt the latest versions.
 
         On an island every rank calls this; rank 0 joins and the others receive its parameters.
         If rank 0 fails to join, every rank raises."""
         values: dict[str, torch.Tensor] | None = None
+        heads: dict[int, int] = {}
         failure: BaseException | None = None
         initial = self.replica.read(self.replica.params)  # collective; rank 0 may propose these as version 0
         if self.is_leader:
             try:
-                values = self._join(initial)
+                values, heads = self._join(initial)
             except BaseException as exc:  # noqa: BLE001 (re-raised below, after telling the other ranks)
                 failure = exc
                 self._abandon()
@@ -174,8 +202,12 @@ class Learner:
             layout = plan_layout(model_params(self.model), status[1])  # rank 0 checked it against the run's
         else:
             layout = self.layout
-        self._names = [[s.name for s in specs] for specs in layout.fragments]
-        self.replica.write(values, [n for names in self._names for n in names])
+        self.fragments = [FragmentState([s.name for s in specs]) for specs in layout.fragments]
+        if values is not None:  # rank 0
+            for f, state in enumerate(self.fragments):
+                state.anchor = {n: values[n].clone() for n in state.names}
+                state.base_version = heads[f]
+        self.replica.write(values, [n for state in self.fragments for n in state.names])
         self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
 
     def finish(self, *, preempted: bool = False) -> None:
@@ -218,9 +250,9 @@ class Learner:
             now = time.time() + self._clock_offset_s
             due = {} if self._run_end is not None else {
                 f: cadence.next_deadline(f, self.spec.num_fragments, after=now) if cadence else 0.0
-                for f in range(self.spec.num_fragments) if self._since.get(f, [self.tokens, self.step])[1] > 0}
+                for f, state in enumerate(self.fragments) if state.steps > 0}
         to_send, _, _ = self.replica.share_plan(None if due is None else list(due), None if due is None else [],
-                                                len(self._names))
+                                                len(self.fragments))
         sent = [self._send(f, due.get(f, 0.0) if due else 0.0, final=final) for f in to_send]
         if to_send:
             log.info("sent the progress since the last send of fragment(s) %s%s", to_send,
@@ -286,8 +318,9 @@ class Learner:
             self._pending_tokens = int(tokens)
 
     # ---- joining ----------------------------------------------------------------------------
-    def _join(self, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rank 0: join the run and return the latest global values of every parameter."""
+    def _join(self, initial: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+        """Rank 0: join the run; return the latest global values of every parameter and the version
+        of each fragment they come from."""
         endpoints = self._endpoints or Endpoints.from_env()
         self.store = ObjectStore(endpoints)
         self.bus = Bus(endpoints, self.run)
@@ -315,23 +348,18 @@ class Learner:
             raise ConfigError(f"this model does not fit run {self.run!r}: {problem}")
         self.layout = layout
         heads = self._wait(lambda: self._all_heads(layout), deadline, "version 0 of every fragment")
-        self.base_version: dict[int, int] = {}
-        self.anchor: dict[int, dict[str, torch.Tensor]] = {}
         values: dict[str, torch.Tensor] = {}
         for fragment, version in heads.items():
-            params = self._wait(lambda f=fragment, v=version: read_params(self.store, layout,
-                                                                          read_manifest(self.store, keys, f, v)),
-                                deadline, f"version {version} of fragment {fragment}")
-            values.update(params)
-            self.anchor[fragment] = {n: v.clone() for n, v in params.items()}
-            self.base_version[fragment] = version
+            values.update(self._wait(lambda f=fragment, v=version: read_params(self.store, layout,
+                                                                               read_manifest(self.store, keys, f, v)),
+                                     deadline, f"version {version} of fragment {fragment}"))
         self.fetcher = Fetcher(self.store, self.bus, layout, self.stats)
         self.fetcher.start()
         self.bus.join(self.learner_id)
         self._joined = True
         log.info("learner %s joined run %s at versions %s", self.learner_id, self.run,
                  [heads[f] for f in sorted(heads)])
-        return values
+        return values, heads
 
     def _all_heads(self, layout: Layout) -> dict[int, int] | None:
         heads = self.bus.heads()
@@ -387,12 +415,12 @@ class Learner:
         due: dict[int, float] = {}
         ready: dict[int, Fetched] = {}
         if self.is_leader:
-            for acc in self._since.values():
-                acc[0] += tokens
-                acc[1] += 1
+            for state in self.fragments:
+                state.tokens += tokens
+                state.steps += 1
             due, ready = self._due(), self._ready()
         # Rank 0 decides; on an island every rank then takes part in the same gathers and writes.
-        to_send, to_merge, self._run_finished = self.replica.share_plan(list(due), list(ready), len(self._names),
+        to_send, to_merge, self._run_finished = self.replica.share_plan(list(due), list(ready), len(self.fragments),
                                                                         self._run_end is not None)
         for f in to_send:
             self._send(f, due.get(f, 0.0))
@@ -407,83 +435,84 @@ class Learner:
         cadence = self._cadence
         if self.spec.cadence == "clock" and cadence is not None:
             now = time.time() + self._clock_offset_s
-            due = clock_due(now, self._step_time_s, cadence, self.spec.num_fragments, self._sent_deadline,
-                            self._last_boundary)
+            sent = {f: s.sent_deadline for f, s in enumerate(self.fragments) if s.sent_deadline is not None}
+            due = clock_due(now, self._step_time_s, cadence, self.spec.num_fragments, sent, self._last_boundary)
             self._last_boundary = now
-            self._sent_deadline.update(due)
+            for f, deadline in due:
+                self.fragments[f].sent_deadline = deadline
         else:
             due = [(f, 0.0) for f in due_fragments(self.step, self.spec.num_fragments, self.spec.sync_every)]
         # Nothing to send for a fragment with no step since its last send.
-        return {f: deadline for f, deadline in due if self._since.get(f, [0, 1])[1] > 0}
+        return {f: deadline for f, deadline in due if self.fragments[f].steps > 0}
 
     def _ready(self) -> dict[int, Fetched]:
         """Rank 0: fetched versions to merge now: at least `overlap_steps` after the send that awaits
         them, and preferably the version that merged that send (see `LearnerConfig.own_version_wait`)."""
         ready = {}
         sync = self.config.wait_for_merge
-        for fragment, not_before in list(self._awaiting.items()):
-            if self.step < not_before:
+        for fragment, state in enumerate(self.fragments):
+            not_before = state.awaiting
+            if not_before is None or self.step < not_before:
                 continue
-            mine = None if sync else self.fetcher.merged_in(self._sent_id.get(fragment))
+            mine = None if sync else self.fetcher.merged_in(state.sent_id)
             patient = not sync and self.step < not_before + self.config.own_version_wait * self.spec.sync_every
             if mine is None and patient:
                 continue  # our contribution's round has not committed yet: train on, take that version later
             fetched = self.fetcher.take(fragment, self.config.merge_wait_s if sync else 0.0)
             if fetched is None:
                 continue
-            if fetched.version <= self.base_version[fragment]:
-                self.fetcher.want(fragment, self.base_version[fragment])
+            if fetched.version <= state.base_version:
+                self.fetcher.want(fragment, state.base_version)
                 continue
             if mine is not None and fetched.version < mine and patient:
                 self.fetcher.want(fragment, mine - 1)  # ours is committed, an older version was parked: fetch ours
                 continue
-            del self._awaiting[fragment]
+            state.awaiting = None
             ready[fragment] = fetched
         return ready
 
     @torch.no_grad()
     def _send(self, fragment: int, deadline: float, *, final: bool = False) -> str | None:
         """Send the fragment's progress since its last send; rank 0 returns its contribution id."""
-        snapshot = self.replica.read(self._names[fragment])
+        state = self.fragments[fragment]
+        snapshot = self.replica.read(state.names)
         if snapshot is None:
             return None  # not rank 0: the gather was our part
-        # First send of a fragment: everything since joining counts.
-        tokens, steps = self._since.get(fragment, [self.tokens, self.step])
-        anchor = self.anchor[fragment]
-        delta = {name: anchor[name] - local for name, local in snapshot.items()}
-        self.anchor[fragment] = snapshot
-        self._since[fragment] = [0, 0]
-        self._sent_id[fragment] = self.uploader.submit(UploadJob(fragment, delta, self.base_version[fragment], tokens,
-                                                                 steps, self._step_time_s, deadline=deadline,
-                                                                 final=final))
-        self._awaiting[fragment] = self.step + self.spec.overlap_steps
-        self.fetcher.want(fragment, self.base_version[fragment])
-        return self._sent_id[fragment]
+        delta = {name: state.anchor[name] - local for name, local in snapshot.items()}
+        job = UploadJob(fragment, delta, state.base_version, state.tokens, state.steps, self._step_time_s,
+                        deadline=deadline, final=final)
+        state.anchor, state.tokens, state.steps = snapshot, 0, 0
+        state.sent_id = self.uploader.submit(job)
+        state.awaiting = self.step + self.spec.overlap_steps
+        self.fetcher.want(fragment, state.base_version)
+        return state.sent_id
 
     @torch.no_grad()
     def _merge(self, fragment: int, fetched: Fetched | None) -> None:
-        names = self._names[fragment]
+        state = self.fragments[fragment]
+        names = state.names
         local = self.replica.read(names)
         new = None
         if local is not None and fetched is not None:  # rank 0
-            anchor, g = self.anchor[fragment], fetched.params
+            anchor, g = state.anchor, fetched.params
             if self.spec.merge_rule == "rebase":
                 new = {n: g[n] + (local[n] - anchor[n]) for n in names}
             else:
                 new = {n: self.spec.alpha * local[n] + (1.0 - self.spec.alpha) * g[n] for n in names}
-            self.anchor[fragment] = fetched.params
-            self.base_version[fragment] = fetched.version
+            state.anchor, state.base_version = fetched.params, fetched.version
             self.adopted += 1
         self.replica.write(new, names)
 
     # ---- heartbeats --------------------------------------------------------------------------
-    def progress(self) -> dict[str, float | int | str]:
-        return {"learner": self.learner_id, "step": self.step, "tokens": self.tokens,
-                "loss": self.last_loss if self.last_loss is not None else float("nan"),
-                "step_time_s": self._step_time_s, "adopted": self.adopted, "uploaded": self.stats.uploaded,
-                "upload_failed": self.stats.upload_failed, "bytes_uploaded": self.stats.bytes_uploaded,
-                "sync_s": self.sync_s, "wall_s": 0.0 if self.started_at is None else time.monotonic() - self.started_at,
-                "pid": os.getpid(), "incarnation": self._incarnation}
+    def progress(self) -> LearnerStats:
+        """What the next heartbeat reports."""
+        return LearnerStats(learner=self.learner_id, step=self.step, tokens=self.tokens,
+                            loss=self.last_loss if self.last_loss is not None else math.nan,
+                            step_time_s=self._step_time_s, adopted=self.adopted, uploaded=self.stats.uploaded,
+                            upload_failed=self.stats.upload_failed, bytes_uploaded=self.stats.bytes_uploaded,
+                            sync_s=self.sync_s,
+                            wall_s=0.0 if self.started_at is None else time.monotonic() - self.started_at,
+                            pid=os.getpid(), incarnation=self._incarnation)
 
     _incarnation = uuid.uuid4().hex[:8]
 

@@ -14,6 +14,7 @@ stack), supervises them, and afterwards reads everything back from S3 and Redis:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -197,7 +198,7 @@ def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: st
     # Each fragment's contributions cover the learner's tokens once: the fleet's merged tokens are the mean.
     merged = sum(c.tokens for history in manifests.values() for m in history[1:] for c in m.inputs) // len(manifests)
     return TrialResult(trial.name, run, wall_s, curve[-1][1], curve, curve_versions, counters, heads,
-                       {k: dict(v) for k, v in learners.items()}, fleet.restarts, merged, round_stats(manifests))
+                       {k: dataclasses.asdict(v) for k, v in learners.items()}, fleet.restarts, merged, round_stats(manifests))
 
 
 def _supervise(trial: Trial, fleet: Fleet, plans: dict[str, LearnerPlan], started: float) -> None:

@@ -144,22 +144,23 @@ def _watch(cfg: DemoConfig, endpoints: Endpoints, fleet: Fleet, task_path: Path)
     bus = Bus(endpoints, cfg.run)
     learners = [f"learner-{i}" for i in range(cfg.learners)]
     victim, killed = 1 % cfg.learners, False
+    victim_name = learners[victim]
     last_print = 0.0
     while fleet.busy(learners):
         time.sleep(0.5)
         fleet.check()  # the coordinator must not exit, a learner must finish with 0
         stats = bus.learner_stats()
-        if not killed and stats.get(learners[victim], {}).get("step", 0) >= cfg.kill_at * cfg.steps:
-            done = int(stats[learners[victim]]["step"])
-            fleet.kill(learners[victim], back_in_s=1.0,
+        if not killed and victim_name in stats and stats[victim_name].step >= cfg.kill_at * cfg.steps:
+            done = stats[victim_name].step
+            fleet.kill(victim_name, back_in_s=1.0,
                        argv=_learner_argv(cfg, victim, cfg.steps - done, 1, task_path))
-            say(f"!! SIGKILL {learners[victim]} at step {done}; restarting it for the remaining "
+            say(f"!! SIGKILL {victim_name} at step {done}; restarting it for the remaining "
                 f"{cfg.steps - done} steps")
             killed = True
         if time.monotonic() - last_print > 3.0:
             last_print = time.monotonic()
             heads = bus.heads()
-            parts = [f"{n}: step {int(s.get('step', 0))} loss {s.get('loss', float('nan')):.3f}"
+            parts = [f"{n}: step {s.step} loss {s.loss:.3f}"
                      for n, s in sorted(stats.items())]
             say(f"versions {dict(sorted(heads.items()))} | " + " | ".join(parts))
     # Every learner has finished: the coordinator merges their final pieces and ends the run.

@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from diloco.coordinator.attribution import input_figures
+from diloco.coordinator.outer import MergeSettings
 from diloco.infra.history.rounds import Round, Run, check_fragment, read_round, rounds, versions
 from diloco.infra.output import num, table
 from diloco.storage.errors import Refused
@@ -109,8 +110,9 @@ def view_round(r: Round) -> VersionView:
     problem = r.problem
     if r.deltas is not None and r.deltas:
         try:
-            figures, merged_norm = input_figures(r.deltas, [c.weight for c in m.inputs], m.settings)
-        except ValueError as exc:  # a merge rule this build does not know
+            figures, merged_norm = input_figures(r.deltas, [c.weight for c in m.inputs],
+                                                 MergeSettings.read(m.settings))
+        except ValueError as exc:  # settings this build does not know
             problem = str(exc)
     rows = [InputRow(c.learner, c.seq, c.contribution_id, c.tokens, c.steps, c.weight, c.staleness, c.base_version,
                      f.norm if f else None, f.cos_merged if f else None)

@@ -2,7 +2,7 @@
 
 For each fragment and each version in the range, in order: read the manifest, fetch every input
 object it names (checked against the recorded sha256, decoded against the layout), take the
-parent's params and outer state, and let `coordinator.replay.rederive` recompute the version and
+parent's params and outer state, and let `coordinator.rederive.rederive` recompute the version and
 compare sha256s. The stored params and outer-state objects are also checked against the
 manifest, since learners and a restarted coordinator read those. Redis is never contacted.
 
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from diloco.coordinator.outer import NesterovState
-from diloco.coordinator.replay import Problem, rederive
+from diloco.coordinator.rederive import Problem, rederive
 from diloco.infra.history.rounds import Run, check_fragment, open_run, read_state, versions
 from diloco.storage.errors import Refused
 from diloco.storage.history import Floor, params_limit, read_input, read_manifest, read_verified

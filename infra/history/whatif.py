@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from diloco.coordinator.outer import MERGE_RULES, NesterovState, apply_round
+from diloco.coordinator.outer import MERGE_RULES, MergeSettings, NesterovState, apply_round
 from diloco.coordinator.publish import decode_state, write_version
-from diloco.coordinator.replay import recomputed_weights
+from diloco.coordinator.rederive import recomputed_weights
 from diloco.infra.history.rounds import Run, check_fragment, open_run, versions
 from diloco.infra.history.task_model import check_task_fits, global_model, load_params
 from diloco.storage import codecs
@@ -279,8 +279,9 @@ class _Run:
         inputs = [read_input(self.store, self.history.layout, m.fragment, c,
                              max_bytes=self.history.spec.max_object_bytes) for c in m.inputs]
         settings = whatif_settings(m.settings, self.changes, self.source)
-        weights = recomputed_weights(m.inputs, m.parent_version, bool(settings["staleness_discount"]))
-        new_params, new_state = apply_round(params, state, inputs, weights, settings)
+        merge = MergeSettings.read(settings)
+        weights = recomputed_weights(m.inputs, m.parent_version, merge.staleness_discount)
+        new_params, new_state = apply_round(params, state, inputs, weights, merge)
         if not all(bool(torch.isfinite(t).all()) for t in [*new_params.values(), *new_state.momentum.values()]):
             return new_params, new_state, None
         written = write_version(self.store, self.into, fragment=m.fragment, version=m.version, params=new_params,

@@ -8,7 +8,11 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from diloco.infra.local.fleet import diloco_command, process_env
+
+pytestmark = pytest.mark.slow  # a benchmark's harness: `make test-all`
 
 
 def test_bench_coordinator_merges_every_contribution_once_and_writes_its_figures(tmp_path: Path) -> None:

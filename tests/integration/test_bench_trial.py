@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from diloco.infra.bench.failures import ideal_tokens
 from diloco.infra.bench.trial import LearnerPlan, Trial, run_args, run_trial
 from harness import TASK
+
+pytestmark = pytest.mark.slow  # a benchmark's harness: `make test-all`
 
 
 def test_a_trial_kills_and_restarts_on_schedule_and_measures_what_reached_the_model(stack, tmp_path):

@@ -35,6 +35,8 @@ from diloco.storage.settings import ENV_REDIS_URL, Endpoints
 from diloco.workers.learner import Learner
 from harness import TASK, global_eval, serving
 
+pytestmark = pytest.mark.slow  # three trained runs: `make test-all`
+
 STEPS = 120
 """Inner steps per learner: 12 rounds of each fragment at H = 10."""
 RUN = RunSettings(num_fragments=2, sync_every=10, overlap_steps=2, codec="int8", compress=True, cadence="steps")

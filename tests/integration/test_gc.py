@@ -28,6 +28,8 @@ from harness import TINY_RUN, join, make_coordinator, train
 from test_archive import cli
 from test_replay import make_history
 
+pytestmark = pytest.mark.slow  # trained runs collected and replayed: `make test-all`
+
 
 def plant(store: ObjectStore, keys: RunKeys, heads: dict[int, int]) -> dict[str, str]:
     """Objects a real run leaves behind besides its versions, by what gc must do with them."""

@@ -50,7 +50,7 @@ def test_unmodified_gpt2_trains_through_the_run(endpoints, run_id):
     with serving(coord), learner:
         deadline = time.monotonic() + ADOPT_DEADLINE_S
         # At least MIN_STEPS, then on until every fragment has taken a version beyond 0 (or time is up).
-        while learner.step < MIN_STEPS or (min(learner.base_version.values()) < 1 and time.monotonic() < deadline):
+        while learner.step < MIN_STEPS or (min(learner.versions.values()) < 1 and time.monotonic() < deadline):
             tokens = torch.randint(0, 64, (BATCH, SEQ), generator=data)
             loss = model(input_ids=tokens, labels=tokens).loss
             learner.report(loss=loss.item())
@@ -74,7 +74,7 @@ def test_unmodified_gpt2_trains_through_the_run(endpoints, run_id):
 
     heads = coord.bus.heads()
     assert min(heads.values()) >= 1, heads
-    assert min(learner.base_version.values()) >= 1, learner.base_version
+    assert min(learner.versions.values()) >= 1, learner.versions
     assert learner.adopted >= 2 and learner.stats.upload_failed == 0
     assert all(math.isfinite(x) for x in losses)
     assert all(torch.isfinite(p).all() for p in model.parameters())

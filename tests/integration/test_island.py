@@ -119,11 +119,11 @@ def rank_main(rank: int, mode: str, endpoints_by_rank: list[Endpoints], run_id: 
                     for p in model.parameters():
                         dist.all_reduce(p.grad)
                         p.grad /= WORLD
-                versions = dict(learner.base_version) if rank == 0 else {}
+                versions = learner.versions if rank == 0 else {}
                 opt.step()
                 opt.zero_grad()
                 steps += 1
-                merged = [f for f, v in versions.items() if learner.base_version[f] != v]
+                merged = [f for f, v in versions.items() if learner.versions[f] != v]
                 # Rank 0 decides whether to check and when to stop: every rank runs the same collectives.
                 done = int(rank == 0 and steps >= MIN_STEPS
                            and (learner.adopted >= WANT_ADOPTED or time.monotonic() > deadline))
@@ -133,7 +133,7 @@ def rank_main(rank: int, mode: str, endpoints_by_rank: list[Endpoints], run_id: 
                     state = full_state(model)
                     if rank == 0:
                         f = int(control[1].item())
-                        manifest = read_manifest(learner.store, learner.bus.keys, f, learner.base_version[f])
+                        manifest = read_manifest(learner.store, learner.bus.keys, f, learner.versions[f])
                         expected = read_params(learner.store, learner.layout, manifest)
                         checked += 1
                         mismatched += sum(not torch.equal(state[n], v) for n, v in expected.items())
@@ -190,7 +190,7 @@ def test_island_ranks_stay_consistent_and_only_rank0_talks_to_the_run(mode, endp
     assert {s.name: s.shape for specs in layout.fragments for s in specs} == {
         n: tuple(p.shape) for n, p in Net().named_parameters()}
     assert set(bus.learner_stats()) == {RANK_IDS[0]}
-    assert bus.learner_stats()[RANK_IDS[0]]["step"] == r0["steps"]
+    assert bus.learner_stats()[RANK_IDS[0]].step == r0["steps"]
     objects = list(store.list(bus.keys.root))
     assert any(f"/{RANK_IDS[0]}/" in key for key in objects)
     assert not [key for key in objects if RANK_IDS[1] in key]

@@ -47,12 +47,12 @@ def run(endpoints, run_id, own_version_wait: float) -> tuple[int, int]:  # noqa:
             coord.step(block_ms=50)
         assert coord.bus.heads()[0] == 2  # v2 = a's delta
         if own_version_wait:
-            assert a.base_version[0] == 0  # it did not take v1
-            wait("a to learn that v2 merged its delta", lambda: a.fetcher.merged_in(a._sent_id[0]) == 2)
+            assert a.versions[0] == 0  # it did not take v1
+            wait("a to learn that v2 merged its delta", lambda: a.fetcher.merged_in(a.fragments[0].sent_id) == 2)
             train(a, opt_a, 1)  # step 6: the parked v1 is dropped, v2 wanted
             wait("a's fetcher to park v2", lambda: parked_version(a, 0) == 2)
             train(a, opt_a, 1)  # step 7: v2 merged
-        taken = a.base_version[0]
+        taken = a.versions[0]
         train(a, opt_a, 8 - a.step)  # a's second send of fragment 0, at step 8
         for _ in range(20):
             coord.step(block_ms=50)

@@ -63,7 +63,7 @@ def test_learner_sigkilled_midrun_others_go_on_and_it_rejoins(endpoints, run_id,
     procs.extend([*survivors, victim])
     bus = Bus(endpoints, run_id)
     deadline = time.monotonic() + 120
-    while bus.learner_stats().get("victim", {}).get("step", 0) < 25:
+    while (s.step if (s := bus.learner_stats().get("victim")) else 0) < 25:
         assert time.monotonic() < deadline and victim.alive(), victim.tail()
         time.sleep(0.2)
     victim.kill()

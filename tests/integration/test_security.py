@@ -70,8 +70,8 @@ def run_rounds(endpoints: Endpoints, run_id: str, rounds: int) -> tuple[Bus, dic
             for _ in range(4):
                 coord.step(block_ms=50)
         deadline = time.monotonic() + 30
-        while learner.base_version[0] < 1:  # the fetcher brought a new version over the same connection
-            assert time.monotonic() < deadline, f"no version adopted: {learner.base_version}"
+        while learner.versions[0] < 1:  # the fetcher brought a new version over the same connection
+            assert time.monotonic() < deadline, f"no version adopted: {learner.versions}"
             train(learner, opt, 1)
             time.sleep(0.05)
     finally:

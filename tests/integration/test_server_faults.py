@@ -23,7 +23,7 @@ RUN = "faults"
 
 
 def steps_of(bus: Bus, learner: str) -> int:
-    return int(bus.learner_stats().get(learner, {}).get("step", 0))
+    return stats.step if (stats := bus.learner_stats().get(learner)) else 0
 
 
 def assert_every_announcement_applied_once(endpoints: Endpoints) -> None:
@@ -60,7 +60,7 @@ def test_sigterm_learner_finishes_its_uploads_leaves_and_exits_0(endpoints, run_
     print(f"preempted learner exited {time.monotonic() - t0:.2f}s after SIGTERM")
     assert "SIGTERM" in learner.tail(50)
     assert "spot" not in bus.live_learners()  # it announced leaving instead of letting its lease lapse
-    assert bus.learner_stats()["spot"]["upload_failed"] == 0
+    assert bus.learner_stats()["spot"].upload_failed == 0
     ours = [a.contribution_id for _, a in announcements(bus) if a.learner == "spot" and a.kind == "delta"]
     assert ours
     wait_for("its last contributions to be merged", lambda: all(bus.is_applied(c) for c in ours), procs=procs)
@@ -85,7 +85,7 @@ def test_s3_down_for_a_while_training_goes_on_and_nothing_is_lost(own_stack, tmp
              procs=procs)
     assert learner.terminate() == 0, learner.tail()
     stats = bus.learner_stats()["l0"]
-    assert stats["upload_failed"] == 0, stats
+    assert stats.upload_failed == 0, stats
     assert procs[0].alive(), procs[0].tail()
     assert_every_announcement_applied_once(stack.endpoints)
 
@@ -113,8 +113,8 @@ def test_redis_restarted_then_emptied_both_sides_go_on(own_stack, tmp_path):
     assert all(bus.heads()[f] >= in_s3[f] for f in range(2)), (bus.heads(), in_s3)
     wait_for("versions after the wipe", lambda: min(bus.heads().values()) >= min(in_s3.values()) + 2, procs=procs)
     wait_for("the learner's heartbeat after the wipe", lambda: "l0" in bus.learner_stats(), procs=procs)
-    adopted = bus.learner_stats()["l0"]["adopted"]
-    wait_for("the learner to take new versions", lambda: bus.learner_stats()["l0"]["adopted"] > adopted, procs=procs)
+    adopted = bus.learner_stats()["l0"].adopted
+    wait_for("the learner to take new versions", lambda: bus.learner_stats()["l0"].adopted > adopted, procs=procs)
     assert learner.terminate() == 0, learner.tail()
     assert coordinator.alive(), coordinator.tail()
     assert_every_announcement_applied_once(stack.endpoints)

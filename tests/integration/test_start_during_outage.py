@@ -8,8 +8,12 @@ is back, the standby takes over when the active coordinator dies.
 
 from __future__ import annotations
 
+import pytest
+
 from diloco.storage.bus import Bus
 from harness import announcements, spawn_coordinator, spawn_learner, wait_for
+
+pytestmark = pytest.mark.slow  # a minute of S3 outage and lease takeovers: `make test-all`
 
 RUN = "outage"
 

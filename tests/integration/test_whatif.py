@@ -29,6 +29,8 @@ from test_archive import cli
 from test_replay import make_history
 from diloco.workers.learner import Learner
 
+pytestmark = pytest.mark.slow  # trained runs re-derived under other settings: `make test-all`
+
 
 def test_a_what_if_with_the_recorded_settings_reproduces_every_version_exactly(endpoints, run_id, tmp_path):
     heads = make_history(endpoints, run_id, rounds=3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 
@@ -10,13 +11,13 @@ import torch
 
 from diloco.coordinator.attribution import cosine, flat, input_figures, learner_rounds, round_without, weights_without
 from diloco.coordinator.config import CoordinatorConfig
-from diloco.coordinator.outer import NesterovState, apply_round, round_delta
+from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round, round_delta
 from diloco.coordinator.policy import RoundConfig
 from diloco.storage.protocol import Contribution
 
 SHAPES = {"w": (6, 5), "b": (5,)}
-SETTINGS = CoordinatorConfig().settings(RoundConfig()) | {"kind": "delta"}
-RADIAL = CoordinatorConfig(radial_directional=True).settings(RoundConfig()) | {"kind": "delta"}
+SETTINGS = MergeSettings.read(CoordinatorConfig().settings(RoundConfig()))
+RADIAL = MergeSettings.read(CoordinatorConfig(radial_directional=True).settings(RoundConfig()))
 
 
 def tensors(gen: torch.Generator, scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -71,7 +72,7 @@ def test_figures_are_against_the_update_the_round_applies():
 def test_round_delta_rejects_an_unknown_merge_rule():
     d = tensors(torch.Generator().manual_seed(3))
     with pytest.raises(ValueError, match="merge rule 'median'"):
-        round_delta([d], [1.0], SETTINGS | {"merge": "median"})
+        round_delta([d], [1.0], dataclasses.replace(SETTINGS, merge="median"))
 
 
 def test_a_flipped_learner_is_anti_aligned_with_the_others_and_they_agree():
@@ -120,7 +121,7 @@ def test_weights_without_a_learner_are_what_merge_weights_gives_the_rest():
     assert kept == [0, 2]
     # a and c weigh the same (40 tokens / 4 steps); c is one version stale: 1/(1+1) with the discount.
     assert weights == pytest.approx([0.5, 0.25])
-    _, undiscounted = weights_without(inputs, "b", 4, SETTINGS | {"staleness_discount": False})
+    _, undiscounted = weights_without(inputs, "b", 4, dataclasses.replace(SETTINGS, staleness_discount=False))
     assert undiscounted == pytest.approx([0.5, 0.5])
     with pytest.raises(ValueError, match="no inputs other than"):
         weights_without([contribution("a")], "a", 4, SETTINGS)

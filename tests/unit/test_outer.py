@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diloco.coordinator.outer import (NesterovState, apply_round, merge_deltas, nesterov_step, outer_step, round_delta,
+from diloco.coordinator.outer import (MergeSettings, NesterovState, apply_round, merge_deltas, nesterov_step, outer_step, round_delta,
                                       scale_update, update_norm)
 from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundConfig, RoundSize, merge_weights, round_size,
                                        round_step)
@@ -155,20 +155,24 @@ def test_delta_must_cover_the_fragment() -> None:
 
 def test_round_delta_applies_the_recorded_round_scale_and_refuses_a_bad_one() -> None:
     deltas = [{"w": torch.tensor([1.0, -2.0, 4.0])}, {"w": torch.tensor([3.0, 2.0, 0.0])}]
-    settings = {"merge": "weighted_mean"}
-    full = round_delta(deltas, [0.5, 0.5], settings)["w"]
+    full = round_delta(deltas, [0.5, 0.5], typed())["w"]
     assert torch.equal(full, torch.tensor([2.0, 0.0, 2.0]))
-    assert torch.equal(round_delta(deltas, [0.5, 0.5], settings | {"round_scale": 0.25})["w"],
-                       torch.tensor([0.5, 0.0, 0.5]))
-    assert torch.equal(round_delta(deltas, [0.5, 0.5], settings | {"round_scale": 1.0})["w"], full)
+    assert torch.equal(round_delta(deltas, [0.5, 0.5], typed(round_scale=0.25))["w"], torch.tensor([0.5, 0.0, 0.5]))
+    assert torch.equal(round_delta(deltas, [0.5, 0.5], typed(round_scale=1.0))["w"], full)
     for bad in (0.0, 1.5, True, "half"):
         with pytest.raises(ValueError, match="round_scale"):
-            round_delta(deltas, [0.5, 0.5], settings | {"round_scale": bad})
+            typed(round_scale=bad)
 
 
 # --- fractional steps: a round moves the model as far as the progress it carries ----------------
 
 OUTER = {"merge": "weighted_mean", "outer_lr": 0.7, "outer_momentum": 0.9}
+"""A manifest's settings map, as far as the merge and the outer step read it."""
+
+
+def typed(**over: object) -> MergeSettings:
+    """The merge settings of a manifest recording OUTER with `over`."""
+    return MergeSettings.read(OUTER | over)
 
 
 def test_a_whole_fractional_step_is_the_torch_sgd_step_bit_for_bit() -> None:
@@ -177,8 +181,7 @@ def test_a_whole_fractional_step_is_the_torch_sgd_step_bit_for_bit() -> None:
     for _ in range(3):
         delta = random_tensors(gen, 0.1)
         whole, whole_state = nesterov_step(params, delta, state)
-        frac, frac_state = apply_round(params, state, [delta], [1.0],
-                                       OUTER | {"outer": "fractional_nesterov", "progress": 1.0})
+        frac, frac_state = apply_round(params, state, [delta], [1.0], typed(outer="fractional_nesterov", progress=1.0))
         assert same(whole, frac) and same(whole_state.momentum, frac_state.momentum)
         params, state = whole, whole_state
 
@@ -213,8 +216,14 @@ def test_fractional_steps_are_bit_identical_for_the_same_inputs() -> None:
 
 def test_the_outer_step_of_a_manifest_is_one_this_build_knows() -> None:
     deltas = [{"w": torch.ones(2)}]
-    with pytest.raises(ValueError, match="outer optimizer"):
-        apply_round({"w": torch.zeros(2)}, NesterovState(), deltas, [1.0], OUTER | {"outer": "adam"})
+    with pytest.raises(ValueError, match="outer optimizer 'adam'"):
+        apply_round({"w": torch.zeros(2)}, NesterovState(), deltas, [1.0], typed(outer="adam"))
+    for bad in ({"outer_lr": "fast"}, {"outer_momentum": None}, {"merge": "median"}, {"progress": 0.0,
+                                                                                      "outer": "fractional_nesterov"}):
+        with pytest.raises(ValueError):
+            typed(**bad)
+    # A whole step ignores a recorded progress (versions made before fractional steps took whole steps).
+    assert typed(progress=0.5).progress == 1.0 and typed(outer="fractional_nesterov", progress=0.5).progress == 0.5
 
 
 def _cut_into_rounds(cuts: list[list[list[int]]], fractional: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +233,7 @@ def _cut_into_rounds(cuts: list[list[list[int]]], fractional: bool, seed: int = 
     common = torch.randn(300, generator=gen)
     params, state = {"w": torch.zeros(300)}, NesterovState()
     for _ in range(3):  # momentum already in play, as mid-run
-        params, state = apply_round(params, state, [{"w": common * 0.1}], [1.0], OUTER)
+        params, state = apply_round(params, state, [{"w": common * 0.1}], [1.0], typed())
     before = params["w"].clone()
     recent, head, cfg = [RoundSize(4 * 3000, 4)] * RECENT_ROUNDS, 0, RoundConfig()
     for t, groups in enumerate(cuts):
@@ -232,8 +241,8 @@ def _cut_into_rounds(cuts: list[list[list[int]]], fractional: bool, seed: int = 
         for group in groups:
             arrivals = [Arrival(f"c{t}-{i}", f"l{i}", head, 3000, 30, 0.0, 0.1) for i in group]
             step = round_step(round_size(arrivals), recent)
-            settings = OUTER | ({"outer": "fractional_nesterov", "round_scale": step.scale, "progress": step.progress}
-                                if fractional else {"round_scale": step.scale})
+            settings = (typed(outer="fractional_nesterov", round_scale=step.scale, progress=step.progress)
+                        if fractional else typed(round_scale=step.scale))
             params, state = apply_round(params, state, [{"w": deltas[i]} for i in group],
                                         merge_weights(arrivals, head, cfg), settings)
             recent, head = [*recent, round_size(arrivals)][-RECENT_ROUNDS:], head + 1
@@ -263,10 +272,10 @@ def _through_a_decay(inner_lrs: list[float], movement: bool, seed: int = 3) -> l
     for r, lr in enumerate(inner_lrs):
         deltas = [{"w": lr * (0.1 * direction + 0.05 * torch.randn(300, generator=gen))} for _ in range(4)]
         arrivals = [Arrival(f"c{r}-{i}", f"l{i}", r, 3000, 30, 0.0, 0.1) for i in range(4)]
-        update = round_delta(deltas, merge_weights(arrivals, r, cfg), OUTER)
+        update = round_delta(deltas, merge_weights(arrivals, r, cfg), typed())
         norm = update_norm(update) if movement else None
         step = round_step(round_size(arrivals, norm), recent)
-        settings = OUTER | {"outer": "fractional_nesterov", "round_scale": step.scale, "progress": step.progress}
+        settings = typed(outer="fractional_nesterov", round_scale=step.scale, progress=step.progress)
         replayed, _ = apply_round(params, state, deltas, merge_weights(arrivals, r, cfg), settings)
         params, state = outer_step(params, state, scale_update(update, step.scale), settings)
         assert torch.equal(params["w"], replayed["w"])  # a replay from the manifest's settings: the same bits

@@ -5,7 +5,8 @@ import pytest
 
 from diloco.storage.errors import Refused
 from diloco.storage.protocol import (SCHEMA_VERSION, Announcement, Collection, Contribution, FinishRequest, Layout,
-                                     LearnerFinished, Manifest, ParamSpec, Refusal, RunEnd, RunSpec, VersionEvent, pack)
+                                     LearnerFinished, LearnerStats, Manifest, ParamSpec, Refusal, RunEnd, RunSpec,
+                                     VersionEvent, pack)
 
 
 def announcement(**over):
@@ -41,6 +42,8 @@ def manifest():
     LearnerFinished(learner="l-0", finished_at=9.0, steps=120, final=("ab" * 16,)),
     FinishRequest(run="r1", asked_at=9.0, by="diloco finish on host (pid 1)"),
     RunEnd(run="r1", finished_at=9.5, by="operator", reason="an operator asked", versions=(12, -1), epoch=2),
+    LearnerStats(learner="l-0", step=12, tokens=3072, loss=2.5, step_time_s=0.03, adopted=4, uploaded=3,
+                 bytes_uploaded=9000, sync_s=0.1, wall_s=0.4, pid=42, incarnation="0a1b2c3d"),
 ])
 def test_round_trip(record):
     assert type(record).from_wire(record.to_wire()) == record
@@ -100,3 +103,26 @@ def test_invalid_run_spec_is_refused():
                      codec="int4", compress=True, max_object_bytes=1, created_at=0.0), overlap_steps=50)
     with pytest.raises(Refused, match="overlap_steps"):
         RunSpec.from_wire(pack(d))
+
+
+@pytest.mark.parametrize("over,says", [
+    (dict(step_time_s="fast"), "step_time_s: expected a number, got str"),
+    (dict(step_time_s=float("inf")), "step_time_s must be a finite number >= 0"),
+    (dict(step_time_s=-0.5), "step_time_s must be a finite number >= 0"),
+    (dict(step=-1), "step must be >= 0"),
+    (dict(tokens=1.5), "tokens: expected an integer"),
+    (dict(learner="../other"), "learner id"),
+    (dict(mood="sunny"), "unknown fields ['mood']"),
+])
+def test_learner_stats_that_are_not_what_a_learner_writes_are_refused(over, says):
+    """A heartbeat's stats are read by the coordinator (the round clock) and by people: a learner
+    that sends anything else is refused with a reason, not believed and not crashed on."""
+    blob = pack(body(LearnerStats(learner="l-0", step=3, step_time_s=0.02), **over))
+    with pytest.raises(Refused) as err:
+        LearnerStats.from_wire(blob)
+    assert says in err.value.reason
+
+
+def test_learner_stats_without_a_loss_carry_nan():
+    stats = LearnerStats.from_wire(LearnerStats(learner="l-0").to_wire())
+    assert stats.loss != stats.loss and stats.step == 0

@@ -1,4 +1,4 @@
-"""Re-deriving a version from its manifest (coordinator/replay.py), on hand-made manifests: pure, no servers."""
+"""Re-deriving a version from its manifest (coordinator/rederive.py), on hand-made manifests: pure, no servers."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from diloco.coordinator.config import CoordinatorConfig
-from diloco.coordinator.outer import NesterovState, apply_round
+from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round
 from diloco.coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
 from diloco.coordinator.publish import encode_params, encode_state
-from diloco.coordinator.replay import rederive
+from diloco.coordinator.rederive import rederive
 from diloco.storage.history import sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.protocol import Contribution, Manifest
@@ -32,13 +32,14 @@ def a_version(radial: bool = False) -> tuple[Manifest, list[dict[str, torch.Tens
     cfg = RoundConfig()
     settings = CoordinatorConfig(radial_directional=radial).settings(cfg) | {"kind": "delta"}
     parent = tensors(gen)
-    _, state = apply_round(parent, NesterovState(), [tensors(gen, 0.1)], [1.0], settings)
+    merge = MergeSettings.read(settings)
+    _, state = apply_round(parent, NesterovState(), [tensors(gen, 0.1)], [1.0], merge)
     arrivals = [Arrival(uuid.uuid4().hex, learner, base, tokens, steps, 0.0, 0.0)
                 for learner, base, tokens, steps in (("b", 2, 40, 4), ("a", 1, 90, 9), ("b", 2, 40, 4))]
     ordered = merge_order(arrivals)
     weights = merge_weights(ordered, 2, cfg)
     deltas = [tensors(gen, 0.01) for _ in ordered]
-    params, new_state = apply_round(parent, state, deltas, weights, settings)
+    params, new_state = apply_round(parent, state, deltas, weights, merge)
     inputs = tuple(Contribution(contribution_id=a.contribution_id, learner=a.learner, seq=i, object_key=f"k/{i}",
                                 sha256="0" * 64, base_version=a.base_version, staleness=2 - a.base_version,
                                 tokens=a.tokens, steps=a.steps, weight=w, stream_id="")

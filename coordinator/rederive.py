@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from diloco.coordinator.outer import NesterovState, apply_round
+from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round
 from diloco.coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
 from diloco.coordinator.publish import encode_params, encode_state
 from diloco.storage.history import sha256_hex
@@ -139,7 +139,7 @@ def rederive(manifest: Manifest, keys: RunKeys, inputs: Sequence[Mapping[str, Te
             raise ValueError(f"version {manifest.version} needs its parent's params and outer state")
         try:
             params, state = apply_round(parent_params, parent_state, list(inputs),
-                                        [c.weight for c in manifest.inputs], manifest.settings)
+                                        [c.weight for c in manifest.inputs], MergeSettings.read(manifest.settings))
         except ValueError as exc:
             return Rederived(None, None, (*problems, Problem("settings", str(exc))))
     f, v = manifest.fragment, manifest.version

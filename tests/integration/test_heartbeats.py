@@ -1,0 +1,46 @@
+"""Learners' heartbeat stats as their readers meet them: typed, checked, and a liar skipped.
+
+A learner holds valid Redis credentials, so it can write whatever it likes under its stats. The
+coordinator sets the round clock from the step times there; a record that is not what a learner
+writes must neither crash it (every successor would crash on it too) nor move the clock.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgpack
+import pytest
+
+from diloco.coordinator.config import CoordinatorConfig, RunSettings
+from diloco.coordinator.service import Coordinator
+from diloco.storage.protocol import SCHEMA_VERSION, LearnerStats
+
+
+def test_stats_that_do_not_decode_are_skipped_and_the_clock_follows_the_honest_learners(endpoints, run_id, caplog):
+    settings = RunSettings(num_fragments=2, sync_every=10, cadence="clock")
+    coord = Coordinator(endpoints, run_id, settings=settings, config=CoordinatorConfig(min_round_s=0.05))
+    bus = coord.bus
+    try:
+        bus.heartbeat("honest", 30.0, LearnerStats(learner="honest", step=7, step_time_s=0.02))
+        for liar in ("fast", "garbage", "impostor"):
+            bus.heartbeat(liar, 30.0)  # live, like the honest one
+        forged = {"schema": SCHEMA_VERSION, "type": "LearnerStats", "learner": "fast", "step_time_s": "fast"}
+        bus.r.hset(bus.keys.learner_stats, mapping={
+            "fast": msgpack.packb(forged),
+            "garbage": b"\xc1\xff",
+            # Valid stats, but another learner's name: it would speak for the honest learner.
+            "impostor": LearnerStats(learner="honest", step_time_s=1e-9).to_wire(),
+        })
+        with caplog.at_level(logging.WARNING, logger="diloco.storage.bus"):
+            coord.step()
+            stats = bus.learner_stats()
+        assert set(stats) == {"honest"} and stats["honest"].step == 7
+        cadence = bus.cadence()
+        assert cadence is not None and cadence.period_s == pytest.approx(10 * 0.02)
+        said = caplog.text
+        assert "skipping the stats of learner 'fast'" in said and "step_time_s: expected a number" in said
+        assert "skipping the stats of learner 'garbage'" in said
+        assert "skipping the stats under 'impostor': they name learner 'honest'" in said
+    finally:
+        coord.close()
