@@ -30,7 +30,8 @@ MAX_MESSAGE_BYTES = 1 << 20
 """Stream entries and small records are bounded; a run layout may reach a few MB."""
 MAX_RECORD_BYTES = 64 << 20
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""Matched against the whole string (`fullmatch`: a `$` would let a trailing newline through)."""
 
 Scalar = str | int | float | bool
 T = TypeVar("T", bound="Record")
@@ -38,7 +39,7 @@ T = TypeVar("T", bound="Record")
 
 def check_id(kind: str, value: str) -> str:
     """Run ids and learner ids go into object keys: letters, digits, '_', '.', '-', 1..64 chars."""
-    if not isinstance(value, str) or not _ID_RE.match(value):
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
         raise Refused("bad_id", f"{kind} id {value!r} must be 1-64 chars of [A-Za-z0-9_.-], starting alphanumeric")
     return value
 

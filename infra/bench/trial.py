@@ -165,7 +165,8 @@ def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: st
     until = started_unix + trial.budget_s
     coordinator = f"{trial.name}-coordinator"
     plans = {f"{trial.name}-{p.name}": p for p in trial.learners}  # the fleet's names, and so its logs' names
-    with Fleet(process_env(stack.env()), out / "logs") as fleet:
+    # A killed learner comes back unless that would be within a second of the budget's end.
+    with Fleet(process_env(stack.env()), out / "logs", restarts_until_s=trial.budget_s - 1.0) as fleet:
         try:
             fleet.add(coordinator, diloco_command("coordinator", "--run", run, *trial.run_args,
                                                   *trial.coordinator_args), service=True)
@@ -173,6 +174,7 @@ def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: st
                 # A restarted learner's data seed counts the trial's restarts so far, not its own.
                 fleet.add(name, lambda i, plan=plan: _learner_argv(trial, plan, run, task_path, until,
                                                                    fleet.restarts if i else 0))
+                fleet.schedule(name, plan.outages)
             _supervise(trial, fleet, plans, started)
             bus = Bus(stack.endpoints, run)
             wait_until(lambda: bus.pending_count() == 0, 15.0)  # let the last round merge
@@ -202,28 +204,17 @@ def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: st
 
 
 def _supervise(trial: Trial, fleet: Fleet, plans: dict[str, LearnerPlan], started: float) -> None:
-    """Watch the trial until its learners are done, carrying out their outages: SIGKILL at at_s, back
-    down_s later (unless that is within a second of the budget's end). Learners still running
-    OVERRUN_S after the budget are killed."""
-    next_outage = dict.fromkeys(plans, 0)
+    """Watch the trial until its learners are done (the fleet carries out their outages). Learners
+    still running OVERRUN_S after the budget are killed."""
     while fleet.busy(plans):
         time.sleep(0.2)
         fleet.check()  # the coordinator must not exit, a learner must end with 0 unless we killed it
-        elapsed = time.monotonic() - started
-        if elapsed > trial.budget_s + OVERRUN_S:
+        if time.monotonic() - started > trial.budget_s + OVERRUN_S:
             stuck = [name for name in plans if fleet.alive(name)]
             log.warning("%s: %s still running %.0fs after the budget: killed", trial.name, stuck, OVERRUN_S)
             for name in stuck:
                 fleet.kill(name)
             return
-        for name, plan in plans.items():
-            due = next_outage[name]
-            if fleet.members[name].back_at is None and due < len(plan.outages) and elapsed >= plan.outages[due][0]:
-                next_outage[name] += 1
-                down_s = plan.outages[due][1]
-                if fleet.alive(name):
-                    fleet.kill(name, back_in_s=down_s if elapsed + down_s < trial.budget_s - 1.0 else None)
-                    log.info("%s: SIGKILL %s at %.0fs; back in %.0fs", trial.name, plan.name, elapsed, down_s)
 
 
 def eval_curve(task: Task, store: ObjectStore, layout: Layout, manifests: dict[int, list[Manifest]],

@@ -10,7 +10,8 @@ them. A member is started, then watched every tick: `watch()` reaps the processe
 judges each exit by what we sent it (SIGKILL: expected; SIGTERM: must exit 0; nothing: a service
 such as the coordinator must not exit at all, a learner with a number of steps must exit 0), and
 starts the incarnations that are due. `kill(name, back_in_s=...)` is an outage: SIGKILL now, the
-next incarnation that much later. `stop()` ends them all; `wait_until` polls a condition of the run
+next incarnation that much later; `schedule(name, outages)` plans outages ahead, carried out by
+`watch()` at their time (as torchft's EventInjector plans failures for a step). `stop()` ends them all; `wait_until` polls a condition of the run
 (nothing pending, the run's end) with a deadline.
 
 `learner_argv` is the one command line of a learner that the demo, the benchmarks, the chaos run
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -250,6 +251,8 @@ class Member:
     sent_at: float = 0.0
     back_at: float | None = None
     """When its next incarnation is due (None: not coming back)."""
+    outages: list[tuple[float, float | None]] = field(default_factory=list)
+    """Planned outages not carried out yet, in time order: (at_s, down_s) since the fleet started."""
     next_argv: list[str] | None = None
     """The next incarnation's command line, when it is not `argv`'s."""
 
@@ -258,10 +261,15 @@ class Fleet:
     """The named processes of a run; see the module docstring. Leaving `with Fleet(...)` SIGKILLs
     whatever still runs, so that an error leaves nothing behind."""
 
-    def __init__(self, env: dict[str, str], logs: Path, *, term_timeout_s: float | None = None) -> None:
+    def __init__(self, env: dict[str, str], logs: Path, *, term_timeout_s: float | None = None,
+                 restarts_until_s: float | None = None) -> None:
         """`env`: the members' environment (`process_env`); `logs`: their log directory;
-        `term_timeout_s`: a member still running this long after SIGTERM is SIGKILLed, a failure."""
+        `term_timeout_s`: a member still running this long after SIGTERM is SIGKILLed, a failure;
+        `restarts_until_s`: no incarnation is started this long after the fleet started (a member
+        due back later stays down)."""
         self.env, self.logs, self.term_timeout_s = env, logs, term_timeout_s
+        self.restarts_until_s = restarts_until_s
+        self.started = time.monotonic()
         self.members: dict[str, Member] = {}
         self.restarts = 0
         """Incarnations started after the first, over every member."""
@@ -311,6 +319,12 @@ class Fleet:
         if back_in_s is not None:
             m.back_at, m.next_argv = time.monotonic() + back_in_s, argv
 
+    def schedule(self, name: str, outages: Iterable[tuple[float, float | None]]) -> None:
+        """Plan outages of the member: SIGKILL at each `at_s` seconds after the fleet started and
+        start it again `down_s` later (None: never). An outage falls due only once the member is
+        back from the one before; one due while the member has exited on its own is dropped."""
+        self.members[name].outages.extend(sorted(outages, key=lambda o: o[0]))
+
     def term(self, name: str) -> None:
         """SIGTERM the member without waiting (a preemption): it must exit 0."""
         m = self.members[name]
@@ -318,17 +332,27 @@ class Fleet:
             m.sent, m.sent_at = signal.SIGTERM, time.monotonic()
 
     def watch(self, *, restart: bool = True) -> list[Exit]:
-        """One tick: reap and judge every member's process that exited, SIGKILL one still running
-        `term_timeout_s` after SIGTERM (a failure) and, with `restart`, start the incarnations due."""
+        """One tick: carry out the outages due, reap and judge every member's process that exited,
+        SIGKILL one still running `term_timeout_s` after SIGTERM (a failure) and, with `restart`,
+        start the incarnations due."""
         exits, now = [], time.monotonic()
         for m in self.members.values():
+            if m.outages and m.back_at is None and now - self.started >= m.outages[0][0]:
+                _, down_s = m.outages.pop(0)
+                if m.proc is not None and m.proc.alive():
+                    log.info("outage: SIGKILL %s at %.1fs%s", m.name, now - self.started,
+                             "" if down_s is None else f", back in {down_s:.1f}s")
+                    self.kill(m.name, back_in_s=down_s)
             if m.proc is not None and m.proc.returncode() is None and self._overdue(m, now):
                 m.proc.kill()
                 exits.append(self._reap(m, now, f"{m.name} still running {self.term_timeout_s:.0f}s after SIGTERM"))
             elif m.proc is not None and (rc := m.proc.returncode()) is not None:
                 exits.append(self._reap(m, now, _judge(m, rc)))
-            if restart and m.proc is None and m.back_at is not None and now >= m.back_at:
-                self.start(m.name)
+            if m.proc is None and m.back_at is not None and now >= m.back_at and restart:
+                if self.restarts_until_s is not None and now - self.started > self.restarts_until_s:
+                    m.back_at = None  # too late to come back
+                else:
+                    self.start(m.name)
         return exits
 
     def _overdue(self, m: Member, now: float) -> bool:

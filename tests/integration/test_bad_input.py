@@ -487,9 +487,11 @@ def _wire(rig: Rig, **over) -> bytes:
     (lambda rig: {FIELD: _wire(rig, sha256=None)}, "bad_message", ["missing fields ['sha256']"]),
     (lambda rig: {FIELD: _wire(rig, fragment="0")}, "bad_message", ["Announcement.fragment", "integer"]),
     (lambda rig: {FIELD: _wire(rig, learner="../root")}, "bad_id", ["'../root'"]),
+    # A trailing newline is not part of an id: it would name another object key, another hash field.
+    (lambda rig: {FIELD: _wire(rig, learner=f"{BAD}\n")}, "bad_id", [f"'{BAD}\\n'"]),
     (lambda rig: {FIELD: _wire(rig, deadline=math.inf)}, "bad_message", ["deadline", "inf"]),
 ], ids=["not-msgpack", "no-m-field", "not-a-map", "unknown-schema", "missing-field", "wrong-type", "bad-id",
-        "infinite-deadline"])
+        "newline-in-id", "infinite-deadline"])
 def test_malformed_stream_entry_is_refused(rig, entry, code, says):
     before = rig.before()
     eid = rig.xadd(entry(rig))

@@ -118,3 +118,26 @@ def test_stop_terminates_in_order_and_leaving_the_with_block_kills_what_is_left(
         assert fleet.stop(["a"], timeout_s=5) == {"a": 0}
         b = fleet.proc("b")
     assert b is not None and b.returncode() == -signal.SIGKILL
+
+
+def test_planned_outages_are_carried_out_in_time_and_none_restarts_after_the_cutoff(tmp_path):
+    with Fleet(process_env({}), tmp_path, restarts_until_s=0.9) as fleet:
+        fleet.add("l0", lambda i: _sh(f"echo incarnation {i}; while :; do sleep 0.05; done"))
+        # In time order: down at 0.2 s for 0.2 s, at 0.6 s for 0.1 s, then at 0.7 s (once back) for
+        # 0.5 s: back at 1.2 s would be past the 0.9 s cutoff, so it stays down.
+        fleet.schedule("l0", [(0.6, 0.1), (0.2, 0.2), (0.7, 0.5)])
+        seen: list[Exit] = []
+        assert wait_until(lambda: not fleet.busy(["l0"]), 5.0, tick_s=0.02, between=lambda: seen.extend(fleet.watch()))
+        assert [(e.sent, e.problem) for e in seen] == [(signal.SIGKILL, None)] * 3
+        assert fleet.members["l0"].starts == 3 and fleet.restarts == 2
+        assert time.monotonic() - fleet.started >= 1.2  # the last outage at 0.7 s, after the one back at 0.7 s
+    assert (tmp_path / "l0.log").read_text().split() == ["incarnation", "0", "incarnation", "1", "incarnation", "2"]
+
+
+def test_an_outage_due_while_the_member_has_finished_is_dropped(tmp_path):
+    with Fleet(process_env({}), tmp_path) as fleet:
+        fleet.add("l0", _sh("exit 0"))
+        fleet.schedule("l0", [(0.3, 0.1)])
+        assert wait_until(lambda: not fleet.busy(["l0"]) and not fleet.members["l0"].outages, 5.0, tick_s=0.02,
+                          between=fleet.watch)
+        assert fleet.restarts == 0

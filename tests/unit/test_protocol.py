@@ -4,7 +4,7 @@ import msgpack
 import pytest
 
 from diloco.storage.errors import Refused
-from diloco.storage.protocol import (SCHEMA_VERSION, Announcement, Collection, Contribution, FinishRequest, Layout,
+from diloco.storage.protocol import (SCHEMA_VERSION, check_id, Announcement, Collection, Contribution, FinishRequest, Layout,
                                      LearnerFinished, LearnerStats, Manifest, ParamSpec, Refusal, RunEnd, RunSpec,
                                      VersionEvent, pack)
 
@@ -126,3 +126,10 @@ def test_learner_stats_that_are_not_what_a_learner_writes_are_refused(over, says
 def test_learner_stats_without_a_loss_carry_nan():
     stats = LearnerStats.from_wire(LearnerStats(learner="l-0").to_wire())
     assert stats.loss != stats.loss and stats.step == 0
+
+
+@pytest.mark.parametrize("bad", ["l-0\n", "l-0\r", "\nl-0", "l 0", "", "a" * 65, "-l0"])
+def test_ids_are_refused_unless_the_whole_string_is_an_id(bad):
+    with pytest.raises(Refused) as err:
+        check_id("learner", bad)
+    assert err.value.code == "bad_id" and repr(bad) in err.value.reason
