@@ -20,7 +20,7 @@ from diloco.storage import codecs
 from diloco.storage.errors import Refused
 from diloco.storage.history import sha256_hex
 from diloco.storage.keys import SEQ_DIGITS, RunKeys
-from diloco.storage.objects import ObjectMissing, ObjectStore
+from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, Layout, RunSpec
 
 
@@ -81,6 +81,9 @@ def fetch_tensors(store: ObjectStore, a: Announcement, layout: Layout, max_bytes
         except ObjectMissing:
             raise Refused("missing_object", f"announced object {a.object_key} does not exist in the bucket "
                           "(never uploaded, or deleted since)") from None
+        except ObjectUnreadable as exc:
+            raise Refused("unreadable_object", f"announced object {a.object_key} cannot be read: {exc}; "
+                          "a learner must store its objects so that the run's readers can read them") from None
     with timed("verify"):
         return _check_object(blob, a, layout, max_bytes, codec=codec)
 

@@ -29,7 +29,7 @@ from diloco.storage.bus import Bus
 from diloco.storage.errors import Refused
 from diloco.storage.history import read_manifest, sha256_hex
 from diloco.storage.keys import RunKeys
-from diloco.storage.objects import ObjectMissing, ObjectStore
+from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,9 @@ def announcement_from_object(key: str, blob: bytes, *, max_bytes: int) -> Announ
             base_version=int(meta["base_version"]), tokens=int(meta["tokens"]), steps=int(meta["steps"]),
             step_time_s=float(meta["step_time_s"]), object_key=key, size_bytes=len(blob), sha256=sha256_hex(blob),
             sent_at=time.time(), deadline=float(meta.get("deadline", 0.0)), final=bool(meta.get("final", 0)))
-    except (KeyError, ValueError) as exc:
-        raise Refused("bad_header", f"{key}: its header does not describe a contribution ({exc})") from None
+    except (KeyError, ValueError, TypeError, OverflowError) as exc:  # a learner wrote the header: any value
+        raise Refused("bad_header", f"{key}: its header does not describe a contribution "
+                      f"({type(exc).__name__}: {exc})") from None
 
 
 def reannounce_lost(store: ObjectStore, bus: Bus, heads: dict[int, int], *, known: set[str], keep: int,
@@ -83,7 +84,7 @@ def reannounce_lost(store: ObjectStore, bus: Bus, heads: dict[int, int], *, know
             continue
         try:
             a = announcement_from_object(key, store.get(key, max_bytes=max_bytes), max_bytes=max_bytes)
-        except (Refused, ObjectMissing) as exc:
+        except (Refused, ObjectMissing, ObjectUnreadable) as exc:
             # Left in the bucket, not merged: counted, and visible in the log with its reason.
             unreadable += 1
             log.warning("cannot announce %s again: %s", key, exc)

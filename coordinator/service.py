@@ -404,6 +404,13 @@ class Coordinator:
                 log.warning("S3 unavailable reading %s, will retry: %s", a.object_key, exc)
                 self._retry.append((entry_id, a))
                 continue
+            except Exception as exc:  # noqa: BLE001
+                # Whatever one learner's object does, the coordinator goes on: refused, logged with
+                # its traceback; every later coordinator would otherwise die on the same entry.
+                log.exception("reading %s from %s failed unexpectedly", a.object_key, a.learner)
+                self._refuse(entry_id, a, Refused("unreadable_object", f"{a.object_key} could not be read: "
+                                                  f"{type(exc).__name__}: {exc}"))
+                continue
             if a.kind == "genesis":
                 self._genesis(entry_id, a, tensors)
             else:

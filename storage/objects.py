@@ -5,7 +5,8 @@ Contracts, per method:
   creates the object or raises `Conflict`; it never overwrites. Safe to retry: a retry after a
   lost reply finds the object and compares bytes, so a duplicate of our own write is success.
 - `get(key, max_bytes)` never reads more than `max_bytes` (+1 to detect overflow) into memory;
-  raises `ObjectMissing` if absent, `Refused('too_large')` if bigger.
+  raises `ObjectMissing` if absent, `Refused('too_large')` if bigger, `ObjectUnreadable` if S3
+  refuses to return it (e.g. it was stored with a customer-provided encryption key).
 - `list(prefix)` is consistent on all servers we support (S3 has been strongly consistent
   since 2020); results are in key order.
 Transient errors (connection resets, timeouts, 5xx, throttling) are retried inside the adapter
@@ -35,6 +36,12 @@ log = logging.getLogger(__name__)
 
 class ObjectMissing(DilocoError):
     """The object does not exist (yet, or any more)."""
+
+
+class ObjectUnreadable(DilocoError):
+    """S3 refuses to return an object that exists, and retrying will not change that: a 4xx other
+    than 'missing' (e.g. InvalidRequest for an object its writer encrypted with a key of its own
+    (SSE-C), AccessDenied, InvalidObjectState for an archived one)."""
 
 
 class Store(Protocol):
@@ -173,6 +180,10 @@ class ObjectStore:
             except bexc.ClientError as exc:
                 if _code(exc) in ("NoSuchKey", "404", "NotFound"):
                     raise ObjectMissing(f"s3://{self.bucket}/{key} does not exist") from None
+                if not _transient(exc):
+                    message = str(exc.response.get("Error", {}).get("Message", ""))[:200]
+                    raise ObjectUnreadable(f"s3://{self.bucket}/{key}: S3 refuses to return it "
+                                           f"({_code(exc)}: {message})") from None
                 raise
 
     @_retry

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import struct
 import uuid
 from collections.abc import Callable, Iterator
@@ -35,10 +36,12 @@ import zstandard
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.policy import RoundConfig
+from diloco.coordinator.recovery import reannounce_lost
 from diloco.coordinator.service import MAX_REASON_CHARS, Coordinator
 from diloco.storage import codecs
 from diloco.storage.bus import FIELD
 from diloco.storage.history import read_manifest, sha256_hex
+from diloco.storage.objects import make_client
 from diloco.storage.protocol import Announcement, pack
 from diloco.storage.settings import Endpoints
 from diloco.workers.fragments import model_params, plan_layout
@@ -72,6 +75,7 @@ class Rig:
         self.coord = Coordinator(endpoints, run_id, settings=settings, config=config)
         self.bus, self.store, self.keys, self.spec = self.coord.bus, self.coord.store, self.coord.keys, self.coord.spec
         self.caplog = caplog
+        self.endpoints = endpoints
         self._uploaders: dict[str, Uploader] = {}
         self._seq = 0
         torch.manual_seed(0)
@@ -531,3 +535,44 @@ def test_announced_object_that_is_missing_is_refused(rig):
     rig.coord.step()
     rig.assert_refused(before, eid, code="missing_object", learner=BAD, cid=cid, good=good,
                        says=[a.object_key, "does not exist"])
+
+
+# ---- an object S3 will not return --------------------------------------------------------------
+
+def test_an_object_stored_with_a_key_of_its_own_is_refused_and_the_coordinator_goes_on(rig):
+    """A learner's PutObject right lets it store its object with SSE-C (an encryption key only it
+    holds): the object exists, and S3 refuses every GET without the key. Before, the botocore error
+    ended the coordinator's loop, and every successor's on the same pending entry."""
+    before = rig.before()
+    cid = new_id()
+    blob = rig.delta_blob(cid)
+    eid, a = rig.forge(blob, cid=cid, upload=b"")
+    make_client(rig.endpoints).put_object(Bucket=rig.endpoints.bucket, Key=a.object_key, Body=blob,
+                                          SSECustomerAlgorithm="AES256", SSECustomerKey=os.urandom(32))
+    _, good = rig.send_good()
+    rig.coord.step()
+    rig.assert_refused(before, eid, code="unreadable_object", learner=BAD, cid=cid, good=good,
+                       says=[a.object_key, "S3 refuses to return it"])
+
+
+# ---- a planted object in the recovery sweep -------------------------------------------------------
+
+def test_the_sweep_for_lost_announcements_skips_an_object_whose_header_lies(rig):
+    """After Redis lost data, the coordinator announces again the contribution objects nobody
+    accounts for, from their headers, which their learners wrote: `tokens = inf` (or a string)
+    there is counted as unreadable, while the honest object beside it is announced again. Before,
+    int(inf) raised OverflowError out of the sweep, and the coordinator died at every start."""
+    planted = []
+    for tokens in (math.inf, "many"):
+        cid = new_id()
+        planted.append(rig.forge(rig.delta_blob(cid, tokens=tokens), cid=cid)[1])
+    honest = rig.forge(rig.delta_blob(cid := new_id(), tokens=40, steps=4, step_time_s=0.01, deadline=0.0,
+                                      final=0), cid=cid)[1]
+    rig.bus.r.delete(rig.keys.announcements)  # Redis lost them
+    again, unreadable = reannounce_lost(rig.store, rig.bus, rig.bus.heads(), known=set(), keep=4, max_bytes=LIMIT)
+    assert (again, unreadable) == (1, 2)
+    [(_, fields)] = rig.bus.r.xrange(rig.keys.announcements)
+    assert Announcement.from_wire(fields[FIELD]).contribution_id == honest.contribution_id
+    said = rig.caplog.text
+    assert all(f"cannot announce {a.object_key} again" in said for a in planted)
+    assert "OverflowError" in said and "ValueError" in said
