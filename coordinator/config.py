@@ -80,6 +80,11 @@ class CoordinatorConfig:
     batches of at most this many bytes of the largest fragment (at least one announcement, at most
     256), so a coordinator that restarts on a long backlog of large fragments does not decode it all
     into memory at once. Open rounds hold their contributions on top of this."""
+    max_refusals_listed: int = 1000
+    """Refusals a version's manifest lists one by one; the rest since its parent are summed up in
+    one more line, by code (each stays on the refusals stream and in the counters). A thousand
+    refusals, reasons clipped to 2000 characters, keep a manifest within a few MB of its 64 MiB read
+    limit whatever a flood of forged announcements does."""
     claim_idle_s: float = 60.0
     """Entries pending on another consumer for longer than this are claimed."""
     lease_s: float = 10.0
@@ -93,6 +98,8 @@ class CoordinatorConfig:
             raise ConfigError(f"outer_lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.max_refusals_listed < 1:
+            raise ConfigError(f"max_refusals_listed must be at least 1, got {self.max_refusals_listed}")
         if self.read_batch_bytes < 1:
             raise ConfigError(f"read_batch_bytes must be positive, got {self.read_batch_bytes}")
         if not self.lease_s >= 1.0:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -51,13 +53,38 @@ def decode_state(blob: bytes, max_bytes: int) -> NesterovState:
     return NesterovState(momentum=tensors, steps=int(header.meta.get("steps", 0)))
 
 
+def listed_refusals(refused: Sequence[Refusal], limit: int) -> tuple[Refusal, ...]:
+    """The refusals a manifest lists: all of them up to `limit`; beyond, the first `limit` - 1 and
+    one `more_refused` line that counts the rest by code."""
+    if len(refused) <= limit:
+        return tuple(refused)
+    kept, rest = refused[:limit - 1], refused[limit - 1:]
+    by_code = Counter(r.code for r in rest)
+    summary = ", ".join(f"{code} x{n}" for code, n in sorted(by_code.items(), key=lambda kv: (-kv[1], kv[0])))
+    return (*kept, Refusal(contribution_id="", learner="", code="more_refused",
+                           reason=f"{len(rest)} more refusals since the parent version ({summary}): each one is on "
+                                  "the refusals stream and in the counters"))
+
+
 def write_version(store: Store, keys: RunKeys, *, fragment: int, version: int,
                   params: dict[str, torch.Tensor], state: NesterovState, inputs: tuple[Contribution, ...],
                   refused: tuple[Refusal, ...], settings: dict, epoch: int, timed: Timed = untimed) -> Manifest:
-    """Steps 1 and 2. Raises Conflict if a manifest for this version already exists.
+    """Steps 1 and 2. Raises Conflict if a manifest for this version already exists, ValueError if
+    the manifest would be too large for its readers (nothing is written then).
 
     `timed` times the encoding ("encode"), the objects' PUTs ("put") and the manifest's ("manifest")."""
     with timed("encode"):
+        # The manifest's size is known before anything is written: no object of a version that
+        # could never be read.
+        draft = Manifest(run=keys.run, fragment=fragment, version=version, parent_version=version - 1,
+                         params_key=keys.params(fragment, version, epoch), params_sha256="0" * 64,
+                         outer_state_key=keys.outer_state(fragment, version, epoch), outer_state_sha256="0" * 64,
+                         inputs=inputs, settings=settings, refused=refused, committed_at=0.0, epoch=epoch)
+        size = len(draft.to_wire())
+        if size > Manifest.MAX_BYTES:
+            raise ValueError(f"the manifest of fragment {fragment} version {version} would be {size} bytes, over "
+                             f"the {Manifest.MAX_BYTES} its readers accept ({len(inputs)} inputs, {len(refused)} "
+                             "refusals)")
         params_blob = encode_params(params, keys, fragment, version)
         state_blob = encode_state(state, keys, fragment, version)
         params_sha256, state_sha256 = sha256_hex(params_blob), sha256_hex(state_blob)

@@ -30,7 +30,8 @@ from diloco.coordinator.outer import MergeSettings, NesterovState, outer_step, r
 from diloco.coordinator.policy import (RECENT_ROUNDS, RoundSize, RoundState, decide_round, merge_order, merge_weights,
                                        next_cadence, round_size, round_step, run_end, served_deadline,
                                        staleness_verdict)
-from diloco.coordinator.publish import commit, commit_existing, decode_state, roll_forward, write_version
+from diloco.coordinator.publish import (commit, commit_existing, decode_state, listed_refusals, roll_forward,
+                                        write_version)
 from diloco.coordinator.recovery import reannounce_lost
 from diloco.coordinator.timing import PhaseTimes
 from diloco.storage.bus import Bus, CommitResult, Fleet
@@ -598,7 +599,7 @@ class Coordinator:
                   if c.announcement.kind == "delta" else 0,
                   tokens=c.announcement.tokens, steps=c.announcement.steps, weight=w, stream_id=c.entry_id)
             for c, w in zip(contributions, weights, strict=True))
-        refused = (*frag.refused, *self._unplaced)
+        refused = listed_refusals([*frag.refused, *self._unplaced], self.config.max_refusals_listed)
         try:
             manifest = write_version(self.store, self.keys, fragment=fragment, version=version, params=params,
                                      state=state, inputs=inputs, refused=refused, settings=settings,

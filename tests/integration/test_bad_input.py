@@ -36,13 +36,15 @@ import zstandard
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.policy import RoundConfig
+from diloco.coordinator.outer import NesterovState
+from diloco.coordinator.publish import write_version
 from diloco.coordinator.recovery import reannounce_lost
 from diloco.coordinator.service import MAX_REASON_CHARS, Coordinator
 from diloco.storage import codecs
 from diloco.storage.bus import FIELD
 from diloco.storage.history import read_manifest, sha256_hex
 from diloco.storage.objects import make_client
-from diloco.storage.protocol import Announcement, pack
+from diloco.storage.protocol import Announcement, Refusal, pack
 from diloco.storage.settings import Endpoints
 from diloco.workers.fragments import model_params, plan_layout
 from diloco.workers.transfer import TransferStats, UploadJob, Uploader
@@ -576,3 +578,41 @@ def test_the_sweep_for_lost_announcements_skips_an_object_whose_header_lies(rig)
     said = rig.caplog.text
     assert all(f"cannot announce {a.object_key} again" in said for a in planted)
     assert "OverflowError" in said and "ValueError" in said
+
+
+# ---- a flood of refusals ---------------------------------------------------------------------------
+
+def test_a_flood_of_forged_announcements_leaves_a_manifest_of_bounded_size(make_rig):
+    """Every refusal since the parent went into the next manifest: ~23k forged announcements made a
+    73 MB manifest that committed and that no reader accepted again. Now a manifest lists at most
+    `max_refusals_listed` of them (here 5), the last line counting the rest by code; each one is
+    still refused, counted and on the refusals stream."""
+    rig = make_rig()
+    rig.coord.config = replace(rig.coord.config, max_refusals_listed=5)
+    before = rig.before()
+    for i in range(12):
+        rig.xadd({FIELD: _wire(rig, fragment=7, contribution_id=f"{i:032x}")})  # no such fragment
+    for i in range(3):
+        rig.xadd({FIELD: b"\xc1 not msgpack"})
+    _, good = rig.send_good()
+    rig.coord.step()
+    assert rig.head(0) == before.head + 1
+    manifest = read_manifest(rig.store, rig.keys, 0, before.head + 1)
+    assert good.contribution_id in [c.contribution_id for c in manifest.inputs]
+    assert [r.code for r in manifest.refused] == ["unknown_fragment"] * 4 + ["more_refused"]
+    assert manifest.refused[-1].reason.startswith("11 more refusals since the parent version (unknown_fragment x8, "
+                                                  "bad_message x3)")
+    assert rig.bus.counters()["contributions_refused"] == before.counters.get("contributions_refused", 0) + 15
+    assert len(rig.bus.refusals()) == before.refusals + 15
+
+
+def test_a_manifest_too_large_for_its_readers_is_never_written(rig):
+    """Whatever fills a manifest, the coordinator does not commit one its readers refuse: it stops
+    before writing the version's first object."""
+    version = rig.head(0) + 1
+    params = {s.name: torch.zeros(s.shape) for s in rig.layout.fragments[0]}
+    huge = tuple(Refusal(contribution_id="", learner="", code="bad_message", reason="x" * (1 << 20)) for _ in range(65))
+    with pytest.raises(ValueError, match=f"fragment 0 version {version} would be .* bytes, over the 67108864"):
+        write_version(rig.store, rig.keys, fragment=0, version=version, params=params, state=NesterovState(),
+                      inputs=(), refused=huge, settings={}, epoch=1)
+    assert list(rig.store.list(rig.keys.version_dir(0, version))) == []
