@@ -376,10 +376,18 @@ class Coordinator:
     def _intake(self, entries: list) -> None:
         to_fetch: list[tuple[str, Announcement]] = []
         seen = {c.announcement.contribution_id for f in self.fragments.values() for c in f.round}
+        held = {c.entry_id for f in self.fragments.values() for c in f.round}
         with self.timing("check"):
             applied = self.bus.applied_among([item.contribution_id for _, item in entries
                                               if not isinstance(item, Refused)])
             for entry_id, item in entries:
+                if entry_id in held:
+                    # The same entry again (the re-read of our pending entries after a restart or a
+                    # Redis outage, a claim) while its contribution waits in an open round or in this
+                    # batch: not a duplicate to refuse and acknowledge, which would leave the
+                    # contribution in memory only. It stays pending until its round commits.
+                    continue
+                held.add(entry_id)
                 if isinstance(item, Refused):
                     self._refuse(entry_id, None, item)
                     continue

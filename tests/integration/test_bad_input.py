@@ -70,10 +70,10 @@ class Rig:
     """A coordinator whose run has version 0 of both fragments, honest learners and a forger."""
 
     def __init__(self, endpoints: Endpoints, run_id: str, caplog: pytest.LogCaptureFixture, *, codec: str = "int8",
-                 compress: bool = True, max_staleness: int = 4) -> None:
+                 compress: bool = True, max_staleness: int = 4, min_quorum: int = 1) -> None:
         settings = RunSettings(num_fragments=2, sync_every=4, overlap_steps=1, codec=codec, compress=compress,
                                max_object_bytes=LIMIT, cadence="steps")
-        config = CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0, max_staleness=max_staleness))
+        config = CoordinatorConfig(round=RoundConfig(min_quorum=min_quorum, max_grace_s=0.0, max_staleness=max_staleness))
         self.coord = Coordinator(endpoints, run_id, settings=settings, config=config)
         self.bus, self.store, self.keys, self.spec = self.coord.bus, self.coord.store, self.coord.keys, self.coord.spec
         self.caplog = caplog
@@ -616,3 +616,29 @@ def test_a_manifest_too_large_for_its_readers_is_never_written(rig):
         write_version(rig.store, rig.keys, fragment=0, version=version, params=params, state=NesterovState(),
                       inputs=(), refused=huge, settings={}, epoch=1)
     assert list(rig.store.list(rig.keys.version_dir(0, version))) == []
+
+
+# ---- an entry delivered again ------------------------------------------------------------------------
+
+def test_an_entry_delivered_again_while_its_round_is_open_stays_pending_and_merges_once(make_rig):
+    """The coordinator re-reads its own pending entries after a restart of its read and after a
+    Redis outage (and claims idle ones). An entry whose contribution waits in an open round was then
+    refused as a duplicate and acknowledged: the contribution lived in memory only, and a crash
+    before the round merged lost it."""
+    rig = make_rig(min_quorum=2)
+    for learner in ("good", "other"):
+        rig.bus.heartbeat(learner, 60.0)  # two live learners: the round waits for both
+    before = rig.before()
+    eid, a = rig.send_good("good")
+    rig.coord.step()
+    assert rig.head(0) == before.head  # the round is open, waiting for its quorum
+    rig.coord._read_pending = True  # what the coordinator sets after a Redis outage: re-read our pending entries
+    rig.coord.step()
+    pending = rig.bus.r.xpending_range(rig.keys.announcements, rig.keys.GROUP, "-", "+", 10)
+    assert [p["message_id"].decode() for p in pending] == [eid]  # still pending: not acknowledged as a duplicate
+    assert len(rig.bus.refusals()) == before.refusals
+    _, other = rig.send_good("other")
+    rig.coord.step()
+    manifest = read_manifest(rig.store, rig.keys, 0, before.head + 1)
+    assert sorted(c.contribution_id for c in manifest.inputs) == sorted([a.contribution_id, other.contribution_id])
+    assert rig.bus.r.xpending_range(rig.keys.announcements, rig.keys.GROUP, "-", "+", 10) == []
