@@ -1,9 +1,10 @@
 """After Redis lost data: find the contributions whose announcements were lost with it.
 
-Two cases: Redis emptied (the coordinator rebuilds it from S3, then looks here), and Redis
+Three cases: Redis emptied (the coordinator rebuilds it from S3, then looks here); Redis
 restarted with its data but without its last second of writes (the append-only file is synced
 once a second): once the coordinator has read every announcement that survived, it looks here
-for objects stored before the outage.
+for objects stored before the outage; and a coordinator's start, which counts as the end of such
+an outage (nobody read the stream while no coordinator ran).
 
 Learners store a contribution in S3 before they announce it, and every contribution object
 describes itself in its header (run, fragment, learner, contribution id, base version, tokens,

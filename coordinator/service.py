@@ -124,7 +124,10 @@ class Coordinator:
         self._unplaced: list[Refusal] = []  # refusals of entries that name no fragment of the run
         self._read_pending = True
         self._read_batch: int | None = None  # `_read_count`, once the layout is known
-        self._outage_at: float | None = None  # when this process noticed a Redis outage (unix), until the sweep
+        # When this process noticed a Redis outage (unix), until the sweep for lost announcements. Its
+        # start counts as one: announcements a learner made while no coordinator ran may be lost too
+        # (a Redis that forgot its last writes then), and only S3 still knows the contributions.
+        self._outage_at: float | None = time.time()
         self._drained = False  # the last read of the announcements stream returned nothing
         self._redis_run_id = self._server_run_id()
         log.info("coordinator %s of run %s: epoch %d, %d fragments, heads %s", self.leadership.holder, run,

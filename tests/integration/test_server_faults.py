@@ -188,3 +188,30 @@ def test_an_announcement_lost_in_a_redis_restart_is_found_in_s3_and_merged(own_s
                for c in read_manifest(store, keys, f, v).inputs]
     assert applied.count(lost) == 1
     learner.close()
+
+
+def test_a_contribution_whose_announcement_was_lost_while_no_coordinator_ran_is_merged_at_start(endpoints, run_id):
+    """Between two coordinators, a learner stored a contribution and Redis lost its announcement
+    (or it never made it): the next coordinator's start sweeps S3 once it has read every surviving
+    announcement, as after an outage, and merges it exactly once."""
+    first = make_coordinator(endpoints, run_id, lease_s=2.0)
+    learner, opt = join(endpoints, run_id, first, "l0")
+    train(learner, opt, 4)
+    for _ in range(5):
+        first.step(block_ms=50)
+    first.close()
+    store, keys = ObjectStore(endpoints), first.keys
+    layout = read_layout(store, keys)
+    lost = "f" * 32
+    meta = {"run": run_id, "fragment": 1, "learner": "l1", "kind": "delta", "contribution_id": lost,
+            "base_version": first.bus.heads()[1], "tokens": 40, "steps": 4, "step_time_s": 0.1, "deadline": 0.0}
+    store.put(keys.delta(1, "l1", 1), codecs.encode({s.name: torch.full(s.shape, 0.01) for s in layout.fragments[1]},
+                                                   "fp32", meta=meta))
+    second = make_coordinator(endpoints, run_id, lease_s=2.0)
+    bus = Bus(endpoints, run_id)
+    with serving(second):
+        wait_for("the lost contribution to be found in S3 and merged", lambda: bus.is_applied(lost), timeout_s=60)
+    assert bus.counters()["reannounced_from_s3"] == 1
+    applied = [c.contribution_id for v in range(bus.heads()[1] + 1) for c in read_manifest(store, keys, 1, v).inputs]
+    assert applied.count(lost) == 1
+    learner.close()
