@@ -126,16 +126,22 @@ def event_of(manifest: Manifest, keys: RunKeys) -> VersionEvent:
                         committed_at=manifest.committed_at)
 
 
-def commit(bus: Bus, manifest: Manifest, *, epoch: int, ack_ids: list[str], rebuild: bool = False) -> CommitResult:
+def commit(bus: Bus, manifest: Manifest, *, epoch: int, ack_ids: list[str], rebuild: bool = False,
+           check_applied: bool = True) -> CommitResult:
     """Step 3. The head must be the manifest's parent; with `rebuild`, Redis must have no head yet."""
     expected = None if rebuild or manifest.parent_version < 0 else manifest.parent_version
-    return bus.commit_version(event_of(manifest, bus.keys), expected_head=expected, epoch=epoch, ack_ids=ack_ids)
+    return bus.commit_version(event_of(manifest, bus.keys), expected_head=expected, epoch=epoch, ack_ids=ack_ids,
+                              check_applied=check_applied)
 
 
 def commit_existing(bus: Bus, manifest: Manifest, *, epoch: int, rebuild: bool = False) -> None:
-    """Commit a version whose manifest is already in S3; its announcements are acknowledged as applied."""
+    """Commit a version whose manifest is already in S3; its announcements are acknowledged as applied.
+
+    S3 is the truth: the manifest is written, so the version is committed whatever Redis says of its
+    contributions. Redis's applied set is not consulted (should history already name a contribution
+    twice, refusing to commit would only leave every later coordinator unable to start)."""
     stream_ids = [c.stream_id for c in manifest.inputs if c.stream_id]
-    result = commit(bus, manifest, epoch=epoch, ack_ids=stream_ids, rebuild=rebuild)
+    result = commit(bus, manifest, epoch=epoch, ack_ids=stream_ids, rebuild=rebuild, check_applied=False)
     if result not in (CommitResult.COMMITTED, CommitResult.ALREADY):
         raise Conflict(f"cannot commit fragment {manifest.fragment} version {manifest.version} from its "
                        f"manifest: {result.name}")

@@ -1,10 +1,9 @@
 """After Redis lost data: find the contributions whose announcements were lost with it.
 
-Three cases: Redis emptied (the coordinator rebuilds it from S3, then looks here); Redis
+Two cases: Redis emptied (the coordinator rebuilds it from S3, then looks here), and Redis
 restarted with its data but without its last second of writes (the append-only file is synced
 once a second): once the coordinator has read every announcement that survived, it looks here
-for objects stored before the outage; and a coordinator's start, which counts as the end of such
-an outage (nobody read the stream while no coordinator ran).
+for objects stored before the outage.
 
 Learners store a contribution in S3 before they announce it, and every contribution object
 describes itself in its header (run, fragment, learner, contribution id, base version, tokens,
@@ -90,6 +89,8 @@ def reannounce_lost(store: ObjectStore, bus: Bus, heads: dict[int, int], *, know
             unreadable += 1
             log.warning("cannot announce %s again: %s", key, exc)
             continue
+        if bus.is_applied(a.contribution_id):
+            continue  # merged in a version older than the manifests read above
         bus.announce(a)
         again += 1
     if again or unreadable:

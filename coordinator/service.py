@@ -81,6 +81,10 @@ class Fragment:
     """The latest clock deadline a round merged here served (0: none since this coordinator started)."""
     recent: list[RoundSize] = field(default_factory=list)
     """The last rounds merged here (`policy.round_step`'s usual round)."""
+    committed: list[frozenset[str]] = field(default_factory=list)
+    """The contribution ids of the last versions this process committed here (max_staleness + 1 of
+    them): applied, since their manifests are in S3, whatever Redis says (it may forget its last
+    writes); anything older would be refused as stale."""
 
 
 class Coordinator:
@@ -124,10 +128,8 @@ class Coordinator:
         self._unplaced: list[Refusal] = []  # refusals of entries that name no fragment of the run
         self._read_pending = True
         self._read_batch: int | None = None  # `_read_count`, once the layout is known
-        # When this process noticed a Redis outage (unix), until the sweep for lost announcements. Its
-        # start counts as one: announcements a learner made while no coordinator ran may be lost too
-        # (a Redis that forgot its last writes then), and only S3 still knows the contributions.
-        self._outage_at: float | None = time.time()
+        self._outage_at: float | None = None  # when this process noticed a Redis outage (unix), until the sweep
+        self._reconcile_due = False  # Redis was unreachable or restarted: bring it up to S3 before reading on
         self._drained = False  # the last read of the announcements stream returned nothing
         self._redis_run_id = self._server_run_id()
         log.info("coordinator %s of run %s: epoch %d, %d fragments, heads %s", self.leadership.holder, run,
@@ -169,6 +171,8 @@ class Coordinator:
             try:
                 if self.leadership.check():
                     self._rebuild()
+                if self._reconcile_due:
+                    self._reconcile()
                 if now - last_claim > self.config.claim_idle_s / 2:
                     self._intake(self.bus.autoclaim(self.config.consumer,
                                                     min_idle_ms=int(self.config.claim_idle_s * 1000)))
@@ -192,12 +196,7 @@ class Coordinator:
         consumer group and the round clock from S3 and from what this process holds."""
         self.epoch = self.leadership.retake()
         self.bus.ensure_group()
-        heads = roll_forward(self.store, self.bus, self.spec.num_fragments, self.epoch,
-                             keep_applied=self.round_cfg.max_staleness + 1)
-        for fragment, frag in self.fragments.items():
-            if heads.get(fragment, -1) != frag.head:
-                frag.head, frag.params, frag.state = heads.get(fragment, -1), None, None
-            frag.round = [c for c in frag.round if not self.bus.is_applied(c.announcement.contribution_id)]
+        heads = self._roll_forward()
         if self.cadence is not None:
             self.bus.set_cadence(self.cadence)
         if self.ended is not None:
@@ -208,11 +207,42 @@ class Coordinator:
         log.warning("rebuilt Redis from S3 at epoch %d: heads %s, %d contribution(s) announced again", self.epoch,
                     heads, again)
 
+    def _roll_forward(self) -> dict[int, int]:
+        """Bring Redis up to the manifests in S3 (`publish.roll_forward`) and take its heads: a
+        fragment whose head moved is reloaded from S3, and an open round keeps only contributions
+        not applied since."""
+        heads = roll_forward(self.store, self.bus, self.spec.num_fragments, self.epoch,
+                             keep_applied=self.round_cfg.max_staleness + 1)
+        for fragment, frag in self.fragments.items():
+            if heads.get(fragment, -1) != frag.head:
+                frag.head, frag.params, frag.state = heads.get(fragment, -1), None, None
+            frag.round = [c for c in frag.round if not self.bus.is_applied(c.announcement.contribution_id)]
+        return heads
+
+    def _reconcile(self) -> None:
+        """After Redis was unreachable or restarted: it may have forgotten its last writes, commits
+        included (a host crash with the AOF synced once a second, a failover to a lagging replica, a
+        restore from a snapshot). S3 is the truth: before anything more is read or merged, every
+        manifest in S3 above a Redis head is committed again, with its contributions applied and
+        their entries acknowledged, so that a forgotten commit is neither merged twice nor left
+        behind a head that moved back. Redis that came back empty is rebuilt instead."""
+        if self.bus.wiped():
+            self._rebuild()
+        else:
+            behind = {f: h for f, h in self.bus.heads().items() if h < self.fragments[f].head}
+            if behind:
+                log.warning("Redis forgot commits (heads %s, S3 has %s): committing them again from S3", behind,
+                            {f: self.fragments[f].head for f in behind})
+            self._roll_forward()
+        self._reconcile_due = False
+
     def _outage_noticed(self) -> None:
-        """Sweep for lost announcements once every announcement that survived has been read again."""
+        """Bring Redis up to S3 again at once, and sweep for lost announcements once every
+        announcement that survived has been read again."""
         if self._outage_at is None:
             self._outage_at = time.time()
         self._drained = False
+        self._reconcile_due = True
 
     def _server_run_id(self) -> str | None:
         """The Redis server's run id, or None where INFO is not allowed (an ACL without @dangerous):
@@ -242,10 +272,12 @@ class Coordinator:
         if self.bus.wiped():
             self._rebuild()
             return
-        again = self._announce_lost({f: frag.head for f, frag in self.fragments.items() if frag.head >= 0},
-                                    before=outage_at)
+        again = self._announce_lost(self._heads(), before=outage_at)
         self.bus.incr("outage_sweeps")
         log.info("after the Redis outage: %d lost announcement(s) found in S3 and made again", again)
+
+    def _heads(self) -> dict[int, int]:
+        return {f: frag.head for f, frag in self.fragments.items() if frag.head >= 0}
 
     def _announce_lost(self, heads: dict[int, int], before: float | None = None) -> int:
         """Announce again the recent contribution objects that no manifest, open round or pending
@@ -432,7 +464,8 @@ class Coordinator:
     def _check(self, a: Announcement, seen: set[str], applied: set[str]) -> None:
         """Refuse a duplicate (`seen` in an open round or this batch, or `applied`), then whatever
         `check_announcement` refuses."""
-        if a.contribution_id in seen or a.contribution_id in applied:
+        if a.contribution_id in seen or a.contribution_id in applied or any(
+                a.contribution_id in ids for frag in self.fragments.values() for ids in frag.committed):
             where = "is already in an open round" if a.contribution_id in seen else "was applied in a committed version"
             raise Refused("duplicate", f"contribution {a.contribution_id} from {a.learner} {where}: this is "
                           "the same announcement delivered again, and it is applied at most once")
@@ -636,6 +669,7 @@ class Coordinator:
         frag.merged_deadline = served_deadline(frag.merged_deadline, arrivals)
         if manifest.settings.get("kind") == "delta":
             frag.recent = [*frag.recent, round_size(arrivals, _norm(manifest))][-RECENT_ROUNDS:]
+        frag.committed = [*frag.committed, frozenset(merged)][-(self.round_cfg.max_staleness + 1):]
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
         elapsed = time.monotonic() - t0
         self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed

@@ -116,7 +116,8 @@ class CommitResult(enum.Enum):
 
 _COMMIT_LUA = """
 -- KEYS: heads, commits, applied, epoch, versions, announcements, counters
--- ARGV: fragment, expected_head, version, params_sha, epoch, event, group, maxlen, n_ids, ids..., n_acks, acks...
+-- ARGV: fragment, expected_head, version, params_sha, epoch, event, group, maxlen, check_applied (1/0),
+--       n_ids, ids..., n_acks, acks...
 local frag, expected, version, sha = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local ck = frag .. ':' .. version
 local done = redis.call('HGET', KEYS[2], ck)
@@ -131,19 +132,21 @@ if ARGV[5] ~= '' then
 end
 local cur = redis.call('HGET', KEYS[1], frag)
 if (cur or '') ~= expected then return -2 end
-local n = tonumber(ARGV[9])
-for i = 1, n do
-  if redis.call('SISMEMBER', KEYS[3], ARGV[9 + i]) == 1 then return -4 end
+local n = tonumber(ARGV[10])
+if ARGV[9] == '1' then
+  for i = 1, n do
+    if redis.call('SISMEMBER', KEYS[3], ARGV[10 + i]) == 1 then return -4 end
+  end
 end
 redis.call('HSET', KEYS[1], frag, version)
 redis.call('HSET', KEYS[2], ck, sha)
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[8], '*', 'm', ARGV[6])
 for i = 1, n do
-  redis.call('SADD', KEYS[3], ARGV[9 + i])
+  redis.call('SADD', KEYS[3], ARGV[10 + i])
 end
-local na = tonumber(ARGV[10 + n])
+local na = tonumber(ARGV[11 + n])
 for i = 1, na do
-  redis.call('XACK', KEYS[6], ARGV[7], ARGV[10 + n + i])
+  redis.call('XACK', KEYS[6], ARGV[7], ARGV[11 + n + i])
 end
 redis.call('HINCRBY', KEYS[7], 'versions_committed', 1)
 redis.call('HINCRBY', KEYS[7], 'contributions_applied', n)
@@ -340,14 +343,16 @@ class Bus:
 
     @redis_retry
     def commit_version(self, event: VersionEvent, *, expected_head: int | None, epoch: int | None,
-                       ack_ids: Sequence[str]) -> CommitResult:
-        """Make `event` the head of its fragment, fenced and atomic (see module docstring)."""
+                       ack_ids: Sequence[str], check_applied: bool = True) -> CommitResult:
+        """Make `event` the head of its fragment, fenced and atomic (see module docstring).
+        `check_applied` False: commit it even if Redis has one of its contributions applied (the
+        version's manifest is in S3 already, so it is committed whatever Redis says)."""
         keys = [self.keys.heads, self.keys.commits, self.keys.applied, self.keys.epoch, self.keys.versions,
                 self.keys.announcements, self.keys.counters]
         args: list[Any] = [event.fragment, "" if expected_head is None else expected_head, event.version,
                            event.params_sha256, "" if epoch is None else epoch, event.to_wire(),
-                           self.keys.GROUP, VERSIONS_MAXLEN, len(event.contributions), *event.contributions,
-                           len(ack_ids), *ack_ids]
+                           self.keys.GROUP, VERSIONS_MAXLEN, int(check_applied), len(event.contributions),
+                           *event.contributions, len(ack_ids), *ack_ids]
         result = CommitResult(int(self._commit(keys=keys, args=args)))
         if result is CommitResult.ALREADY:
             self.ack(ack_ids)  # the first attempt acked them; acking again is harmless

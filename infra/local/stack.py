@@ -415,6 +415,24 @@ class LocalStack:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         self.start_redis()
 
+    def snapshot_redis(self, to: Path) -> None:
+        """Copy Redis's data to the directory `to` as of now: stopped with SIGTERM (its append-only
+        file synced), copied, started again. For `restore_redis`."""
+        self.stop_redis()
+        shutil.copytree(self.data_dir / "redis", to, ignore=shutil.ignore_patterns("redis.conf", "redis.log"))
+        self.start_redis()
+
+    def restore_redis(self, snapshot: Path) -> None:
+        """SIGKILL Redis, put back the data of a `snapshot_redis` and start it: a Redis restored from
+        an older snapshot (or failed over to a lagging replica), which forgot every write since."""
+        self.kill_redis()
+        data = self.data_dir / "redis"
+        for path in data.iterdir():
+            if path.name not in ("redis.conf", "redis.log"):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        shutil.copytree(snapshot, data, dirs_exist_ok=True)
+        self.start_redis()
+
     # -- S3 -------------------------------------------------------------------------------------
 
     def start_s3(self) -> None:

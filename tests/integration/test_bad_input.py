@@ -37,7 +37,7 @@ import zstandard
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.outer import NesterovState
-from diloco.coordinator.publish import write_version
+from diloco.coordinator.publish import roll_forward, write_version
 from diloco.coordinator.recovery import reannounce_lost
 from diloco.coordinator.service import MAX_REASON_CHARS, Coordinator
 from diloco.storage import codecs
@@ -642,3 +642,19 @@ def test_an_entry_delivered_again_while_its_round_is_open_stays_pending_and_merg
     manifest = read_manifest(rig.store, rig.keys, 0, before.head + 1)
     assert sorted(c.contribution_id for c in manifest.inputs) == sorted([a.contribution_id, other.contribution_id])
     assert rig.bus.r.xpending_range(rig.keys.announcements, rig.keys.GROUP, "-", "+", 10) == []
+
+
+def test_roll_forward_commits_a_manifest_that_names_an_applied_contribution_again(rig):
+    """A history that already names a contribution twice (written by a coordinator that trusted a
+    Redis which forgot a commit) must not keep every later coordinator from starting: a manifest
+    in S3 is committed whatever Redis's applied set says (S3 is the truth)."""
+    _, a = rig.send_good()
+    rig.coord.step()
+    head = rig.head(0)
+    merged = read_manifest(rig.store, rig.keys, 0, head)
+    assert rig.bus.is_applied(a.contribution_id)
+    params = {s.name: torch.zeros(s.shape) for s in rig.layout.fragments[0]}
+    write_version(rig.store, rig.keys, fragment=0, version=head + 1, params=params, state=NesterovState(),
+                  inputs=merged.inputs, refused=(), settings=merged.settings, epoch=rig.coord.epoch)
+    heads = roll_forward(rig.store, rig.bus, 2, rig.coord.epoch, keep_applied=5)
+    assert heads[0] == rig.head(0) == head + 1

@@ -7,6 +7,7 @@ Redis and S3 from outside, and kills or restarts servers for real.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -16,6 +17,7 @@ from diloco.storage.bus import Bus
 from diloco.storage.history import latest_version, read_layout, read_manifest
 from diloco.storage.objects import ObjectStore
 from diloco.storage.settings import Endpoints
+from test_bad_input import Rig
 from harness import (announcements, join, make_coordinator, serving, spawn_coordinator, spawn_learner, train,
                      wait_for)
 
@@ -190,28 +192,39 @@ def test_an_announcement_lost_in_a_redis_restart_is_found_in_s3_and_merged(own_s
     learner.close()
 
 
-def test_a_contribution_whose_announcement_was_lost_while_no_coordinator_ran_is_merged_at_start(endpoints, run_id):
-    """Between two coordinators, a learner stored a contribution and Redis lost its announcement
-    (or it never made it): the next coordinator's start sweeps S3 once it has read every surviving
-    announcement, as after an outage, and merges it exactly once."""
-    first = make_coordinator(endpoints, run_id, lease_s=2.0)
-    learner, opt = join(endpoints, run_id, first, "l0")
-    train(learner, opt, 4)
-    for _ in range(5):
-        first.step(block_ms=50)
-    first.close()
-    store, keys = ObjectStore(endpoints), first.keys
-    layout = read_layout(store, keys)
-    lost = "f" * 32
-    meta = {"run": run_id, "fragment": 1, "learner": "l1", "kind": "delta", "contribution_id": lost,
-            "base_version": first.bus.heads()[1], "tokens": 40, "steps": 4, "step_time_s": 0.1, "deadline": 0.0}
-    store.put(keys.delta(1, "l1", 1), codecs.encode({s.name: torch.full(s.shape, 0.01) for s in layout.fragments[1]},
-                                                   "fp32", meta=meta))
-    second = make_coordinator(endpoints, run_id, lease_s=2.0)
-    bus = Bus(endpoints, run_id)
-    with serving(second):
-        wait_for("the lost contribution to be found in S3 and merged", lambda: bus.is_applied(lost), timeout_s=60)
-    assert bus.counters()["reannounced_from_s3"] == 1
-    applied = [c.contribution_id for v in range(bus.heads()[1] + 1) for c in read_manifest(store, keys, 1, v).inputs]
-    assert applied.count(lost) == 1
-    learner.close()
+def test_a_redis_that_forgot_a_commit_is_brought_up_to_s3_and_nothing_is_merged_twice(own_stack, caplog, tmp_path):
+    """Redis restored from an older snapshot (or failed over to a lagging replica) forgets the
+    commit of a version whose manifest is in S3, and the entry of one of its contributions is
+    pending again. Before, the live coordinator trusted Redis's applied set: it merged that
+    contribution a second time into a new manifest, was refused HEAD_MOVED and exited, and every
+    later coordinator failed to roll forward (ALREADY_APPLIED). S3 is the truth: the coordinator
+    commits the forgotten version again from its manifest and goes on."""
+    stack, _env, _procs = own_stack
+    caplog.set_level(logging.WARNING, logger="diloco.coordinator")
+    rig = Rig(stack.endpoints, RUN, caplog, min_quorum=2)
+    for learner in ("good", "other"):
+        rig.bus.heartbeat(learner, 600.0)  # two live learners: a round waits for both
+    try:
+        head = rig.head(0)
+        _, first = rig.send_good("good")
+        rig.coord.step()  # read, held in the open round: pending, unacknowledged
+        stack.snapshot_redis(tmp_path / "snapshot")
+        _, second = rig.send_good("other")
+        rig.coord.step()
+        assert rig.head(0) == head + 1  # committed: both applied, both entries acknowledged
+        stack.restore_redis(tmp_path / "snapshot")  # forgets that commit; `first` is pending again
+        assert rig.head(0) == head and not rig.bus.is_applied(first.contribution_id)
+        with serving(rig.coord):
+            wait_for("Redis to be brought up to S3", lambda: rig.head(0) == head + 1)
+            rig.bus.heartbeat("good", 600.0)  # the snapshot predates nothing of theirs; keep them live
+            rig.bus.heartbeat("other", 600.0)
+            rig.send_good("good")
+            _, later = rig.send_good("other")
+            wait_for("the next round to merge", lambda: rig.bus.is_applied(later.contribution_id))
+        ids = [c.contribution_id for v in range(1, rig.head(0) + 1)
+               for c in read_manifest(rig.store, rig.keys, 0, v).inputs]
+        assert ids.count(first.contribution_id) == 1 and ids.count(second.contribution_id) == 1, ids
+        assert rig.bus.r.xpending_range(rig.keys.announcements, rig.keys.GROUP, "-", "+", 10) == []
+        assert "Redis forgot commits" in caplog.text
+    finally:
+        rig.close()
