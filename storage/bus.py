@@ -191,9 +191,12 @@ def _block(block_ms: int) -> int | None:
 
 
 def connect(url: str) -> redis.Redis:
-    """A client that does not retry by itself (we retry, bounded, in one place)."""
+    """A client that does not retry by itself (we retry, bounded, in one place). Over TLS
+    (`rediss://`) it checks the server certificate's hostname, whatever the installed redis-py's
+    default (older releases did not); the URL's own `ssl_check_hostname=` query still decides."""
+    tls = {"ssl_check_hostname": True} if url.startswith("rediss://") else {}
     return redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5.0,
-                                retry=Retry(NoBackoff(), 0), health_check_interval=30)
+                                retry=Retry(NoBackoff(), 0), health_check_interval=30, **tls)
 
 
 Entry = tuple[str, "Announcement | Refused"]

@@ -40,3 +40,14 @@ def test_s3_only_tools_need_no_redis_url_but_a_bus_refuses_to_start_without_one(
     assert e.redis_url == "" and "DILOCO_REDIS_URL" not in e.to_env()
     with pytest.raises(ConfigError, match="no Redis configured"):
         Bus(e, "run")
+
+
+def test_a_tls_client_checks_the_servers_hostname_whatever_redis_pys_default():
+    """redis-py's default for `ssl_check_hostname` changed between releases: set it, never inherit it."""
+    from diloco.storage.bus import connect
+
+    tls = connect("rediss://u:p@127.0.0.1:6390/0?ssl_ca_certs=/tmp/ca.pem&ssl_cert_reqs=required")
+    assert tls.connection_pool.connection_kwargs["ssl_check_hostname"] is True
+    chosen = connect("rediss://127.0.0.1:6390/0?ssl_check_hostname=false")  # the operator's explicit choice
+    assert chosen.connection_pool.connection_kwargs["ssl_check_hostname"] is False
+    assert "ssl_check_hostname" not in connect("redis://127.0.0.1:6390/0").connection_pool.connection_kwargs
