@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from diloco.coordinator.leadership import Fenced
 from diloco.coordinator.outer import NesterovState
 from diloco.coordinator.timing import Timed, untimed
 from diloco.storage import codecs
@@ -142,6 +143,9 @@ def commit_existing(bus: Bus, manifest: Manifest, *, epoch: int, rebuild: bool =
     twice, refusing to commit would only leave every later coordinator unable to start)."""
     stream_ids = [c.stream_id for c in manifest.inputs if c.stream_id]
     result = commit(bus, manifest, epoch=epoch, ack_ids=stream_ids, rebuild=rebuild, check_applied=False)
+    if result is CommitResult.FENCED:
+        raise Fenced(f"cannot commit fragment {manifest.fragment} version {manifest.version} from its manifest: "
+                     f"another coordinator holds the run now (this one has epoch {epoch})")
     if result not in (CommitResult.COMMITTED, CommitResult.ALREADY):
         raise Conflict(f"cannot commit fragment {manifest.fragment} version {manifest.version} from its "
                        f"manifest: {result.name}")

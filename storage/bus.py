@@ -119,16 +119,16 @@ _COMMIT_LUA = """
 -- ARGV: fragment, expected_head, version, params_sha, epoch, event, group, maxlen, check_applied (1/0),
 --       n_ids, ids..., n_acks, acks...
 local frag, expected, version, sha = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+if ARGV[5] ~= '' then
+  local e = redis.call('GET', KEYS[4])
+  if not e then return -5 end
+  if e ~= ARGV[5] then return -1 end
+end
 local ck = frag .. ':' .. version
 local done = redis.call('HGET', KEYS[2], ck)
 if done then
   if done == sha then return 2 end
   return -3
-end
-if ARGV[5] ~= '' then
-  local e = redis.call('GET', KEYS[4])
-  if not e then return -5 end
-  if e ~= ARGV[5] then return -1 end
 end
 local cur = redis.call('HGET', KEYS[1], frag)
 if (cur or '') ~= expected then return -2 end

@@ -27,6 +27,8 @@ from diloco.storage.settings import ENV_REDIS_URL
 from harness import create_bucket, fresh_endpoints
 from test_replay import make_history
 
+pytestmark = pytest.mark.slow  # trained runs exported, replayed and imported: `make test-all`
+
 
 def cli(stack, endpoints, *argv: str) -> subprocess.CompletedProcess:
     """A `diloco` process with the test bucket's S3 settings and no Redis."""

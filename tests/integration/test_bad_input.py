@@ -35,13 +35,14 @@ import torch
 import zstandard
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
-from diloco.coordinator.policy import RoundConfig
+from diloco.coordinator.leadership import Fenced
 from diloco.coordinator.outer import NesterovState
-from diloco.coordinator.publish import roll_forward, write_version
+from diloco.coordinator.policy import RoundConfig
+from diloco.coordinator.publish import commit, commit_existing, roll_forward, write_version
 from diloco.coordinator.recovery import reannounce_lost
 from diloco.coordinator.service import MAX_REASON_CHARS, Coordinator
 from diloco.storage import codecs
-from diloco.storage.bus import FIELD
+from diloco.storage.bus import FIELD, CommitResult
 from diloco.storage.history import read_manifest, sha256_hex
 from diloco.storage.objects import make_client
 from diloco.storage.protocol import Announcement, Refusal, pack
@@ -658,3 +659,16 @@ def test_roll_forward_commits_a_manifest_that_names_an_applied_contribution_agai
                   inputs=merged.inputs, refused=(), settings=merged.settings, epoch=rig.coord.epoch)
     heads = roll_forward(rig.store, rig.bus, 2, rig.coord.epoch, keep_applied=5)
     assert heads[0] == rig.head(0) == head + 1
+
+
+def test_a_deposed_coordinator_committing_its_successors_version_is_fenced(rig):
+    """A deposed coordinator whose manifest write loses to its successor's adopts that version and
+    commits it with its own, older epoch: Redis answered ALREADY (the same version, the same bytes)
+    and it went on publishing. The epoch is checked first: FENCED."""
+    rig.send_good()
+    rig.coord.step()
+    manifest = read_manifest(rig.store, rig.keys, 0, rig.head(0))
+    assert commit(rig.bus, manifest, epoch=rig.coord.epoch, ack_ids=[]) is CommitResult.ALREADY  # our own retry
+    assert commit(rig.bus, manifest, epoch=rig.coord.epoch + 1, ack_ids=[]) is CommitResult.FENCED
+    with pytest.raises(Fenced, match="another coordinator holds the run"):  # what `_adopt_written` calls
+        commit_existing(rig.bus, manifest, epoch=rig.coord.epoch + 1)

@@ -9,8 +9,12 @@ model to take. Real `diloco` processes on the demo task, real Redis and S3.
 
 from __future__ import annotations
 
+import pytest
+
 from diloco.storage.bus import Bus
 from harness import global_eval, spawn_coordinator, spawn_learner, wait_all, wait_for
+
+pytestmark = pytest.mark.slow  # four trained learners ending at staggered times: `make test-all`
 
 
 def test_learners_ending_at_staggered_times_leave_a_final_version_no_worse_than_before_they_left(
