@@ -9,7 +9,8 @@ The training loop only ever hands work to these threads and picks up results wit
   before its announcement failed is announced, never stored twice under two ids; once a job is
   older than `deadline_s` it is dropped and counted (`TransferStats.upload_failed`).
 - `Fetcher`: follows the versions stream; when the loop wants a fragment newer than some version,
-  it downloads the newest one (manifest, then params, verified) and parks it until taken.
+  it downloads the newest one (manifest, then params, verified) and parks it until taken. A
+  version it cannot take (damaged, missing) is skipped: it waits for the next one.
 Training goes on whatever happens here.
 """
 
@@ -31,7 +32,7 @@ import redis
 from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
 from diloco.storage.history import read_manifest, read_params, sha256_hex
 from diloco.storage.keys import RunKeys
-from diloco.storage.objects import ObjectStore
+from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, Layout, RunSpec, VersionEvent
 
 log = logging.getLogger(__name__)
@@ -242,6 +243,7 @@ class Fetcher(threading.Thread):
         self._wants: dict[int, _Want] = {}
         self._ready: dict[int, Fetched] = {}
         self._heads: dict[int, int] = {}
+        self._unreadable: dict[int, int] = {}  # fragment -> a head version that could not be read: skipped
         self._merged: OrderedDict[str, int] = OrderedDict()  # contribution id -> the version that merged it
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -296,7 +298,7 @@ class Fetcher(threading.Thread):
             wanted = {f: w.newer_than for f, w in self._wants.items()}
         for fragment, newer_than in wanted.items():
             head = self._heads.get(fragment, -1)
-            if head > newer_than:
+            if head > newer_than and self._unreadable.get(fragment) != head:
                 self._download(fragment, head)
         for entry_id, event in self.bus.read_versions(self._last_id, block_ms=500):
             self._last_id = entry_id
@@ -316,10 +318,15 @@ class Fetcher(threading.Thread):
         try:
             manifest = read_manifest(self.store, keys, fragment, version)
             params = read_params(self.store, self.layout, manifest)
-        except Refused as exc:
+        except (Refused, ObjectMissing, ObjectUnreadable) as exc:
+            # This version cannot be taken, and will not become takeable: skip it and keep following
+            # the stream, so that the next version is taken (a transient StorageUnavailable is
+            # retried instead, by `run`).
             self.stats.fetch_failed += 1
-            log.error("version %d of fragment %d refused: %s", version, fragment, exc.reason)
-            raise
+            self._unreadable[fragment] = version
+            log.error("version %d of fragment %d cannot be taken (%s): waiting for a newer one", version, fragment,
+                      exc.reason if isinstance(exc, Refused) else exc)
+            return
         with self._lock:
             want = self._wants.get(fragment)
             if want is not None and version > want.newer_than:
