@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 OUT    ?= out/demo
 
-.PHONY: install demo test test-all unit clean
+.PHONY: install demo test test-slow test-all unit clean
 
 install: $(VENV)/.installed
 
@@ -23,9 +23,12 @@ demo: install
 test: install
 	$(BIN)/pytest -m "not slow"
 
-# Every test, the slow ones included: what CI runs after `make test`.
-test-all: install
-	$(BIN)/pytest
+# Only the tests marked slow: CI runs them after `make test`.
+test-slow: install
+	$(BIN)/pytest -m slow
+
+# Every test: `make test`, then the slow ones.
+test-all: test test-slow
 
 unit: install
 	$(BIN)/pytest tests/unit
