@@ -413,8 +413,10 @@ class Coordinator:
         seen = {c.announcement.contribution_id for f in self.fragments.values() for c in f.round}
         held = {c.entry_id for f in self.fragments.values() for c in f.round}
         with self.timing("check"):
-            applied = self.bus.applied_among([item.contribution_id for _, item in entries
-                                              if not isinstance(item, Refused)])
+            ids = [item.contribution_id for _, item in entries if not isinstance(item, Refused)]
+            # Applied: what Redis says, and what this process committed (in S3, whatever Redis forgot).
+            ours = set().union(*(c for frag in self.fragments.values() for c in frag.committed))
+            applied = self.bus.applied_among(ids) | (ours & set(ids))
             for entry_id, item in entries:
                 if entry_id in held:
                     # The same entry again (the re-read of our pending entries after a restart or a
@@ -464,8 +466,7 @@ class Coordinator:
     def _check(self, a: Announcement, seen: set[str], applied: set[str]) -> None:
         """Refuse a duplicate (`seen` in an open round or this batch, or `applied`), then whatever
         `check_announcement` refuses."""
-        if a.contribution_id in seen or a.contribution_id in applied or any(
-                a.contribution_id in ids for frag in self.fragments.values() for ids in frag.committed):
+        if a.contribution_id in seen or a.contribution_id in applied:
             where = "is already in an open round" if a.contribution_id in seen else "was applied in a committed version"
             raise Refused("duplicate", f"contribution {a.contribution_id} from {a.learner} {where}: this is "
                           "the same announcement delivered again, and it is applied at most once")

@@ -672,3 +672,20 @@ def test_a_deposed_coordinator_committing_its_successors_version_is_fenced(rig):
     assert commit(rig.bus, manifest, epoch=rig.coord.epoch + 1, ack_ids=[]) is CommitResult.FENCED
     with pytest.raises(Fenced, match="another coordinator holds the run"):  # what `_adopt_written` calls
         commit_existing(rig.bus, manifest, epoch=rig.coord.epoch + 1)
+
+
+def test_a_contribution_this_coordinator_committed_is_a_duplicate_even_if_redis_forgot_it(rig):
+    """Redis's applied set is a cache of what the manifests in S3 name: a contribution the coordinator
+    committed itself is refused as a duplicate when announced again, even once Redis has lost it."""
+    before = rig.before()
+    eid, a = rig.send_good()
+    rig.coord.step()
+    assert rig.head(0) == before.head + 1
+    rig.bus.r.srem(rig.keys.applied, a.contribution_id)  # Redis forgot that it was applied
+    again = rig.bus.announce(a)
+    _, good = rig.send_good()
+    rig.coord.step()
+    [refusal] = rig.bus.refusals()[before.refusals:]
+    assert (refusal.code, refusal.contribution_id) == ("duplicate", a.contribution_id), refusal
+    ids = [c.contribution_id for v in range(1, rig.head(0) + 1) for c in read_manifest(rig.store, rig.keys, 0, v).inputs]
+    assert ids.count(a.contribution_id) == 1 and good.contribution_id in ids and again != eid
