@@ -5,10 +5,11 @@ the same list of `Fault(at_s, kind, target)`, and the runner (infra/chaos/suite.
 out. Faults come in two weights:
 
 - heavy ones take a server or the coordinator away for a while (`coordinator_kill`,
-  `redis_restart`, `s3_restart`). They get windows of their own, one after the other, so that
-  each one's recovery is seen separately; every heavy kind is scheduled at least once before
-  more are drawn at random. The first coordinator episode kills it at every commit step in a
-  row: each successor is armed to die at the next step.
+  `redis_restart`, `s3_restart`), or take Redis back in time (`redis_rollback`: restored from a
+  snapshot a few seconds old, it forgets every write since, commits included). They get windows
+  of their own, one after the other, so that each one's recovery is seen separately; every heavy
+  kind is scheduled at least once before more are drawn at random. The first coordinator episode
+  kills it at every commit step in a row: each successor is armed to die at the next step.
 - light ones hit one learner or add one bad contribution (`learner_kill`, `learner_term`,
   `corrupt_object`). They fall anywhere, also inside heavy windows; every one of them, and every
   corruption variant, comes at least once.
@@ -34,7 +35,7 @@ from diloco.storage.crashpoints import POINTS
 from diloco.storage.history import sha256_hex
 
 LEARNER_FAULTS = ("learner_kill", "learner_term")
-HEAVY = ("coordinator_kill", "redis_restart", "s3_restart")
+HEAVY = ("coordinator_kill", "redis_restart", "redis_rollback", "s3_restart")
 KINDS = (*LEARNER_FAULTS, *HEAVY, "corrupt_object")
 
 CORRUPTIONS: dict[str, frozenset[str]] = {
@@ -48,12 +49,14 @@ CORRUPTIONS: dict[str, frozenset[str]] = {
 VARIANTS: dict[str, tuple[str, ...]] = {"coordinator_kill": POINTS, "corrupt_object": tuple(CORRUPTIONS)}
 """Kinds whose target is a variant, counted separately: `coordinator_kill:fetched`, ..."""
 
-WINDOW_S = {"coordinator_kill": 10.0, "redis_restart": 4.0, "s3_restart": 9.0}
+WINDOW_S = {"coordinator_kill": 10.0, "redis_restart": 4.0, "redis_rollback": 10.0, "s3_restart": 9.0}
 """How long a heavy fault takes to play out, roughly (with its recovery), before the next one."""
 CHAIN_S = 2.5
 """Coordinator kills at every commit step come one after the other, this far apart."""
 S3_DOWN_S = (2.0, 4.0)
 REDIS_DOWN_S = (0.2, 1.5)
+ROLLBACK_S = (3.0, 6.0)
+"""redis_rollback: the seconds of writes Redis forgets (from its snapshot to its restore)."""
 LIGHT_GAP_S = 4.0
 """Mean gap between two light faults."""
 QUIET_END = 0.15
@@ -68,7 +71,8 @@ class Fault:
     target: str = ""
     """A learner for learner faults, a commit step for coordinator_kill, a variant for corrupt_object."""
     down_s: float = 0.0
-    """redis_restart, s3_restart: how long the server stays down."""
+    """redis_restart, s3_restart: how long the server stays down; redis_rollback: how many seconds
+    of writes Redis forgets."""
 
     @property
     def label(self) -> str:
@@ -109,6 +113,8 @@ def _with_target(rng: random.Random, at_s: float, kind: str, target: str) -> Fau
         return Fault(at_s, kind, down_s=round(rng.uniform(*S3_DOWN_S), 2))
     if kind == "redis_restart":
         return Fault(at_s, kind, down_s=round(rng.uniform(*REDIS_DOWN_S), 2))
+    if kind == "redis_rollback":
+        return Fault(at_s, kind, down_s=round(rng.uniform(*ROLLBACK_S), 2))
     return Fault(at_s, kind, target)
 
 

@@ -2,7 +2,10 @@
 
 Identity is the announcement's `contribution_id`. The sources of truth:
 - announced: every distinct id of a `delta` entry on the announcements stream (XRANGE at the end;
-  the stream is never trimmed), united with what a `StreamWatcher` saw while the run went on;
+  the stream is never trimmed), united with what a `StreamWatcher` saw while the run went on. An
+  entry Redis forgot (a restart that lost writes, a restore from an older snapshot) counts all the
+  same, and once: the coordinator announces such a contribution again from S3, under a new entry
+  id and the same contribution id;
 - applied: the `inputs` of every manifest in S3;
 - refused, and dropped as stale (code `stale`): the refusals stream in Redis and the `refused`
   lists of the manifests (a refusal reaches a manifest only once a version is committed after it);
@@ -172,7 +175,9 @@ def _undelivered_entries(r: redis.Redis, keys: RunKeys, entry_ids: list[str]) ->
 
 class StreamWatcher(threading.Thread):
     """Tails the announcements stream while the run goes on, so that an entry Redis forgot later
-    (a restart that lost writes) still counts as announced. Rides out Redis restarts."""
+    (a restart that lost writes, a restore from an older snapshot) still counts as announced. Rides
+    out Redis restarts; after a restore, entries are new ids past the last one it saw (Redis
+    stamps them with its clock), so it reads on from there."""
 
     def __init__(self, bus: Bus) -> None:
         super().__init__(name="stream-watcher", daemon=True)

@@ -10,13 +10,17 @@ faults of `infra.chaos.faults.schedule(seed, seconds)` are carried out:
   is due the active coordinator is SIGKILLed, the armed standby takes over once the lease lapses
   and SIGKILLs itself at that commit step of its first merge, and the next standby takes over.
 - `redis_restart`: Redis SIGKILLed and restarted (its append-only file brings the data back).
+- `redis_rollback`: Redis snapshotted, then a few seconds later (while the coordinator commits
+  and learners announce) SIGKILLed and restarted on that snapshot: it forgets those seconds of
+  writes, commits included. The coordinator must bring it back up to the manifests in S3 and
+  announce again the contributions whose announcements it lost.
 - `s3_restart`: the S3 server stopped for a few seconds, then started again.
 - `corrupt_object:<variant>`: a corrupt object under a learner-looking key of a real fragment,
   announced with a valid-looking announcement; the coordinator must refuse it with a reason.
 
 The processes are supervised by `infra.chaos.processes`, which also arms the coordinators with
 their crash points. Heavy faults (servers, coordinator) wait for the one before to play out; light
-ones do not. Then the learners are stopped (SIGTERM), the coordinator drains what is pending and
+ones do not, but corrupt objects wait while a server is down or rolled back. Then the learners are stopped (SIGTERM), the coordinator drains what is pending and
 is stopped, and `infra.chaos.ledger` accounts for every announced contribution from S3 and Redis.
 The global model is evaluated at version 0 and at the heads. `ChaosReport.problems()` lists
 everything that went wrong; an empty list is a pass.
@@ -59,6 +63,8 @@ FORGER = "forger"
 """The learner id corrupt objects are announced under."""
 READY_TIMEOUT_S = 180.0
 TICK_S = 0.2
+ROLLBACK_RECOVERY_S = 30.0
+"""After a redis_rollback, Redis's heads must be back where they were (re-committed from S3) within this."""
 
 
 class ChaosError(DilocoError):
@@ -260,6 +266,8 @@ class Chaos:
                 self.stack.kill_redis()
                 time.sleep(fault.down_s)
                 self.stack.start_redis()
+            elif fault.kind == "redis_rollback":
+                self._roll_redis_back(fault.down_s)
             else:
                 self.stack.stop_s3()
                 time.sleep(fault.down_s)
@@ -267,6 +275,28 @@ class Chaos:
             self.tally.count(fault.label)
         except Exception as exc:  # noqa: BLE001 (recorded: the run reports it and fails)
             self.tally.fail(f"{fault.label}: {exc!r}")
+
+    def _roll_redis_back(self, forget_s: float) -> None:
+        """Snapshot Redis, let the fleet work for `forget_s`, restore the snapshot; the fault has
+        played out once Redis's heads are back where they were (the coordinator re-commits from S3
+        what Redis forgot), or fails after ROLLBACK_RECOVERY_S."""
+        snapshot = self.stack.data_dir / "redis-snapshot"
+        shutil.rmtree(snapshot, ignore_errors=True)
+        self.stack.snapshot_redis(snapshot)
+        time.sleep(forget_s)  # the coordinator commits and learners announce: all of it forgotten
+        before = self._heads()
+        self.stack.restore_redis(snapshot)
+        shutil.rmtree(snapshot)
+        log.info("chaos: Redis restored to its snapshot of %.1fs ago; heads were %s, now %s", forget_s, before,
+                 self._heads())
+
+        def recovered() -> bool:
+            heads = self._heads()
+            return bool(heads) and all(heads.get(f, -1) >= v for f, v in before.items())
+
+        if not wait_until(recovered, ROLLBACK_RECOVERY_S, tick_s=TICK_S):
+            self.tally.fail(f"redis_rollback: Redis heads {self._heads()} not back to {before} "
+                            f"{ROLLBACK_RECOVERY_S:.0f}s after the restore")
 
     def _corrupt(self, fault: Fault) -> bool:
         """Upload a corrupt object as a learner would and announce it; False if a server did not answer."""

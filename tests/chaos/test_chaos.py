@@ -2,7 +2,8 @@
 
 `diloco chaos` in-process, on a stack of its own under tmp_path: three learners and a coordinator
 with a standby train the demo task while the schedule SIGKILLs and SIGTERMs learners, kills the
-coordinator at each commit step, restarts Redis and the S3 server and plants corrupt objects.
+coordinator at each commit step, restarts Redis and the S3 server, rolls Redis back to a snapshot
+a few seconds old and plants corrupt objects.
 About 70 s on a loaded 2-core machine. `diloco chaos --seconds 300` is the same run, longer.
 """
 

@@ -21,7 +21,7 @@ def test_every_fault_label_is_scheduled_within_the_run(seconds, seed):
     assert [f.at_s for f in faults] == sorted(f.at_s for f in faults)
     assert all(0 < f.at_s < seconds for f in faults)
     assert all(f.target in ("l0", "l1", "l2") for f in faults if f.kind.startswith("learner"))
-    assert all(f.down_s > 0 for f in faults if f.kind in ("redis_restart", "s3_restart"))
+    assert all(f.down_s > 0 for f in faults if f.kind in ("redis_restart", "redis_rollback", "s3_restart"))
 
 
 def test_heavy_faults_leave_the_end_of_the_run_quiet_and_come_one_after_the_other():
@@ -41,7 +41,7 @@ def test_the_schedule_is_a_function_of_its_arguments():
         schedule(7, 60, ("meteor",))
     assert set(labels()) >= {f"coordinator_kill:{p}" for p in ("fetched", "params_written", "manifest_written",
                                                                  "committed")}
-    assert len(KINDS) == 6
+    assert len(KINDS) == 7
 
 
 SHAPES = {"blocks.0.weight": (4, 3), "blocks.0.bias": (4,)}
