@@ -19,13 +19,15 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output directory: the stack's data and every process's log; its stack is "
                              "replaced (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="write the figures (faults by kind, versions, contributions "
-                        "applied/refused/dropped/pending/announced, lost, duplicated) to this file")
+                        "applied/refused/dropped/pending/announced, lost, duplicated, hostile inputs by outcome) "
+                        "to this file")
     add_options(parser, ChaosConfig, skip=("out",))
 
 
 def run_chaos(args: argparse.Namespace) -> int:
     """Exit 0 only if nothing was lost or applied twice, every fault kind fired, versions are
-    contiguous and the global model's loss is finite and below its start."""
+    contiguous, every hostile input had an outcome it may have and no coordinator exited unasked,
+    and the global model's loss is finite and below its start."""
     report = chaos(build(ChaosConfig, args))
     write_json(args.json, report.figures())
     for problem in report.problems():

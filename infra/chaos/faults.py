@@ -10,12 +10,14 @@ out. Faults come in two weights:
   of their own, one after the other, so that each one's recovery is seen separately; every heavy
   kind is scheduled at least once before more are drawn at random. The first coordinator episode
   kills it at every commit step in a row: each successor is armed to die at the next step.
-- light ones hit one learner or add one bad contribution (`learner_kill`, `learner_term`,
-  `corrupt_object`). They fall anywhere, also inside heavy windows; every one of them, and every
-  corruption variant, comes at least once.
+- light ones hit one learner or add bad input (`learner_kill`, `learner_term`, `corrupt_object`,
+  `hostile`). They fall anywhere, also inside heavy windows; every one of them, every corruption
+  variant and every hostile variant, comes at least once.
 
 `forge(variant, shapes, ...)` makes the bytes of a corrupt contribution and the size and sha256
 its announcement claims. Each variant is caught by a different check of the coordinator.
+`hostile:<variant>` is a learner with valid credentials that lies or floods (HOSTILE; what it sends
+and what must become of it is in infra/chaos/hostile.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from diloco.storage.history import sha256_hex
 
 LEARNER_FAULTS = ("learner_kill", "learner_term")
 HEAVY = ("coordinator_kill", "redis_restart", "redis_rollback", "s3_restart")
-KINDS = (*LEARNER_FAULTS, *HEAVY, "corrupt_object")
+KINDS = (*LEARNER_FAULTS, *HEAVY, "corrupt_object", "hostile")
 
 CORRUPTIONS: dict[str, frozenset[str]] = {
     "truncated": frozenset({"bad_framing", "bad_payload"}),  # the end of the object cut off
@@ -46,7 +48,22 @@ CORRUPTIONS: dict[str, frozenset[str]] = {
 }
 """Corruption variant -> the refusal codes that may catch it."""
 
-VARIANTS: dict[str, tuple[str, ...]] = {"coordinator_kill": POINTS, "corrupt_object": tuple(CORRUPTIONS)}
+HOSTILE: dict[str, str] = {
+    "lying_tokens": "a well-formed delta claiming 2**64-1 tokens in 1 step",
+    "lying_deadline": "a well-formed delta sent for the deadline 1e15 (31 million years away)",
+    "lying_heartbeat": "heartbeats claiming 1e-9 s inner steps, and stats that do not decode",
+    "oversize": "an announcement over max_object_bytes, and an object larger than announced",
+    "undecodable": "random bytes announced with their true size and sha256",
+    "flood": "a burst of announcements of other learners' objects and of objects never stored",
+    "sse_c": "a well-formed delta stored encrypted with a key of the sender's own (SSE-C)",
+    "made_up_ids": "learner ids that join and heartbeat for a while and never contribute",
+}
+"""Hostile variant -> what the hostile learner sends (infra/chaos/hostile.py says what must become of it)."""
+BOUNDED = frozenset({"lying_tokens", "lying_deadline", "lying_heartbeat", "made_up_ids"})
+"""Hostile variants that are taken in, with their influence bounded, rather than refused."""
+
+VARIANTS: dict[str, tuple[str, ...]] = {"coordinator_kill": POINTS, "corrupt_object": tuple(CORRUPTIONS),
+                                        "hostile": tuple(HOSTILE)}
 """Kinds whose target is a variant, counted separately: `coordinator_kill:fetched`, ..."""
 
 WINDOW_S = {"coordinator_kill": 10.0, "redis_restart": 4.0, "redis_rollback": 10.0, "s3_restart": 9.0}
@@ -69,7 +86,8 @@ class Fault:
     """Seconds after the fleet is up."""
     kind: str
     target: str = ""
-    """A learner for learner faults, a commit step for coordinator_kill, a variant for corrupt_object."""
+    """A learner for learner faults, a commit step for coordinator_kill, a variant for corrupt_object
+    and hostile."""
     down_s: float = 0.0
     """redis_restart, s3_restart: how long the server stays down; redis_rollback: how many seconds
     of writes Redis forgets."""

@@ -21,6 +21,7 @@ own. An id in the inputs of two manifests, or twice in one, is duplicated.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -65,6 +66,9 @@ class Ledger:
     """Applied ids that no announcement names (other than genesis): should be empty."""
     refusal_codes: dict[str, str] = field(default_factory=dict)
     """id -> the code of the refusal that decided its outcome (refused or dropped)."""
+    round_share: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """Applied id -> (the share of its round's weight that its learner's pieces took, the learners
+    in that round)."""
     versions_committed: int = 0
     problems: list[str] = field(default_factory=list)
     """Broken version chains: gaps, wrong parents, Redis heads that disagree with S3."""
@@ -91,9 +95,21 @@ def account(ev: Evidence) -> Ledger:
     return Ledger(announced=set(ev.announced), applied=applied, refused=refused, dropped=dropped, pending=pending,
                   lost=lost, duplicated={i for i, n in inputs.items() if n > 1},
                   unannounced=set(inputs) - ev.announced - genesis,
-                  refusal_codes={i: codes[i] for i in refused | dropped},
+                  refusal_codes={i: codes[i] for i in refused | dropped}, round_share=round_shares(ev),
                   versions_committed=sum(len(v) for v in ev.s3_versions.values()),
                   problems=chain_problems(ev))
+
+
+def round_shares(ev: Evidence) -> dict[str, tuple[float, int]]:
+    """For every input: the share of its version's weight its learner took (all of that learner's
+    pieces in the version), and how many learners the version merged."""
+    out = {}
+    for m in (m for ms in ev.manifests.values() for m in ms):
+        total = math.fsum(c.weight for c in m.inputs)
+        took = {learner: math.fsum(c.weight for c in m.inputs if c.learner == learner)
+                for learner in {c.learner for c in m.inputs}}
+        out |= {c.contribution_id: (took[c.learner] / total if total > 0 else 0.0, len(took)) for c in m.inputs}
+    return out
 
 
 def chain_problems(ev: Evidence) -> list[str]:

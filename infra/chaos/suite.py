@@ -17,13 +17,21 @@ faults of `infra.chaos.faults.schedule(seed, seconds)` are carried out:
 - `s3_restart`: the S3 server stopped for a few seconds, then started again.
 - `corrupt_object:<variant>`: a corrupt object under a learner-looking key of a real fragment,
   announced with a valid-looking announcement; the coordinator must refuse it with a reason.
+- `hostile:<variant>`: a learner with valid credentials sends hostile input through the real
+  servers (`infra.chaos.hostile`): lying tokens, deadline or step time, oversize or undecodable
+  objects, a flood of forged announcements, an object encrypted with a key of its own, made-up
+  learner ids. Each input must be refused with the reason meant for it, or (the lies the
+  coordinator bounds rather than refuses) applied once within its bound; after each hostile
+  fault, every fragment's head must advance within ADVANCE_S.
 
 The processes are supervised by `infra.chaos.processes`, which also arms the coordinators with
 their crash points. Heavy faults (servers, coordinator) wait for the one before to play out; light
-ones do not, but corrupt objects wait while a server is down or rolled back. Then the learners are stopped (SIGTERM), the coordinator drains what is pending and
-is stopped, and `infra.chaos.ledger` accounts for every announced contribution from S3 and Redis.
-The global model is evaluated at version 0 and at the heads. `ChaosReport.problems()` lists
-everything that went wrong; an empty list is a pass.
+ones do not, but corrupt objects and hostile input wait while a server is down or rolled back.
+Then the learners are stopped (SIGTERM), the coordinator drains what is pending and is stopped, and
+`infra.chaos.ledger` accounts for every announced contribution from S3 and Redis; each hostile
+input is judged by `infra.chaos.hostile.judge`. The global model is evaluated at version 0 and at
+the heads. `ChaosReport.problems()` lists everything that went wrong; an empty list is a pass
+(`unbounded()` names those of its problems that are lies the coordinator must bound and did not).
 """
 
 from __future__ import annotations
@@ -36,12 +44,14 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis
 
 from diloco.infra.chaos.config import ChaosConfig
-from diloco.infra.chaos.faults import CORRUPTIONS, HEAVY, Fault, forge, labels, schedule
+from diloco.infra.chaos.faults import BOUNDED, CORRUPTIONS, HEAVY, Fault, forge, labels, schedule
+from diloco.infra.chaos.hostile import HostileInput, HostileLearner, Verdict, judge
 from diloco.infra.chaos.ledger import Ledger, StreamWatcher, account, backlog, gather
 from diloco.infra.chaos.processes import ChaosFleet, Tally
 from diloco.infra.history.task_model import global_model
@@ -65,6 +75,23 @@ READY_TIMEOUT_S = 180.0
 TICK_S = 0.2
 ROLLBACK_RECOVERY_S = 30.0
 """After a redis_rollback, Redis's heads must be back where they were (re-committed from S3) within this."""
+ADVANCE_S = 10.0
+"""After a hostile fault, every fragment's head must advance within this many seconds of undisturbed
+running (no server down or rolled back, a plain coordinator holding the run): at the chaos run's
+pace, rounds merge several times a second, so a head that stands still this long is held."""
+
+
+@dataclass(slots=True)
+class Watch:
+    """A hostile fault whose aftermath is watched: every head must move past `heads`."""
+
+    label: str
+    heads: dict[int, int]
+    """Redis's heads when the fault was carried out."""
+    at: float
+    """time.monotonic() then."""
+    quiet_s: float = 0.0
+    """Undisturbed seconds since (see ADVANCE_S)."""
 
 
 class ChaosError(DilocoError):
@@ -81,6 +108,8 @@ class ChaosReport:
     loss_end: float
     forged: dict[str, str]
     """Contribution id -> corruption variant, for every corrupt object announced."""
+    hostile: list[Verdict]
+    """Every hostile input and what became of it."""
     failures: list[str]
     """Processes that exited when they should not have, faults that could not be carried out."""
     restarts: int = 0
@@ -92,13 +121,17 @@ class ChaosReport:
 
     def figures(self) -> dict:
         """The figures written by `--json`."""
-        return {"faults": {label: self.faults.get(label, 0) for label in labels()}, **self.ledger.figures()}
+        return {"faults": {label: self.faults.get(label, 0) for label in labels()}, **self.ledger.figures(),
+                "hostile": dict(sorted(Counter(v.kind for v in self.hostile).items()))}
 
     def to_wire(self) -> dict:
         """Everything, for `<out>/report.json`."""
         codes = Counter(self.ledger.refusal_codes.values())
         return {"seed": self.seed, "seconds": self.seconds, **self.figures(),
                 "refused_by_code": dict(sorted(codes.items())), "forged": self.forged,
+                "hostile_inputs": [{"variant": v.input.variant, "input": v.input.what,
+                                    "contribution_id": v.input.contribution_id, "outcome": v.outcome,
+                                    "problem": v.problem} for v in self.hostile],
                 "loss_start": self.loss_start, "loss_end": self.loss_end, "learner_restarts": self.restarts,
                 "coordinators_deposed": self.deposed, "faults_skipped": self.skipped, "wall_s": self.wall_s,
                 "problems": self.problems()}
@@ -122,12 +155,19 @@ class ChaosReport:
             if cid not in led.refused or code not in CORRUPTIONS[variant]:
                 out.append(f"corrupt object ({variant}) {cid}: {code or 'not refused'}, expected one of "
                            f"{sorted(CORRUPTIONS[variant])}")
-        honest = sorted((cid, led.refusal_codes[cid]) for cid in led.refused if cid not in self.forged)
+        out += _hostile_problems(v for v in self.hostile if v.problem)
+        hostile = {v.input.contribution_id for v in self.hostile}
+        honest = sorted((cid, led.refusal_codes[cid]) for cid in led.refused if cid not in set(self.forged) | hostile)
         out += [f"contribution {cid} of a learner refused: {code}" for cid, code in honest]
         if not (math.isfinite(self.loss_end) and self.loss_end < self.loss_start):
             out.append(f"global eval loss {self.loss_start:.4f} -> {self.loss_end:.4f}: must be finite and below the "
                        "start")
         return out
+
+    def unbounded(self) -> list[str]:
+        """The problems of `problems()` that are lies the coordinator must bound (faults.BOUNDED) and
+        did not: a lying piece that took MAX_SHARE or more of a round other learners were in."""
+        return _hostile_problems(v for v in self.hostile if v.problem and v.unbounded and v.input.variant in BOUNDED)
 
     def line(self) -> str:
         f = self.figures()
@@ -136,9 +176,22 @@ class ChaosReport:
         return (f"chaos seed {self.seed}, {self.seconds:g}s: faults {faults}; {f['versions_committed']} versions "
                 f"committed; {f['announced']} contributions announced: {f['applied']} applied, {f['refused']} refused, "
                 f"{f['dropped']} dropped as stale, {f['pending']} pending; lost {f['lost']}, duplicated "
-                f"{f['duplicated']}; eval loss {self.loss_start:.3f} -> {self.loss_end:.3f}; {self.restarts} learner "
+                f"{f['duplicated']}; {len(self.hostile)} hostile inputs: "
+                + (", ".join(f"{n} {kind}" for kind, n in f["hostile"].items()) or "none") +
+                f"; eval loss {self.loss_start:.3f} -> {self.loss_end:.3f}; {self.restarts} learner "
                 f"restarts, {self.deposed} coordinators deposed; {self.wall_s:.0f}s; "
                 + ("OK" if not problems else f"FAILED ({len(problems)} problems)"))
+
+
+def _hostile_problems(verdicts: Iterable[Verdict], most: int = 10) -> list[str]:
+    """One line per hostile input with a problem, at most `most` per variant (a flood has hundreds)."""
+    out, shown = [], Counter[str]()
+    for v in verdicts:
+        shown[v.input.variant] += 1
+        if shown[v.input.variant] <= most:
+            out.append(f"hostile {v.input.variant}: {v.input.what}: {v.problem}")
+    out += [f"hostile {variant}: {n - most} more inputs with problems" for variant, n in shown.items() if n > most]
+    return out
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -156,6 +209,10 @@ class Chaos:
         self.fleet = ChaosFleet(cfg, process_env(stack.env()), self.quick, self.bus.keys.lease,
                                 cfg.out / "task.json", self.tally)
         self.forged: dict[str, str] = {}
+        self.hostile = HostileLearner(self.bus, self.store, stack.endpoints, tokens_per_step=TASK.tokens_per_step())
+        self.hostile_inputs: list[HostileInput] = []
+        self.watches: list[Watch] = []
+        """Hostile faults whose aftermath is still watched: every head must advance past its value then."""
         self.skipped = 0
         self.server_fault: threading.Thread | None = None
         self.spec: RunSpec | None = None
@@ -172,6 +229,7 @@ class Chaos:
             self._inject([f for f in faults if f.kind != "coordinator_kill"])
             self._drain()
         finally:
+            self.hostile.stop()
             self.fleet.kill_all()
             seen = watcher.stop()
         assert self.spec is not None
@@ -199,23 +257,28 @@ class Chaos:
     def _inject(self, faults: list[Fault]) -> None:
         """Carry out the faults. A fault waits while it cannot be carried out (a heavy one while the
         previous one plays out, a learner fault while no learner qualifies); past `seconds`, the run
-        goes on only while a fault of a label that has not fired yet is still waiting."""
+        goes on only while a fault of a label that has not fired yet is still waiting, or the heads
+        have yet to advance after a hostile fault."""
         todo = sorted(faults, key=lambda f: f.at_s)
         t0 = time.monotonic()
         overtime = self.cfg.seconds * 0.5 + 30.0
+        elapsed = 0.0
         while True:
-            elapsed = time.monotonic() - t0
+            now = time.monotonic() - t0
+            tick_s, elapsed = now - elapsed, now
             self.fleet.supervise(elapsed, arming=True, restart=True, may_kill=not self._server_busy())
             for fault in [f for f in todo if f.at_s <= elapsed]:
                 if self._execute(fault):
                     todo.remove(fault)
                     log.info("chaos: t=%.1fs %s %s", elapsed, fault.label, fault.target if fault.kind not in
-                             ("coordinator_kill", "corrupt_object") else "")
+                             ("coordinator_kill", "corrupt_object", "hostile") else "")
+            self._watch_heads(tick_s)
             waiting = todo + self.fleet.coordinator_faults
             unfired = [f for f in waiting if not self.tally.fired[f.label]]
-            if elapsed >= self.cfg.seconds and (not unfired or elapsed > self.cfg.seconds + overtime):
+            if elapsed >= self.cfg.seconds and (not (unfired or self.watches) or elapsed > self.cfg.seconds + overtime):
                 break
             time.sleep(TICK_S)
+        self._watch_heads(0.0, final=True)
         self.skipped = len(waiting)
         if self.skipped:
             log.info("chaos: %d scheduled fault(s) did not run in time", self.skipped)
@@ -225,6 +288,7 @@ class Chaos:
         pending, then stop it (SIGTERM)."""
         if self.server_fault is not None:
             self.server_fault.join()
+        self.hostile.stop()
         self.fleet.stop_learners()
         # Each learner exits, or is SIGKILLed TERM_TIMEOUT_S after its SIGTERM.
         wait_until(self.fleet.learners_gone, math.inf, tick_s=TICK_S, between=self._supervise_draining)
@@ -244,6 +308,8 @@ class Chaos:
             done = self.fleet.learner_fault(fault)
         elif fault.kind == "corrupt_object":
             done = not self._server_busy() and self._corrupt(fault)
+        elif fault.kind == "hostile":
+            done = not self._server_busy() and self._hostile(fault)
         elif fault.kind in HEAVY:  # a server restart: in a thread, the fleet is supervised meanwhile
             done = not self._server_busy() and self.fleet.coordinator_settled()
             if done:
@@ -320,6 +386,38 @@ class Chaos:
         self.forged[cid] = fault.target
         return True
 
+    def _hostile(self, fault: Fault) -> bool:
+        """Send one hostile variant's input, then watch the heads; False if a server did not answer."""
+        assert self.spec is not None and self.layout is not None
+        heads = self._heads()
+        if len(heads) < self.spec.num_fragments:
+            return False
+        try:
+            self.hostile.act(fault.target, self.spec, self.layout, heads, self.hostile_inputs)
+        except (DilocoError, redis.RedisError) as exc:
+            log.warning("chaos: the hostile learner could not act yet: %s", exc)
+            return False
+        self.watches.append(Watch(fault.label, heads, time.monotonic()))
+        return True
+
+    def _watch_heads(self, tick_s: float, *, final: bool = False) -> None:
+        """A watch ends once every head has moved past its value when the hostile fault came; it
+        fails after ADVANCE_S undisturbed seconds (or at the end of the run: `final`)."""
+        heads = self._heads()
+        if not heads and not final:
+            return  # Redis does not answer right now
+        quiet = not self._server_busy() and self.fleet.coordinator_settled()
+        for w in list(self.watches):
+            w.quiet_s += tick_s if quiet else 0.0
+            if all(heads.get(f, -1) > v for f, v in w.heads.items()):
+                self.watches.remove(w)
+                log.info("chaos: heads advanced %.1fs after %s: %s -> %s", time.monotonic() - w.at, w.label, w.heads,
+                         heads)
+            elif final or w.quiet_s > ADVANCE_S:
+                self.watches.remove(w)
+                self.tally.fail(f"{w.label}: heads {w.heads} had not all advanced {time.monotonic() - w.at:.0f}s "
+                                f"later ({w.quiet_s:.0f}s of them undisturbed): {heads}")
+
     def _backlog(self) -> int:
         """Announcements the coordinator has not dealt with yet; -1 while Redis does not answer."""
         try:
@@ -349,7 +447,8 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
         start = TASK.eval_loss(global_model(TASK, store, keys, {f: 0 for f in heads}))
         end = TASK.eval_loss(global_model(TASK, store, keys, heads))
     report = ChaosReport(seed=cfg.seed, seconds=cfg.seconds, faults=dict(chaos.tally.fired), ledger=ledger,
-                         loss_start=start, loss_end=end, forged=dict(chaos.forged), failures=list(chaos.tally.failures),
+                         loss_start=start, loss_end=end, forged=dict(chaos.forged),
+                         hostile=judge(chaos.hostile_inputs, ledger), failures=list(chaos.tally.failures),
                          restarts=chaos.fleet.restarts, deposed=chaos.fleet.deposed, skipped=chaos.skipped,
                          wall_s=time.monotonic() - started)
     (cfg.out / "report.json").write_text(json.dumps(report.to_wire(), indent=2) + "\n")

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from diloco.infra.chaos.faults import CORRUPTIONS, HEAVY, KINDS, forge, labels, schedule
-from diloco.infra.chaos.ledger import Evidence, account
+from diloco.coordinator.recovery import announcement_from_object
+from diloco.infra.chaos.faults import CORRUPTIONS, HEAVY, HOSTILE, KINDS, forge, labels, schedule
+from diloco.infra.chaos.hostile import HostileInput, bad_stats, judge, random_bytes, well_formed
+from diloco.infra.chaos.ledger import Evidence, Ledger, account
 from diloco.storage import codecs
 from diloco.storage.errors import Refused
 from diloco.storage.history import sha256_hex
-from diloco.storage.protocol import Contribution, Manifest, Refusal
+from diloco.storage.protocol import Contribution, LearnerStats, Manifest, Refusal
 
 
 @pytest.mark.parametrize("seconds", [10, 30, 45, 120, 600])
@@ -41,7 +45,8 @@ def test_the_schedule_is_a_function_of_its_arguments():
         schedule(7, 60, ("meteor",))
     assert set(labels()) >= {f"coordinator_kill:{p}" for p in ("fetched", "params_written", "manifest_written",
                                                                  "committed")}
-    assert len(KINDS) == 7
+    assert set(labels()) >= {f"hostile:{v}" for v in HOSTILE} | {"redis_rollback"}
+    assert len(KINDS) == 8
 
 
 SHAPES = {"blocks.0.weight": (4, 3), "blocks.0.bias": (4,)}
@@ -123,3 +128,75 @@ def test_an_id_in_two_manifests_is_duplicated_and_a_stale_verdict_wins_over_othe
 def test_gaps_in_the_version_chain_and_heads_that_disagree_are_problems():
     led = account(_evidence(s3_versions={0: [0, 2], 1: [0]}, redis_heads={0: 2}))
     assert led.problems == ["fragment 0: versions [1] missing in S3", "fragment 1: Redis head None, S3 head 0"]
+
+
+# ---- the hostile learner -------------------------------------------------------------------------
+
+def test_a_hostile_delta_is_well_formed_and_its_header_cannot_be_announced_again_from_s3():
+    """It passes every check of the coordinator; its header names no tokens or steps, so the sweep
+    after a Redis outage leaves it alone (each hostile input is announced once, by the hostile learner)."""
+    meta = {"run": "r", "fragment": 0, "learner": "hostile", "kind": "delta", "contribution_id": "a" * 32,
+            "base_version": 3}
+    blob = well_formed(SHAPES, codec="int8", compress=True, meta=meta, seed=1)
+    tensors, header = codecs.decode(blob, max_bytes=1 << 20, expect=SHAPES)
+    assert set(tensors) == set(SHAPES) and header.meta == meta
+    with pytest.raises(Refused) as refused:
+        announcement_from_object("p/r/fragments/0000/hostile/0000000000000001", blob, max_bytes=1 << 20)
+    assert refused.value.code == "bad_header"
+
+
+def test_random_bytes_fail_the_framing_check_and_bad_stats_do_not_decode():
+    with pytest.raises(Refused) as refused:
+        codecs.decode(random_bytes(4096, seed=1), max_bytes=1 << 20, expect=SHAPES)
+    assert refused.value.code == "bad_framing"
+    for _name, raw in bad_stats("hostile"):
+        with pytest.raises(Refused):
+            LearnerStats.from_wire(raw)
+
+
+def _hostile_ledger() -> Ledger:
+    honest = _manifest(0, 1, ["h1", "h2"])
+    lying = replace(honest, inputs=(*honest.inputs, replace(honest.inputs[0], contribution_id="big", learner="hostile",
+                                                            weight=8.0)))
+    mixed = replace(_manifest(0, 2, ["small"]), inputs=(
+        replace(honest.inputs[0], contribution_id="small", learner="hostile", weight=0.25),
+        replace(honest.inputs[0], contribution_id="h3", weight=1.0)))
+    alone = replace(_manifest(0, 3, ["alone"]), inputs=(
+        replace(honest.inputs[0], contribution_id="alone", learner="hostile", weight=1.0),))
+    ev = _evidence(announced={"h1", "h2", "big", "small", "h3", "alone", "tl", "fl", "gone"},
+                   manifests={0: [_manifest(0, 0, ["g0"]), lying, mixed, alone]}, s3_versions={0: [0, 1, 2, 3]},
+                   redis_heads={0: 3}, refusals=[_refusal("tl", "too_large"), _refusal("fl", "stale")], pending=set())
+    return account(ev)
+
+
+def test_the_ledger_knows_each_applied_pieces_share_of_its_round():
+    led = _hostile_ledger()
+    assert led.round_share["big"] == (0.8, 2)  # 8 / (1 + 1 + 8), learners l0 and hostile
+    assert led.round_share["small"] == (0.2, 2)
+    assert led.round_share["alone"] == (1.0, 1)
+    two = replace(_manifest(0, 1, ["x"]), inputs=tuple(
+        replace(_manifest(0, 1, ["x"]).inputs[0], contribution_id=cid, learner=learner, weight=1.0)
+        for cid, learner in (("p1", "hostile"), ("p2", "hostile"), ("h", "l0"))))
+    shares = account(_evidence(announced={"p1", "p2", "h"}, manifests={0: [_manifest(0, 0, ["g0"]), two]},
+                               s3_versions={0: [0, 1]}, redis_heads={0: 1}, refusals=[], pending=set())).round_share
+    assert shares["p1"] == shares["p2"] == (2 / 3, 2)  # a learner's pieces in one round add up
+
+
+def test_each_hostile_input_is_judged_by_what_must_become_of_it():
+    led = _hostile_ledger()
+    inputs = [HostileInput("lying_tokens", "big", "big"), HostileInput("lying_tokens", "small", "small"),
+              HostileInput("lying_deadline", "alone", "alone"),
+              HostileInput("oversize", "tl", "tl", frozenset({"too_large"})),
+              HostileInput("flood", "fl", "fl", frozenset({"missing_object"})),
+              HostileInput("undecodable", "gone", "gone", frozenset({"bad_framing"})),
+              HostileInput("sse_c", "h3 applied", "h3", frozenset({"unreadable_object"})),
+              HostileInput("made_up_ids", "ghost-1")]
+    verdicts = {v.input.what: v for v in judge(inputs, led)}
+    assert verdicts["big"].unbounded and "took 0.8" in verdicts["big"].problem
+    assert (verdicts["small"].kind, verdicts["small"].problem) == ("applied", "")
+    assert verdicts["alone"].problem == ""  # alone in its round: it moves only itself
+    assert (verdicts["tl"].kind, verdicts["tl"].problem) == ("refused", "")
+    assert verdicts["fl"].kind == "dropped" and "stale" in verdicts["fl"].problem
+    assert verdicts["gone"].kind == "lost" and not verdicts["gone"].unbounded
+    assert verdicts["h3 applied"].problem.startswith("applied; must be refused")
+    assert (verdicts["ghost-1"].kind, verdicts["ghost-1"].problem) == ("no_contribution", "")
