@@ -80,6 +80,10 @@ class CoordinatorConfig:
     batches of at most this many bytes of the largest fragment (at least one announcement, at most
     256), so a coordinator that restarts on a long backlog of large fragments does not decode it all
     into memory at once. Open rounds hold their contributions on top of this."""
+    max_round_bytes: int = 2 << 30
+    """The most decoded (fp32) bytes one fragment's open round holds: a round whose pieces reach it
+    merges at once (the earliest arrivals, at most 4096 pieces), the rest wait for the next round.
+    With `read_batch_bytes`, it bounds the coordinator's memory whatever a flood of valid pieces does."""
     max_refusals_listed: int = 1000
     """Refusals a version's manifest lists one by one; the rest since its parent are summed up in
     one more line, by code (each stays on the refusals stream and in the counters). A thousand
@@ -100,6 +104,8 @@ class CoordinatorConfig:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.max_refusals_listed < 1:
             raise ConfigError(f"max_refusals_listed must be at least 1, got {self.max_refusals_listed}")
+        if self.max_round_bytes < 1:
+            raise ConfigError(f"max_round_bytes must be positive, got {self.max_round_bytes}")
         if self.read_batch_bytes < 1:
             raise ConfigError(f"read_batch_bytes must be positive, got {self.read_batch_bytes}")
         if not self.lease_s >= 1.0:

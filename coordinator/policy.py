@@ -73,6 +73,15 @@ class RoundConfig:
     """Contributions whose base version is more than this many versions behind the head are refused."""
     staleness_discount: bool = True
     """Scale the weight of an accepted stale contribution by 1/(1+staleness)."""
+    max_claim_ratio: float = 4.0
+    """How far one learner's claims may stray from the other learners' median (`coordinator.influence`):
+    a piece counts at most this many times their median tokens and merge weight, and the step time
+    a grace window or the round clock follows is at most this far from theirs. Raise it for a fleet
+    whose honest learners differ by more (e.g. one island with 8x the batch of the others)."""
+    max_silent_rounds: int = 4
+    """Clock cadence: a live learner that has sent nothing for this many round periods (since it was
+    first seen, for a new one) is not waited for until it sends again: learner ids that heartbeat
+    and never contribute do not hold every round open."""
 
     def __post_init__(self) -> None:
         if self.min_quorum < 1:
@@ -85,6 +94,10 @@ class RoundConfig:
             raise ConfigError(f"max_grace_s must be >= 0 seconds, got {self.max_grace_s}")
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if not self.max_claim_ratio >= 1.0:
+            raise ConfigError(f"max_claim_ratio must be at least 1, got {self.max_claim_ratio}")
+        if self.max_silent_rounds < 1:
+            raise ConfigError(f"max_silent_rounds must be at least 1, got {self.max_silent_rounds}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +190,7 @@ def decide_round(now: float, state: RoundState, cfg: RoundConfig) -> Decision:
 
     times = sorted(first_seen.values())
     t_open, t_quorum = times[0], times[target - 1]
-    t_step_s = max(a.step_time_s for a in state.arrivals)
+    t_step_s = slowest_plausible([a.step_time_s for a in state.arrivals], cfg.max_claim_ratio)
     grace_s, slack_s = grace_window_s(cfg, t_open, t_quorum, t_step_s, state.sync_time_s)
     why = _grace_why(cfg, slack_s)
     deadline = t_quorum + grace_s
@@ -187,6 +200,15 @@ def decide_round(now: float, state: RoundState, cfg: RoundConfig) -> Decision:
                               f"closed ({why}), {learners_in}")
     return Decision(False, f"wait: grace window open for {deadline - now:.2f}s more, until quorum "
                            f"+{grace_s:.2f}s ({why}), {learners_in}", wake_at=deadline)
+
+
+def slowest_plausible(step_times: Sequence[float], ratio: float) -> float:
+    """The step time a grace window is sized by: the slowest arrival's, but no slower than `ratio` x
+    the lower median (one arrival reporting 1e9 s cannot keep a round open for the grace cap)."""
+    times = [t for t in step_times if t >= 0 and math.isfinite(t)]
+    if not times:
+        return 0.0
+    return min(max(times), ratio * statistics.median_low(times))
 
 
 def _n(count: int, noun: str) -> str:

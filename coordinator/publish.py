@@ -127,22 +127,24 @@ def event_of(manifest: Manifest, keys: RunKeys) -> VersionEvent:
                         committed_at=manifest.committed_at)
 
 
-def commit(bus: Bus, manifest: Manifest, *, epoch: int, ack_ids: list[str], rebuild: bool = False,
+def commit(bus: Bus, manifest: Manifest, *, epoch: int, ack_ids: list[str], keep_applied: int, rebuild: bool = False,
            check_applied: bool = True) -> CommitResult:
-    """Step 3. The head must be the manifest's parent; with `rebuild`, Redis must have no head yet."""
+    """Step 3. The head must be the manifest's parent; with `rebuild`, Redis must have no head yet.
+    Redis's applied set keeps the contributions of the fragment's last `keep_applied` versions."""
     expected = None if rebuild or manifest.parent_version < 0 else manifest.parent_version
     return bus.commit_version(event_of(manifest, bus.keys), expected_head=expected, epoch=epoch, ack_ids=ack_ids,
-                              check_applied=check_applied)
+                              keep_applied=keep_applied, check_applied=check_applied)
 
 
-def commit_existing(bus: Bus, manifest: Manifest, *, epoch: int, rebuild: bool = False) -> None:
+def commit_existing(bus: Bus, manifest: Manifest, *, epoch: int, keep_applied: int, rebuild: bool = False) -> None:
     """Commit a version whose manifest is already in S3; its announcements are acknowledged as applied.
 
     S3 is the truth: the manifest is written, so the version is committed whatever Redis says of its
     contributions. Redis's applied set is not consulted (should history already name a contribution
     twice, refusing to commit would only leave every later coordinator unable to start)."""
     stream_ids = [c.stream_id for c in manifest.inputs if c.stream_id]
-    result = commit(bus, manifest, epoch=epoch, ack_ids=stream_ids, rebuild=rebuild, check_applied=False)
+    result = commit(bus, manifest, epoch=epoch, ack_ids=stream_ids, keep_applied=keep_applied, rebuild=rebuild,
+                    check_applied=False)
     if result is CommitResult.FENCED:
         raise Fenced(f"cannot commit fragment {manifest.fragment} version {manifest.version} from its manifest: "
                      f"another coordinator holds the run now (this one has epoch {epoch})")
@@ -161,7 +163,7 @@ def roll_forward(store: ObjectStore, bus: Bus, num_fragments: int, epoch: int, *
     - Redis has no head for a fragment that S3 has versions of (Redis lost its data): the latest
       version becomes the head directly, and the contributions of the `keep_applied` versions
       before it are marked applied again. Older ones cannot come back: they are staler than
-      max_staleness and would be refused anyway.
+      max_staleness and would be refused anyway (a commit keeps no more of them either).
     """
     heads = bus.heads()
     for fragment in range(num_fragments):
@@ -170,11 +172,15 @@ def roll_forward(store: ObjectStore, bus: Bus, num_fragments: int, epoch: int, *
             continue
         if fragment not in heads:
             for version in range(max(0, latest - keep_applied), latest):
-                bus.mark_applied([c.contribution_id for c in read_manifest(store, bus.keys, fragment, version).inputs])
-            commit_existing(bus, read_manifest(store, bus.keys, fragment, latest), epoch=epoch, rebuild=True)
+                bus.mark_applied(fragment, [c.contribution_id for c in read_manifest(store, bus.keys, fragment,
+                                                                                     version).inputs],
+                                 keep_applied=keep_applied)
+            commit_existing(bus, read_manifest(store, bus.keys, fragment, latest), epoch=epoch,
+                            keep_applied=keep_applied, rebuild=True)
             heads[fragment] = latest
             continue
         for version in range(heads[fragment] + 1, latest + 1):
-            commit_existing(bus, read_manifest(store, bus.keys, fragment, version), epoch=epoch)
+            commit_existing(bus, read_manifest(store, bus.keys, fragment, version), epoch=epoch,
+                            keep_applied=keep_applied)
             heads[fragment] = version
     return heads

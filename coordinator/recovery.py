@@ -1,18 +1,20 @@
 """After Redis lost data: find the contributions whose announcements were lost with it.
 
-Two cases: Redis emptied (the coordinator rebuilds it from S3, then looks here), and Redis
+Three cases: Redis emptied (the coordinator rebuilds it from S3, then looks here); Redis
 restarted with its data but without its last second of writes (the append-only file is synced
 once a second): once the coordinator has read every announcement that survived, it looks here
-for objects stored before the outage.
+for objects stored before the outage; and a coordinator's start, which counts as the end of such
+an outage (nobody was there to notice one while no coordinator ran).
 
 Learners store a contribution in S3 before they announce it, and every contribution object
 describes itself in its header (run, fragment, learner, contribution id, base version, tokens,
 steps, step time, deadline, final). So the bucket knows what Redis forgot: a contribution object that
 no recent manifest accounts for (merged or refused) and that the coordinator is not holding in an
 open round was announced into the lost stream, or never announced. `reannounce_lost` announces
-each such object again, on the learner's behalf, with the ids from its header: it then goes
-through the same checks as any announcement (a learner that re-announces it too is refused as a
-duplicate; one too old is refused as stale, i.e. dropped and recorded).
+each such object again, on the learner's behalf, with the ids from its header, marked
+`recovered`: it then goes through the same checks as any announcement (one too old is refused as
+stale, i.e. dropped and recorded). Should the learner's own announcement turn up too (it was only
+late), whichever copy comes second is acknowledged as repeated: merged once, refused never.
 
 Only objects stored after the oldest manifest still within `max_staleness` of the head (minus a
 margin for clock skew between S3 and the coordinator) are looked at: anything older would be
@@ -60,7 +62,8 @@ def announcement_from_object(key: str, blob: bytes, *, max_bytes: int) -> Announ
             seq=int(key.rsplit("/", 1)[1]), contribution_id=str(meta["contribution_id"]),
             base_version=int(meta["base_version"]), tokens=int(meta["tokens"]), steps=int(meta["steps"]),
             step_time_s=float(meta["step_time_s"]), object_key=key, size_bytes=len(blob), sha256=sha256_hex(blob),
-            sent_at=time.time(), deadline=float(meta.get("deadline", 0.0)), final=bool(meta.get("final", 0)))
+            sent_at=time.time(), deadline=float(meta.get("deadline", 0.0)), final=bool(meta.get("final", 0)),
+            recovered=True)
     except (KeyError, ValueError, TypeError, OverflowError) as exc:  # a learner wrote the header: any value
         raise Refused("bad_header", f"{key}: its header does not describe a contribution "
                       f"({type(exc).__name__}: {exc})") from None
@@ -69,16 +72,19 @@ def announcement_from_object(key: str, blob: bytes, *, max_bytes: int) -> Announ
 def reannounce_lost(store: ObjectStore, bus: Bus, heads: dict[int, int], *, known: set[str], keep: int,
                     max_bytes: int, before: float | None = None) -> tuple[int, int]:
     """Announce again every recent contribution object nobody accounts for. `known` holds the
-    object keys the coordinator still has in memory (open rounds, refusals not yet in a manifest).
+    object keys the coordinator still has in memory (open rounds, refusals not yet in a manifest);
+    the announcements still pending in the stream or not yet delivered, and the recent refusals,
+    are read here, after the bucket is listed, so that one announced meanwhile is not made again.
     With `before` (unix time, when the coordinator noticed an outage in which Redis kept its data),
     only objects stored before it (plus the clock margin: S3's clock is not ours): objects stored
     later were announced once Redis answered. Any that were announced anyway are refused as
     duplicates.
     Returns (announced again, unreadable)."""
     accounted, since = accounted_since(store, bus.keys, heads, keep)
-    accounted |= known
+    listed = list(store.list_modified(bus.keys.deltas_prefix()))
+    accounted |= known | bus.unfinished_object_keys() | bus.refused_object_keys()
     again = unreadable = 0
-    for key, modified in store.list_modified(bus.keys.deltas_prefix()):
+    for key, modified in listed:
         if key in accounted or modified < since - CLOCK_MARGIN_S or (before is not None
                                                                      and modified > before + CLOCK_MARGIN_S):
             continue

@@ -24,10 +24,11 @@ import redis
 import torch
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
+from diloco.coordinator.influence import Claim, count_claims, fastest_plausible, plausible_deadline, waited_learners
 from diloco.coordinator.intake import PendingDelta, check_announcement, fetch_tensors, to_arrival
 from diloco.coordinator.leadership import Fenced, Leadership
 from diloco.coordinator.outer import MergeSettings, NesterovState, outer_step, round_delta, scale_update, update_norm
-from diloco.coordinator.policy import (RECENT_ROUNDS, RoundSize, RoundState, decide_round, merge_order, merge_weights,
+from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round, merge_order, merge_weights,
                                        next_cadence, round_size, round_step, run_end, served_deadline,
                                        staleness_verdict)
 from diloco.coordinator.publish import (commit, commit_existing, decode_state, listed_refusals, roll_forward,
@@ -50,6 +51,13 @@ MAX_REASON_CHARS = 2000
 length so that refusal records and the manifests that list them stay small."""
 MAX_READ = 256
 """The most announcements one read of the stream takes (`read_batch_bytes` may allow fewer)."""
+MAX_ROUND_PIECES = 4096
+"""The most pieces one version merges: its manifest lists each (a few hundred bytes apiece), and must
+stay well within the 64 MiB its readers accept, refusals included."""
+MAX_RECOVERED_IDS = 100_000
+"""How many contribution ids announced again from S3 the coordinator remembers (`Coordinator._recovered`)."""
+TRIM_EVERY_S = 30.0
+"""How often the coordinator drops the announcements it is done with (`Bus.trim_announcements`)."""
 MAX_KEY_CHARS = 1024
 """A refusal's object key is the announced one, cut to S3's own limit on key length."""
 
@@ -81,6 +89,8 @@ class Fragment:
     """The latest clock deadline a round merged here served (0: none since this coordinator started)."""
     recent: list[RoundSize] = field(default_factory=list)
     """The last rounds merged here (`policy.round_step`'s usual round)."""
+    claims: list[tuple[Claim, ...]] = field(default_factory=list)
+    """What the pieces of the same rounds counted (`influence.count_claims` weighs a claim against them)."""
     committed: list[frozenset[str]] = field(default_factory=list)
     """The contribution ids of the last versions this process committed here (max_staleness + 1 of
     them): applied, since their manifests are in S3, whatever Redis says (it may forget its last
@@ -100,18 +110,26 @@ class Coordinator:
         self.spec = self._load_or_create(settings or RunSettings())
         # The grace window reasons about the learners' overlap: take tau from the run itself.
         self.round_cfg = replace(self.config.round, overlap_steps=self.spec.overlap_steps)
+        self._keep_applied = self.round_cfg.max_staleness + 1
+        """Versions per fragment whose contributions Redis's applied set keeps: older ones are stale."""
         self.leadership = Leadership(self.bus, self.store, self.config.lease_s)
         self.epoch = self.leadership.take(standby=self.config.standby, stop=stop or threading.Event())
         self.bus.ensure_group()
         heads = roll_forward(self.store, self.bus, self.spec.num_fragments, self.epoch,
-                             keep_applied=self.round_cfg.max_staleness + 1)
+                             keep_applied=self._keep_applied)
         self.layout: Layout | None = read_layout(self.store, self.keys)
         self.fragments = {f: Fragment(head=heads.get(f, -1)) for f in range(self.spec.num_fragments)}
+        self.first_seen: dict[str, float] = {}
+        """When this process first saw each learner live (coordinator clock)."""
+        self.last_piece: dict[str, float] = {}
+        """When each learner's last piece arrived (or was committed, for what the manifests tell)."""
+        for fragment, frag in self.fragments.items():
+            self._load_recent(fragment, frag)
         self.sync_time_s = 0.0
-        """Live learners that have not finished (`_see_fleet`)."""
         self.finished: frozenset[str] = frozenset()
-        self.live_names: frozenset[str] = frozenset()
         """Learners that have finished, as of the last read that took in every announcement before it."""
+        self.live_names: frozenset[str] = frozenset()
+        """Live learners that have not finished and that rounds wait for (`_see_fleet`)."""
         self.finish_asked: FinishRequest | None = None
         self.ended: RunEnd | None = read_run_end(self.store, self.keys)
         """The run's end once it is finished: every contribution is refused from then on."""
@@ -128,7 +146,13 @@ class Coordinator:
         self._unplaced: list[Refusal] = []  # refusals of entries that name no fragment of the run
         self._read_pending = True
         self._read_batch: int | None = None  # `_read_count`, once the layout is known
-        self._outage_at: float | None = None  # when this process noticed a Redis outage (unix), until the sweep
+        # When this process noticed a Redis outage (unix), until the sweep for lost announcements. Its
+        # start counts as one: a learner's announcement may have been lost while no coordinator ran
+        # (Redis forgot its last writes then, and nobody noticed), and only S3 still knows the piece.
+        self._outage_at: float | None = time.time()
+        self._recovered: dict[str, None] = {}
+        """Contribution ids taken in from a `recovered` announcement (bounded): the learner's own copy,
+        should it come too, is acknowledged as repeated."""
         self._reconcile_due = False  # Redis was unreachable or restarted: bring it up to S3 before reading on
         self._drained = False  # the last read of the announcements stream returned nothing
         self._redis_run_id = self._server_run_id()
@@ -166,6 +190,7 @@ class Coordinator:
 
     def _serve(self, stop: threading.Event) -> None:
         last_claim = last_restart_check = 0.0
+        last_trim = time.monotonic()
         while not stop.is_set():
             now = time.monotonic()
             try:
@@ -184,6 +209,9 @@ class Coordinator:
                 if self._outage_at is not None and self._drained:
                     self._sweep_after_outage(self._outage_at)
                     self._outage_at = None
+                if now - last_trim > TRIM_EVERY_S and self._outage_at is None:
+                    self.bus.trim_announcements()
+                    last_trim = now
             except (redis.RedisError, StorageUnavailable) as exc:
                 # Pending entries stay pending and in-memory rounds stay open: resume when it answers.
                 if isinstance(exc, redis.RedisError):
@@ -212,7 +240,7 @@ class Coordinator:
         fragment whose head moved is reloaded from S3, and an open round keeps only contributions
         not applied since."""
         heads = roll_forward(self.store, self.bus, self.spec.num_fragments, self.epoch,
-                             keep_applied=self.round_cfg.max_staleness + 1)
+                             keep_applied=self._keep_applied)
         for fragment, frag in self.fragments.items():
             if heads.get(fragment, -1) != frag.head:
                 frag.head, frag.params, frag.state = heads.get(fragment, -1), None, None
@@ -328,7 +356,15 @@ class Coordinator:
         after the read (`now`): a read may block, and learners that joined meanwhile count."""
         if complete:
             self.finished = fleet.finished
-        self.live_names = (now.live | now.finished) - self.finished
+        t = self.now()
+        self.first_seen = {name: self.first_seen.get(name, t) for name in now.live}  # one back is new again
+        patience_s = self.round_cfg.max_silent_rounds * self.cadence.period_s if self.cadence else 0.0
+        known = frozenset(c.learner for f in self.fragments.values() for r in f.claims for c in r)
+        waited = waited_learners(now.live, first_seen=self.first_seen, last_piece=self.last_piece, known=known,
+                                 now=t, patience_s=patience_s)
+        self.live_names = (waited | now.finished) - self.finished
+        if len(self.last_piece) > 2 * len(now.live | known) + 64:  # forget the senders long gone
+            self.last_piece = {n: v for n, v in self.last_piece.items() if n in now.live | known}
         self.finish_asked = fleet.finish_request
 
     def _maybe_end(self, fleet: Fleet, complete: bool) -> None:
@@ -398,7 +434,10 @@ class Coordinator:
                      if name in live and s.step_time_s > 0]
             if not steps:
                 return
-            period = max(self.config.min_round_s, self.spec.sync_every * min(steps))
+            fastest = fastest_plausible(steps, self.round_cfg.max_claim_ratio)
+            if fastest is None:
+                return
+            period = max(self.config.min_round_s, self.spec.sync_every * fastest)
         cadence = next_cadence(self.cadence, period, self.now())
         if cadence is None:
             return
@@ -434,9 +473,16 @@ class Coordinator:
                 try:
                     self._check(item, seen, applied)
                 except Refused as exc:
-                    self._refuse(entry_id, item, exc)
+                    if exc.code == "duplicate" and (item.recovered or item.contribution_id in self._recovered):
+                        self._repeated(entry_id, item)
+                    else:
+                        self._refuse(entry_id, item, exc)
                     continue
                 seen.add(item.contribution_id)
+                if item.recovered:
+                    self._recovered[item.contribution_id] = None
+                    while len(self._recovered) > MAX_RECOVERED_IDS:
+                        del self._recovered[next(iter(self._recovered))]
                 to_fetch.append((entry_id, item))
         futures = [(eid, a, self._pool.submit(self._fetch, a)) for eid, a in to_fetch]
         for entry_id, a, future in futures:
@@ -460,8 +506,13 @@ class Coordinator:
             if a.kind == "genesis":
                 self._genesis(entry_id, a, tensors)
             else:
-                self.fragments[a.fragment].round.append(
-                    PendingDelta(entry_id, a, to_arrival(a, self.now()), tensors))
+                now = self.now()
+                arrival = to_arrival(a, now)
+                arrival = replace(arrival, deadline=plausible_deadline(
+                    arrival.deadline, now=now, cadence=self.cadence, fragment=a.fragment,
+                    num_fragments=self.spec.num_fragments))
+                self.last_piece[a.learner] = now
+                self.fragments[a.fragment].round.append(PendingDelta(entry_id, a, arrival, tensors))
 
     def _check(self, a: Announcement, seen: set[str], applied: set[str]) -> None:
         """Refuse a duplicate (`seen` in an open round or this batch, or `applied`), then whatever
@@ -505,6 +556,14 @@ class Coordinator:
         self.layout = layout
         return layout
 
+    def _repeated(self, entry_id: str, a: Announcement) -> None:
+        """The second copy of a contribution that was announced again from S3 (`recovery`): the learner's
+        announcement was late, not lost. Not an error: acknowledged and counted, merged once."""
+        log.info("contribution %s from %s: announced by the learner and again from S3; the second copy is "
+                 "acknowledged", a.contribution_id, a.learner)
+        self.bus.ack([entry_id])
+        self.bus.incr("repeated_after_recovery")
+
     def _superseded(self, entry_id: str, a: Announcement) -> None:
         """A genesis proposal for a fragment that already has version 0: not an error, not a contribution."""
         log.info("fragment %d already has a version; %s's initial parameters are not needed", a.fragment, a.learner)
@@ -531,7 +590,7 @@ class Coordinator:
             self._superseded(entry_id, a)
             return
         c = PendingDelta(entry_id, a, to_arrival(a, self.now()), tensors)
-        self._publish(a.fragment, frag, [c], [1.0], tensors, NesterovState(), self._settings("genesis"))
+        self._publish(a.fragment, frag, [c], [1.0], tensors, NesterovState(), self._settings("genesis"), [c.arrival])
 
     def _maybe_merge(self, fragment: int, frag: Fragment) -> None:
         arrivals = tuple(c.arrival for c in frag.round)
@@ -549,16 +608,25 @@ class Coordinator:
         if decision.reason != frag.last_reason:
             log.debug("fragment %d: %s", fragment, decision.reason)
             frag.last_reason = decision.reason
-        if not decision.merge:
+        cap = self._round_cap(fragment)
+        if not decision.merge and len(frag.round) < cap:
             return
-        log.info("fragment %d v%d: %s", fragment, frag.head + 1, decision.reason)
+        reason = decision.reason if decision.merge else (
+            f"merge: the round holds {len(frag.round)} pieces, as many as it may ({cap}: --max-round-bytes over "
+            f"the fragment's size, at most {MAX_ROUND_PIECES}); the earliest {cap} merge, the rest wait")
+        log.info("fragment %d v%d: %s", fragment, frag.head + 1, reason)
         with self.timing("load"):
             self._ensure_loaded(fragment, frag)
         crash_point("fetched")
         assert frag.params is not None and frag.state is not None
         while frag.round:
-            ordered = merge_order(tuple(c.arrival for c in frag.round))
-            by_id = {c.announcement.contribution_id: c for c in frag.round}
+            taking = sorted(frag.round, key=lambda c: (c.arrival.arrived_at, c.entry_id))[:cap]
+            # Each piece as the merge counts it: one learner's claims bounded by the others' (`influence`).
+            counted = count_claims([c.arrival for c in taking], [c for r in frag.claims for c in r],
+                                   self.round_cfg.max_claim_ratio)
+            notes = {a.contribution_id: note for a, note in counted if note}
+            ordered = merge_order(tuple(a for a, _ in counted))
+            by_id = {c.announcement.contribution_id: c for c in taking}
             contributions = [by_id[a.contribution_id] for a in ordered]
             weights = merge_weights(ordered, frag.head, self.round_cfg)
             settings = self._settings("delta")
@@ -578,9 +646,19 @@ class Coordinator:
             with self.timing("outer"):
                 finite = _finite(params) and _finite(state.momentum)
             if finite:
-                self._publish(fragment, frag, contributions, weights, params, state, settings)
+                for cid, note in notes.items():
+                    log.warning("fragment %d: %s's piece %s bounded: %s", fragment, by_id[cid].announcement.learner,
+                                cid, note)
+                self._publish(fragment, frag, contributions, weights, params, state, settings, ordered, notes)
                 return
             self._refuse_overflow(fragment, frag, contributions)
+
+    def _round_cap(self, fragment: int) -> int:
+        """The most pieces a round of `fragment` holds before it merges: as many decoded deltas as
+        `max_round_bytes` holds, at most MAX_ROUND_PIECES (so that its manifest stays small)."""
+        if self.layout is None:
+            return MAX_ROUND_PIECES
+        return max(1, min(MAX_ROUND_PIECES, self.config.max_round_bytes // max(1, self.layout.fragment_bytes(fragment))))
 
     def _refuse_overflow(self, fragment: int, frag: Fragment, contributions: list[PendingDelta]) -> None:
         """Each delta is finite, yet the outer step overflowed float32: refuse the largest one (the
@@ -599,7 +677,7 @@ class Coordinator:
         manifest = read_manifest(self.store, self.keys, fragment, version)
         log.warning("fragment %d version %d was written by the coordinator of epoch %d: adopting it", fragment,
                     version, manifest.epoch)
-        commit_existing(self.bus, manifest, epoch=self.epoch)
+        commit_existing(self.bus, manifest, epoch=self.epoch, keep_applied=self._keep_applied)
         merged = {c.contribution_id for c in manifest.inputs}
         frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
         frag.head, frag.params, frag.state, frag.wake_at = version, None, None, None
@@ -615,35 +693,46 @@ class Coordinator:
         frag.state = decode_state(read_verified(self.store, manifest.outer_state_key, manifest.outer_state_sha256,
                                                 max_bytes=limit), limit)
         if not frag.recent:
-            frag.recent = self._recent_rounds(fragment, manifest)
+            self._load_recent(fragment, frag, manifest)
 
-    def _recent_rounds(self, fragment: int, head: Manifest) -> list[RoundSize]:
+    def _load_recent(self, fragment: int, frag: Fragment, head: Manifest | None = None) -> None:
         """The fragment's last RECENT_ROUNDS merged rounds, oldest first, from their manifests: a
-        restarted or standby coordinator scales rounds as its predecessor did."""
+        restarted or standby coordinator scales rounds, counts claims and knows its fleet as its
+        predecessor did."""
         rounds: list[RoundSize] = []
-        manifest: Manifest | None = head
+        claims: list[tuple[Claim, ...]] = []
+        manifest = head if head is not None or frag.head < 1 else read_manifest(self.store, self.keys, fragment,
+                                                                                  frag.head)
         while manifest is not None and manifest.settings.get("kind") == "delta" and len(rounds) < RECENT_ROUNDS:
             rounds.append(round_size(manifest.inputs, _norm(manifest)))
+            claims.append(tuple(Claim(c.learner, c.tokens, c.steps) for c in manifest.inputs))
+            for c in manifest.inputs:
+                self.last_piece[c.learner] = max(self.last_piece.get(c.learner, 0.0), manifest.committed_at)
             previous = manifest.version - 1
             manifest = read_manifest(self.store, self.keys, fragment, previous) if previous > 0 else None
-        return rounds[::-1]
+        frag.recent, frag.claims = rounds[::-1], claims[::-1]
 
     def _settings(self, kind: str) -> dict[str, str | int | float | bool]:
         """What the manifest of a version of this `kind` records, and what its merge is configured by."""
         return self.config.settings(self.round_cfg) | {"kind": kind}
 
     def _publish(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
-                 params: dict[str, torch.Tensor], state: NesterovState, settings: dict) -> None:
+                 params: dict[str, torch.Tensor], state: NesterovState, settings: dict, counted: list[Arrival],
+                 notes: dict[str, str] | None = None) -> None:
+        """Write and commit the next version of `fragment` from `contributions` (in merge order, each
+        with its weight and its `counted` arrival: the tokens and steps it weighed by)."""
         t0 = time.monotonic()
         version = frag.head + 1
+        notes = notes or {}
         inputs = tuple(
             Contribution(contribution_id=c.announcement.contribution_id, learner=c.announcement.learner,
                   seq=c.announcement.seq, object_key=c.announcement.object_key, sha256=c.announcement.sha256,
                   base_version=c.announcement.base_version,
                   staleness=staleness_verdict(c.announcement.base_version, frag.head, self.round_cfg)[1]
                   if c.announcement.kind == "delta" else 0,
-                  tokens=c.announcement.tokens, steps=c.announcement.steps, weight=w, stream_id=c.entry_id)
-            for c, w in zip(contributions, weights, strict=True))
+                  tokens=n.tokens, steps=n.steps, weight=w, stream_id=c.entry_id,
+                  bounded=notes.get(c.announcement.contribution_id, ""))
+            for c, w, n in zip(contributions, weights, counted, strict=True))
         refused = listed_refusals([*frag.refused, *self._unplaced], self.config.max_refusals_listed)
         try:
             manifest = write_version(self.store, self.keys, fragment=fragment, version=version, params=params,
@@ -653,7 +742,8 @@ class Coordinator:
             self._adopt_written(fragment, frag, version)
             return
         with self.timing("commit"):
-            result = commit(self.bus, manifest, epoch=self.epoch, ack_ids=[c.entry_id for c in contributions])
+            result = commit(self.bus, manifest, epoch=self.epoch, ack_ids=[c.entry_id for c in contributions],
+                            keep_applied=self._keep_applied)
         crash_point("committed")
         if result is CommitResult.WIPED:
             self._rebuild()  # rolls our manifest forward: it is the latest in S3
@@ -661,15 +751,25 @@ class Coordinator:
             self.leadership.deposed()
             raise Fenced(f"commit of fragment {fragment} version {version} refused: another coordinator holds "
                          f"run {self.spec.run!r} now (this one had epoch {self.epoch})")
+        elif result is CommitResult.HEAD_MOVED and self.bus.heads().get(fragment, -1) < frag.head:
+            # Redis forgot commits (restored from an older snapshot, failed over to a lagging replica)
+            # before this process noticed it restarted: bring it up to S3, our manifest included.
+            log.warning("commit of fragment %d version %d: Redis's head is behind ours, it forgot commits: "
+                        "committing them again from S3", fragment, version)
+            self._outage_noticed()
+            self._reconcile()
+            if self.bus.heads().get(fragment) != version:
+                raise Fenced(f"commit of fragment {fragment} version {version}: Redis's head is "
+                             f"{self.bus.heads().get(fragment)} after committing the manifests in S3")
         elif result not in (CommitResult.COMMITTED, CommitResult.ALREADY):
             raise Fenced(f"commit of fragment {fragment} version {version} refused by Redis: {result.name}")
         merged = {c.announcement.contribution_id for c in contributions}
         frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
         frag.refused, self._unplaced = [], []
-        arrivals = [c.arrival for c in contributions]
-        frag.merged_deadline = served_deadline(frag.merged_deadline, arrivals)
+        frag.merged_deadline = served_deadline(frag.merged_deadline, counted)
         if manifest.settings.get("kind") == "delta":
-            frag.recent = [*frag.recent, round_size(arrivals, _norm(manifest))][-RECENT_ROUNDS:]
+            frag.recent = [*frag.recent, round_size(counted, _norm(manifest))][-RECENT_ROUNDS:]
+            frag.claims = [*frag.claims, tuple(Claim(a.learner, a.tokens, a.steps) for a in counted)][-RECENT_ROUNDS:]
         frag.committed = [*frag.committed, frozenset(merged)][-(self.round_cfg.max_staleness + 1):]
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
         elapsed = time.monotonic() - t0

@@ -45,7 +45,18 @@ log = logging.getLogger(__name__)
 FIELD = b"m"
 SOCKET_TIMEOUT_S = 10.0
 MAX_BLOCK_MS = 2000
-VERSIONS_MAXLEN = 100_000
+VERSIONS_MAXLEN = 10_000
+"""The versions and refusals streams keep about this many entries (XADD MAXLEN ~): a learner that
+missed more takes the heads instead, and manifests in S3 keep every refusal of a version."""
+COMMITS_KEPT = 1000
+"""The commits hash keeps each fragment's last this many versions (a re-sent commit of one of them is
+ALREADY; an older one is refused by the head check anyway)."""
+LEARNERS_FORGOTTEN_S = 3600.0
+"""A learner whose heartbeat lapsed this long ago leaves the live set's key and its stats are dropped
+(it stays in the joined set: a run waits for a learner that joined to finish, or for `diloco finish`)."""
+ANNOUNCEMENTS_KEPT = 10_000
+"""`trim_announcements` keeps at least the last this many announcements (for people and tools that
+read the stream), beside every entry still pending or not yet delivered (what recovery needs)."""
 
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
@@ -98,6 +109,17 @@ def redis_retry(method: F) -> F:
     return call  # type: ignore[return-value]
 
 
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _next_id(entry_id: str) -> tuple[int, int]:
+    """The smallest stream id after `entry_id`."""
+    ms, seq = _stream_id(entry_id)
+    return ms, seq + 1
+
+
 class CommitResult(enum.Enum):
     COMMITTED = 1
     ALREADY = 2
@@ -115,9 +137,9 @@ class CommitResult(enum.Enum):
 
 
 _COMMIT_LUA = """
--- KEYS: heads, commits, applied, epoch, versions, announcements, counters
+-- KEYS: heads, commits, applied, epoch, versions, announcements, counters, applied_log (this fragment's)
 -- ARGV: fragment, expected_head, version, params_sha, epoch, event, group, maxlen, check_applied (1/0),
---       n_ids, ids..., n_acks, acks...
+--       keep_applied, keep_commits, n_ids, ids..., n_acks, acks...
 local frag, expected, version, sha = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 if ARGV[5] ~= '' then
   local e = redis.call('GET', KEYS[4])
@@ -132,33 +154,63 @@ if done then
 end
 local cur = redis.call('HGET', KEYS[1], frag)
 if (cur or '') ~= expected then return -2 end
-local n = tonumber(ARGV[10])
+local n = tonumber(ARGV[12])
 if ARGV[9] == '1' then
   for i = 1, n do
-    if redis.call('SISMEMBER', KEYS[3], ARGV[10 + i]) == 1 then return -4 end
+    if redis.call('SISMEMBER', KEYS[3], ARGV[12 + i]) == 1 then return -4 end
   end
 end
 redis.call('HSET', KEYS[1], frag, version)
 redis.call('HSET', KEYS[2], ck, sha)
+redis.call('HDEL', KEYS[2], frag .. ':' .. (tonumber(version) - tonumber(ARGV[11])))
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[8], '*', 'm', ARGV[6])
+local ids = {}
 for i = 1, n do
-  redis.call('SADD', KEYS[3], ARGV[10 + i])
+  redis.call('SADD', KEYS[3], ARGV[12 + i])
+  ids[i] = ARGV[12 + i]
 end
-local na = tonumber(ARGV[11 + n])
+-- the applied set keeps the ids of this fragment's last keep_applied versions: older ones are refused as stale
+redis.call('RPUSH', KEYS[8], table.concat(ids, ','))
+local keep = tonumber(ARGV[10])
+while keep > 0 and redis.call('LLEN', KEYS[8]) > keep do
+  for id in string.gmatch(redis.call('LPOP', KEYS[8]), '[^,]+') do redis.call('SREM', KEYS[3], id) end
+end
+local na = tonumber(ARGV[13 + n])
 for i = 1, na do
-  redis.call('XACK', KEYS[6], ARGV[7], ARGV[11 + n + i])
+  redis.call('XACK', KEYS[6], ARGV[7], ARGV[13 + n + i])
 end
 redis.call('HINCRBY', KEYS[7], 'versions_committed', 1)
 redis.call('HINCRBY', KEYS[7], 'contributions_applied', n)
 return 1
 """
 
+_MARK_APPLIED_LUA = """
+-- KEYS: applied, applied_log (one fragment's); ARGV: keep_applied, ids...
+local ids = {}
+for i = 2, #ARGV do
+  redis.call('SADD', KEYS[1], ARGV[i])
+  ids[#ids + 1] = ARGV[i]
+end
+redis.call('RPUSH', KEYS[2], table.concat(ids, ','))
+local keep = tonumber(ARGV[1])
+while keep > 0 and redis.call('LLEN', KEYS[2]) > keep do
+  for id in string.gmatch(redis.call('LPOP', KEYS[2]), '[^,]+') do redis.call('SREM', KEYS[1], id) end
+end
+return 1
+"""
+
 _HEARTBEAT_LUA = """
--- KEYS: learners, learner_stats, joined; ARGV: learner, ttl_s, joined (1/0), [stats]
+-- KEYS: learners, learner_stats, joined; ARGV: learner, ttl_s, joined (1/0), forget_s, [stats]
 local t = redis.call('TIME')
-redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[2]), ARGV[1])
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+-- learners whose heartbeat lapsed more than forget_s ago are forgotten, a few per call (their stats too)
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[4]), 'LIMIT', 0, 16)) do
+  redis.call('ZREM', KEYS[1], gone)
+  redis.call('HDEL', KEYS[2], gone)
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 if ARGV[3] == '1' then redis.call('SADD', KEYS[3], ARGV[1]) end
-if ARGV[4] then redis.call('HSET', KEYS[2], ARGV[1], ARGV[4]) end
+if ARGV[5] then redis.call('HSET', KEYS[2], ARGV[1], ARGV[5]) end
 return 1
 """
 
@@ -229,7 +281,9 @@ class Bus:
         self.r = connect(endpoints.redis_url)
         self._commit = self.r.register_script(_COMMIT_LUA)
         self._ack = self.r.register_script(_ACK_LUA)
+        self._warned: set[tuple] = set()
         self._heartbeat = self.r.register_script(_HEARTBEAT_LUA)
+        self._mark_applied = self.r.register_script(_MARK_APPLIED_LUA)
         self._fleet = self.r.register_script(_FLEET_LUA)
         self._set_finished = self.r.register_script(_SET_FINISHED_LUA)
 
@@ -332,6 +386,64 @@ class Bus:
         return out
 
     @redis_retry
+    def trim_announcements(self, keep: int = ANNOUNCEMENTS_KEPT) -> int:
+        """Drop the announcements that are done with: older than the oldest entry still pending in
+        the group (on any consumer) or not yet delivered to it, and than the last `keep` entries.
+        What recovery reads is never dropped: pending entries are re-read after a restart or claimed,
+        undelivered ones read, and an announcement lost with Redis's data is made again from S3.
+        Returns the number of entries removed (XTRIM MINID, Redis >= 6.2)."""
+        try:
+            groups = self.r.xinfo_groups(self.keys.announcements)
+            pending = self.r.xpending(self.keys.announcements, self.keys.GROUP)
+        except redis.ResponseError:  # no stream or no group yet
+            return 0
+        group = next((g for g in groups if g["name"].decode() == self.keys.GROUP), None)
+        if group is None:
+            return 0
+        bounds = [_next_id(group["last-delivered-id"].decode())]
+        if pending["pending"]:
+            bounds.append(_stream_id(pending["min"].decode()))
+        newest = self.r.xrevrange(self.keys.announcements, count=keep) if keep > 0 else []
+        if len(newest) == keep and keep > 0:
+            bounds.append(_stream_id(newest[-1][0].decode()))
+        elif keep > 0:
+            return 0  # fewer than `keep` entries in all
+        ms, seq = min(bounds)
+        return int(self.r.xtrim(self.keys.announcements, minid=f"{ms}-{seq}", approximate=False))
+
+    @redis_retry
+    def unfinished_object_keys(self, limit: int = 100_000) -> set[str]:
+        """The object keys of the announcements not dealt with yet: pending in the group (on any
+        consumer) or not yet delivered to it (at most `limit` entries, the oldest first)."""
+        try:
+            groups = self.r.xinfo_groups(self.keys.announcements)
+            pending = self.r.xpending(self.keys.announcements, self.keys.GROUP)
+        except redis.ResponseError:
+            groups, pending = [], {"pending": 0}
+        group = next((g for g in groups if g["name"].decode() == self.keys.GROUP), None)
+        start = (0, 0) if group is None else _next_id(group["last-delivered-id"].decode())
+        if pending["pending"]:
+            start = min(start, _stream_id(pending["min"].decode()))
+        out = set()
+        for _eid, fields in self.r.xrange(self.keys.announcements, min=f"{start[0]}-{start[1]}", count=limit):
+            try:
+                out.add(Announcement.from_wire(fields.get(FIELD, b"")).object_key)
+            except Refused:
+                continue
+        return out
+
+    @redis_retry
+    def refused_object_keys(self, count: int = 10_000) -> set[str]:
+        """The object keys of the last `count` refusals."""
+        out = set()
+        for _eid, fields in self.r.xrevrange(self.keys.refusals, count=count):
+            try:
+                out.add(Refusal.from_wire(fields.get(FIELD, b"")).object_key)
+            except Refused:
+                continue
+        return out - {""}
+
+    @redis_retry
     def pending_count(self) -> int:
         try:
             info = self.r.xpending(self.keys.announcements, self.keys.GROUP)
@@ -346,16 +458,18 @@ class Bus:
 
     @redis_retry
     def commit_version(self, event: VersionEvent, *, expected_head: int | None, epoch: int | None,
-                       ack_ids: Sequence[str], check_applied: bool = True) -> CommitResult:
+                       ack_ids: Sequence[str], keep_applied: int, check_applied: bool = True) -> CommitResult:
         """Make `event` the head of its fragment, fenced and atomic (see module docstring).
+        `keep_applied`: the applied set keeps the contribution ids of the fragment's last this many
+        versions (older contributions are refused as stale anyway; 0 keeps them all).
         `check_applied` False: commit it even if Redis has one of its contributions applied (the
         version's manifest is in S3 already, so it is committed whatever Redis says)."""
         keys = [self.keys.heads, self.keys.commits, self.keys.applied, self.keys.epoch, self.keys.versions,
-                self.keys.announcements, self.keys.counters]
+                self.keys.announcements, self.keys.counters, self.keys.applied_log(event.fragment)]
         args: list[Any] = [event.fragment, "" if expected_head is None else expected_head, event.version,
                            event.params_sha256, "" if epoch is None else epoch, event.to_wire(),
-                           self.keys.GROUP, VERSIONS_MAXLEN, int(check_applied), len(event.contributions),
-                           *event.contributions, len(ack_ids), *ack_ids]
+                           self.keys.GROUP, VERSIONS_MAXLEN, int(check_applied), keep_applied, COMMITS_KEPT,
+                           len(event.contributions), *event.contributions, len(ack_ids), *ack_ids]
         result = CommitResult(int(self._commit(keys=keys, args=args)))
         if result is CommitResult.ALREADY:
             self.ack(ack_ids)  # the first attempt acked them; acking again is harmless
@@ -376,10 +490,11 @@ class Bus:
         return out
 
     @redis_retry
-    def mark_applied(self, contribution_ids: Sequence[str]) -> None:
-        """Record contributions as applied (rebuilding Redis from the manifests in S3)."""
-        if contribution_ids:
-            self.r.sadd(self.keys.applied, *contribution_ids)
+    def mark_applied(self, fragment: int, contribution_ids: Sequence[str], *, keep_applied: int) -> None:
+        """Record the contributions of one version of `fragment` as applied (rebuilding Redis from the
+        manifests in S3), keeping the ids of its last `keep_applied` versions as a commit does."""
+        self._mark_applied(keys=[self.keys.applied, self.keys.applied_log(fragment)],
+                           args=[keep_applied, *contribution_ids])
 
     @redis_retry
     def is_applied(self, contribution_id: str) -> bool:
@@ -431,7 +546,8 @@ class Bus:
                   joined: bool = False) -> None:
         """Live until `ttl_s` from now on the Redis server's clock (machines' clocks may disagree).
         `joined`: also (again, should Redis have lost it) a member of the joined set."""
-        args: list[Any] = [learner, ttl_s, int(joined)] + ([] if stats is None else [stats.to_wire()])
+        args: list[Any] = [learner, ttl_s, int(joined), LEARNERS_FORGOTTEN_S] + ([] if stats is None
+                                                                                else [stats.to_wire()])
         self._heartbeat(keys=[self.keys.learners, self.keys.learner_stats, self.keys.joined], args=args)
 
     @redis_retry
@@ -504,13 +620,24 @@ class Bus:
             try:
                 stats = LearnerStats.from_wire(v)
             except Refused as exc:
-                log.warning("skipping the stats of learner %r: %s", name, exc.reason)
+                self._warn_once(("stats", name, v), "skipping the stats of learner %r: %s", name, exc.reason)
                 continue
             if stats.learner != name:
-                log.warning("skipping the stats under %r: they name learner %r", name, stats.learner)
+                self._warn_once(("stats", name, v), "skipping the stats under %r: they name learner %r", name,
+                                stats.learner)
                 continue
             out[name] = stats
         return out
+
+    def _warn_once(self, what: tuple, message: str, *args: object) -> None:
+        """Log a warning about `what` (e.g. one bad record) the first time only: the record stays in
+        Redis, and is read again every second. At most 1000 are remembered."""
+        if what in self._warned:
+            return
+        if len(self._warned) >= 1000:
+            self._warned.clear()
+        self._warned.add(what)
+        log.warning(message, *args)
 
     # ---- counters ----------------------------------------------------------------------
     @redis_retry

@@ -163,8 +163,14 @@ class RunKeys:
 
     @property
     def applied(self) -> str:
-        """Set: contribution ids already merged into a committed version."""
+        """Set: contribution ids merged into one of the last versions of their fragment (the ones
+        `applied_log` lists)."""
         return self._r + "applied"
+
+    def applied_log(self, fragment: int) -> str:
+        """List: per committed version of `fragment`, oldest first, its contribution ids joined by
+        commas; trimmed to the last versions that the `applied` set keeps."""
+        return f"{self._r}applied_log:{fragment}"
 
     @property
     def epoch(self) -> str:

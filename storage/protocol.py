@@ -282,6 +282,10 @@ class Announcement(Record):
     final: bool = False
     """The sender's last piece for this fragment: it leaves the run after it (it finished, or was
     preempted), so no round need wait for more from it."""
+    recovered: bool = False
+    """Made again by the coordinator from the stored object (`coordinator.recovery`), the learner's own
+    announcement being lost with Redis's last writes, or maybe only late: whichever copy comes second
+    is acknowledged as repeated, not refused."""
 
     def __post_init__(self) -> None:
         _require(self.kind in KINDS, f"unknown kind {self.kind!r}")
@@ -318,6 +322,9 @@ class Contribution(Record):
     staleness discount shrank a stale input's."""
     stream_id: str
     """Redis stream entry id the announcement arrived as (informational; S3 history never needs Redis)."""
+    bounded: str = ""
+    """When the merge counted fewer tokens or more steps than the learner claimed (`tokens` and `steps`
+    are what it counted, `coordinator.influence.count_claims`): what was claimed and why it was cut."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,8 @@ from diloco.infra.history.task_model import global_model
 from diloco.infra.local.fleet import Proc, diloco_command, learner_argv, wait_until
 from diloco.infra.local.stack import LocalStack, create_bucket
 from diloco.storage.bus import Bus
+from diloco.storage.history import list_versions, read_layout, read_manifest
+from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import Announcement
 from diloco.storage.settings import Endpoints
@@ -109,6 +111,15 @@ def announcements(bus: Bus) -> list[tuple[str, Announcement]]:
     entries = bus.announcement_entries()
     assert all(isinstance(a, Announcement) for _, a in entries), entries
     return entries  # type: ignore[return-value]
+
+
+def merged_ids(endpoints: Endpoints, run_id: str) -> list[str]:
+    """The contribution ids every committed version of the run merged, from the manifests in S3 (the
+    truth: Redis's `applied` set keeps only the last versions' ids); an id merged twice is there twice."""
+    store, keys = ObjectStore(endpoints), RunKeys(endpoints.prefix, run_id)
+    layout = read_layout(store, keys)
+    return [c.contribution_id for f in range(len(layout.fragments) if layout else 0)
+            for v in list_versions(store, keys, f) for c in read_manifest(store, keys, f, v).inputs]
 
 
 # ---- real `diloco` processes on the demo task ------------------------------------------------------

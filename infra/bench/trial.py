@@ -190,7 +190,7 @@ def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: st
         store, keys = ObjectStore(stack.endpoints), RunKeys(stack.endpoints.prefix, run)
         layout = read_layout(store, keys)
         if layout is None:
-            raise RuntimeError(f"{trial.name}: run {run} never committed version 0: see {logs}")
+            raise RuntimeError(f"{trial.name}: run {run} never committed version 0: see {out / 'logs'}")
         manifests = {f: [read_manifest(store, keys, f, v) for v in list_versions(store, keys, f)]
                      for f in range(len(layout.fragments))}
         if curve_points is None:

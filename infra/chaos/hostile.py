@@ -7,8 +7,8 @@ It holds the Redis and S3 credentials every honest learner has, and uses them as
 
 - `lying_tokens`: a well-formed delta (the run's codec, a real fragment, base = head, the round
   deadline honest learners send for) announced with tokens = 2**64-1 in 1 step. Refused, or
-  applied once, its learner's pieces taking under MAX_SHARE of the round's weight when other
-  learners are in that round.
+  applied once, its learner's pieces weighing at most MAX_WEIGHT_RATIO x the median of the other
+  learners in that round.
 - `lying_deadline`: a well-formed delta announced for the deadline 1e15. Refused, or applied once;
   the fragment's rounds keep merging (the suite checks that the heads advance after every hostile
   fault).
@@ -50,6 +50,7 @@ import msgpack
 import redis
 import torch
 
+from diloco.coordinator.policy import RoundConfig
 from diloco.infra.chaos.faults import HOSTILE
 from diloco.infra.chaos.ledger import Ledger
 from diloco.storage import codecs
@@ -79,9 +80,11 @@ GHOST_S = 20.0
 """How long the made-up learner ids heartbeat."""
 HEARTBEAT_S = 1.0
 HEARTBEAT_TTL_S = 3.0
-MAX_SHARE = 0.5
-"""A lying piece applied next to other learners' pieces: its learner must take less than this share
-of the round's weight."""
+MAX_WEIGHT_RATIO = 1.5 * RoundConfig().max_claim_ratio
+"""A lying piece applied next to other learners' pieces: its learner may weigh at most this many
+times the median of the other learners in its round. The coordinator bounds a piece at
+`max_claim_ratio` x the median weight of the other learners' recent pieces (`coordinator.influence`:
+their last rounds and this one); this round's others alone may sit a little below that median."""
 HONEST_STEPS = 10
 """The steps a hostile piece that does not lie about them claims (sync_every of the chaos run)."""
 
@@ -95,8 +98,8 @@ class HostileInput:
     """The id it was announced under; "" for an input that announces no contribution."""
     codes: frozenset[str] = frozenset()
     """The refusal codes that must catch it; empty for a contribution of a variant whose influence
-    is bounded rather than refused: then any refusal, or applied once with its learner within
-    MAX_SHARE of the round."""
+    is bounded rather than refused: then any refusal, or applied once with its learner weighing at
+    most MAX_WEIGHT_RATIO x the median of the round's other learners."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +113,7 @@ class Verdict:
     problem: str = ""
     """"" when the outcome is one it may have."""
     unbounded: bool = False
-    """The problem is that a lying learner took MAX_SHARE or more of a round (the influence bound)."""
+    """The problem is that a lying learner weighed more than MAX_WEIGHT_RATIO x the others (the influence bound)."""
 
 
 def judge(inputs: list[HostileInput], ledger: Ledger) -> list[Verdict]:
@@ -126,13 +129,14 @@ def _judge(h: HostileInput, led: Ledger) -> Verdict:
         return Verdict(h, "duplicated", "applied more than once", "applied more than once")
     expected = f"refused as one of {sorted(h.codes)}" if h.codes else "refused, or applied once"
     if cid in led.applied:
-        share, learners = led.round_share.get(cid, (math.nan, 0))
-        outcome = f"applied once; its learner took {share:.3g} of its round's weight, {learners} learner(s) in it"
+        share, learners, ratio = led.round_share.get(cid, (math.nan, 0, math.nan))
+        outcome = (f"applied once; its learner took {share:.3g} of its round's weight, {ratio:.3g} x the median "
+                   f"of the others, {learners} learner(s) in it")
         if h.codes:
             return Verdict(h, "applied", outcome, f"applied; must be {expected}")
-        if learners > 1 and not share < MAX_SHARE:
+        if learners > 1 and not ratio <= MAX_WEIGHT_RATIO:
             return Verdict(h, "applied", outcome, f"its learner took {share:.3g} of a round other learners were in, "
-                           f"not under {MAX_SHARE}", unbounded=True)
+                           f"{ratio:.3g} x their median weight, over {MAX_WEIGHT_RATIO:g}", unbounded=True)
         return Verdict(h, "applied", outcome)
     if cid in led.refused or cid in led.dropped:
         code = led.refusal_codes.get(cid, "")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -66,9 +67,9 @@ class Ledger:
     """Applied ids that no announcement names (other than genesis): should be empty."""
     refusal_codes: dict[str, str] = field(default_factory=dict)
     """id -> the code of the refusal that decided its outcome (refused or dropped)."""
-    round_share: dict[str, tuple[float, int]] = field(default_factory=dict)
+    round_share: dict[str, tuple[float, int, float]] = field(default_factory=dict)
     """Applied id -> (the share of its round's weight that its learner's pieces took, the learners
-    in that round)."""
+    in that round, its learner's weight over the median of the other learners' in it: nan alone)."""
     versions_committed: int = 0
     problems: list[str] = field(default_factory=list)
     """Broken version chains: gaps, wrong parents, Redis heads that disagree with S3."""
@@ -100,15 +101,20 @@ def account(ev: Evidence) -> Ledger:
                   problems=chain_problems(ev))
 
 
-def round_shares(ev: Evidence) -> dict[str, tuple[float, int]]:
+def round_shares(ev: Evidence) -> dict[str, tuple[float, int, float]]:
     """For every input: the share of its version's weight its learner took (all of that learner's
-    pieces in the version), and how many learners the version merged."""
+    pieces in the version), how many learners the version merged, and its learner's weight over the
+    median weight of the version's other learners (nan when it is alone)."""
     out = {}
     for m in (m for ms in ev.manifests.values() for m in ms):
         total = math.fsum(c.weight for c in m.inputs)
         took = {learner: math.fsum(c.weight for c in m.inputs if c.learner == learner)
                 for learner in {c.learner for c in m.inputs}}
-        out |= {c.contribution_id: (took[c.learner] / total if total > 0 else 0.0, len(took)) for c in m.inputs}
+        for c in m.inputs:
+            others = [w for learner, w in took.items() if learner != c.learner]
+            median = statistics.median(others) if others else math.nan
+            ratio = math.nan if not others else (took[c.learner] / median if median > 0 else math.inf)
+            out[c.contribution_id] = (took[c.learner] / total if total > 0 else 0.0, len(took), ratio)
     return out
 
 

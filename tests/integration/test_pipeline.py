@@ -1,7 +1,7 @@
 """The spine end to end, against a real Redis and a real S3 server: learners -> coordinator -> versions.
 
 Learners and the coordinator run as real `diloco` processes (training, SIGKILL). The checks on
-intake (duplicates, corruption, every other kind of bad input) are in test_bad_input.py.
+intake (duplicates, corruption, every other kind of bad input) are in tests/adversarial/test_bad_input.py.
 """
 
 from __future__ import annotations

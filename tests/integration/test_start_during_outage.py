@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from diloco.storage.bus import Bus
-from harness import announcements, spawn_coordinator, spawn_learner, wait_for
+from harness import announcements, merged_ids, spawn_coordinator, spawn_learner, wait_for
 
 pytestmark = pytest.mark.slow  # a minute of S3 outage and lease takeovers: `make test-all`
 
@@ -54,7 +54,7 @@ def test_standbys_and_a_learner_ride_out_an_s3_outage_and_take_over_after_it(own
     wait_for("versions from the new coordinator", lambda: min(bus.heads().values()) >= min(heads.values()) + 2,
              survivors)
     wait_for("a contribution of the late learner to be merged",
-             lambda: any(bus.is_applied(a.contribution_id) for _, a in announcements(bus)
-                         if a.learner == "late" and a.kind == "delta"), survivors)
+             lambda: {a.contribution_id for _, a in announcements(bus) if a.learner == "late" and a.kind == "delta"}
+             & set(merged_ids(stack.endpoints, RUN)), survivors)
     for p in survivors:
         assert p.terminate() == 0, p.tail()

@@ -96,7 +96,7 @@ def test_negative_slack_clamps_grace_to_zero() -> None:
 
 def test_grace_is_capped_at_max_grace_s() -> None:
     # slack = 100 * 10 - 1 = 999 s, gamma * slack = 499.5 s > cap 30 s
-    s = state(arrival("a", 100.0, step_time_s=10.0), arrival("b", 101.0), live=3)
+    s = state(arrival("a", 100.0, step_time_s=10.0), arrival("b", 101.0, step_time_s=5.0), live=3)
     cfg = RoundConfig(min_quorum=2, overlap_steps=100, max_grace_s=30.0)
     d = decide_round(101.0, s, cfg)
     assert not d.merge and d.wake_at == pytest.approx(131.0)

@@ -1,0 +1,133 @@
+"""Bounded influence: one learner's claims against the others' (`coordinator.influence`), pure."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.coordinator.influence import (Claim, count_claims, fastest_plausible, plausible_deadline,
+                                          waited_learners)
+from diloco.coordinator.policy import (Arrival, RoundConfig, RoundSize, RoundState, decide_round, merge_weights,
+                                       round_size, round_step, slowest_plausible)
+from diloco.storage.errors import ConfigError
+from diloco.storage.protocol import Cadence
+
+HEAD = 7
+
+
+def piece(learner: str, tokens: int = 1000, steps: int = 10, **kw) -> Arrival:
+    return Arrival(contribution_id=f"{learner}-{tokens}-{steps}", learner=learner, base_version=HEAD, tokens=tokens,
+                   steps=steps, arrived_at=0.0, step_time_s=kw.pop("step_time_s", 0.1), **kw)
+
+
+HONEST = [piece("a"), piece("b"), piece("c")]
+HISTORY = [Claim(n, 1000, 10) for n in "abc" for _ in range(4)]
+
+
+def test_a_lying_piece_weighs_at_most_ratio_times_the_median_learner() -> None:
+    liar = piece("mallory", tokens=2**64 - 1, steps=1)
+    counted = count_claims([*HONEST, liar], HISTORY, 4.0)
+    (m, note) = counted[-1]
+    assert m.tokens == 4000 and m.steps == 40  # 4x the tokens, 4x the weight (4000**2 / 40 = 4 x 1000**2 / 10)
+    assert "claimed 18446744073709551615 tokens in 1 steps" in note and "max_claim_ratio 4" in note
+    assert [n for _, n in counted[:3]] == ["", "", ""]  # the honest pieces count as they claim
+    weights = merge_weights([a for a, _ in counted], HEAD, RoundConfig())
+    assert weights[-1] == pytest.approx(4 / 7) and all(w == pytest.approx(1 / 7) for w in weights[:3])
+    # The round's step is not shrunk to nothing by the claim: its reach stays within the usual cap.
+    usual = [RoundSize(tokens=3000, learners=3)] * 4
+    assert round_step(round_size([a for a, _ in counted]), usual).scale > 0.5
+
+
+def test_a_lying_piece_alone_in_its_round_is_bounded_by_the_history() -> None:
+    (m, note), = count_claims([piece("mallory", tokens=10**12, steps=1)], HISTORY, 4.0)
+    assert (m.tokens, m.steps) == (4000, 40) and note
+
+
+def test_an_honest_fleet_within_the_ratio_is_counted_as_it_claims() -> None:
+    # One learner 3x faster than the others (3x the tokens and steps), one with twice their batch.
+    fleet = [piece("a"), piece("b"), piece("fast", tokens=3000, steps=30), piece("wide", tokens=2000, steps=10)]
+    assert [note for _, note in count_claims(fleet, HISTORY, 4.0)] == ["", "", "", ""]
+
+
+def test_without_another_learner_nothing_is_cut() -> None:
+    alone = piece("solo", tokens=10**9, steps=1)
+    assert count_claims([alone], [Claim("solo", 10, 1)], 4.0) == [(alone, "")]
+
+
+def test_when_the_others_report_no_tokens_a_claim_of_tokens_counts_none() -> None:
+    zero = [piece("a", tokens=0), piece("b", tokens=0)]
+    (m, note) = count_claims([*zero, piece("mallory", tokens=10**6, steps=10**6)], [], 4.0)[-1]
+    assert (m.tokens, m.steps) == (0, 40) and note  # weighed by steps, capped at 4x theirs
+    weights = merge_weights([*zero, m], HEAD, RoundConfig())
+    assert weights[-1] == pytest.approx(40 / 60)
+
+
+def test_a_deadline_far_ahead_counts_as_the_next_one() -> None:
+    clock = Cadence(origin=1000.0, period_s=10.0)
+    now = 1234.0
+    nxt = clock.next_deadline(1, 4, after=now)
+    assert plausible_deadline(1e15, now=now, cadence=clock, fragment=1, num_fragments=4) == nxt
+    assert plausible_deadline(nxt, now=now, cadence=clock, fragment=1, num_fragments=4) == nxt
+    assert plausible_deadline(now - 30, now=now, cadence=clock, fragment=1, num_fragments=4) == now - 30  # late
+    assert plausible_deadline(0.0, now=now, cadence=clock, fragment=1, num_fragments=4) == 0.0  # step cadence
+    assert plausible_deadline(1e15, now=now, cadence=None, fragment=1, num_fragments=4) == 1e15  # no clock yet
+
+
+def test_the_round_clock_follows_no_step_time_far_below_the_others() -> None:
+    assert fastest_plausible([0.2, 0.25, 1e-9], 4.0) == pytest.approx(0.2 / 4)  # the median is 0.2
+    assert fastest_plausible([0.2, 0.3], 4.0) == 0.2  # an honest fast learner sets the clock
+    assert fastest_plausible([0.2, 1e-9], 4.0) == pytest.approx(0.05)  # two learners: one cannot pull the other
+    assert fastest_plausible([0.2], 4.0) == 0.2
+    assert fastest_plausible([0.0, float("nan")], 4.0) is None
+
+
+def test_a_grace_window_is_sized_by_no_step_time_far_above_the_others() -> None:
+    assert slowest_plausible([0.1, 0.2, 1e9], 4.0) == pytest.approx(0.8)
+    assert slowest_plausible([0.1, 0.3], 4.0) == 0.3
+    # decide_round: one arrival claiming 1e9 s per step does not hold the round for the grace cap.
+    arrivals = (piece("a", step_time_s=0.1), piece("mallory", step_time_s=1e9))
+    arrivals = tuple(Arrival(**{**{f: getattr(a, f) for f in a.__slots__}, "arrived_at": 100.0 + i})
+                     for i, a in enumerate(arrivals))
+    cfg = RoundConfig(min_quorum=2, overlap_steps=5, max_grace_s=30.0)
+    d = decide_round(101.0, RoundState(fragment=0, head_version=HEAD, arrivals=arrivals, live_learners=3), cfg)
+    assert not d.merge and d.wake_at is not None and d.wake_at - 101.0 < 1.0, d
+
+
+def test_learners_that_never_send_are_not_waited_for_once_their_time_is_up() -> None:
+    live = frozenset({"a", "b", *(f"fake-{i}" for i in range(50))})
+    first_seen = {n: 100.0 for n in live}
+    last_piece = {"a": 195.0, "b": 190.0}
+    known = frozenset({"a", "b"})
+    # While new, made-up ids are waited for only up to the size of the fleet that sends (2 here).
+    early = waited_learners(live, first_seen=first_seen, last_piece=last_piece, known=known, now=120.0, patience_s=40)
+    assert {"a", "b"} <= early and len(early) == 4
+    # Once silent for longer than the patience, they are not waited for; senders still are.
+    late = waited_learners(live, first_seen=first_seen, last_piece=last_piece, known=known, now=200.0, patience_s=40)
+    assert late == {"a", "b"}
+    # One that sends again is waited for again.
+    last_piece["fake-7"] = 199.0
+    assert "fake-7" in waited_learners(live, first_seen=first_seen, last_piece=last_piece, known=known, now=200.0,
+                                       patience_s=40)
+    # Without a round clock (patience unknown), everyone live is waited for.
+    assert waited_learners(live, first_seen=first_seen, last_piece={}, known=known, now=200.0, patience_s=0) == live
+
+
+def test_a_restarted_coordinator_waits_for_the_fleet_its_manifests_name() -> None:
+    live = frozenset({"a", "b", "c", "fake"})
+    now = 1000.0  # just started: everyone first seen now; the manifests' last pieces are old
+    waited = waited_learners(live, first_seen=dict.fromkeys(live, now), last_piece=dict.fromkeys("abc", 10.0),
+                             known=frozenset("abc"), now=now, patience_s=40)
+    assert waited == {"a", "b", "c"}  # known learners first; room for 3 newcomers is taken by them
+
+
+def test_at_a_runs_start_every_new_learner_is_waited_for() -> None:
+    live = frozenset(f"learner-{i}" for i in range(6))
+    waited = waited_learners(live, first_seen=dict.fromkeys(live, 10.0), last_piece={}, known=frozenset(), now=12.0,
+                             patience_s=40)
+    assert waited == live
+
+
+def test_bounds_are_checked() -> None:
+    with pytest.raises(ConfigError, match="max_claim_ratio"):
+        RoundConfig(max_claim_ratio=0.5)
+    with pytest.raises(ConfigError, match="max_silent_rounds"):
+        RoundConfig(max_silent_rounds=0)
