@@ -7,8 +7,8 @@ It holds the Redis and S3 credentials every honest learner has, and uses them as
 
 - `lying_tokens`: a well-formed delta (the run's codec, a real fragment, base = head, the round
   deadline honest learners send for) announced with tokens = 2**64-1 in 1 step. Refused, or
-  applied once, its learner's pieces weighing at most MAX_WEIGHT_RATIO x the median of the other
-  learners in that round.
+  applied once, weighing at most MAX_WEIGHT_RATIO x the median of the other learners' recent
+  pieces (the bound `--max-claim-ratio` promises).
 - `lying_deadline`: a well-formed delta announced for the deadline 1e15. Refused, or applied once;
   the fragment's rounds keep merging (the suite checks that the heads advance after every hostile
   fault).
@@ -81,10 +81,10 @@ GHOST_S = 20.0
 HEARTBEAT_S = 1.0
 HEARTBEAT_TTL_S = 3.0
 MAX_WEIGHT_RATIO = 1.5 * RoundConfig().max_claim_ratio
-"""A lying piece applied next to other learners' pieces: its learner may weigh at most this many
-times the median of the other learners in its round. The coordinator bounds a piece at
-`max_claim_ratio` x the median weight of the other learners' recent pieces (`coordinator.influence`:
-their last rounds and this one); this round's others alone may sit a little below that median."""
+"""A lying piece applied: the merge weight it counted may be at most this many times the median of
+the pieces of other learners the coordinator bounds it by (`max_claim_ratio` x that median,
+`coordinator.influence.count_claims`; the ledger reads the same pieces from the manifests, with a
+margin for a coordinator that took over and had fewer of them)."""
 HONEST_STEPS = 10
 """The steps a hostile piece that does not lie about them claims (sync_every of the chaos run)."""
 
@@ -98,8 +98,8 @@ class HostileInput:
     """The id it was announced under; "" for an input that announces no contribution."""
     codes: frozenset[str] = frozenset()
     """The refusal codes that must catch it; empty for a contribution of a variant whose influence
-    is bounded rather than refused: then any refusal, or applied once with its learner weighing at
-    most MAX_WEIGHT_RATIO x the median of the round's other learners."""
+    is bounded rather than refused: then any refusal, or applied once weighing at most
+    MAX_WEIGHT_RATIO x the median of the other learners' recent pieces."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,13 +130,14 @@ def _judge(h: HostileInput, led: Ledger) -> Verdict:
     expected = f"refused as one of {sorted(h.codes)}" if h.codes else "refused, or applied once"
     if cid in led.applied:
         share, learners, ratio = led.round_share.get(cid, (math.nan, 0, math.nan))
-        outcome = (f"applied once; its learner took {share:.3g} of its round's weight, {ratio:.3g} x the median "
-                   f"of the others, {learners} learner(s) in it")
+        outcome = (f"applied once; its learner took {share:.3g} of its round's weight, {learners} learner(s) in "
+                   f"it; it weighed {ratio:.3g} x the median of the other learners' recent pieces")
         if h.codes:
             return Verdict(h, "applied", outcome, f"applied; must be {expected}")
         if learners > 1 and not ratio <= MAX_WEIGHT_RATIO:
-            return Verdict(h, "applied", outcome, f"its learner took {share:.3g} of a round other learners were in, "
-                           f"{ratio:.3g} x their median weight, over {MAX_WEIGHT_RATIO:g}", unbounded=True)
+            return Verdict(h, "applied", outcome, f"it weighed {ratio:.3g} x the median of the other learners' recent "
+                           f"pieces, over {MAX_WEIGHT_RATIO:g} (its learner took {share:.3g} of its round)",
+                           unbounded=True)
         return Verdict(h, "applied", outcome)
     if cid in led.refused or cid in led.dropped:
         code = led.refusal_codes.get(cid, "")

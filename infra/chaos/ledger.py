@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 
 import redis
 
+from diloco.coordinator.policy import RECENT_ROUNDS
 from diloco.storage.bus import FIELD, Bus
 from diloco.storage.errors import Refused
 from diloco.storage.history import read_manifest
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
-from diloco.storage.protocol import Announcement, Manifest, Refusal
+from diloco.storage.protocol import Announcement, Contribution, Manifest, Refusal
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ class Ledger:
     """id -> the code of the refusal that decided its outcome (refused or dropped)."""
     round_share: dict[str, tuple[float, int, float]] = field(default_factory=dict)
     """Applied id -> (the share of its round's weight that its learner's pieces took, the learners
-    in that round, its learner's weight over the median of the other learners' in it: nan alone)."""
+    in that round, its piece's counted weight over the median of the other learners' pieces it is
+    bounded by: `round_shares`)."""
     versions_committed: int = 0
     problems: list[str] = field(default_factory=list)
     """Broken version chains: gaps, wrong parents, Redis heads that disagree with S3."""
@@ -103,19 +105,28 @@ def account(ev: Evidence) -> Ledger:
 
 def round_shares(ev: Evidence) -> dict[str, tuple[float, int, float]]:
     """For every input: the share of its version's weight its learner took (all of that learner's
-    pieces in the version), how many learners the version merged, and its learner's weight over the
-    median weight of the version's other learners (nan when it is alone)."""
+    pieces in the version), how many learners the version merged, and the merge weight its piece
+    counted (tokens x tokens per step, as recorded) over the median of the pieces of other learners
+    that the coordinator bounds it by (`coordinator.influence.count_claims`): those of the same
+    version and of the fragment's RECENT_ROUNDS merged versions before it (nan with none)."""
     out = {}
-    for m in (m for ms in ev.manifests.values() for m in ms):
-        total = math.fsum(c.weight for c in m.inputs)
-        took = {learner: math.fsum(c.weight for c in m.inputs if c.learner == learner)
-                for learner in {c.learner for c in m.inputs}}
-        for c in m.inputs:
-            others = [w for learner, w in took.items() if learner != c.learner]
-            median = statistics.median(others) if others else math.nan
-            ratio = math.nan if not others else (took[c.learner] / median if median > 0 else math.inf)
-            out[c.contribution_id] = (took[c.learner] / total if total > 0 else 0.0, len(took), ratio)
+    for ms in ev.manifests.values():
+        deltas = sorted((m for m in ms if m.version > 0), key=lambda m: m.version)
+        for i, m in enumerate(deltas):
+            total = math.fsum(c.weight for c in m.inputs)
+            took = {learner: math.fsum(c.weight for c in m.inputs if c.learner == learner)
+                    for learner in {c.learner for c in m.inputs}}
+            window = [c for earlier in deltas[max(0, i - RECENT_ROUNDS):i] for c in earlier.inputs] + list(m.inputs)
+            for c in m.inputs:
+                others = [_weight(o) for o in window if o.learner != c.learner and o.steps > 0]
+                median = statistics.median(others) if others else math.nan
+                ratio = math.nan if not others else (_weight(c) / median if median > 0 else math.inf)
+                out[c.contribution_id] = (took[c.learner] / total if total > 0 else 0.0, len(took), ratio)
     return out
+
+
+def _weight(c: Contribution) -> float:
+    return c.tokens * c.tokens / c.steps if c.steps > 0 else 0.0
 
 
 def chain_problems(ev: Evidence) -> list[str]:

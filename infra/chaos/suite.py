@@ -166,7 +166,7 @@ class ChaosReport:
 
     def unbounded(self) -> list[str]:
         """The problems of `problems()` that are lies the coordinator must bound (faults.BOUNDED) and
-        did not: a lying piece that took MAX_SHARE or more of a round other learners were in."""
+        did not: a lying piece that weighed more than MAX_WEIGHT_RATIO x the median of the other learners' pieces."""
         return _hostile_problems(v for v in self.hostile if v.problem and v.unbounded and v.input.variant in BOUNDED)
 
     def line(self) -> str:
