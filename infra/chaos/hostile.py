@@ -142,7 +142,8 @@ def _judge(h: HostileInput, led: Ledger) -> Verdict:
     if cid in led.refused or cid in led.dropped:
         code = led.refusal_codes.get(cid, "")
         kind = "dropped" if cid in led.dropped else "refused"
-        problem = f"{code}; must be {expected}" if h.codes and code not in h.codes else ""
+        # Dropped as stale before its object was read (it waited out an outage or a takeover) is fine too.
+        problem = f"{code}; must be {expected}" if h.codes and kind == "refused" and code not in h.codes else ""
         return Verdict(h, kind, "dropped as stale" if kind == "dropped" else f"refused: {code}", problem)
     if cid in led.pending:
         return Verdict(h, "pending", "still pending at the end", f"still pending; must be {expected}")

@@ -152,7 +152,9 @@ class ChaosReport:
             out.append(f"outcomes add up to {parts}, not to the {len(led.announced)} announced")
         for cid, variant in sorted(self.forged.items()):
             code = led.refusal_codes.get(cid)
-            if cid not in led.refused or code not in CORRUPTIONS[variant]:
+            # Dropped as stale counts too: its base fell max_staleness behind while it waited (an outage,
+            # a takeover), and a stale piece is refused before its object is read.
+            if cid not in led.dropped and (cid not in led.refused or code not in CORRUPTIONS[variant]):
                 out.append(f"corrupt object ({variant}) {cid}: {code or 'not refused'}, expected one of "
                            f"{sorted(CORRUPTIONS[variant])}")
         out += _hostile_problems(v for v in self.hostile if v.problem)
