@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+import pytest
 import torch
 
 from diloco.storage import codecs
@@ -71,6 +72,7 @@ def test_sigterm_learner_finishes_its_uploads_leaves_and_exits_0(endpoints, run_
              procs=procs[:1])
 
 
+@pytest.mark.slow  # 20 s, 8 of them with S3 down: `make test-slow` (the chaos run stops S3 too)
 def test_s3_down_for_a_while_training_goes_on_and_nothing_is_lost(own_stack, tmp_path):
     stack, env, procs = own_stack
     procs.append(spawn_coordinator(RUN, env, tmp_path))

@@ -43,6 +43,7 @@ def test_wrong_secret_and_anonymous_requests_are_refused(stack, endpoints):
         anon.list_objects_v2(Bucket=endpoints.bucket)
 
 
+@pytest.mark.slow  # 16 s of server restarts: `make test-slow` (the chaos run restarts both servers too)
 def test_restarts_keep_data_on_the_same_ports_and_stop_leaves_nothing(tmp_path):
     with LocalStack(tmp_path / "stack") as stack:
         before = stack.endpoints
