@@ -37,11 +37,17 @@ from diloco.storage.protocol import Announcement
 log = logging.getLogger(__name__)
 
 CLOCK_MARGIN_S = 60.0
+MAX_MANIFESTS_BACK = 1000
+"""The most manifests per fragment `accounted_since` reads beyond the last `keep` + 1."""
 
 
 def accounted_since(store: ObjectStore, keys: RunKeys, heads: dict[int, int], keep: int) -> tuple[set[str], float]:
-    """Object keys that the last `keep` + 1 manifests of each fragment merged or refused, and the
-    commit time of the oldest of those manifests."""
+    """Object keys that the manifests of each fragment merged or refused, and `since`: the commit time
+    of the oldest of the last `keep` + 1 manifests (objects stored before it, less CLOCK_MARGIN_S, are
+    not looked at). The manifests read go back past those, until one committed before that margin
+    (at most MAX_MANIFESTS_BACK per fragment): every object of the window looked at is then
+    accounted for by what merged or refused it, not by Redis's applied set, which keeps only the
+    ids of the last versions."""
     accounted: set[str] = set()
     since = time.time()
     for fragment, head in heads.items():
@@ -50,6 +56,13 @@ def accounted_since(store: ObjectStore, keys: RunKeys, heads: dict[int, int], ke
             accounted.update(c.object_key for c in m.inputs)
             accounted.update(r.object_key for r in m.refused if r.object_key)
             since = min(since, m.committed_at)
+    for fragment, head in heads.items():
+        for version in range(head - keep - 1, max(-1, head - keep - 1 - MAX_MANIFESTS_BACK), -1):
+            m = read_manifest(store, keys, fragment, version)
+            accounted.update(c.object_key for c in m.inputs)
+            accounted.update(r.object_key for r in m.refused if r.object_key)
+            if m.committed_at < since - CLOCK_MARGIN_S:
+                break
     return accounted, since
 
 

@@ -475,6 +475,8 @@ class Coordinator:
                 except Refused as exc:
                     if exc.code == "duplicate" and (item.recovered or item.contribution_id in self._recovered):
                         self._repeated(entry_id, item)
+                    elif exc.code == "future_base" and self._behind(item):
+                        pass  # left pending: read again once this process has caught up
                     else:
                         self._refuse(entry_id, item, exc)
                     continue
@@ -513,6 +515,20 @@ class Coordinator:
                     num_fragments=self.spec.num_fragments))
                 self.last_piece[a.learner] = now
                 self.fragments[a.fragment].round.append(PendingDelta(entry_id, a, arrival, tensors))
+
+    def _behind(self, a: Announcement) -> bool:
+        """A base ahead of our head is a version this process has not seen: forged, or published by
+        a coordinator that took the run over (raises Fenced), or committed again from S3 since.
+        True (and Redis is brought up to S3 before reading on) if Redis's head has it."""
+        current = self.bus.epoch()
+        if current is not None and current != self.epoch:
+            self.leadership.deposed()
+            raise Fenced(f"another coordinator holds run {self.spec.run!r} (epoch {current}, ours {self.epoch}): "
+                         f"{a.learner} sent a piece based on its version {a.base_version} of fragment {a.fragment}")
+        if self.bus.heads().get(a.fragment, -1) < a.base_version:
+            return False
+        self._reconcile_due = self._read_pending = True
+        return True
 
     def _check(self, a: Announcement, seen: set[str], applied: set[str]) -> None:
         """Refuse a duplicate (`seen` in an open round or this batch, or `applied`), then whatever

@@ -520,3 +520,29 @@ def test_a_contribution_this_coordinator_committed_is_a_duplicate_even_if_redis_
     assert (refusal.code, refusal.contribution_id) == ("duplicate", a.contribution_id), refusal
     ids = [c.contribution_id for v in range(1, rig.head(0) + 1) for c in read_manifest(rig.store, rig.keys, 0, v).inputs]
     assert ids.count(a.contribution_id) == 1 and good.contribution_id in ids and again != eid
+
+
+def test_a_piece_based_on_a_successors_version_is_left_to_the_successor(rig):
+    """A coordinator that was deposed a moment ago reads a piece based on a version its successor has
+    published since: it must not refuse it as from the future (and acknowledge it: the honest piece
+    would be lost), but stop, fenced, leaving the entry pending for the successor."""
+    head = rig.head(0)
+    rig.bus.r.incr(rig.keys.epoch)  # a successor took the run over...
+    rig.bus.r.hset(rig.keys.heads, 0, head + 1)  # ... and published version head + 1
+    cid = new_id()
+    eid, _ = rig.forge(rig.delta_blob(cid, learner="good", base_version=head + 1), cid=cid, learner="good",
+                       base_version=head + 1)
+    with pytest.raises(Fenced):
+        rig.coord.step()
+    assert rig.bus.refusals() == []
+    pending = rig.bus.r.xpending_range(rig.keys.announcements, rig.keys.GROUP, "-", "+", 10)
+    assert [p["message_id"].decode() for p in pending] == [eid]
+
+
+def test_a_sweep_for_lost_announcements_makes_none_again_for_pieces_merged_long_ago(rig):
+    """The sweep looks at objects stored since shortly before the oldest of the last versions; those
+    merged further back within that margin are accounted for by their manifests, not by Redis's
+    applied set (which keeps only the last versions' ids): nothing is announced again."""
+    rig.advance(12)
+    assert rig.coord._announce_lost(rig.coord._heads()) == 0
+    assert rig.bus.counters().get("reannounced_from_s3", 0) == 0
