@@ -385,6 +385,20 @@ class Bus:
             out.append(Refusal.from_wire(fields[FIELD]))
         return out
 
+    def _oldest_unfinished(self) -> tuple[int, int] | None:
+        """The id of the oldest announcement not dealt with yet: pending in the group (on any
+        consumer) or not yet delivered to it; (0, 0) if the group does not exist, None without a stream."""
+        try:
+            groups = self.r.xinfo_groups(self.keys.announcements)
+            pending = self.r.xpending(self.keys.announcements, self.keys.GROUP)
+        except redis.ResponseError:  # no stream, or no group yet
+            return None
+        group = next((g for g in groups if g["name"].decode() == self.keys.GROUP), None)
+        if group is None:
+            return (0, 0)
+        start = _next_id(group["last-delivered-id"].decode())
+        return min(start, _stream_id(pending["min"].decode())) if pending["pending"] else start
+
     @redis_retry
     def trim_announcements(self, keep: int = ANNOUNCEMENTS_KEPT) -> int:
         """Drop the announcements that are done with: older than the oldest entry still pending in
@@ -392,38 +406,25 @@ class Bus:
         What recovery reads is never dropped: pending entries are re-read after a restart or claimed,
         undelivered ones read, and an announcement lost with Redis's data is made again from S3.
         Returns the number of entries removed (XTRIM MINID, Redis >= 6.2)."""
-        try:
-            groups = self.r.xinfo_groups(self.keys.announcements)
-            pending = self.r.xpending(self.keys.announcements, self.keys.GROUP)
-        except redis.ResponseError:  # no stream or no group yet
+        oldest = self._oldest_unfinished()
+        if oldest is None or oldest == (0, 0):
             return 0
-        group = next((g for g in groups if g["name"].decode() == self.keys.GROUP), None)
-        if group is None:
-            return 0
-        bounds = [_next_id(group["last-delivered-id"].decode())]
-        if pending["pending"]:
-            bounds.append(_stream_id(pending["min"].decode()))
-        newest = self.r.xrevrange(self.keys.announcements, count=keep) if keep > 0 else []
-        if len(newest) == keep and keep > 0:
+        bounds = [oldest]
+        if keep > 0:
+            newest = self.r.xrevrange(self.keys.announcements, count=keep)
+            if len(newest) < keep:
+                return 0  # fewer than `keep` entries in all
             bounds.append(_stream_id(newest[-1][0].decode()))
-        elif keep > 0:
-            return 0  # fewer than `keep` entries in all
         ms, seq = min(bounds)
         return int(self.r.xtrim(self.keys.announcements, minid=f"{ms}-{seq}", approximate=False))
 
     @redis_retry
     def unfinished_object_keys(self, limit: int = 100_000) -> set[str]:
-        """The object keys of the announcements not dealt with yet: pending in the group (on any
-        consumer) or not yet delivered to it (at most `limit` entries, the oldest first)."""
-        try:
-            groups = self.r.xinfo_groups(self.keys.announcements)
-            pending = self.r.xpending(self.keys.announcements, self.keys.GROUP)
-        except redis.ResponseError:
-            groups, pending = [], {"pending": 0}
-        group = next((g for g in groups if g["name"].decode() == self.keys.GROUP), None)
-        start = (0, 0) if group is None else _next_id(group["last-delivered-id"].decode())
-        if pending["pending"]:
-            start = min(start, _stream_id(pending["min"].decode()))
+        """The object keys of the announcements not dealt with yet (`_oldest_unfinished` and after;
+        at most `limit` entries, the oldest first)."""
+        start = self._oldest_unfinished()
+        if start is None:
+            return set()
         out = set()
         for _eid, fields in self.r.xrange(self.keys.announcements, min=f"{start[0]}-{start[1]}", count=limit):
             try:
