@@ -96,6 +96,9 @@ class CoordinatorConfig:
     standby: bool = False
     """Wait as a hot standby while another coordinator holds the run, and take over when its lease lapses.
     Without it, a coordinator that finds the lease held and renewed exits."""
+    metrics_port: int = 0
+    """Serve Prometheus metrics on this port at /metrics, also while standing by (0: off). Needs
+    pip install 'diloco[metrics]'; docs/metrics.md lists the metrics."""
 
     def __post_init__(self) -> None:
         if not self.outer_lr > 0:
@@ -110,6 +113,8 @@ class CoordinatorConfig:
             raise ConfigError(f"read_batch_bytes must be positive, got {self.read_batch_bytes}")
         if not self.lease_s >= 1.0:
             raise ConfigError(f"lease_s must be at least 1 second, got {self.lease_s}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be a TCP port (0: off), got {self.metrics_port}")
 
     def settings(self, r: RoundConfig) -> dict[str, str | int | float | bool]:
         """What a manifest records about how its version was made (and on which kernels: replay needs them)."""

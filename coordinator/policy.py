@@ -144,6 +144,37 @@ def grace_window_s(cfg: RoundConfig, t_open: float, t_quorum: float, t_step_s: f
     return grace_s, slack_s
 
 
+@dataclass(frozen=True, slots=True)
+class Quorum:
+    """Who is in a round and what closes it, as `decide_round` counts them."""
+
+    first_seen: dict[str, float]
+    """Learner -> its first arrival in the round."""
+    gone: set[str]
+    """Learners in the round that have left (a final piece, or finished): waited for no more."""
+    fleet: int
+    """Learners the round is for: the live ones (at least those in it), those leaving counted."""
+    target: int
+    """Distinct learners that close it: K, lowered to the fleet."""
+
+    @property
+    def reached_at(self) -> float | None:
+        """When the target-th learner arrived; None while the round has fewer."""
+        times = sorted(self.first_seen.values())
+        return times[self.target - 1] if len(times) >= self.target else None
+
+
+def quorum(state: RoundState, cfg: RoundConfig) -> Quorum:
+    """The round's quorum. A learner whose contribution is pending counts as part of the fleet even
+    if its heartbeat has lapsed since; one that has left counts among the learners in."""
+    first_seen: dict[str, float] = {}
+    for a in sorted(state.arrivals, key=lambda a: a.arrived_at):
+        first_seen.setdefault(a.learner, a.arrived_at)
+    gone = {a.learner for a in state.arrivals if a.final} | (first_seen.keys() & state.finished)
+    fleet = max(state.live_learners, len(first_seen) - len(gone)) + len(gone)
+    return Quorum(first_seen, gone, fleet, quorum_target(cfg, fleet))
+
+
 def decide_round(now: float, state: RoundState, cfg: RoundConfig) -> Decision:
     """Merge now, or wait (until `wake_at`, or the next arrival); the reason says why.
 
@@ -157,9 +188,8 @@ def decide_round(now: float, state: RoundState, cfg: RoundConfig) -> Decision:
     """
     if not state.arrivals:
         return Decision(False, f"wait: no contributions pending (head v{state.head_version})")
-    first_seen: dict[str, float] = {}
-    for a in sorted(state.arrivals, key=lambda a: a.arrived_at):
-        first_seen.setdefault(a.learner, a.arrived_at)
+    q = quorum(state, cfg)
+    first_seen, gone, fleet, target = q.first_seen, q.gone, q.fleet, q.target
     arrived = len(first_seen)
     learners_in = _n(arrived, "learner")
     if state.finish_asked:
@@ -168,9 +198,6 @@ def decide_round(now: float, state: RoundState, cfg: RoundConfig) -> Decision:
     if state.live_learners == 0 and state.finished:
         return Decision(True, f"merge: every learner of the fleet has finished, so their final pieces merge "
                               f"as one round ({learners_in} in)")
-    gone = {a.learner for a in state.arrivals if a.final} | (first_seen.keys() & state.finished)
-    fleet = max(state.live_learners, arrived - len(gone)) + len(gone)
-    target = quorum_target(cfg, fleet)
     shrunk = (f" (lowered from min_quorum {cfg.min_quorum}: only {_n(fleet, 'learner')} live)"
               if target < cfg.min_quorum else "")
     if arrived < target:

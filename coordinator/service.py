@@ -27,6 +27,7 @@ from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.influence import Claim, count_claims, fastest_plausible, plausible_deadline, waited_learners
 from diloco.coordinator.intake import PendingDelta, check_announcement, fetch_tensors, to_arrival
 from diloco.coordinator.leadership import Fenced, Leadership
+from diloco.coordinator.metrics import Metrics
 from diloco.coordinator.outer import MergeSettings, NesterovState, outer_step, round_delta, scale_update, update_norm
 from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round, merge_order, merge_weights,
                                        next_cadence, round_size, round_step, run_end, served_deadline,
@@ -99,13 +100,18 @@ class Fragment:
 
 class Coordinator:
     def __init__(self, endpoints: Endpoints, run: str, *, settings: RunSettings | None = None,
-                 config: CoordinatorConfig | None = None, stop: threading.Event | None = None) -> None:
+                 config: CoordinatorConfig | None = None, stop: threading.Event | None = None,
+                 metrics: Metrics | None = None) -> None:
         """Create or load the run, take the coordinator lease (waiting for it if another coordinator
-        holds it; `stop` ends the wait) and bring Redis up to date with the manifests in S3."""
+        holds it; `stop` ends the wait) and bring Redis up to date with the manifests in S3. Metrics
+        go to `metrics`, or to a server of this coordinator's own on `config.metrics_port` (0: none)."""
         self.config = config or CoordinatorConfig()
+        self._own_metrics = metrics is None
+        self.metrics = metrics if metrics is not None else Metrics.start(self.config.metrics_port, run)
         self.store = ObjectStore(endpoints)
         self.bus = Bus(endpoints, run)
         self.keys = self.bus.keys
+        self.store = self.metrics.counting(self.store, self.keys)
         self.store.ensure_bucket()
         self.spec = self._load_or_create(settings or RunSettings())
         # The grace window reasons about the learners' overlap: take tau from the run itself.
@@ -156,6 +162,7 @@ class Coordinator:
         self._reconcile_due = False  # Redis was unreachable or restarted: bring it up to S3 before reading on
         self._drained = False  # the last read of the announcements stream returned nothing
         self._redis_run_id = self._server_run_id()
+        self.metrics.attach(self)
         log.info("coordinator %s of run %s: epoch %d, %d fragments, heads %s", self.leadership.holder, run,
                  self.epoch, self.spec.num_fragments, {f: s.head for f, s in self.fragments.items()})
 
@@ -187,6 +194,9 @@ class Coordinator:
         """Stop renewing the lease (and give it up at once, so that a standby need not wait for it to lapse)."""
         self.leadership.close(release=release)
         self._pool.shutdown(wait=True)
+        self.metrics.detach()
+        if self._own_metrics:
+            self.metrics.stop()
 
     def _serve(self, stop: threading.Event) -> None:
         last_claim = last_restart_check = 0.0
@@ -205,6 +215,7 @@ class Coordinator:
                 self.step(block_ms=self._block_ms())
                 if now - last_restart_check > 1.0:
                     self._notice_restart()
+                    self.metrics.sample(self.bus, self.now())
                     last_restart_check = now
                 if self._outage_at is not None and self._drained:
                     self._sweep_after_outage(self._outage_at)
@@ -223,6 +234,7 @@ class Coordinator:
         """Redis lost the run's keys: take the lease again, then rebuild heads, applied set, the
         consumer group and the round clock from S3 and from what this process holds."""
         self.epoch = self.leadership.retake()
+        self.metrics.took_lease()
         self.bus.ensure_group()
         heads = self._roll_forward()
         if self.cadence is not None:
@@ -366,6 +378,7 @@ class Coordinator:
         if len(self.last_piece) > 2 * len(now.live | known) + 64:  # forget the senders long gone
             self.last_piece = {n: v for n, v in self.last_piece.items() if n in now.live | known}
         self.finish_asked = fleet.finish_request
+        self.metrics.fleet(now)
 
     def _maybe_end(self, fleet: Fleet, complete: bool) -> None:
         """Finish the run once `policy.run_end` says it is over and no announcement is pending in the
@@ -515,6 +528,7 @@ class Coordinator:
                     num_fragments=self.spec.num_fragments))
                 self.last_piece[a.learner] = now
                 self.fragments[a.fragment].round.append(PendingDelta(entry_id, a, arrival, tensors))
+            self.metrics.accepted(a)
 
     def _behind(self, a: Announcement) -> bool:
         """A base ahead of our head is a version this process has not seen: forged, or published by
@@ -579,6 +593,7 @@ class Coordinator:
                  "acknowledged", a.contribution_id, a.learner)
         self.bus.ack([entry_id])
         self.bus.incr("repeated_after_recovery")
+        self.metrics.repeated()
 
     def _superseded(self, entry_id: str, a: Announcement) -> None:
         """A genesis proposal for a fragment that already has version 0: not an error, not a contribution."""
@@ -594,6 +609,7 @@ class Coordinator:
                           code=exc.code, reason=_clip(exc.reason, MAX_REASON_CHARS))
         log.warning("refused %s from %s (entry %s): %s", exc.code, refusal.learner or "?", entry_id, refusal.reason)
         self.bus.refuse(entry_id, refusal)
+        self.metrics.refused(exc.code, a.fragment if a is not None else None)
         if self.ended is not None:
             return  # no manifest follows the end: the refusals stream and the counters keep it
         frag = self.fragments.get(a.fragment) if a is not None else None
@@ -631,11 +647,13 @@ class Coordinator:
             f"merge: the round holds {len(frag.round)} pieces, as many as it may ({cap}: --max-round-bytes over "
             f"the fragment's size, at most {MAX_ROUND_PIECES}); the earliest {cap} merge, the rest wait")
         log.info("fragment %d v%d: %s", fragment, frag.head + 1, reason)
+        self.metrics.round_closed(state, self.round_cfg, self.now())
         with self.timing("load"):
             self._ensure_loaded(fragment, frag)
         crash_point("fetched")
         assert frag.params is not None and frag.state is not None
         while frag.round:
+            started = time.monotonic()
             taking = sorted(frag.round, key=lambda c: (c.arrival.arrived_at, c.entry_id))[:cap]
             # Each piece as the merge counts it: one learner's claims bounded by the others' (`influence`).
             counted = count_claims([c.arrival for c in taking], [c for r in frag.claims for c in r],
@@ -661,6 +679,7 @@ class Coordinator:
                 params, state = outer_step(frag.params, frag.state, update, merge)
             with self.timing("outer"):
                 finite = _finite(params) and _finite(state.momentum)
+            self.metrics.merged(fragment, time.monotonic() - started)
             if finite:
                 for cid, note in notes.items():
                     log.warning("fragment %d: %s's piece %s bounded: %s", fragment, by_id[cid].announcement.learner,
@@ -792,6 +811,7 @@ class Coordinator:
         self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed
         log.info("committed fragment %d version %d from %d contribution(s) in %.3fs", fragment, version,
                  len(contributions), elapsed)
+        self.metrics.published(manifest, elapsed)
 
 
 def _norm(manifest: Manifest) -> float | None:

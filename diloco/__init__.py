@@ -3,6 +3,8 @@
 The public API is what a training loop needs:
 
     from diloco import Learner, LearnerConfig, Endpoints
+    from diloco import load_global          # a run's global model into a model of the same shape
+    from diloco import Preempted            # raised out of optimizer.step() after SIGTERM (handle_sigterm=True)
 
 Everything else lives in the layers, each a subpackage: `diloco.storage` (records, keys, codecs,
 S3 and Redis adapters), `diloco.workers` (the learner), `diloco.coordinator` (the merge loop) and
@@ -19,18 +21,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from diloco.storage.global_model import load_global
     from diloco.storage.settings import Endpoints
-    from diloco.workers.learner import Learner, LearnerConfig
+    from diloco.workers.learner import Learner, LearnerConfig, Preempted
 
 __version__ = "0.1.0"
 
 _PUBLIC = {
     "Learner": "diloco.workers.learner",
     "LearnerConfig": "diloco.workers.learner",
+    "Preempted": "diloco.workers.learner",
     "Endpoints": "diloco.storage.settings",
+    "load_global": "diloco.storage.global_model",
 }
 
-__all__ = ["Endpoints", "Learner", "LearnerConfig", "__version__"]
+__all__ = ["Endpoints", "Learner", "LearnerConfig", "Preempted", "__version__", "load_global"]
 
 
 def __getattr__(name: str) -> Any:

@@ -12,9 +12,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+from importlib import metadata
 import sys
 from collections.abc import Callable
 
+from pathlib import Path
+
+from diloco.infra.options import check_sources, load_sources
 from diloco.storage.errors import DilocoError
 
 log = logging.getLogger("diloco")
@@ -25,6 +29,9 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("learner", "roles", "train the built-in demo model as one learner of a run"),
     ("finish", "roles",
      "finish a run now: its coordinator merges what is pending and records each fragment's final version"),
+    ("status", "watch", "a live view of a run: heads, round clock, learners, refusals, pending, lag"),
+    ("plot", "watch", "PNG plots of a run: loss vs time with failures marked, versions per fragment, staleness, "
+     "bytes per token"),
     ("demo", "demo", "a whole run on an embedded local stack, with a learner killed midway, vs a baseline"),
     ("simulate", "goodput",
      "the goodput simulator: data-parallel, elastic and decoupled DiLoCo on a fleet of failing chips"),
@@ -38,6 +45,8 @@ COMMANDS: list[tuple[str, str, str]] = [
      "refusals) or a run, per learner"),
     ("blame", "history", "rank learners by how much their contributions went against the others' (and, with "
      "--task, hurt the eval loss)"),
+    ("model", "history", "take the trained model out: `diloco model export --run R --out DIR` writes the global "
+     "model as safetensors, a torch state_dict or a Hugging Face checkpoint"),
     ("export", "history", "copy a run's history (every object under its root) from the bucket to a local directory"),
     ("import", "history", "copy a run's history from an export directory back into the bucket the environment names"),
     ("chaos", "chaos", "a run of real processes on a local stack under a seeded schedule of faults, then an audit "
@@ -64,22 +73,63 @@ def _run_later(name: str, room: str) -> Callable[[argparse.Namespace], int]:
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The parser; only the chosen subcommand declares its options (and imports its room)."""
+    """The parser; only the chosen subcommand declares its options (and imports its room). Its
+    settings' defaults come from the environment and the config file (`infra.options`)."""
     words = sys.argv[1:] if argv is None else argv
-    chosen = next((w for w in words if not w.startswith("-")), None)
-    parser = argparse.ArgumentParser(prog="diloco", description="Decoupled DiLoCo over S3 and Redis.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    chosen = _command(words)
+    parser = argparse.ArgumentParser(prog="diloco", description="Decoupled DiLoCo over S3 and Redis.",
+                                     epilog="Every setting of a command can also be given as DILOCO_<SETTING> in the "
+                                            "environment or in a TOML file (--config); see `diloco COMMAND --help`.")
+    parser.add_argument("--version", action="version", version=f"diloco {_version()}")
+    _add_common(parser, top=True)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    load_sources(chosen, words)
     for name, room, help_text in COMMANDS:
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
+            _add_common(sub, top=False)
             command_function(name, room, "add")(sub)
+            check_sources()
         sub.set_defaults(handler=_run_later(name, room))
     return parser
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject reads it from diloco.__version__)."""
+    try:
+        return metadata.version("diloco")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _command(words: list[str]) -> str | None:
+    """The subcommand `words` name: the first word that is not an option or the value of --config."""
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word == "--config":
+            skip = True
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """-v and --config, before the command or after it (the command's copy does not reset the top's)."""
+    default = False if top else argparse.SUPPRESS
+    parser.add_argument("-v", "--verbose", action="store_true", default=default, help="debug logging")
+    parser.add_argument("--config", type=Path, metavar="FILE", default=None if top else argparse.SUPPRESS,
+                        help="a TOML file of settings (also DILOCO_CONFIG): `key = value` for any command, "
+                             "[command] tables for one; the command line and DILOCO_* variables win over it")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser(argv).parse_args(argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except DilocoError as exc:  # a bad DILOCO_* value or config file
+        print(f"diloco: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):

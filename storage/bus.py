@@ -120,6 +120,39 @@ def _next_id(entry_id: str) -> tuple[int, int]:
     return ms, seq + 1
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+BACKLOG_COUNTED = 10_000
+"""Redis < 7 does not say how many entries a group has not read: `backlog` counts up to this many."""
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """The announcements stream's entries not dealt with yet (`Bus.backlog`)."""
+
+    stream_length: int
+    pending: int
+    """Delivered to a consumer, not acknowledged (merged, refused or dropped) yet."""
+    undelivered: int
+    """Not read by the group yet (counted up to BACKLOG_COUNTED on Redis < 7)."""
+    oldest_pending_at: float | None
+    """Redis time (unix seconds) the oldest pending entry was added at."""
+    oldest_undelivered_at: float | None
+    group: bool = True
+    """The coordinator's consumer group exists (a coordinator has read the stream)."""
+
+    @property
+    def waiting(self) -> int:
+        return self.pending + self.undelivered
+
+    def lag_s(self, now: float) -> float | None:
+        """Age of the oldest entry not dealt with: how far behind the coordinator is."""
+        times = [t for t in (self.oldest_pending_at, self.oldest_undelivered_at) if t is not None]
+        return max(0.0, now - min(times)) if times else None
+
+
 class CommitResult(enum.Enum):
     COMMITTED = 1
     ALREADY = 2
@@ -384,6 +417,32 @@ class Bus:
         for _eid, fields in self.r.xrange(self.keys.refusals, count=count):
             out.append(Refusal.from_wire(fields[FIELD]))
         return out
+
+    @redis_retry
+    def backlog(self) -> Backlog:
+        """The announcements not dealt with yet: pending in the group (delivered to a consumer, not
+        acknowledged) and not delivered yet, with the Redis time of the oldest of each (a stream
+        id starts with the time it was added at). A few small reads, whatever the stream's length."""
+        length = self.r.xlen(self.keys.announcements)
+        try:
+            groups = self.r.xinfo_groups(self.keys.announcements)
+        except redis.ResponseError:  # no stream yet
+            return Backlog(0, 0, 0, None, None, group=False)
+        group = next((g for g in groups if _text(g["name"]) == self.keys.GROUP), None)
+        if group is None:  # nobody has read the stream yet: every entry waits
+            first = self.r.xrange(self.keys.announcements, count=1)
+            return Backlog(length, 0, length, None, _stream_id(_text(first[0][0]))[0] / 1000 if first else None,
+                           group=False)
+        summary = self.r.xpending(self.keys.announcements, self.keys.GROUP)
+        pending = int(summary["pending"])
+        after = "(" + _text(group["last-delivered-id"])
+        first_new = self.r.xrange(self.keys.announcements, min=after, count=1)
+        undelivered = group.get("lag")  # Redis >= 7 (None where it cannot tell, entries deleted)
+        if undelivered is None:
+            undelivered = len(self.r.xrange(self.keys.announcements, min=after, count=BACKLOG_COUNTED)) if first_new else 0
+        return Backlog(length, pending, int(undelivered),
+                       _stream_id(_text(summary["min"]))[0] / 1000 if pending else None,
+                       _stream_id(_text(first_new[0][0]))[0] / 1000 if first_new else None, group=True)
 
     def _oldest_unfinished(self) -> tuple[int, int] | None:
         """The id of the oldest announcement not dealt with yet: pending in the group (on any

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
@@ -110,6 +111,9 @@ class ObjectStore:
         self._region = endpoints.region
         self._aws = endpoints.s3_endpoint is None
         self._s3 = make_client(endpoints, timeout_s=timeout_s)
+        self._counting = threading.Lock()
+        self.bytes_read = 0
+        """Bytes of every object body this store has returned from `get` (a learner's bytes down)."""
 
     def url(self, key: str) -> str:
         """Where `key` is, for messages."""
@@ -176,7 +180,10 @@ class ObjectStore:
     def get(self, key: str, *, max_bytes: int) -> bytes:
         with self._errors("GET", key):
             try:
-                return self._get(key, max_bytes)
+                data = self._get(key, max_bytes)
+                with self._counting:
+                    self.bytes_read += len(data)
+                return data
             except bexc.ClientError as exc:
                 if _code(exc) in ("NoSuchKey", "404", "NotFound"):
                     raise ObjectMissing(f"s3://{self.bucket}/{key} does not exist") from None

@@ -199,15 +199,30 @@ class RunSpec(Record):
 
     def __post_init__(self) -> None:
         check_id("run", self.run)
-        _require(self.cadence in ("clock", "steps"), f"cadence must be 'clock' or 'steps', got {self.cadence!r}")
+        _require(self.cadence in CADENCES, f"cadence must be 'clock' or 'steps', got {self.cadence!r}")
         _require(1 <= self.num_fragments <= 9999, f"num_fragments must be in 1..9999, got {self.num_fragments}")
         _require(self.sync_every >= 1, f"sync_every must be >= 1, got {self.sync_every}")
         _require(0 <= self.overlap_steps < self.sync_every,
                  f"overlap_steps must be in [0, sync_every), got {self.overlap_steps}")
-        _require(self.merge_rule in ("rebase", "mix"), f"merge_rule must be 'rebase' or 'mix', got {self.merge_rule!r}")
+        _require(self.merge_rule in MERGE_RULES, f"merge_rule must be 'rebase' or 'mix', got {self.merge_rule!r}")
         _require(0.0 <= self.alpha < 1.0, f"alpha must be in [0, 1), got {self.alpha}")
         _require(self.codec in ("fp32", "bf16", "int8", "int4"), f"unknown codec {self.codec!r}")
         _require(self.max_object_bytes > 0, "max_object_bytes must be positive")
+
+
+MERGE_RULES = ("rebase", "mix")
+"""How a learner takes a new version (RunSpec.merge_rule)."""
+CADENCES = ("clock", "steps")
+"""When learners send (RunSpec.cadence)."""
+
+COMPILED_PREFIX = "_orig_mod."
+"""What `torch.compile` puts before every parameter name of the module it wraps."""
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name in a run: without torch.compile's `_orig_mod.` wrapper prefix (a compiled and
+    an uncompiled learner train the same parameters), every other name as the model gives it."""
+    return name.removeprefix(COMPILED_PREFIX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,6 +479,9 @@ class LearnerStats(Record):
     upload_failed: int = 0
     """Contributions dropped after the upload deadline."""
     bytes_uploaded: int = 0
+    """Bytes of the contribution objects it stored (up)."""
+    bytes_downloaded: int = 0
+    """Bytes of every object it read from S3 (down): versions, manifests, the run's records."""
     sync_s: float = 0.0
     """Time the training loop spent in the learner's step hook."""
     wall_s: float = 0.0
@@ -475,7 +493,8 @@ class LearnerStats(Record):
     def __post_init__(self) -> None:
         check_id("learner", self.learner)
         counts = {"step": self.step, "tokens": self.tokens, "adopted": self.adopted, "uploaded": self.uploaded,
-                  "upload_failed": self.upload_failed, "bytes_uploaded": self.bytes_uploaded, "pid": self.pid}
+                  "upload_failed": self.upload_failed, "bytes_uploaded": self.bytes_uploaded,
+                  "bytes_downloaded": self.bytes_downloaded, "pid": self.pid}
         for name, value in counts.items():
             _require(value >= 0, f"{name} must be >= 0, got {value}")
         for name, value in {"step_time_s": self.step_time_s, "sync_s": self.sync_s, "wall_s": self.wall_s}.items():

@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from diloco.storage.protocol import Cadence, Layout, ParamSpec
+from diloco.storage.protocol import Cadence, Layout, ParamSpec, plain_name
 
 if TYPE_CHECKING:  # only for a type hint: the schedules are imported where torch is not (the goodput simulator)
     import torch
@@ -62,8 +62,9 @@ def plan_layout(params: Iterable[tuple[str, tuple[int, ...], str]], num_fragment
 
 
 def model_params(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, dtype) of every trainable parameter, in model order (shared tensors once)."""
-    return [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()
+    """(name, shape, dtype) of every trainable parameter, in model order (shared tensors once), named as
+    in a run (`plain_name`: a torch.compile'd model's names without its wrapper prefix)."""
+    return [(plain_name(n), tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()
             if p.requires_grad]
 
 

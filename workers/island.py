@@ -88,10 +88,10 @@ class Replica:
         return box[1:1 + int(box[0].item())].tolist()
 
     def share_plan(self, due: list[int] | None, merge: list[int] | None, num_fragments: int,
-                   flag: bool = False) -> tuple[list[int], list[int], bool]:
-        """Rank 0's plan for this step (fragments to send, fragments to merge, and one flag: the learner
-        uses it for "the run is finished") on every rank, in one broadcast."""
-        packed = None if due is None or merge is None else [len(due), int(flag), *due, *merge]
+                   flags: int = 0) -> tuple[list[int], list[int], int]:
+        """Rank 0's plan for this step (fragments to send, fragments to merge, and flags: the learner
+        uses them for "the run is finished" and "leave now") on every rank, in one broadcast."""
+        packed = None if due is None or merge is None else [len(due), int(flags), *due, *merge]
         got = self.share(packed, 2 * num_fragments + 2)
         n_due = got[0]
-        return got[2:2 + n_due], got[2 + n_due:], bool(got[1])
+        return got[2:2 + n_due], got[2 + n_due:], int(got[1])

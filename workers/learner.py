@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import socket
 import threading
 import time
@@ -46,12 +47,15 @@ import torch
 
 from diloco.storage.bus import Bus
 from diloco.storage.errors import ConfigError, DilocoError, RunFinished, StorageUnavailable
+from diloco.storage.global_model import Which, read_global
 from diloco.storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec
+from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
-from diloco.storage.protocol import Layout, LearnerFinished, LearnerStats, RunEnd, check_id
+from diloco.storage.protocol import Layout, LearnerFinished, LearnerStats, RunEnd, check_id, plain_name
 from diloco.storage.settings import Endpoints
 from diloco.workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout
 from diloco.workers.island import Replica
+from diloco.workers.metrics import LearnerMetrics
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
 log = logging.getLogger(__name__)
@@ -65,9 +69,10 @@ class LearnerConfig:
     """Seconds between heartbeats (which carry steps, tokens, loss, step time)."""
     lease_s: float = 10.0
     """A learner whose last heartbeat is older than this is not counted as live."""
-    close_timeout_s: float = 30.0
+    close_timeout_s: float = 20.0
     """On leaving (finished, preempted or failed): how long to wait for queued uploads, final pieces
-    included, before abandoning them and leaving. Leaving takes at most about this long."""
+    included, before abandoning them and leaving. Leaving takes at most about this long: keep it below
+    the grace period a preemption gives (Kubernetes' terminationGracePeriodSeconds, 30 s by default)."""
     upload_deadline_s: float = 120.0
     """A contribution that cannot be stored and announced for this long (S3 or Redis down) is dropped and counted."""
     wait_for_merge: bool = False
@@ -77,6 +82,8 @@ class LearnerConfig:
     decoupled mode is measured against."""
     merge_wait_s: float = 300.0
     """With `wait_for_merge`: the longest a step waits for a new version before training on without it."""
+    metrics_port: int = 0
+    """Serve this learner's Prometheus metrics on this port at /metrics, rank 0 (0: off; docs/metrics.md)."""
     own_version_wait: float = 0.5
     """After `overlap_steps`, keep training up to this fraction of H more steps while the version that
     merged this learner's own contribution is not committed or not downloaded yet, rather than take an
@@ -113,14 +120,45 @@ class FragmentState:
     """The clock deadline the last send served (clock cadence)."""
 
 
+FLAG_RUN_FINISHED = 1
+FLAG_LEAVE = 2
+"""Bits of the flags rank 0 shares with its plan each step."""
+
+
+PREEMPTED_EXIT = 143
+"""The exit code of a learner that left on SIGTERM: 128 + 15, as a process SIGTERM killed."""
+
+
+class Preempted(SystemExit):
+    """Raised out of `optimizer.step()` after SIGTERM (`handle_sigterm=True`), once the learner has sent
+    its progress and left. A SystemExit (code 143, as a process killed by SIGTERM): uncaught, the
+    process exits quietly; `except Exception` in a training loop does not swallow it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(PREEMPTED_EXIT)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+ENV_LEARNER_ID = "DILOCO_LEARNER_ID"
+
+
 def default_learner_id() -> str:
-    return f"{socket.gethostname().split('.')[0][:40]}-{os.getpid()}"
+    """DILOCO_LEARNER_ID if set (a stable id a deployment gives each learner slot, so that a
+    replacement resumes as the same learner), else hostname-pid."""
+    return os.environ.get(ENV_LEARNER_ID) or f"{socket.gethostname().split('.')[0][:40]}-{os.getpid()}"
 
 
 class Learner:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, run: str,
-                 endpoints: Endpoints | None = None, learner_id: str | None = None, tokens_per_step: int = 0,
-                 config: LearnerConfig | None = None) -> None:
+                 endpoints: Endpoints | None = None, learner_id: str | None = None,
+                 tokens_per_step: int | None = None, config: LearnerConfig | None = None,
+                 handle_sigterm: bool = False) -> None:
+        if tokens_per_step is not None and (isinstance(tokens_per_step, bool) or int(tokens_per_step) <= 0):
+            raise ConfigError(f"tokens_per_step must be a positive number of tokens (or samples) per step, got "
+                              f"{tokens_per_step!r}: it weighs this learner's contributions")
         self.model = model
         self.optimizer = optimizer
         self.run = check_id("run", run)
@@ -133,7 +171,8 @@ class Learner:
         self.last_loss: float | None = None
         self.adopted = 0
         self.stats = TransferStats()
-        self.replica = Replica({n: p for n, p in model.named_parameters() if p.requires_grad})
+        # Names without torch.compile's wrapper prefix: a compiled and an uncompiled model train the same run.
+        self.replica = Replica({plain_name(n): p for n, p in model.named_parameters() if p.requires_grad})
         self.is_leader = self.replica.is_leader
         self.fragments: list[FragmentState] = []
         """Per fragment (index = fragment), set when joining."""
@@ -153,10 +192,17 @@ class Learner:
         with `wait_for_merge`, waiting for versions. Uploads and downloads run beside the loop."""
         self.started_at: float | None = None
         """When the first step ended (monotonic): the training loop's wall time is measured from it."""
+        self.preempted = False
+        """SIGTERM arrived (with `handle_sigterm`): the learner leaves at the end of the step in progress."""
+        self._metrics: LearnerMetrics | None = None
+        self._sigterm_previous = None
+        if handle_sigterm:
+            self._install_sigterm_handler()
 
     # ---- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> Learner:
-        self.start()
+        if self._hook is None:  # `learner.start()` before the block is the same join
+            self.start()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
@@ -177,11 +223,27 @@ class Learner:
         """Fragment -> the global version its local values descend from (rank 0; the last one taken)."""
         return {f: state.base_version for f, state in enumerate(self.fragments)}
 
+    def global_state_dict(self, version: Which = "latest") -> dict[str, torch.Tensor]:
+        """The run's global model (each fragment's newest version by default; see
+        `diloco.storage.global_model.read_global` for `version`), read from S3 and checked against the
+        manifests, as a state dict of this learner's trainable parameters (named as the model names
+        them: `model.load_state_dict(sd, strict=False)` loads it; buffers are not part of it). Works on
+        every rank of an island and after the learner has left; the endpoints are the learner's."""
+        endpoints = self._endpoints or Endpoints.from_env(redis=False)
+        loaded = read_global(ObjectStore(endpoints), RunKeys(endpoints.prefix, self.run), version)
+        names = {plain_name(n): n for n, p in self.model.named_parameters() if p.requires_grad}
+        unknown = sorted(set(loaded.state) - set(names))
+        if unknown:
+            raise DilocoError(f"run {self.run!r} has parameters this model lacks: {unknown[:3]}")
+        return {names[n]: t for n, t in loaded.state.items()}
+
     def start(self) -> None:
         """Join the run: wait for its spec, propose version 0 if none exists, adopt the latest versions.
 
         On an island every rank calls this; rank 0 joins and the others receive its parameters.
-        If rank 0 fails to join, every rank raises."""
+        If rank 0 fails to join, every rank raises. Joining twice is refused (DilocoError)."""
+        if self._hook is not None:
+            raise DilocoError(f"learner {self.learner_id} has joined run {self.run!r} already")
         values: dict[str, torch.Tensor] | None = None
         heads: dict[int, int] = {}
         failure: BaseException | None = None
@@ -209,6 +271,8 @@ class Learner:
                 state.base_version = heads[f]
         self.replica.write(values, [n for state in self.fragments for n in state.names])
         self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
+        if self.is_leader and self.config.metrics_port:
+            self._metrics = LearnerMetrics.start(self, self.config.metrics_port)
 
     def finish(self, *, preempted: bool = False) -> None:
         """Leave the run cleanly: send every fragment's progress since its last send as a final piece
@@ -265,6 +329,7 @@ class Learner:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self._restore_sigterm_handler()
         if not self.is_leader:
             return
         deadline = time.monotonic() + self.config.close_timeout_s
@@ -283,6 +348,9 @@ class Learner:
         leaving = threading.Thread(target=self._leave, args=(finished,), name="leave", daemon=True)
         leaving.start()
         leaving.join(timeout=max(0.5, deadline - time.monotonic()))
+        if self._metrics is not None:
+            self._metrics.stop()
+            self._metrics = None
 
     def _leave(self, finished: list[str] | None) -> None:
         try:
@@ -301,10 +369,16 @@ class Learner:
         """Rank 0, joining failed: stop whatever `_join` started and leave the live set (best effort).
         The learner never joined, so it neither sends nor finishes anything."""
         self._stop.set()
-        for name in ("uploader", "fetcher"):
-            thread = getattr(self, name, None)
-            if thread is not None:
+        self._restore_sigterm_handler()
+        threads = [t for t in (getattr(self, n, None) for n in ("uploader", "fetcher", "_heartbeat_thread"))
+                   if t is not None]
+        for thread in threads:
+            if hasattr(thread, "close"):
                 thread.close()
+        deadline = time.monotonic() + self.config.close_timeout_s
+        for thread in threads:  # nothing of a learner that never joined keeps running
+            if thread.is_alive():
+                thread.join(timeout=max(0.1, deadline - time.monotonic()))
         if getattr(self, "bus", None) is not None:
             leaving = threading.Thread(target=self._leave, args=(None,), name="leave", daemon=True)
             leaving.start()
@@ -316,6 +390,28 @@ class Learner:
             self.last_loss = float(loss)
         if tokens is not None:
             self._pending_tokens = int(tokens)
+
+    # ---- preemption ---------------------------------------------------------------------------
+    def _install_sigterm_handler(self) -> None:
+        """SIGTERM (a spot preemption, Kubernetes deleting the pod, SkyPilot recovering a job) only
+        marks the learner: at the end of the step in progress it sends its progress, leaves as
+        preempted (it may come back) and raises `Preempted` out of `optimizer.step()`."""
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("handle_sigterm: the Learner is not built on the main thread; Python delivers signals "
+                        "there only: no SIGTERM handler installed")
+            return
+
+        def on_sigterm(signum: int, _frame: object) -> None:
+            if not self.preempted:
+                log.warning("SIGTERM: learner %s leaves at the end of the step in progress", self.learner_id)
+            self.preempted = True
+
+        self._sigterm_previous = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _restore_sigterm_handler(self) -> None:
+        if self._sigterm_previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm_previous)
+            self._sigterm_previous = None
 
     # ---- joining ----------------------------------------------------------------------------
     def _join(self, initial: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
@@ -410,6 +506,12 @@ class Learner:
         self._last_step_at = now
         self.step += 1
         tokens = self.tokens_per_step if self._pending_tokens is None else self._pending_tokens
+        if tokens is None:
+            if self.is_leader:  # rank 0 reports the island's tokens; the other ranks' counts are not used
+                raise ConfigError("no token count for this step: pass tokens_per_step= to the Learner (the whole "
+                                  "island's tokens or samples per optimizer step) or call learner.report(tokens=n) "
+                                  "before each optimizer.step(); contributions are weighted by them")
+            tokens = 0
         self._pending_tokens = None
         self.tokens += tokens
         due: dict[int, float] = {}
@@ -420,8 +522,14 @@ class Learner:
                 state.steps += 1
             due, ready = self._due(), self._ready()
         # Rank 0 decides; on an island every rank then takes part in the same gathers and writes.
-        to_send, to_merge, self._run_finished = self.replica.share_plan(list(due), list(ready), len(self.fragments),
-                                                                        self._run_end is not None)
+        flags = (FLAG_RUN_FINISHED if self._run_end is not None else 0) | (FLAG_LEAVE if self.preempted else 0)
+        to_send, to_merge, flags = self.replica.share_plan(list(due), list(ready), len(self.fragments), flags)
+        self._run_finished = bool(flags & FLAG_RUN_FINISHED)
+        if flags & FLAG_LEAVE:  # rank 0 was told to stop: every rank sends its part of the progress and leaves
+            self.preempted = True
+            self.finish(preempted=True)
+            raise Preempted(f"learner {self.learner_id} left run {self.run!r} on SIGTERM after step {self.step}, "
+                            "its progress sent")
         for f in to_send:
             self._send(f, due.get(f, 0.0))
         for f in to_merge:
@@ -506,10 +614,14 @@ class Learner:
     # ---- heartbeats --------------------------------------------------------------------------
     def progress(self) -> LearnerStats:
         """What the next heartbeat reports."""
+        store = getattr(self, "store", None)
+        if store is not None:
+            self.stats.bytes_downloaded = store.bytes_read
         return LearnerStats(learner=self.learner_id, step=self.step, tokens=self.tokens,
                             loss=self.last_loss if self.last_loss is not None else math.nan,
                             step_time_s=self._step_time_s, adopted=self.adopted, uploaded=self.stats.uploaded,
                             upload_failed=self.stats.upload_failed, bytes_uploaded=self.stats.bytes_uploaded,
+                            bytes_downloaded=self.stats.bytes_downloaded,
                             sync_s=self.sync_s,
                             wall_s=0.0 if self.started_at is None else time.monotonic() - self.started_at,
                             pid=os.getpid(), incarnation=self._incarnation)

@@ -77,6 +77,9 @@ class TransferStats:
     """Contributions dropped: not stored and announced before the uploader's deadline."""
     upload_retries: int = 0
     bytes_uploaded: int = 0
+    """Bytes of the contribution objects stored (up)."""
+    bytes_downloaded: int = 0
+    """Bytes of every object read from S3 (down): versions' params and manifests, the run's records at join."""
     fetched: int = 0
     fetch_failed: int = 0
     upload_s: float = 0.0

@@ -38,6 +38,7 @@ from diloco.infra.bench.quality_report import ArmCurve, TaskReport, table
 from diloco.infra.bench.quality_tasks import TASKS, BenchTask, pick
 from diloco.infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
 from diloco.infra.local.stack import LocalStack
+from diloco.storage.codecs import CODECS
 from diloco.workers.tasks.base import train_baseline
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sync-every", type=int, help="H of every DiLoCo arm (default: the task's)")
     parser.add_argument("--overlap-steps", type=int, default=DEFAULTS.overlap_steps,
                         help="tau of our arms (default: the run default, %(default)s)")
-    parser.add_argument("--codec", default="int8", help="outer-gradient codec of our arms (default: %(default)s)")
+    parser.add_argument("--codec", default="int8", choices=CODECS, help="outer-gradient codec of our arms (default: %(default)s)")
     parser.add_argument("--learner-args", default="",
                         help="extra options for the decoupled arm's learners, e.g. '--own-version-wait 0'")
     parser.add_argument("--coordinator-args", default="",

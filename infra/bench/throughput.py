@@ -110,7 +110,7 @@ class ThroughputConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stack-dir", type=Path, metavar="D",
                         help="data directory of the local stack (default: a temporary directory, removed after)")
-    add_options(parser, ThroughputConfig)
+    add_options(parser, ThroughputConfig, choices={"codec": CODECS})
 
 
 def run(args: argparse.Namespace) -> ThroughputResult:

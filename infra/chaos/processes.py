@@ -2,7 +2,7 @@
 
 `ChaosFleet.supervise()` is called every tick by the runner (infra/chaos/suite.py). On a `Fleet`
 (infra.local.fleet), it
-- judges every process that exited by what it was sent: a SIGTERMed learner must exit 0, a
+- judges every process that exited by what it was sent: a SIGTERMed learner must exit 143 (or 0 if it had finished), a
   coordinator armed with a crash point must die there, anything unasked for is a failure;
 - restarts learners (same id, next data seed) `restart_delay_s` after they exited;
 - keeps one coordinator holding the run and standbys waiting (every coordinator is started with
@@ -176,7 +176,7 @@ class ChaosFleet:
         return False
 
     def stop_learners(self) -> None:
-        """SIGTERM every learner that trains (it must exit 0); SIGKILL any still starting, whose
+        """SIGTERM every learner that trains (it must exit 143, or 0); SIGKILL any still starting, whose
         SIGTERM handler may not be set yet."""
         for slot in self.slots:
             if self.fleet.alive(slot.name) and slot.member.sent is None:

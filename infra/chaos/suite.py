@@ -4,7 +4,7 @@ The fleet: a `LocalStack` of its own (Redis + S3 under `<out>/stack`), one coord
 run plus one `--standby`, and a few learner processes training the demo task. For `seconds`, the
 faults of `infra.chaos.faults.schedule(seed, seconds)` are carried out:
 
-- `learner_kill` / `learner_term`: SIGKILL / SIGTERM a learner (a preempted learner must exit 0);
+- `learner_kill` / `learner_term`: SIGKILL / SIGTERM a learner (a preempted learner must exit 143, `diloco learner`'s code for "left on SIGTERM");
   either way it is restarted under the same id, with a new data seed, `restart_delay_s` later.
 - `coordinator_kill:<step>`: the standby is started with `DILOCO_CRASH_AT=<step>:1`; when the fault
   is due the active coordinator is SIGKILLed, the armed standby takes over once the lease lapses
@@ -286,7 +286,7 @@ class Chaos:
             log.info("chaos: %d scheduled fault(s) did not run in time", self.skipped)
 
     def _drain(self) -> None:
-        """Stop the learners (SIGTERM, exit 0 expected), let the coordinator merge or refuse what is
+        """Stop the learners (SIGTERM, exit 143 or 0 expected), let the coordinator merge or refuse what is
         pending, then stop it (SIGTERM)."""
         if self.server_fault is not None:
             self.server_fault.join()

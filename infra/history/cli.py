@@ -1,5 +1,5 @@
-"""The history tools on the command line: `diloco export`, `import`, `replay`, `gc`, `whatif`,
-`inspect` and `blame`.
+"""The history tools on the command line: `diloco export`, `import`, `model export`, `replay`, `gc`,
+`whatif`, `inspect` and `blame`.
 
 Each subcommand is `add_<name>_arguments(parser)` + `run_<name>(args) -> int`, listed in
 `infra.cli.COMMANDS`. All but export and import read a live bucket (S3 settings from the
@@ -20,11 +20,13 @@ from diloco.infra.history.archive import dir_keys, export_run, import_keys, impo
 from diloco.infra.history.blame import blame_run
 from diloco.infra.history.gc import DEFAULT_MIN_AGE_S, collect
 from diloco.infra.history.inspection import inspect_run, inspect_version
+from diloco.infra.history.model_export import FORMATS, HF_CLASSES, export_model
 from diloco.infra.history.replay import VersionCheck, replay_run
 from diloco.infra.history.rounds import Run, open_run
 from diloco.infra.history.whatif import SETTINGS, parse_changes, what_if
-from diloco.infra.output import write_json
+from diloco.infra.output import Progress, write_json
 from diloco.storage.errors import ConfigError
+from diloco.storage.global_model import parse_which, read_global
 from diloco.storage.keys import RunKeys
 from diloco.storage.localdir import DirStore
 from diloco.storage.objects import ObjectStore, Store
@@ -82,9 +84,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                              "run there is brought up to date)")
 
 
-def _progress(verb: str) -> Callable[[int, int], None]:
+def _progress(verb: str, bar: Progress) -> Callable[[int, int], None]:
+    """A bar on a terminal; elsewhere a log line every 500 objects."""
     def progress(done: int, total: int) -> None:
-        if done == total or done % 500 == 0:
+        bar.update(done, total)
+        if not bar.shown and (done == total or done % 500 == 0):
             log.info("%s %d/%d objects", verb, done, total)
     return progress
 
@@ -92,7 +96,8 @@ def _progress(verb: str) -> Callable[[int, int], None]:
 def run_export(args: argparse.Namespace) -> int:
     endpoints = Endpoints.from_env(redis=False)
     keys = RunKeys(endpoints.prefix, args.run)
-    copied = export_run(ObjectStore(endpoints), keys, args.dir, progress=_progress("exported"))
+    with Progress(f"exporting {args.run}", unit="objects") as bar:
+        copied = export_run(ObjectStore(endpoints), keys, args.dir, progress=_progress("exported", bar))
     print(copied.line("exported", f"into {args.dir}"))
     return 0
 
@@ -107,8 +112,48 @@ def run_import(args: argparse.Namespace) -> int:
     endpoints = replace(Endpoints.from_env(redis=False), prefix=keys.prefix)
     store = ObjectStore(endpoints)
     store.ensure_bucket()
-    copied = import_run(args.dir, store, keys, progress=_progress("imported"))
+    with Progress(f"importing {keys.run}", unit="objects") as bar:
+        copied = import_run(args.dir, store, keys, progress=_progress("imported", bar))
     print(copied.line("imported", f"into {store.url(keys.root)}"))
+    return 0
+
+
+# -- model export ----------------------------------------------------------------------------------
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="model_action", required=True, metavar="ACTION")
+    export = actions.add_parser("export", help="write the run's global model as a checkpoint (safetensors, a torch "
+                                "state_dict, or a Hugging Face save_pretrained directory)",
+                                description="Write the run's global model (every fragment's params at the chosen "
+                                "versions, each checked against its manifest's sha256) into --out.")
+    add_source_arguments(export)
+    export.add_argument("--version", default="latest", metavar="WHICH",
+                        help="latest (each fragment's newest version; a finished run's final model), final (the "
+                             "versions the run's end names; refused before it ends), V (every fragment at version V) "
+                             "or V0,V1,... (one per fragment) (default: %(default)s)")
+    export.add_argument("--out", type=Path, required=True, metavar="DIR", help="directory to write into (created)")
+    export.add_argument("--format", default="safetensors", choices=FORMATS, help="(default: %(default)s)")
+    export.add_argument("--hf-config", type=Path, metavar="DIR",
+                        help="with --format hf: a directory holding the model's config.json")
+    export.add_argument("--hf-class", default="AutoModelForCausalLM", choices=HF_CLASSES, metavar="CLASS",
+                        help="with --format hf: the transformers class to build from the config: "
+                             f"{', '.join(HF_CLASSES)} (default: %(default)s)")
+
+
+def run_model(args: argparse.Namespace) -> int:
+    try:
+        which = parse_which(args.version)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    store, keys = open_source(args)
+    model = read_global(store, keys, which)
+    log.info("read %s", model.describe())
+    try:
+        written = export_model(model, args.out, args.format, hf_config=args.hf_config, hf_class=args.hf_class)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    for path in written:
+        print(path)
     return 0
 
 
@@ -125,10 +170,13 @@ def run_replay(args: argparse.Namespace) -> int:
     """Exit 0 only if at least one version was checked and every one is bit-exact."""
     store, keys = open_source(args)  # S3 (or an export) is the history: replay never needs Redis
 
-    def progress(check: VersionCheck) -> None:
-        (log.info if check.bit_exact else log.error)("%s", check.line())
+    with Progress(f"replaying {keys.run}", unit="versions") as bar:
+        def progress(check: VersionCheck) -> None:
+            bar.advance()
+            if not check.bit_exact or not bar.shown:  # on a terminal the bar counts; problems are always logged
+                (log.info if check.bit_exact else log.error)("%s", check.line())
 
-    report = replay_run(store, keys, fragment=args.fragment, start=args.start, end=args.end, progress=progress)
+        report = replay_run(store, keys, fragment=args.fragment, start=args.start, end=args.end, progress=progress)
     print(report.summary())
     write_json(args.json_path, report.to_json())
     if not report.checks:
@@ -154,7 +202,9 @@ def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_gc(args: argparse.Namespace) -> int:
     store, keys = open_source(args)
-    result = collect(store, keys, keep_last=args.keep_last, min_age_s=args.min_age_s, dry_run=args.dry_run)
+    with Progress(f"gc {keys.run}: reading manifests", unit="manifests") as bar:
+        result = collect(store, keys, keep_last=args.keep_last, min_age_s=args.min_age_s, dry_run=args.dry_run,
+                         progress=bar.update)
     print(result.summary(list_keys=args.list_keys or args.verbose))
     write_json(args.json_path, result.to_json())
     return 0

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from diloco.infra.output import human_bytes
 from diloco.storage import codecs
 from diloco.storage.errors import ConfigError, Conflict, Refused
 from diloco.storage.history import floors_of, read_collections, read_manifest, require_run_spec
@@ -296,7 +297,7 @@ def _versions(first: int, last: int) -> str:
 
 
 def _size(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+    return human_bytes(n)
 
 
 def list_objects(store: Store, prefix: str, now: float) -> list[Listed]:
@@ -316,8 +317,9 @@ def header_reader(store: Store, max_bytes: int) -> Callable[[str], int | None]:
 
 
 def collect(store: Store, keys: RunKeys, *, keep_last: int, min_age_s: float = DEFAULT_MIN_AGE_S,
-            dry_run: bool = False) -> GcResult:
-    """Plan a gc pass of the run and, unless `dry_run`, record it and carry it out."""
+            dry_run: bool = False, progress: Callable[[int, int], None] | None = None) -> GcResult:
+    """Plan a gc pass of the run and, unless `dry_run`, record it and carry it out. `progress(done,
+    total)` follows the manifests read, the long part of a pass over a long run."""
     if keep_last < 1:
         raise ConfigError(f"--keep-last must be at least 1, got {keep_last}: the head's params are what learners "
                           "and a restarted coordinator load, and its inputs are what replay checks")
@@ -329,7 +331,12 @@ def collect(store: Store, keys: RunKeys, *, keep_last: int, min_age_s: float = D
     previous = {f: floor.version for f, floor in floors_of(collections).items()}
     listed = list_objects(store, keys.root, now)
     committed = committed_versions(keys, listed)
-    manifests = {(f, v): read_manifest(store, keys, f, v) for f, v in manifests_to_read(committed, previous)}
+    wanted = list(manifests_to_read(committed, previous))
+    manifests = {}
+    for i, (f, v) in enumerate(wanted):
+        manifests[f, v] = read_manifest(store, keys, f, v)
+        if progress is not None:
+            progress(i + 1, len(wanted))
     plan = plan_gc(keys, listed, committed, manifests, previous, keep_last=keep_last, min_age_s=min_age_s,
                    base_version_of=header_reader(store, spec.max_object_bytes))
     result = GcResult(keys.run, keep_last, min_age_s, dry_run, plan, None, 0.0)

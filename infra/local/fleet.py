@@ -7,7 +7,7 @@ are the coordinators, learners and replicas below.
 
 `Fleet` is the named processes of one run, as the demo, the benchmarks and the chaos run start
 them. A member is started, then watched every tick: `watch()` reaps the processes that exited and
-judges each exit by what we sent it (SIGKILL: expected; SIGTERM: must exit 0; nothing: a service
+judges each exit by what we sent it (SIGKILL: expected; SIGTERM: must exit 0, or 143 for a learner that left on it; nothing: a service
 such as the coordinator must not exit at all, a learner with a number of steps must exit 0), and
 starts the incarnations that are due. `kill(name, back_in_s=...)` is an outage: SIGKILL now, the
 next incarnation that much later; `schedule(name, outages)` plans outages ahead, carried out by
@@ -407,8 +407,8 @@ def _judge(m: Member, rc: int) -> str | None:
     """Why `m`'s exit with `rc` is a failure, or None: judged by what we sent it."""
     if m.sent == signal.SIGKILL:
         return None
-    if m.sent == signal.SIGTERM:
-        return None if rc == 0 else f"{m.name} exited {rc} after SIGTERM, not 0"
+    if m.sent == signal.SIGTERM:  # a service stops with 0; a learner that left on it exits 143 (restart me)
+        return None if rc in (0, 143) else f"{m.name} exited {rc} after SIGTERM, not 0 or 143"
     if m.service:
         return f"{m.name} exited {rc} on its own"
     return None if rc == 0 else f"{m.name} failed ({rc})"

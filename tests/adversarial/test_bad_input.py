@@ -38,10 +38,12 @@ from diloco.coordinator.service import MAX_REASON_CHARS
 from diloco.coordinator.publish import commit, commit_existing, roll_forward, write_version
 from diloco.coordinator.recovery import reannounce_lost
 from diloco.storage.bus import FIELD, CommitResult
+from diloco.storage.errors import Refused
 from diloco.storage.history import read_manifest, sha256_hex
 from diloco.storage.objects import make_client
 from diloco.storage.protocol import Announcement, Refusal, pack
 
+from harness import Tiny
 from rig import BAD, LIMIT, Rig, new_id
 
 
@@ -546,3 +548,22 @@ def test_a_sweep_for_lost_announcements_makes_none_again_for_pieces_merged_long_
     rig.advance(12)
     assert rig.coord._announce_lost(rig.coord._heads()) == 0
     assert rig.bus.counters().get("reannounced_from_s3", 0) == 0
+
+
+def test_a_params_object_changed_in_the_bucket_is_refused_on_export_and_nothing_is_written(rig, tmp_path,
+                                                                                            monkeypatch):
+    """Anyone holding the bucket's credentials can overwrite a version's params: taking the model out
+    checks each params object against its manifest's sha256 and refuses, writing nothing."""
+    from diloco.infra.cli import main as diloco
+    from diloco.storage.global_model import load_global
+
+    manifest = read_manifest(rig.store, rig.keys, 1, 0)
+    blob = bytearray(rig.store.get(manifest.params_key, max_bytes=LIMIT))
+    blob[-1] ^= 0xFF
+    rig.store.put(manifest.params_key, bytes(blob), create_only=False)
+    for name, value in rig.endpoints.to_env().items():
+        monkeypatch.setenv(name, value)
+    assert diloco(["model", "export", "--run", rig.keys.run, "--out", str(tmp_path / "out")]) == 1
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    with pytest.raises(Refused, match="sha256_mismatch"):
+        load_global(rig.keys.run, Tiny(), endpoints=rig.endpoints)

@@ -59,7 +59,7 @@ def test_heartbeats_expire_on_the_redis_clock(endpoints, run_id):
     assert bus.live_learners() == ["long"]
 
 
-def test_sigterm_learner_finishes_its_uploads_leaves_and_exits_0(endpoints, run_id, tmp_path, fleet_env):
+def test_sigterm_learner_finishes_its_uploads_leaves_and_exits_143(endpoints, run_id, tmp_path, fleet_env):
     env, procs = fleet_env
     procs.append(spawn_coordinator(run_id, env, tmp_path))
     learner = spawn_learner(run_id, env, tmp_path, "spot", steps=5000, slowdown=2.0)
@@ -68,7 +68,7 @@ def test_sigterm_learner_finishes_its_uploads_leaves_and_exits_0(endpoints, run_
     wait_for("the learner to train 40 steps", lambda: steps_of(bus, "spot") >= 40, procs=procs)
     assert "spot" in bus.live_learners()
     t0 = time.monotonic()
-    assert learner.terminate(timeout_s=30) == 0, learner.tail()
+    assert learner.terminate(timeout_s=30) == 143, learner.tail()  # preempted: "run me again"
     print(f"preempted learner exited {time.monotonic() - t0:.2f}s after SIGTERM")
     assert "SIGTERM" in learner.tail(50)
     assert "spot" not in bus.live_learners()  # it announced leaving instead of letting its lease lapse
@@ -98,7 +98,7 @@ def test_s3_down_for_a_while_training_goes_on_and_nothing_is_lost(own_stack, tmp
     assert during - down_at_step >= 20, "training stalled while S3 was down"
     wait_for("new versions after S3 came back", lambda: min(bus.heads().values()) > min(heads_before.values()) + 1,
              procs=procs)
-    assert learner.terminate() == 0, learner.tail()
+    assert learner.terminate() == 143, learner.tail()
     stats = bus.learner_stats()["l0"]
     assert stats.upload_failed == 0, stats
     assert procs[0].alive(), procs[0].tail()
@@ -130,7 +130,7 @@ def test_redis_restarted_then_emptied_both_sides_go_on(own_stack, tmp_path):
     wait_for("the learner's heartbeat after the wipe", lambda: "l0" in bus.learner_stats(), procs=procs)
     adopted = bus.learner_stats()["l0"].adopted
     wait_for("the learner to take new versions", lambda: bus.learner_stats()["l0"].adopted > adopted, procs=procs)
-    assert learner.terminate() == 0, learner.tail()
+    assert learner.terminate() == 143, learner.tail()
     assert coordinator.alive(), coordinator.tail()
     assert_every_announcement_applied_once(stack.endpoints)
 

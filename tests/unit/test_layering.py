@@ -8,7 +8,8 @@ Inside infra, each folder is a room (ROOMS). A room imports no room beside it, o
 lists below it: `local` (servers and processes on this machine) is under demo, chaos and bench, and
 so is `history` (they evaluate a run's global model, and the demo exports its history). The modules
 at infra's top are the command line: `cli.py` names the rooms' subcommands as strings and imports
-none of them; `options.py` and `output.py` are the kit every room may use, and import no room.
+none of them; `options.py` and `output.py` are the kit every room (and cli.py) may use, and import
+no room. Folders of deployment files (FILES: the image, Kubernetes, SkyPilot, Prometheus) hold no code.
 """
 
 import ast
@@ -79,13 +80,16 @@ ROOMS = {
     "history": set(),
     "roles": set(),
     "goodput": set(),
+    "watch": {"history"},
     "demo": {"local", "history"},
     "chaos": {"local", "history"},
     "bench": {"local", "history"},
 }
 """Each room of infra and the rooms it may import (besides itself and the kit)."""
 KIT = {"options", "output"}
-"""infra's top-level modules that every room may import."""
+"""infra's top-level modules that every room (and the command line) may import."""
+FILES = {"deploy", "k8s", "skypilot", "metrics"}
+"""Folders of infra that hold deployment files, no Python: the image, Kubernetes, SkyPilot, Prometheus/Grafana."""
 INFRA = f"{PACKAGE}.infra"
 
 
@@ -106,8 +110,10 @@ def imported_infra_parts(source: str, package: str) -> set[str]:
 def test_infra_is_rooms_and_the_command_line():
     # A new folder must say where it sits (a room nobody listed would import anything), and the top
     # holds only the command line and its kit.
-    folders = {p.name for p in (ROOT / "infra").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    folders = {p.name for p in (ROOT / "infra").iterdir() if p.is_dir() and p.name != "__pycache__"} - FILES
     assert folders == set(ROOMS), f"rooms of infra not in ROOMS, or gone: {sorted(folders ^ set(ROOMS))}"
+    for name in FILES:
+        assert not list((ROOT / "infra" / name).rglob("*.py")), f"infra/{name} holds deployment files, not code"
     top = {p.stem for p in (ROOT / "infra").glob("*.py")}
     assert top == {"__init__", "cli"} | KIT, f"infra's top holds {sorted(top)}: a module of a room belongs in it"
     for room in ROOMS:
@@ -119,7 +125,7 @@ def test_rooms_import_only_the_rooms_below_them_and_the_kit():
     for path in sorted((ROOT / "infra").rglob("*.py")):
         where = path.relative_to(ROOT / "infra").parts
         if len(where) == 1:  # the top: cli.py imports no room, the kit imports nothing of infra but itself
-            allowed = set() if path.stem == "cli" else KIT
+            allowed = KIT
         else:
             allowed = {where[0], *ROOMS[where[0]], *KIT}
         for part in imported_infra_parts(path.read_text(), package_of(path)) - allowed:

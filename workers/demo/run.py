@@ -8,15 +8,13 @@ its schedule, wrap the model and optimizer in a `Learner`, train as usual.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
 from diloco.storage.settings import Endpoints
-from diloco.workers.learner import Learner, LearnerConfig
+from diloco.workers.learner import Learner, LearnerConfig, Preempted
 from diloco.workers.tasks.base import Task, train_step
 
 log = logging.getLogger(__name__)
@@ -47,35 +45,36 @@ class DemoLearnerArgs:
 def train_demo_learner(task: Task, args: DemoLearnerArgs, endpoints: Endpoints | None = None,
                        config: LearnerConfig | None = None) -> Learner:
     torch.set_num_threads(args.threads)
-    stop = threading.Event()
-    # SIGTERM (e.g. a spot preemption notice): finish the current step, send the progress since the
-    # last sends (it joins the others' next round), flush and leave, but not as finished: the learner
-    # may come back, and the run does not end without it.
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     model = task.make_model(args.model_seed)
     optimizer = task.make_inner_optimizer(model)
     schedule = task.make_lr_schedule(optimizer, args.steps)
     batches = task.train_batches(args.data_seed)
+    # handle_sigterm: SIGTERM (a spot preemption notice, a pod deleted) ends the step in progress,
+    # sends the progress since the last sends (it joins the others' next round) and leaves, but not as
+    # finished: the learner may come back, and the run does not end without it. optimizer.step()
+    # then raises Preempted, which this loop takes as a normal exit.
     learner = Learner(model, optimizer, run=args.run, endpoints=endpoints, learner_id=args.learner_id,
-                      tokens_per_step=task.tokens_per_step(), config=config)
-    with learner:
-        log.info("learner %s: %d steps, slowdown x%.2f", args.learner_id, args.steps, args.slowdown)
-        until = args.until if args.until > 0 else float("inf")
-        for step in range(args.steps):
-            if stop.is_set() or learner.run_finished:
-                log.info("learner %s: %s, leaving after step %d", args.learner_id,
-                         "SIGTERM" if stop.is_set() else "the run is finished", step)
-                learner.finish(preempted=True)
-                break
-            if time.time() >= until:
-                log.info("learner %s: time budget spent, leaving after step %d", args.learner_id, step)
-                break
-            t0 = time.perf_counter()
-            loss = train_step(task, model, optimizer, schedule, next(batches))
-            learner.report(loss=loss)
-            elapsed = time.perf_counter() - t0
-            if args.step_time_s > 0:
-                time.sleep(max(0.0, args.step_time_s * args.slowdown - elapsed))
-            elif args.slowdown > 1.0:
-                time.sleep((args.slowdown - 1.0) * elapsed)
+                      tokens_per_step=task.tokens_per_step(), config=config, handle_sigterm=True)
+    try:
+        with learner:
+            log.info("learner %s: %d steps, slowdown x%.2f", args.learner_id, args.steps, args.slowdown)
+            until = args.until if args.until > 0 else float("inf")
+            for step in range(args.steps):
+                if learner.run_finished:
+                    log.info("learner %s: the run is finished, leaving after step %d", args.learner_id, step)
+                    learner.finish(preempted=True)
+                    break
+                if time.time() >= until:
+                    log.info("learner %s: time budget spent, leaving after step %d", args.learner_id, step)
+                    break
+                t0 = time.perf_counter()
+                loss = train_step(task, model, optimizer, schedule, next(batches))
+                learner.report(loss=loss)
+                elapsed = time.perf_counter() - t0
+                if args.step_time_s > 0:
+                    time.sleep(max(0.0, args.step_time_s * args.slowdown - elapsed))
+                elif args.slowdown > 1.0:
+                    time.sleep((args.slowdown - 1.0) * elapsed)
+    except Preempted as exc:
+        log.info("%s", exc)
     return learner

@@ -1,0 +1,174 @@
+"""What a user wrapping a loop in `Learner` relies on, against the real Redis and S3:
+
+- a token count is required (tokens weigh contributions): none at all is an error at the first
+  step, never a silent zero weight; the bytes a learner reads are counted, as its sends are;
+- a learner refused at join leaves no thread of its own running;
+- a `torch.compile`d model trains in the same run as an uncompiled one (names without `_orig_mod.`);
+- `handle_sigterm=True`: SIGTERM ends the step in progress, sends the progress, leaves as preempted
+  (not finished) and raises `Preempted` (exit code 143) out of `optimizer.step()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from diloco import Preempted
+from diloco.storage.errors import ConfigError
+from diloco.workers.learner import Learner
+from harness import TINY_RUN, Tiny, announcements, join, make_coordinator, merged_ids, train
+
+STEPS_RUN = dataclasses.replace(TINY_RUN, cadence="steps")  # H = 4
+
+
+def started(coord, learner: Learner) -> None:  # noqa: ANN001
+    t = threading.Thread(target=learner.start)
+    t.start()
+    while t.is_alive():
+        coord.step(block_ms=50)
+
+
+def learner_threads(name: str) -> list[str]:
+    return [t.name for t in threading.enumerate() if t.is_alive() and t.name in ("heartbeat", "fetcher", f"uploader-{name}")]
+
+
+def test_tokens_per_step_is_required_or_reported_never_a_silent_zero(endpoints, run_id):
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad in (0, -5, True):
+        with pytest.raises(ConfigError, match="tokens_per_step"):
+            Learner(model, opt, run=run_id, endpoints=endpoints, tokens_per_step=bad)
+    coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
+    learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id="uncounted")
+    started(coord, learner)
+    # Bytes down are counted too: joining read version 0's params of both fragments (and more).
+    version_0 = sum(size for key, size in coord.store.list_sizes(coord.keys.versions_prefix())
+                    if key.rsplit("/", 1)[-1].startswith("params."))
+    assert version_0 > 0 and learner.progress().bytes_downloaded > version_0
+    try:
+        learner.report(tokens=7)  # a count reported for the step is enough
+        train(learner, opt, 1)
+        assert learner.tokens == 7
+        with pytest.raises(ConfigError, match="no token count"):
+            train(learner, opt, 1)
+    finally:
+        learner.close()
+    coord.close()
+
+
+def test_a_learner_refused_at_join_leaves_no_thread_running(endpoints, run_id):
+    coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
+    join(endpoints, run_id, coord, "a")[0].close()
+    wider = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    misfit = Learner(wider, torch.optim.SGD(wider.parameters(), lr=0.1), run=run_id, endpoints=endpoints,
+                     learner_id="misfit", tokens_per_step=1)
+    with pytest.raises(ConfigError, match="does not fit run"):
+        started_raising(coord, misfit)
+    assert learner_threads("misfit") == []
+    coord.close()
+
+
+def started_raising(coord, learner: Learner) -> None:  # noqa: ANN001
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            learner.start()
+        except BaseException as exc:  # noqa: BLE001
+            raised.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    while t.is_alive():
+        coord.step(block_ms=50)
+    if raised:
+        raise raised[0]
+
+
+def test_a_compiled_model_trains_in_the_same_run_as_an_uncompiled_one(endpoints, run_id):
+    coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
+    plain, plain_opt = join(endpoints, run_id, coord, "plain")
+    torch.manual_seed(0)
+    compiled = torch.compile(Tiny(), backend="eager")  # the wrapper names its parameters _orig_mod.<name>
+    assert all(n.startswith("_orig_mod.") for n, _ in compiled.named_parameters())
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    learner = Learner(compiled, opt, run=run_id, endpoints=endpoints, learner_id="compiled", tokens_per_step=10)
+    started(coord, learner)
+    try:
+        train(learner, opt, 4)  # fragment 0 due at step 4
+        sent = [a.contribution_id for _, a in announcements(coord.bus) if a.learner == "compiled"]
+        assert sent
+        for _ in range(20):
+            coord.step(block_ms=50)
+        assert set(sent) <= set(merged_ids(endpoints, run_id))
+        assert coord.bus.counters().get("contributions_refused", 0) == 0, coord.bus.refusals()
+        # The global state comes back under the compiled model's own names.
+        assert sorted(learner.global_state_dict()) == sorted(n for n, _ in compiled.named_parameters())
+    finally:
+        learner.close()
+        plain.close()
+    coord.close()
+
+
+def test_sigterm_sends_the_progress_leaves_as_preempted_and_raises_out_of_the_step(endpoints, run_id):
+    coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
+    before = signal.getsignal(signal.SIGTERM)
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id="spot", tokens_per_step=10,
+                      handle_sigterm=True)
+    started(coord, learner)
+    with pytest.raises(Preempted) as raised:
+        with learner:
+            train(learner, opt, 5)  # fragment 0 sent at step 4
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice between steps: the next step is the last
+            assert learner.preempted
+            train(learner, opt, 3)
+    assert raised.value.code == 143 and learner.step == 6
+    sent = sorted((a.fragment, a.steps, a.final) for _, a in announcements(coord.bus) if a.kind == "delta")
+    assert sent == [(0, 2, True), (0, 4, False), (1, 6, True)]  # every step sent, the last ones as its way out
+    assert "spot" not in coord.bus.finished_learners()  # preempted, not finished: it may come back
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the user's again
+    coord.close()
+
+
+def forward(model: Tiny, x: torch.Tensor) -> torch.Tensor:
+    for block in model.blocks:
+        x = torch.relu(block(x))
+    return x
+
+
+def test_gradient_accumulation_and_bf16_autocast_count_optimizer_steps_and_their_tokens(endpoints, run_id):
+    """A loop that accumulates 4 micro-batches per optimizer step under CPU bf16 autocast: the learner
+    counts optimizer steps (its hook is on `optimizer.step()`), tokens_per_step is per optimizer step
+    (4 micro-batches of 10), and the fp32 parameters' deltas are merged like any other."""
+    coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id="accumulating", tokens_per_step=4 * 10)
+    started(coord, learner)
+    with learner:
+        for _ in range(4):  # H = 4 optimizer steps: fragment 0 is due after the 4th
+            for _ in range(4):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = forward(model, torch.randn(10, 4)).pow(2).mean() / 4
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        assert learner.step == 4 and learner.tokens == 160
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert learner.uploader.flush(30)
+    first = [a for _, a in announcements(coord.bus) if a.kind == "delta" and not a.final]
+    assert [(a.fragment, a.steps, a.tokens) for a in first] == [(0, 4, 160)]
+    for _ in range(20):
+        coord.step(block_ms=50)
+    sent = {a.contribution_id for _, a in announcements(coord.bus) if a.learner == "accumulating"}
+    assert sent <= set(merged_ids(endpoints, run_id)), "every piece merged"
+    coord.close()

@@ -1,0 +1,64 @@
+"""Settings from the command line, DILOCO_* variables and a TOML file, as `diloco` reads them.
+
+Precedence, highest first: the flag, the environment, the file's [command] table, the file's top,
+the default. A value that does not parse, is not one of the choices, or a file key no option takes
+is an error naming where it came from; nothing wrong passes silently.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco import __version__
+from diloco.infra.cli import build_parser, main
+from diloco.storage.errors import ConfigError
+
+
+def parse(argv: list[str], monkeypatch: pytest.MonkeyPatch, env: dict[str, str] | None = None):  # noqa: ANN201
+    for name in [k for k in __import__("os").environ if k.startswith("DILOCO_")]:
+        monkeypatch.delenv(name)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    return build_parser(argv).parse_args(argv)
+
+
+def test_a_flag_beats_the_environment_which_beats_the_file_which_beats_the_default(tmp_path, monkeypatch):
+    config = tmp_path / "run.toml"
+    config.write_text('outer-lr = 0.5\nmin_quorum = 3\ncodec = "int4"\n\n[coordinator]\nouter_lr = 0.6\n')
+    args = parse(["coordinator", "--run", "r", "--config", str(config)], monkeypatch)
+    assert (args.outer_lr, args.min_quorum, args.codec, args.outer_momentum) == (0.6, 3, "int4", 0.9)
+    args = parse(["coordinator", "--run", "r", "--config", str(config)], monkeypatch,
+                 {"DILOCO_MIN_QUORUM": "2", "DILOCO_STANDBY": "yes"})
+    assert (args.min_quorum, args.standby) == (2, True)
+    args = parse(["coordinator", "--run", "r", "--min-quorum", "4"], monkeypatch,
+                 {"DILOCO_MIN_QUORUM": "2", "DILOCO_CONFIG": str(config)})
+    assert (args.min_quorum, args.outer_lr) == (4, 0.6)
+
+
+def test_wrong_settings_are_refused_naming_where_they_came_from(tmp_path, monkeypatch, capsys):
+    with pytest.raises(ConfigError, match="DILOCO_MIN_QUORUM: 'two' is not a valid int"):
+        parse(["coordinator", "--run", "r"], monkeypatch, {"DILOCO_MIN_QUORUM": "two"})
+    with pytest.raises(ConfigError, match="DILOCO_CODEC: 'int7' is not one of fp32, bf16, int8, int4"):
+        parse(["coordinator", "--run", "r"], monkeypatch, {"DILOCO_CODEC": "int7"})
+    with pytest.raises(SystemExit):  # argparse: invalid choice
+        parse(["coordinator", "--run", "r", "--codec", "int7"], monkeypatch)
+    assert "invalid choice: 'int7'" in capsys.readouterr().err
+    typo = tmp_path / "typo.toml"
+    typo.write_text("steps = 3  # a learner's setting: other commands leave it\n[coordinator]\nmin_qorum = 2\n")
+    with pytest.raises(ConfigError, match="unknown setting.*min_qorum"):
+        parse(["coordinator", "--run", "r", "--config", str(typo)], monkeypatch)
+    broken = tmp_path / "broken.toml"
+    broken.write_text("min_quorum = \n")
+    with pytest.raises(ConfigError, match="cannot read the config file"):
+        parse(["coordinator", "--run", "r", "--config", str(broken)], monkeypatch)
+    assert main(["coordinator", "--run", "r", "--config", str(typo)]) == 2
+    assert "min_qorum" in capsys.readouterr().err
+
+
+def test_verbose_anywhere_and_the_version(monkeypatch, capsys):
+    assert parse(["-v", "coordinator", "--run", "r"], monkeypatch).verbose
+    assert parse(["coordinator", "--run", "r", "-v"], monkeypatch).verbose
+    assert not parse(["coordinator", "--run", "r"], monkeypatch).verbose
+    with pytest.raises(SystemExit) as exited:
+        parse(["--version"], monkeypatch)
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"diloco {__version__}"
