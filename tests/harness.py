@@ -90,11 +90,27 @@ def tiny_learner(endpoints: Endpoints, run_id: str, name: str) -> tuple[Learner,
 def join(endpoints, run_id, coord, name) -> tuple[Learner, torch.optim.Optimizer]:  # noqa: ANN001
     """A learner joined through genesis, with the coordinator stepped in between."""
     learner, opt = tiny_learner(endpoints, run_id, name)
-    t = threading.Thread(target=learner.start)
+    start_beside(coord, learner)
+    return learner, opt
+
+
+def start_beside(coord, learner: Learner) -> None:  # noqa: ANN001
+    """`learner.start()` in a thread while the in-process coordinator steps (joining waits for the
+    run's version 0, which the coordinator commits); re-raises what the start raised."""
+    raised: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            learner.start()
+        except BaseException as exc:  # noqa: BLE001
+            raised.append(exc)
+
+    t = threading.Thread(target=start)
     t.start()
     while t.is_alive():
         coord.step(block_ms=50)
-    return learner, opt
+    if raised:
+        raise raised[0]
 
 
 def train(learner: Learner, opt: torch.optim.Optimizer, steps: int) -> None:

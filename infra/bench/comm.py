@@ -1,14 +1,15 @@
-"""`diloco bench comm`: bytes a learner sends per token, per codec, against a data-parallel all-reduce.
+"""`diloco bench comm`: bytes a learner moves per token, both ways, per codec, against a data-parallel all-reduce.
 
 One short run per codec and H (M learners, P fragments, step cadence, real processes and
-servers). Bytes are the sizes of the run's contribution objects in S3 (`fragments/`: every outer
-gradient the learners sent); tokens are those the objects cover (each header says how many
-tokens its delta covers; every fragment covers them once), so progress a learner had not sent
-when the run ended counts on neither side. Their ratio is bytes per learner per token. Genesis
-proposals are not counted (once per run, not per step). A data-parallel all-reduce of the same
-model moves about 2 x the parameter bytes (fp32) per step per worker (ring all-reduce:
-reduce-scatter + all-gather), i.e. 2 x 4 x params / tokens_per_step bytes per token; the
-reduction factor is that over ours.
+servers). Up: the sizes of the run's contribution objects in S3 (`fragments/`: every outer
+gradient the learners sent) over the tokens the objects cover (each header says how many tokens
+its delta covers; every fragment covers them once), so progress a learner had not sent when the
+run ended counts on neither side; genesis proposals are not counted (once per run). Down: every
+byte the learners read from S3 (versions' params and manifests, the run's records at join: their
+`bytes_downloaded`, last heartbeat) over the tokens they trained. A data-parallel ring all-reduce
+of the same model sends about 2 x the parameter bytes (fp32) per step per worker (reduce-scatter +
+all-gather), i.e. 2 x 4 x params / tokens_per_step bytes per token, and receives as many; each
+reduction factor is data-parallel's bytes over ours, up, down and both ways together.
 
 Reconstruction error: the fp32 run's real outer gradients (its contribution objects in S3) are
 encoded and decoded with every codec; the table gives the relative L2 error ||d - d'|| / ||d||.
@@ -34,7 +35,7 @@ from diloco.workers.demo.task import DemoTask
 log = logging.getLogger(__name__)
 
 NAME = "comm"
-HELP = "bytes sent per learner per token for each codec vs a data-parallel all-reduce, and each codec's error"
+HELP = "bytes per learner per token, up and down, for each codec vs a data-parallel all-reduce, and each codec's error"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,11 +56,22 @@ class Arm:
     delta_bytes: int
     """Bytes of every contribution object the run's learners stored."""
     tokens: int
+    """Tokens those objects cover."""
+    down_bytes: int
+    """Bytes the learners read from S3."""
+    trained_tokens: int
+    """Tokens the learners trained."""
     trial: TrialResult
 
     @property
     def bytes_per_token(self) -> float:
+        """Up: bytes sent per learner per token."""
         return self.delta_bytes / max(1, self.tokens)
+
+    @property
+    def down_per_token(self) -> float:
+        """Down: bytes read per learner per token."""
+        return self.down_bytes / max(1, self.trained_tokens)
 
 
 @dataclass
@@ -75,16 +87,19 @@ class CommResult:
 
     def table(self) -> str:
         dp = self.dp_bytes_per_token()
-        rows = [["data-parallel all-reduce (fp32)", dp, 1.0, None]]
+        rows = [["data-parallel all-reduce (fp32)", dp, dp, 2 * dp, 1.0, 1.0, None]]
         for arm in self.arms:
-            rows.append([f"{arm.codec}, H={arm.sync_every}", arm.bytes_per_token, dp / arm.bytes_per_token,
-                         self.errors.get(arm.codec)])
-        best = max(dp / arm.bytes_per_token for arm in self.arms)
-        head = (f"comm: {self.params} parameters, {self.tokens_per_step} tokens per learner step; data-parallel moves "
-                f"{dp:.1f} bytes per token per worker")
-        return (head + "\n" + figures_table(["what", "bytes/token", "x less than DP", "rel. L2 error"], rows)
-                + f"\nbest reduction {best:.0f}x (target >= 500x: {'met' if best >= 500 else 'NOT met'}); bytes per "
-                f"token scale as 1/H")
+            both = arm.bytes_per_token + arm.down_per_token
+            rows.append([f"{arm.codec}, H={arm.sync_every}", arm.bytes_per_token, arm.down_per_token, both,
+                         dp / arm.bytes_per_token, 2 * dp / both, self.errors.get(arm.codec)])
+        best_up = max(dp / arm.bytes_per_token for arm in self.arms)
+        best = max(2 * dp / (arm.bytes_per_token + arm.down_per_token) for arm in self.arms)
+        head = (f"comm: {self.params} parameters, {self.tokens_per_step} tokens per learner step; data-parallel sends "
+                f"{dp:.1f} and receives {dp:.1f} bytes per token per worker")
+        return (head + "\n" + figures_table(["what", "up B/token", "down B/token", "both B/token", "x less up",
+                                             "x less both", "rel. L2 error"], rows)
+                + f"\nbest reduction up {best_up:.0f}x, both ways {best:.0f}x (target >= 500x both ways: "
+                f"{'met' if best >= 500 else 'NOT met'}); bytes per token scale as 1/H")
 
     def to_json(self) -> dict:
         dp = self.dp_bytes_per_token()
@@ -92,6 +107,9 @@ class CommResult:
                 "dp_bytes_per_token": dp, "relative_l2_error": self.errors,
                 "arms": [{"codec": a.codec, "sync_every": a.sync_every, "delta_bytes": a.delta_bytes, "tokens": a.tokens,
                           "bytes_per_token": a.bytes_per_token, "reduction": dp / a.bytes_per_token,
+                          "down_bytes": a.down_bytes, "trained_tokens": a.trained_tokens,
+                          "down_per_token": a.down_per_token,
+                          "reduction_both_ways": 2 * dp / (a.bytes_per_token + a.down_per_token),
                           "trial": a.trial.to_json()} for a in self.arms]}
 
 
@@ -144,7 +162,8 @@ def run(args: argparse.Namespace) -> CommResult:
                 trial = run_trial(stack, Trial(f"comm-{codec}-h{h}", learners, 3600.0, shape), task, args.out,
                                   curve_points=1)
                 size, tokens = sent(store, RunKeys(stack.endpoints.prefix, trial.run), args.fragments)
-                arms.append(Arm(codec, h, size, tokens, trial))
+                arms.append(Arm(codec, h, size, tokens, int(trial.total("bytes_downloaded")),
+                                int(trial.total("tokens")), trial))
         reference = next(a for a in arms if a.codec == "fp32")
         errors = reconstruction_errors(store, RunKeys(stack.endpoints.prefix, reference.trial.run))
     params = sum(p.numel() for p in task.make_model(0).parameters())

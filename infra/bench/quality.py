@@ -38,6 +38,7 @@ from diloco.infra.bench.quality_report import ArmCurve, TaskReport, table
 from diloco.infra.bench.quality_tasks import TASKS, BenchTask, pick
 from diloco.infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
 from diloco.infra.local.stack import LocalStack
+from diloco.infra.output import Progress
 from diloco.storage.codecs import CODECS
 from diloco.workers.tasks.base import train_baseline
 
@@ -157,9 +158,11 @@ def run(args: argparse.Namespace) -> QualityResult:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}: choose from {', '.join(ARMS)}")
     tasks = pick(args.tasks)
     reports = []
-    with bench_stack(args.out) as stack:
+    with bench_stack(args.out) as stack, Progress("quality", unit="tasks") as bar:
+        bar.update(0, len(tasks))
         for name, bench in tasks.items():
             reports.append(run_task(name, bench, args, wanted, stack))
+            bar.advance()
             if len(tasks) > 1:
                 log.info("quality %s done:\n%s", name, table(reports[-1:], args.learners))
     return QualityResult(args.learners, reports)

@@ -21,16 +21,9 @@ import torch
 from diloco import Preempted
 from diloco.storage.errors import ConfigError
 from diloco.workers.learner import Learner
-from harness import TINY_RUN, Tiny, announcements, join, make_coordinator, merged_ids, train
+from harness import TINY_RUN, Tiny, announcements, join, make_coordinator, merged_ids, start_beside, train
 
 STEPS_RUN = dataclasses.replace(TINY_RUN, cadence="steps")  # H = 4
-
-
-def started(coord, learner: Learner) -> None:  # noqa: ANN001
-    t = threading.Thread(target=learner.start)
-    t.start()
-    while t.is_alive():
-        coord.step(block_ms=50)
 
 
 def learner_threads(name: str) -> list[str]:
@@ -45,7 +38,7 @@ def test_tokens_per_step_is_required_or_reported_never_a_silent_zero(endpoints, 
             Learner(model, opt, run=run_id, endpoints=endpoints, tokens_per_step=bad)
     coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
     learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id="uncounted")
-    started(coord, learner)
+    start_beside(coord, learner)
     # Bytes down are counted too: joining read version 0's params of both fragments (and more).
     version_0 = sum(size for key, size in coord.store.list_sizes(coord.keys.versions_prefix())
                     if key.rsplit("/", 1)[-1].startswith("params."))
@@ -68,26 +61,9 @@ def test_a_learner_refused_at_join_leaves_no_thread_running(endpoints, run_id):
     misfit = Learner(wider, torch.optim.SGD(wider.parameters(), lr=0.1), run=run_id, endpoints=endpoints,
                      learner_id="misfit", tokens_per_step=1)
     with pytest.raises(ConfigError, match="does not fit run"):
-        started_raising(coord, misfit)
+        start_beside(coord, misfit)
     assert learner_threads("misfit") == []
     coord.close()
-
-
-def started_raising(coord, learner: Learner) -> None:  # noqa: ANN001
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            learner.start()
-        except BaseException as exc:  # noqa: BLE001
-            raised.append(exc)
-
-    t = threading.Thread(target=run)
-    t.start()
-    while t.is_alive():
-        coord.step(block_ms=50)
-    if raised:
-        raise raised[0]
 
 
 def test_a_compiled_model_trains_in_the_same_run_as_an_uncompiled_one(endpoints, run_id):
@@ -98,7 +74,7 @@ def test_a_compiled_model_trains_in_the_same_run_as_an_uncompiled_one(endpoints,
     assert all(n.startswith("_orig_mod.") for n, _ in compiled.named_parameters())
     opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
     learner = Learner(compiled, opt, run=run_id, endpoints=endpoints, learner_id="compiled", tokens_per_step=10)
-    started(coord, learner)
+    start_beside(coord, learner)
     try:
         train(learner, opt, 4)  # fragment 0 due at step 4
         sent = [a.contribution_id for _, a in announcements(coord.bus) if a.learner == "compiled"]
@@ -123,7 +99,7 @@ def test_sigterm_sends_the_progress_leaves_as_preempted_and_raises_out_of_the_st
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id="spot", tokens_per_step=10,
                       handle_sigterm=True)
-    started(coord, learner)
+    start_beside(coord, learner)
     with pytest.raises(Preempted) as raised:
         with learner:
             train(learner, opt, 5)  # fragment 0 sent at step 4
@@ -153,7 +129,7 @@ def test_gradient_accumulation_and_bf16_autocast_count_optimizer_steps_and_their
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id="accumulating", tokens_per_step=4 * 10)
-    started(coord, learner)
+    start_beside(coord, learner)
     with learner:
         for _ in range(4):  # H = 4 optimizer steps: fragment 0 is due after the 4th
             for _ in range(4):

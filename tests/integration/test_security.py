@@ -121,6 +121,7 @@ def test_no_secret_reaches_the_logs_of_a_run(secure_stack, secure_endpoints, run
     password, aws_secret = secure_stack.redis_password, os.environ["AWS_SECRET_ACCESS_KEY"]
     assert password in secure_endpoints.redis_url and aws_secret == secure_stack.secret_key
     caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="botocore")  # `diloco` run in-process by an earlier test quiets it
     log = logging.getLogger("diloco")
     log.info("endpoints: %s %r", secure_endpoints, secure_endpoints)  # what a careless log line would do
     run_rounds(secure_endpoints, run_id, rounds=2)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -28,7 +27,7 @@ from diloco.storage.history import list_versions, sha256_hex
 from diloco.storage.protocol import Announcement
 from diloco.storage.settings import ENV_REDIS_URL
 from diloco.workers.learner import Learner
-from harness import TASK, make_coordinator
+from harness import TASK, make_coordinator, start_beside
 
 FORGER = "mallory"
 SETTINGS = RunSettings(num_fragments=2, sync_every=4, overlap_steps=1, codec="int8", compress=True, cadence="steps")
@@ -49,10 +48,7 @@ def joined(endpoints, run_id, coord, name) -> tuple[Learner, torch.optim.Optimiz
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id=name,
                       tokens_per_step=TASK.tokens_per_step())
-    t = threading.Thread(target=learner.start)
-    t.start()
-    while t.is_alive():
-        coord.step(block_ms=50)
+    start_beside(coord, learner)
     return learner, opt
 
 
