@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from pathlib import Path
 
-from diloco.infra.options import check_sources, load_sources
+from diloco.infra.options import check_sources, load_sources, reset_sources
 from diloco.storage.errors import DilocoError
 
 log = logging.getLogger("diloco")
@@ -84,13 +84,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_common(parser, top=True)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     load_sources(chosen, words)
-    for name, room, help_text in COMMANDS:
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
-        if name == chosen:
-            _add_common(sub, top=False)
-            command_function(name, room, "add")(sub)
-            check_sources()
-        sub.set_defaults(handler=_run_later(name, room))
+    try:
+        for name, room, help_text in COMMANDS:
+            sub = subparsers.add_parser(name, help=help_text, description=help_text)
+            if name == chosen:
+                _add_common(sub, top=False)
+                command_function(name, room, "add")(sub)
+                check_sources()
+            sub.set_defaults(handler=_run_later(name, room))
+    finally:
+        reset_sources()
     return parser
 
 

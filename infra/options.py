@@ -101,6 +101,13 @@ def check_sources() -> None:
                           "(see its --help)")
 
 
+def reset_sources() -> None:
+    """Forget the environment and file read by `load_sources` (the options are built; later parsers
+    built directly with `add_options` take the fields' defaults)."""
+    global _sources
+    _sources = Sources()
+
+
 def _config_path(argv: Sequence[str]) -> str | None:
     for i, word in enumerate(argv):
         if word == "--config" and i + 1 < len(argv):

@@ -194,8 +194,9 @@ def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
                         help="never delete an object younger than this (default: %(default)g s): a margin for "
                              "readers of a live run")
     parser.add_argument("--dry-run", action="store_true", help="say what would be deleted and delete nothing")
-    parser.add_argument("-v", "--verbose", dest="list_keys", action="store_true",
-                        help="also print every key deleted (or that would be) and every key kept for a reason")
+    parser.add_argument("--list-keys", action="store_true",
+                        help="also print every key deleted (or that would be) and every key kept for a reason "
+                             "(so does -v, which adds debug logging)")
     parser.add_argument("--json", dest="json_path", type=Path, metavar="PATH",
                         help="also write the figures and every key to this JSON file")
 

@@ -9,6 +9,8 @@ contribution (v2) is committed and merges that one; its next delta is fresh.
 
 from __future__ import annotations
 
+import pytest
+
 import dataclasses
 import time
 
@@ -71,5 +73,6 @@ def test_a_learner_waits_for_the_version_with_its_own_contribution(endpoints, ru
     assert run(endpoints, run_id, LearnerConfig().own_version_wait) == (2, 0)
 
 
+@pytest.mark.slow  # the counterpart of the waiting test, which stays in `make test`
 def test_without_waiting_it_takes_the_older_version_and_its_next_delta_is_stale(endpoints, run_id):
     assert run(endpoints, run_id, 0.0) == (1, 1)

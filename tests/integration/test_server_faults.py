@@ -171,6 +171,7 @@ def test_announcements_lost_with_redis_are_found_in_s3_and_merged_once(own_stack
     learner.close()
 
 
+@pytest.mark.slow  # test_announcements_lost_with_redis_are_found_in_s3_and_merged_once covers the same in `make test`
 def test_an_announcement_lost_in_a_redis_restart_is_found_in_s3_and_merged(own_stack):
     """Redis restarts with its data but not its last writes (appendfsync everysec): here, a
     contribution stored in S3 whose announcement never made it. Once the coordinator has read the
