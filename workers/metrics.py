@@ -82,6 +82,8 @@ COUNTERS: dict[str, tuple[str, Callable[[LearnerStats, Any], float]]] = {
                                                lambda p, s: s.coalesced),
     "diloco_learner_upload_retries": ("Failed upload attempts retried", lambda p, s: s.upload_retries),
     "diloco_learner_bytes_uploaded": ("Bytes of contribution objects stored", lambda p, s: p.bytes_uploaded),
+    "diloco_learner_bytes_downloaded": ("Bytes of every object read from S3 (versions, manifests, the run's records)",
+                                        lambda p, s: p.bytes_downloaded),
     "diloco_learner_versions_fetched": ("Global versions downloaded and verified", lambda p, s: s.fetched),
     "diloco_learner_fetch_failures": ("Version downloads that failed (retried)", lambda p, s: s.fetch_failed),
     "diloco_learner_sync_seconds": ("Seconds the training loop spent in the learner's step hook",

@@ -371,20 +371,30 @@ def plot_versions(history: History, x: TimeAxis, path: Path) -> Path:
     return _save(fig, path)
 
 
+def _per_fragment(ax: Any, history: History, x: TimeAxis, points: list[tuple[float, int, float]], *,
+                  first: dict[str, Any] | None = None, alpha: float) -> None:
+    """(time, fragment, value) points, one series per fragment (fragment 0 drawn with `first`'s style)."""
+    for f in range(history.spec.num_fragments):
+        mine = [(t, v) for t, g, v in points if g == f]
+        if mine:
+            style = (first if f == 0 and first else {"marker": ".", "ms": 4})
+            ax.plot([x(t) for t, _ in mine], [v for _, v in mine], linestyle="none", alpha=alpha,
+                    label=f"fragment {f}", **style)
+
+
+def _line(ax: Any, x: TimeAxis, points: list[tuple[float, float]], label: str) -> None:
+    """A per-version summary drawn over the points, if there is one."""
+    if points:
+        ax.plot([x(t) for t, _ in points], [v for _, v in points], "-", color="black", lw=0.8, alpha=0.6, label=label)
+
+
 def plot_staleness(history: History, x: TimeAxis, path: Path) -> Path:
     fig = _figure_class()(figsize=(11, 4.5))
     ax = fig.add_subplot()
     points = staleness_points(history)
-    for f in range(history.spec.num_fragments):
-        mine = [(t, s) for t, g, s in points if g == f]
-        if mine:
-            ax.plot([x(t) for t, _ in mine], [s for _, s in mine], "o" if f == 0 else ".", ms=6 if f == 0 else 4,
-                    mfc="none" if f == 0 else None, alpha=0.7, label=f"fragment {f}")
-    per_commit = [(c.t, sum(i.staleness for i in c.inputs) / len(c.inputs)) for c in history.commits
-                  if c.version > 0 and c.inputs]
-    if per_commit:
-        ax.plot([x(t) for t, _ in per_commit], [s for _, s in per_commit], "-", color="black", lw=0.8,
-                alpha=0.6, label="mean per merged version")
+    _per_fragment(ax, history, x, points, first=dict(marker="o", ms=6, mfc="none"), alpha=0.7)
+    _line(ax, x, [(c.t, sum(i.staleness for i in c.inputs) / len(c.inputs)) for c in history.commits
+                  if c.version > 0 and c.inputs], "mean per merged version")
     if not points:
         ax.text(0.5, 0.5, "no merged contributions yet", transform=ax.transAxes, ha="center")
     _frame(ax, history, x)
@@ -398,19 +408,14 @@ def plot_bytes_per_token(history: History, x: TimeAxis, path: Path) -> Path:
     fig = _figure_class()(figsize=(11, 4.5))
     ax = fig.add_subplot()
     points, missing = bytes_per_token_points(history)
-    for f in range(history.spec.num_fragments):
-        mine = [(t, b) for t, g, b in points if g == f]
-        if mine:
-            ax.plot([x(t) for t, _ in mine], [b for _, b in mine], ".", ms=4, alpha=0.6, label=f"fragment {f}")
+    _per_fragment(ax, history, x, points, alpha=0.6)
     per_commit = []
     for c in history.commits:
         known = [(history.sizes[i.object_key], i.tokens) for i in c.inputs
                  if c.version > 0 and i.object_key in history.sizes and i.tokens > 0]
         if known:
             per_commit.append((c.t, sum(n for n, _ in known) / sum(k for _, k in known)))
-    if per_commit:
-        ax.plot([x(t) for t, _ in per_commit], [b for _, b in per_commit], "-", color="black", lw=0.8, alpha=0.6,
-                label="per merged version (its bytes / its tokens)")
+    _line(ax, x, per_commit, "per merged version (its bytes / its tokens)")
     codec = f"{history.spec.codec}{' + zstd' if history.spec.compress else ''}"
     note = f"; {missing} merged piece(s) not shown (object deleted by gc, or no tokens counted)" if missing else ""
     if not points:

@@ -368,8 +368,7 @@ def read_status(bus: Bus, store: Store, *, refusals: int = REFUSALS_SHOWN) -> Ru
     keys = bus.keys
     spec = _read_spec(store, keys)
     heads = bus.heads()
-    epoch_key = bus.r.exists(keys.epoch)
-    if spec is None and not heads and not epoch_key:
+    if spec is None and not heads and bus.epoch() is None:
         raise RunMissing(f"run {keys.run!r} does not exist: no run spec at {store.url(keys.run_spec())} and no "
                          f"keys named {keys.heads.removesuffix('heads')}* in Redis at {bus.url}: wrong run id, "
                          "bucket, DILOCO_S3_PREFIX or DILOCO_REDIS_URL?")

@@ -96,5 +96,7 @@ def test_a_learner_refused_at_join_neither_joins_nor_finishes(endpoints, run_id)
     assert isinstance(raised, ConfigError) and "does not fit run" in str(raised)
     fleet = coord.bus.fleet()
     assert "misfit" not in fleet.joined | fleet.finished | fleet.live
+    alive = {t.name for t in threading.enumerate() if t.is_alive()}
+    assert not alive & {"heartbeat", "fetcher", "uploader-misfit"}, "a refused learner left threads running"
     assert not [a for _, a in announcements(coord.bus) if a.learner == "misfit"]
     coord.close()
