@@ -14,6 +14,7 @@ import torch
 from dataclasses import dataclass, field
 
 from diloco.coordinator.policy import RoundConfig
+from diloco.storage.codecs import CODECS
 from diloco.storage.errors import ConfigError
 from diloco.storage.protocol import RunSpec
 
@@ -34,7 +35,7 @@ class RunSettings:
     alpha: float = 0.5
     """For merge_rule 'mix': local = alpha * local + (1 - alpha) * global."""
     codec: str = "int8"
-    """Outer-gradient codec: fp32, bf16, int8 or int4."""
+    """Outer-gradient codec: fp32, bf16, int8, int4 or int2 (ternary)."""
     compress: bool = True
     """zstd on top of the codec."""
     max_object_bytes: int = 1 << 30
@@ -64,6 +65,11 @@ class CoordinatorConfig:
     momentum included, rather than a whole one; a round carrying more than two usual rounds of
     progress per learner (a backlog after an outage) is scaled down to that. Off: a whole step
     every round."""
+    downstream_codec: str = "run"
+    """The codec learners download new versions in: each version is also stored as an update of its
+    parent in this codec, its quantization error carried into the next version (error feedback), and
+    learners one or a few versions behind take the updates instead of the fp32 params. 'run': the
+    run's outer-gradient codec; 'fp32': learners download the params (no update objects)."""
     round: RoundConfig = field(default_factory=RoundConfig)
     """Quorum, grace window and staleness rules."""
     round_s: float = 0.0
@@ -113,6 +119,8 @@ class CoordinatorConfig:
             raise ConfigError(f"read_batch_bytes must be positive, got {self.read_batch_bytes}")
         if not self.lease_s >= 1.0:
             raise ConfigError(f"lease_s must be at least 1 second, got {self.lease_s}")
+        if self.downstream_codec not in ("run", *CODECS):
+            raise ConfigError(f"downstream_codec must be 'run' or one of {', '.join(CODECS)}, got {self.downstream_codec!r}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be a TCP port (0: off), got {self.metrics_port}")
 

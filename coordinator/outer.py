@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from diloco.coordinator.timing import Timed, untimed
+from diloco.storage import codecs
+from diloco.storage.updates import encode_update
 
 
 def merge_deltas(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], *,
@@ -103,6 +105,9 @@ class NesterovState:
     """Momentum buffer per tensor; absent before that tensor's first step."""
     steps: int = 0
     """Outer steps taken."""
+    residual: dict[str, Tensor] = field(default_factory=dict)
+    """What the published params still owe the outer step's exact result: the quantization error of
+    the last update sent downstream (`storage.updates`), added to the next one. Empty in fp32."""
 
 
 def nesterov_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], state: NesterovState,
@@ -135,7 +140,8 @@ def nesterov_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], sta
     if isinstance(progress, bool) or not 0.0 < progress <= 1.0:
         raise ValueError(f"progress {progress!r} must be a number in (0, 1]")
     if progress == 1.0:
-        return _whole_step(params, delta, state, lr, momentum)
+        new_params, new_state = _whole_step(params, delta, state, lr, momentum)
+        return new_params, replace(new_state, residual=state.residual)
     decay = _fp32(momentum ** progress)
     gain = _fp32((1.0 - momentum ** progress) / (1.0 - momentum) / progress)
     push, rate = _fp32(progress * momentum), _fp32(lr)
@@ -148,7 +154,7 @@ def nesterov_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], sta
         buf = added if buf is None else buf * decay + added  # separate correctly rounded ops, never an FMA
         new_momentum[name] = buf
         new_params[name] = p.detach() - (grad + buf * push) * rate
-    return new_params, NesterovState(momentum=new_momentum, steps=state.steps + 1)
+    return new_params, NesterovState(momentum=new_momentum, steps=state.steps + 1, residual=state.residual)
 
 
 def _whole_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], state: NesterovState, lr: float,
@@ -193,6 +199,10 @@ class MergeSettings:
     """In (0, 1]: the fractional step's progress; always 1 for whole ('nesterov') steps."""
     update_norm: float | None = None
     """L2 norm of the merged update before its scale (`policy.RoundSize.norm`); None: not measured."""
+    downstream: str = "fp32"
+    """The codec of the version's update object (`storage.updates`): the published params are the
+    parent plus the decoded update, its error carried in the outer state's residual. 'fp32' (and
+    versions made before updates existed): the outer step's result is published as it is."""
 
     def __post_init__(self) -> None:
         if self.merge not in MERGE_RULES:
@@ -206,6 +216,8 @@ class MergeSettings:
             raise ValueError(f"round_scale {self.round_scale!r} must be a number in (0, 1]")
         if not 0.0 < self.progress <= 1.0 or (self.outer == "nesterov" and self.progress != 1.0):
             raise ValueError(f"progress {self.progress!r} must be a number in (0, 1], and 1 for whole steps")
+        if self.downstream not in codecs.CODECS:
+            raise ValueError(f"downstream codec {self.downstream!r} is not one this build knows ({', '.join(codecs.CODECS)})")
 
     @classmethod
     def read(cls, settings: Mapping[str, object]) -> MergeSettings:
@@ -223,11 +235,15 @@ class MergeSettings:
         discount = settings.get("staleness_discount", True)
         if not isinstance(discount, bool):
             raise ValueError(f"staleness_discount {discount!r} must be true or false")
+        downstream = settings.get("downstream", "fp32")
+        if not isinstance(downstream, str):
+            raise ValueError(f"downstream {downstream!r} must be a codec name")
         norm = settings.get("update_norm")
         if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float))
                                  or not math.isfinite(norm) or norm < 0):
             raise ValueError(f"update_norm {norm!r} must be a finite number >= 0")
-        return cls(**kwargs, staleness_discount=discount, update_norm=None if norm is None else float(norm))
+        return cls(**kwargs, staleness_discount=discount, update_norm=None if norm is None else float(norm),
+                   downstream=downstream)
 
     def round_map(self) -> dict[str, float]:
         """What a round's manifest records beside the coordinator's configuration: its scale, its
@@ -264,14 +280,33 @@ def update_norm(delta: Mapping[str, Tensor]) -> float:
 def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequence[Mapping[str, Tensor]],
                 weights: Sequence[float], settings: MergeSettings, *,
                 timed: Timed = untimed) -> tuple[dict[str, Tensor], NesterovState]:
-    """One round: merge `deltas` (in merge order) with `weights` (`round_delta`), then one outer
-    Nesterov step of the round's `progress` (`outer_step`), as `settings` (read from the version's
-    manifest) configure them: the live coordinator and a replay run the very same computation.
-    `timed` times the merge ("merge") and the outer step ("outer")."""
+    """One round: merge `deltas` (in merge order) with `weights` (`round_delta`), one outer Nesterov
+    step of the round's `progress` (`outer_step`), then the published params through the downstream
+    codec (`downstream_step`), as `settings` (read from the version's manifest) configure them: the
+    live coordinator and a replay run the very same computation. `timed` times the merge ("merge")
+    and the outer step ("outer")."""
     with timed("merge"):
         delta = round_delta(deltas, weights, settings)
     with timed("outer"):
-        return outer_step(params, state, delta, settings)
+        target, new_state = outer_step(params, state, delta, settings)
+        published, new_state, _ = downstream_step(params, target, new_state, settings)
+        return published, new_state
+
+
+def downstream_step(parent: Mapping[str, Tensor], target: Mapping[str, Tensor], state: NesterovState,
+                    settings: MergeSettings, *, compress: bool = False,
+                    meta: Mapping[str, str | int | float] | None = None
+                    ) -> tuple[dict[str, Tensor], NesterovState, bytes | None]:
+    """The params a version publishes, given the outer step's exact result `target`, and the update
+    object learners holding `parent` download (`storage.updates`): in the `downstream` codec of
+    `settings`, `parent + decode(encode(target - parent + residual))`, the new residual kept in the
+    state. In fp32, `target` itself, no update object and no residual. Raises Refused("non_finite") if the
+    update overflows."""
+    if settings.downstream == "fp32":
+        return dict(target), replace(state, residual={}), None
+    blob, published, residual = encode_update(parent, target, state.residual, settings.downstream,
+                                              compress=compress, meta=meta)
+    return published, replace(state, residual=residual), blob
 
 
 def outer_step(params: Mapping[str, Tensor], state: NesterovState, delta: Mapping[str, Tensor],

@@ -1,7 +1,7 @@
 """Publishing a version: objects first, then the manifest, then one atomic Redis commit.
 
 Commit order (invariant 2):
-1. PUT versions/{f}/{v}/params and .../outer_state (concurrently).
+1. PUT versions/{f}/{v}/params, .../outer_state and .../update (concurrently; no update in fp32).
 2. PUT versions/{f}/{v}/manifest (create-only). The manifest is the commit record in S3: a
    version whose manifest exists is committed, even if the Redis step below never ran.
 3. Redis: one Lua script, fenced by the coordinator epoch: head compare-and-set, versions stream
@@ -30,28 +30,43 @@ from diloco.coordinator.timing import Timed, untimed
 from diloco.storage import codecs
 from diloco.storage.bus import Bus, CommitResult
 from diloco.storage.crashpoints import crash_point
-from diloco.storage.errors import Conflict
+from diloco.storage.errors import Conflict, Refused
 from diloco.storage.history import latest_version, read_manifest, sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore, Store
 from diloco.storage.protocol import Contribution, Manifest, Refusal, VersionEvent
+from diloco.storage.updates import encode_params
 
 log = logging.getLogger(__name__)
 
 
-def encode_params(params: dict[str, torch.Tensor], keys: RunKeys, fragment: int, version: int) -> bytes:
-    return codecs.encode(params, "fp32", meta={"run": keys.run, "fragment": fragment, "version": version,
-                                               "kind": "params"})
+RESIDUAL = "residual:"
+"""Prefix of the residual tensors' names in an outer-state object (after the momentum buffers)."""
 
 
 def encode_state(state: NesterovState, keys: RunKeys, fragment: int, version: int) -> bytes:
-    return codecs.encode(state.momentum, "fp32", meta={"run": keys.run, "fragment": fragment, "version": version,
-                                                       "kind": "outer_state", "steps": state.steps})
+    """The outer-state object: the momentum buffers, then (meta `residuals` = how many) the
+    downstream residual's tensors under RESIDUAL + name. A state without residual encodes as before
+    residuals existed."""
+    meta = {"run": keys.run, "fragment": fragment, "version": version, "kind": "outer_state", "steps": state.steps}
+    tensors = dict(state.momentum)
+    if state.residual:
+        meta["residuals"] = len(state.residual)
+        tensors |= {RESIDUAL + name: t for name, t in state.residual.items()}
+    return codecs.encode(tensors, "fp32", meta=meta)
 
 
 def decode_state(blob: bytes, max_bytes: int) -> NesterovState:
     tensors, header = codecs.decode(blob, max_bytes=max_bytes)
-    return NesterovState(momentum=tensors, steps=int(header.meta.get("steps", 0)))
+    count = header.meta.get("residuals", 0)
+    names = list(tensors)
+    if not isinstance(count, int) or not 0 <= count <= len(names):
+        raise Refused("bad_header", f"outer state says it holds {count!r} residual tensors, it has {len(names)} in all")
+    split = len(names) - count
+    if not all(n.startswith(RESIDUAL) for n in names[split:]):
+        raise Refused("bad_header", f"outer state's last {count} tensors are not all named {RESIDUAL}...")
+    return NesterovState(momentum={n: tensors[n] for n in names[:split]}, steps=int(header.meta.get("steps", 0)),
+                         residual={n.removeprefix(RESIDUAL): tensors[n] for n in names[split:]})
 
 
 def listed_refusals(refused: Sequence[Refusal], limit: int) -> tuple[Refusal, ...]:
@@ -69,18 +84,23 @@ def listed_refusals(refused: Sequence[Refusal], limit: int) -> tuple[Refusal, ..
 
 def write_version(store: Store, keys: RunKeys, *, fragment: int, version: int,
                   params: dict[str, torch.Tensor], state: NesterovState, inputs: tuple[Contribution, ...],
-                  refused: tuple[Refusal, ...], settings: dict, epoch: int, timed: Timed = untimed) -> Manifest:
+                  refused: tuple[Refusal, ...], settings: dict, epoch: int, timed: Timed = untimed,
+                  update: bytes | None = None) -> Manifest:
     """Steps 1 and 2. Raises Conflict if a manifest for this version already exists, ValueError if
-    the manifest would be too large for its readers (nothing is written then).
+    the manifest would be too large for its readers (nothing is written then). `update` is the
+    version as an update of its parent (`outer.downstream_step`), stored beside the params.
 
     `timed` times the encoding ("encode"), the objects' PUTs ("put") and the manifest's ("manifest")."""
     with timed("encode"):
         # The manifest's size is known before anything is written: no object of a version that
         # could never be read.
+        update_key = keys.update(fragment, version, epoch) if update is not None else ""
         draft = Manifest(run=keys.run, fragment=fragment, version=version, parent_version=version - 1,
                          params_key=keys.params(fragment, version, epoch), params_sha256="0" * 64,
                          outer_state_key=keys.outer_state(fragment, version, epoch), outer_state_sha256="0" * 64,
-                         inputs=inputs, settings=settings, refused=refused, committed_at=0.0, epoch=epoch)
+                         inputs=inputs, settings=settings, refused=refused, committed_at=0.0, epoch=epoch,
+                         update_key=update_key, update_sha256="0" * 64 if update is not None else "",
+                         update_bytes=len(update or b""), params_bytes=1 << 40)  # sizes: no smaller than the real ones
         size = len(draft.to_wire())
         if size > Manifest.MAX_BYTES:
             raise ValueError(f"the manifest of fragment {fragment} version {version} would be {size} bytes, over "
@@ -89,18 +109,21 @@ def write_version(store: Store, keys: RunKeys, *, fragment: int, version: int,
         params_blob = encode_params(params, keys, fragment, version)
         state_blob = encode_state(state, keys, fragment, version)
         params_sha256, state_sha256 = sha256_hex(params_blob), sha256_hex(state_blob)
+        update_sha256 = sha256_hex(update) if update is not None else ""
     params_key, state_key = keys.params(fragment, version, epoch), keys.outer_state(fragment, version, epoch)
-    with timed("put"), ThreadPoolExecutor(2, thread_name_prefix="put") as pool:
-        # Both at once: neither is committed before the manifest below names them.
-        puts = [pool.submit(_put_uncommitted, store, keys, fragment, version, key, blob)
-                for key, blob in ((params_key, params_blob), (state_key, state_blob))]
+    objects = [(params_key, params_blob), (state_key, state_blob)] + ([(update_key, update)] if update else [])
+    with timed("put"), ThreadPoolExecutor(len(objects), thread_name_prefix="put") as pool:
+        # All at once: none is committed before the manifest below names them.
+        puts = [pool.submit(_put_uncommitted, store, keys, fragment, version, key, blob) for key, blob in objects]
         for put in puts:
             put.result()
     crash_point("params_written")
     manifest = Manifest(run=keys.run, fragment=fragment, version=version, parent_version=version - 1,
                         params_key=params_key, params_sha256=params_sha256, outer_state_key=state_key,
                         outer_state_sha256=state_sha256, inputs=inputs, settings=settings,
-                        refused=refused, committed_at=time.time(), epoch=epoch)
+                        refused=refused, committed_at=time.time(), epoch=epoch, update_key=update_key,
+                        update_sha256=update_sha256, update_bytes=len(update or b""),
+                        params_bytes=len(params_blob))
     with timed("manifest"):
         store.put(keys.manifest(fragment, version), manifest.to_wire(), create_only=True)
     crash_point("manifest_written")

@@ -3,7 +3,7 @@
 Pure: no I/O, no clock. Given a manifest, the parent version's params and outer state and the
 decoded inputs (in the manifest's order), `rederive` recomputes the version with the functions
 the live coordinator merges with (`merge_order`, `merge_weights`, `outer.apply_round`, and
-`publish.encode_params` / `encode_state` for the bytes), using the weights and settings the
+`updates.encode_params` / `publish.encode_state` for the bytes), using the weights and settings the
 manifest records, and compares the sha256 of the encoded bytes with the manifest's.
 
 It also re-checks what the manifest claims about its own inputs: that they are in merge order,
@@ -22,7 +22,8 @@ from torch import Tensor
 
 from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round
 from diloco.coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
-from diloco.coordinator.publish import encode_params, encode_state
+from diloco.coordinator.publish import encode_state
+from diloco.storage.updates import encode_params
 from diloco.storage.history import sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.protocol import Contribution, Manifest
@@ -37,7 +38,7 @@ class Problem:
 
     code: str
     """settings, order, staleness, weights, params, outer_state (here); the reader adds the I/O ones
-    (manifest, missing_input, corrupt_input, parent, stored_params, stored_outer_state)."""
+    (manifest, missing_input, corrupt_input, parent, stored_params, stored_outer_state, stored_update)."""
     detail: str
     """What was expected and what was found, for a person."""
 

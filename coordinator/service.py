@@ -28,7 +28,8 @@ from diloco.coordinator.influence import Claim, count_claims, fastest_plausible,
 from diloco.coordinator.intake import PendingDelta, check_announcement, fetch_tensors, to_arrival
 from diloco.coordinator.leadership import Fenced, Leadership
 from diloco.coordinator.metrics import Metrics
-from diloco.coordinator.outer import MergeSettings, NesterovState, outer_step, round_delta, scale_update, update_norm
+from diloco.coordinator.outer import (MergeSettings, NesterovState, downstream_step, outer_step, round_delta,
+                                      scale_update, update_norm)
 from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round, merge_order, merge_weights,
                                        next_cadence, round_size, round_step, run_end, served_deadline,
                                        staleness_verdict)
@@ -676,17 +677,30 @@ class Coordinator:
                     settings |= merge.round_map()
                     update = scale_update(update, step.scale)
             with self.timing("outer"):
-                params, state = outer_step(frag.params, frag.state, update, merge)
-            with self.timing("outer"):
-                finite = _finite(params) and _finite(state.momentum)
+                target, state = outer_step(frag.params, frag.state, update, merge)
+                published = self._downstream(fragment, frag, target, state, merge)
             self.metrics.merged(fragment, time.monotonic() - started)
-            if finite:
+            if published is not None:
                 for cid, note in notes.items():
                     log.warning("fragment %d: %s's piece %s bounded: %s", fragment, by_id[cid].announcement.learner,
                                 cid, note)
-                self._publish(fragment, frag, contributions, weights, params, state, settings, ordered, notes)
+                params, state, blob = published
+                self._publish(fragment, frag, contributions, weights, params, state, settings, ordered, notes,
+                              update=blob)
                 return
             self._refuse_overflow(fragment, frag, contributions)
+
+    def _downstream(self, fragment: int, frag: Fragment, target: dict[str, torch.Tensor], state: NesterovState,
+                    merge: MergeSettings) -> tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None:
+        """The params the round publishes and its update object (`outer.downstream_step`); None if the
+        outer step overflowed float32."""
+        if not (_finite(target) and _finite(state.momentum)):
+            return None
+        meta = {"run": self.spec.run, "fragment": fragment, "version": frag.head + 1}
+        try:
+            return downstream_step(frag.params, target, state, merge, compress=self.spec.compress, meta=meta)
+        except Refused:
+            return None
 
     def _round_cap(self, fragment: int) -> int:
         """The most pieces a round of `fragment` holds before it merges: as many decoded deltas as
@@ -749,11 +763,15 @@ class Coordinator:
 
     def _settings(self, kind: str) -> dict[str, str | int | float | bool]:
         """What the manifest of a version of this `kind` records, and what its merge is configured by."""
-        return self.config.settings(self.round_cfg) | {"kind": kind}
+        settings = self.config.settings(self.round_cfg) | {"kind": kind}
+        if kind == "delta":
+            codec = self.config.downstream_codec
+            settings["downstream"] = self.spec.codec if codec == "run" else codec
+        return settings
 
     def _publish(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
                  params: dict[str, torch.Tensor], state: NesterovState, settings: dict, counted: list[Arrival],
-                 notes: dict[str, str] | None = None) -> None:
+                 notes: dict[str, str] | None = None, update: bytes | None = None) -> None:
         """Write and commit the next version of `fragment` from `contributions` (in merge order, each
         with its weight and its `counted` arrival: the tokens and steps it weighed by)."""
         t0 = time.monotonic()
@@ -772,7 +790,7 @@ class Coordinator:
         try:
             manifest = write_version(self.store, self.keys, fragment=fragment, version=version, params=params,
                                      state=state, inputs=inputs, refused=refused, settings=settings,
-                                     epoch=self.epoch, timed=self.timing)
+                                     epoch=self.epoch, timed=self.timing, update=update)
         except Conflict:
             self._adopt_written(fragment, frag, version)
             return

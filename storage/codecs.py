@@ -18,11 +18,11 @@ Framing integers are big-endian; payload numbers are little-endian.
 
 The header map has exactly these keys:
 
-    codec           str    "fp32" | "bf16" | "int8" | "int4"
+    codec           str    "fp32" | "bf16" | "int8" | "int4" | "int2"
     compression     str    "none" | "zstd"
     payload_bytes   int    size of the decompressed payload
     payload_sha256  str    64 lowercase hex digits: sha256 of the decompressed payload
-    block_size      int    quantization block in elements: 0 for fp32/bf16, 1..2^20 for int8/int4
+    block_size      int    quantization block in elements: 0 for fp32/bf16, 1..2^20 for int8/int4/int2
     meta            map    str -> str | int | float (run, fragment, learner...)
     tensors         array  of maps {"name": str, "shape": [int, ...], "offset": int, "nbytes": int}
 
@@ -37,11 +37,14 @@ row-major order, and nb = ceil(n / block_size) blocks, a tensor's bytes are:
     int4  nb float32 scales, then ceil(n/2) bytes of values in [-7, 7]  nbytes = 4nb + ceil(n/2)
           stored as nibbles v + 8: element 2i in the low nibble of byte i, element 2i+1 in the
           high nibble; for odd n the last high nibble is 8 (value 0)
+    int2  nb float32 scales, then ceil(n/4) bytes of values in [-1, 1]  nbytes = 4nb + ceil(n/4)
+          (ternary) stored as 2-bit codes v + 1: element 4i + j in bits 2j..2j+1 of byte i; code
+          3 is invalid; the codes past the last element are 1 (value 0)
 
 Block j covers elements [j * block_size, (j + 1) * block_size) of its tensor (the last block
-may be short). Its scale is absmax / 127 (int8) or absmax / 7 (int4) in float32, values are
+may be short). Its scale is absmax / 127 (int8), absmax / 7 (int4) or absmax (int2) in float32, values are
 round-half-even(x / scale), and an element decodes to float32(value * scale). A block of zeros
-has scale 0. Scales of int8/int4 tensors are not 4-byte aligned in general: read them bytewise.
+has scale 0. Scales of int8/int4/int2 tensors are not 4-byte aligned in general: read them bytewise.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ import zstandard
 
 from diloco.storage.errors import Refused
 
-CODECS = ("fp32", "bf16", "int8", "int4")
+CODECS = ("fp32", "bf16", "int8", "int4", "int2")
 COMPRESSIONS = ("none", "zstd")
 MAGIC = b"DLCO"
 FORMAT_VERSION = 1
@@ -76,7 +79,9 @@ _ZSTD_MAX_WINDOW = 1 << 24  # level 3 uses at most 2 MiB; a bigger window is ref
 Meta = dict[str, str | int | float]
 
 _FRAMING = struct.Struct(">4sBI")
-_QMAX = {"int8": 127, "int4": 7}
+_QMAX = {"int8": 127, "int4": 7, "int2": 1}
+_PACKED_BITS = {"int4": 4, "int2": 2}
+"""Codecs that pack several values per byte: bits per value."""
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _HEADER_FIELDS = {"codec": str, "compression": str, "payload_bytes": int, "payload_sha256": str,
                   "block_size": int, "meta": dict, "tensors": list}
@@ -117,14 +122,15 @@ def tensor_nbytes(codec: str, shape: tuple[int, ...], block_size: int) -> int:
     if codec == "bf16":
         return 2 * n
     blocks = -(-n // block_size)
-    return 4 * blocks + (n if codec == "int8" else (n + 1) // 2)
+    per_byte = 8 // _PACKED_BITS.get(codec, 8)
+    return 4 * blocks + -(-n // per_byte)
 
 
 def error_bound(codec: str, absmax: float) -> float:
     """Worst-case |decoded - original| of any element in a block whose largest |x| is `absmax`.
 
     fp32: 0 (exact). bf16: absmax * 2^-8 (round-to-nearest-even keeps 8 significant bits; per
-    element the error is also <= |x| * 2^-8). int8 / int4: half a quantization step,
+    element the error is also <= |x| * 2^-8). int8 / int4 / int2: half a quantization step,
     absmax / (2 * qmax), with 2^-10 relative slack for float32 rounding of scale and product.
     Lossy bounds add 2^-126 so they also hold where the scale is subnormal or underflows to 0.
     """
@@ -145,7 +151,7 @@ def encode(tensors: Mapping[str, torch.Tensor], codec: str = "fp32", *, compress
 
     Values are taken as float32. Raises `Refused("non_finite")` if a value is NaN/Inf (or, for
     bf16, overflows the bfloat16 range) and `ValueError` for an unknown codec, a block size
-    outside 1..2^20 (int8/int4 only; fp32/bf16 store 0), a non-float tensor, a non-str name or a
+    outside 1..2^20 (int8/int4/int2 only; fp32/bf16 store 0), a non-float tensor, a non-str name or a
     meta value that is not str/int/float. Deterministic: the same input gives the same bytes
     (for a given zstandard version when compressing; payload_sha256 never depends on it).
     """
@@ -201,7 +207,7 @@ def decode(blob: bytes, *, max_bytes: int,
     that fails or does not decompress to exactly payload_bytes, never decompressing more
     ("bad_payload"); a payload whose sha256 differs from the header's ("sha256_mismatch"); NaN
     or Inf values, or scales that are NaN/Inf or whose value * qmax overflows ("non_finite");
-    negative scales, int8 -128, int4 nibble 0 or a nonzero int4 pad nibble ("bad_payload").
+    negative scales, int8 -128, int4 nibble 0, int2 code 3, or a pad nibble/code that is not zero's ("bad_payload").
     """
     header, body = _parse(blob, max_bytes)
     if expect is not None:
@@ -243,11 +249,16 @@ def _encode_tensor(out: torch.Tensor, x: torch.Tensor, codec: str, block: int, n
     if codec == "int8":
         out[4 * blocks:].view(torch.int8).copy_(q)
         return
-    nibbles = q.add_(8).to(torch.uint8)
-    if n % 2:
-        nibbles = F.pad(nibbles, (0, 1), value=8)
-    pairs = nibbles.view(-1, 2)
-    torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=out[4 * blocks:])
+    bits = _PACKED_BITS[codec]
+    per_byte, zero = 8 // bits, {4: 8, 2: 1}[bits]
+    codes = q.add_(zero).to(torch.uint8)
+    if n % per_byte:
+        codes = F.pad(codes, (0, per_byte - n % per_byte), value=zero)
+    groups = codes.view(-1, per_byte)
+    packed = groups[:, 0].clone()
+    for j in range(1, per_byte):
+        packed.bitwise_or_(groups[:, j] << (bits * j))
+    out[4 * blocks:].copy_(packed)
 
 
 def _decode_tensor(seg: torch.Tensor, spec: TensorSpec, codec: str, block: int) -> torch.Tensor:
@@ -269,7 +280,7 @@ def _decode_tensor(seg: torch.Tensor, spec: TensorSpec, codec: str, block: int) 
         q = codes.view(torch.int8)
         if n and q.min() < -qmax:
             raise _refused("bad_payload", spec, "int8 value -128 (valid: -127..127)")
-    else:
+    elif codec == "int4":
         nibbles = torch.stack((codes & 15, codes >> 4), dim=1).view(-1)
         if n % 2 and nibbles[n] != 8:
             raise _refused("bad_payload", spec, f"pad nibble {int(nibbles[n])} (an odd-length tensor pads with 8)")
@@ -277,6 +288,14 @@ def _decode_tensor(seg: torch.Tensor, spec: TensorSpec, codec: str, block: int) 
         if n and q.min() == 0:
             raise _refused("bad_payload", spec, "int4 nibble 0 (valid: 1..15, i.e. -7..7)")
         q.sub_(8)
+    else:
+        pairs = torch.stack([(codes >> (2 * j)) & 3 for j in range(4)], dim=1).view(-1)
+        if (pairs[n:] != 1).any():
+            raise _refused("bad_payload", spec, "int2 pad codes other than 1 (the codes past the last element are 1)")
+        q = pairs[:n].view(torch.int8)
+        if n and q.max() == 3:
+            raise _refused("bad_payload", spec, "int2 code 3 (valid: 0..2, i.e. -1..1)")
+        q.sub_(1)
     # float32(value * scale): the int8 -> float32 cast is exact, so casting first and multiplying in
     # float32 gives the same bits as a mixed int8 x float32 multiply, on ATen's fast same-dtype kernel
     # (the mixed one is ~6x slower).

@@ -122,6 +122,10 @@ class RunKeys:
     def outer_state(self, fragment: int, version: int, epoch: int) -> str:
         return self.version_dir(fragment, version) + f"outer_state.{_num(epoch, EPOCH_DIGITS)}"
 
+    def update(self, fragment: int, version: int, epoch: int) -> str:
+        """The version as an update of its parent in the downstream codec (`storage.updates`)."""
+        return self.version_dir(fragment, version) + f"update.{_num(epoch, EPOCH_DIGITS)}"
+
     def manifest(self, fragment: int, version: int) -> str:
         return self.version_dir(fragment, version) + "manifest"
 
@@ -129,7 +133,7 @@ class RunKeys:
         return f"{self.root}versions/" + ("" if fragment is None else f"{_frag(fragment)}/")
 
     def parse_version_key(self, key: str) -> tuple[int, int, str] | None:
-        """Inverse of params/outer_state/manifest: (fragment, version, leaf) or None."""
+        """Inverse of params/outer_state/update/manifest: (fragment, version, leaf) or None."""
         rest = key.removeprefix(self.versions_prefix())
         parts = rest.split("/")
         if rest == key or len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):

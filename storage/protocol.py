@@ -188,7 +188,7 @@ class RunSpec(Record):
     alpha: float
     """For merge_rule 'mix': local = alpha * local + (1 - alpha) * global (0 = adopt)."""
     codec: str
-    """Outer-gradient codec: fp32, bf16, int8 or int4."""
+    """Outer-gradient codec: fp32, bf16, int8, int4 or int2."""
     compress: bool
     """zstd on top of the codec."""
     max_object_bytes: int
@@ -206,7 +206,7 @@ class RunSpec(Record):
                  f"overlap_steps must be in [0, sync_every), got {self.overlap_steps}")
         _require(self.merge_rule in MERGE_RULES, f"merge_rule must be 'rebase' or 'mix', got {self.merge_rule!r}")
         _require(0.0 <= self.alpha < 1.0, f"alpha must be in [0, 1), got {self.alpha}")
-        _require(self.codec in ("fp32", "bf16", "int8", "int4"), f"unknown codec {self.codec!r}")
+        _require(self.codec in ("fp32", "bf16", "int8", "int4", "int2"), f"unknown codec {self.codec!r}")
         _require(self.max_object_bytes > 0, "max_object_bytes must be positive")
 
 
@@ -375,9 +375,21 @@ class Manifest(Record):
     committed_at: float
     epoch: int
     """Fencing epoch of the coordinator that wrote it."""
+    update_key: str = ""
+    """The version as an update of its parent, in the downstream codec (`storage.updates`): what a
+    learner holding the parent downloads instead of the params. Empty: none (version 0, or a
+    version published in fp32)."""
+    update_sha256: str = ""
+    update_bytes: int = 0
+    """Size of the update object: a learner several versions behind takes the chain of updates only
+    while it is smaller than the params."""
+    params_bytes: int = 0
+    """Size of the params object (0 in manifests made before sizes were recorded)."""
 
     def __post_init__(self) -> None:
         check_id("run", self.run)
+        _require(bool(self.update_key) == bool(self.update_sha256) and self.update_bytes >= 0
+                 and self.params_bytes >= 0, "update_key and update_sha256 go together, sizes >= 0")
         _require(self.version >= 0 and self.parent_version == self.version - 1,
                  f"version {self.version} must follow parent {self.parent_version}")
 

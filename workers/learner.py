@@ -84,6 +84,9 @@ class LearnerConfig:
     """With `wait_for_merge`: the longest a step waits for a new version before training on without it."""
     metrics_port: int = 0
     """Serve this learner's Prometheus metrics on this port at /metrics, rank 0 (0: off; docs/metrics.md)."""
+    error_feedback: bool = True
+    """With a lossy codec (int8, int4, bf16): what the codec loses of a fragment's delta is added to
+    the fragment's next send, so that no progress is lost to quantization over the run."""
     own_version_wait: float = 0.5
     """After `overlap_steps`, keep training up to this fraction of H more steps while the version that
     merged this learner's own contribution is not committed or not downloaded yet, rather than take an
@@ -431,7 +434,7 @@ class Learner:
         mine = plan_layout(model_params(self.model), self.spec.num_fragments)
         layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout", found=False)
         self.uploader = Uploader(self.store, self.bus, self.spec, self.learner_id, self.stats,
-                                 deadline_s=self.config.upload_deadline_s)
+                                 deadline_s=self.config.upload_deadline_s, error_feedback=self.config.error_feedback)
         self.uploader.start()
         self._heartbeat()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -444,12 +447,14 @@ class Learner:
             raise ConfigError(f"this model does not fit run {self.run!r}: {problem}")
         self.layout = layout
         heads = self._wait(lambda: self._all_heads(layout), deadline, "version 0 of every fragment")
+        self.fetcher = Fetcher(self.store, self.bus, layout, self.stats)
         values: dict[str, torch.Tensor] = {}
         for fragment, version in heads.items():
-            values.update(self._wait(lambda f=fragment, v=version: read_params(self.store, layout,
-                                                                               read_manifest(self.store, keys, f, v)),
-                                     deadline, f"version {version} of fragment {fragment}"))
-        self.fetcher = Fetcher(self.store, self.bus, layout, self.stats)
+            params = self._wait(lambda f=fragment, v=version: read_params(self.store, layout,
+                                                                          read_manifest(self.store, keys, f, v)),
+                                deadline, f"version {version} of fragment {fragment}")
+            self.fetcher.hold(fragment, version, params)  # the next versions come as updates of these
+            values.update(params)
         self.fetcher.start()
         self.bus.join(self.learner_id)
         self._joined = True

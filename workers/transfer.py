@@ -1,7 +1,9 @@
 """Background I/O of a learner: uploading outer gradients and fetching new global versions.
 
 The training loop only ever hands work to these threads and picks up results without waiting:
-- `Uploader`: encode -> create-only PUT to S3 -> XADD announcement. A newer job for a fragment
+- `Uploader`: encode -> create-only PUT to S3 -> XADD announcement. With a lossy codec, what it
+  lost of a fragment's previous sends goes out with the next one (error feedback, per fragment), so
+  the coordinator receives the learner's whole progress over time. A newer job for a fragment
   whose previous one has not been stored yet is coalesced into it (deltas add, tokens and steps
   add, the older base version is kept), so a slow network delays contributions but never grows
   memory or loses progress. A job that fails (S3 or Redis unreachable past the adapters' own
@@ -9,8 +11,10 @@ The training loop only ever hands work to these threads and picks up results wit
   before its announcement failed is announced, never stored twice under two ids; once a job is
   older than `deadline_s` it is dropped and counted (`TransferStats.upload_failed`).
 - `Fetcher`: follows the versions stream; when the loop wants a fragment newer than some version,
-  it downloads the newest one (manifest, then params, verified) and parks it until taken. A
-  version it cannot take (damaged, missing) is skipped: it waits for the next one.
+  it fetches the newest one and parks it until taken: as the update objects from the version it
+  holds, in the run's codec, while they are fewer bytes than the params (`storage.updates`; the
+  result is checked bit for bit against the params' sha256), else the params, verified. A version
+  it cannot take (damaged, missing) is skipped: it waits for the next one.
 Training goes on whatever happens here.
 """
 
@@ -25,15 +29,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.storage import codecs
-from diloco.storage.bus import Bus
 import redis
 
+from diloco.storage import codecs
+from diloco.storage.bus import Bus
 from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
-from diloco.storage.history import read_manifest, read_params, sha256_hex
+from diloco.storage.history import params_limit, read_manifest, read_params, read_verified, sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
-from diloco.storage.protocol import Announcement, Layout, RunSpec, VersionEvent
+from diloco.storage.protocol import Announcement, Layout, Manifest, RunSpec, VersionEvent
+from diloco.storage.updates import apply_update, chain_worth_it, encode_carrying, encode_params
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +61,9 @@ class UploadJob:
     """The encoded object, once encoded."""
     key: str | None = None
     """Where the object is stored, once stored: from then on only the announcement is retried."""
+    residual: dict[str, torch.Tensor] | None = None
+    """What the codec lost of this delta (error feedback), carried by the fragment's next send once
+    this one is stored."""
     seq: int = 0
     attempts: int = 0
 
@@ -81,6 +89,14 @@ class TransferStats:
     bytes_downloaded: int = 0
     """Bytes of every object read from S3 (down): versions' params and manifests, the run's records at join."""
     fetched: int = 0
+    """Versions fetched, by either way below."""
+    fetched_updates: int = 0
+    """Update objects applied (`storage.updates`): a version one or a few behind the one held."""
+    fetched_params: int = 0
+    """Versions fetched as full params: at join, after a gap the updates would not save bytes on, or
+    when they could not be taken."""
+    update_failed: int = 0
+    """Chains of updates that could not be read or did not land on the params (then fetched in full)."""
     fetch_failed: int = 0
     upload_s: float = 0.0
     fetch_s: float = 0.0
@@ -91,10 +107,12 @@ class Uploader(threading.Thread):
     RETRY_PAUSE_S = 1.0
 
     def __init__(self, store: ObjectStore, bus: Bus, spec: RunSpec, learner: str, stats: TransferStats, *,
-                 deadline_s: float = 120.0) -> None:
+                 deadline_s: float = 120.0, error_feedback: bool = True) -> None:
         super().__init__(name=f"uploader-{learner}", daemon=True)
         self.store, self.bus, self.spec, self.learner, self.stats = store, bus, spec, learner, stats
         self.deadline_s = deadline_s
+        self.error_feedback = error_feedback
+        self._residual: dict[int, dict[str, torch.Tensor]] = {}  # fragment -> what the codec lost of its sends
         self.keys = RunKeys(bus.keys.prefix, spec.run)
         self._jobs: list[UploadJob] = []  # FIFO
         self._cv = threading.Condition()
@@ -206,7 +224,13 @@ class Uploader(threading.Thread):
                 "steps": job.steps, "step_time_s": job.step_time_s, "deadline": job.deadline}
         if job.final:
             meta["final"] = 1
-        return codecs.encode(job.delta, codec, compress=compress, meta=meta)
+        if job.kind != "delta" or codec == "fp32" or not self.error_feedback:
+            return codecs.encode(job.delta, codec, compress=compress, meta=meta)
+        # Error feedback: what the codec lost of the previous sends of this fragment goes out with
+        # this one; what it loses of this one waits for the next (kept once the object is stored).
+        blob, _, job.residual = encode_carrying(job.delta, self._residual.get(job.fragment, {}), codec,
+                                                compress=compress, meta=meta)
+        return blob
 
     def _store(self, job: UploadJob) -> None:
         """Create-only PUT under a fresh key; sets job.key (and, for genesis, the stored bytes)."""
@@ -225,6 +249,8 @@ class Uploader(threading.Thread):
                     break
                 continue  # a sequence number from an earlier incarnation: take the next one
         job.key, job.seq = key, self._seq
+        if job.residual is not None:
+            self._residual[job.fragment] = job.residual
 
 
 @dataclass
@@ -246,6 +272,7 @@ class Fetcher(threading.Thread):
         self._wants: dict[int, _Want] = {}
         self._ready: dict[int, Fetched] = {}
         self._heads: dict[int, int] = {}
+        self._held: dict[int, Fetched] = {}  # fragment -> the newest version fetched (or joined at): updates apply to it
         self._unreadable: dict[int, int] = {}  # fragment -> a head version that could not be read: skipped
         self._merged: OrderedDict[str, int] = OrderedDict()  # contribution id -> the version that merged it
         self._lock = threading.Lock()
@@ -259,6 +286,9 @@ class Fetcher(threading.Thread):
             if ready is not None and ready.version > newer_than:
                 return
             self._wants[fragment] = _Want(newer_than)
+
+    MAX_CHAIN = 16
+    """A learner further behind than this many versions downloads the params without looking at the updates."""
 
     MERGED_MEMORY = 4096
     """How many recently merged contribution ids `merged_in` remembers."""
@@ -315,12 +345,25 @@ class Fetcher(threading.Thread):
                 while len(self._merged) > self.MERGED_MEMORY:
                     self._merged.popitem(last=False)
 
+    def hold(self, fragment: int, version: int, params: dict[str, torch.Tensor]) -> None:
+        """The learner holds `version` of `fragment` (as it joined): the next versions can come as updates."""
+        with self._lock:
+            self._held[fragment] = Fetched(version, params)
+
+    def held(self, fragment: int) -> Fetched | None:
+        """The newest version of `fragment` fetched (or joined at): what the next update applies to."""
+        with self._lock:
+            return self._held.get(fragment)
+
     def _download(self, fragment: int, version: int) -> None:
         t0 = time.monotonic()
         keys = self.bus.keys
         try:
             manifest = read_manifest(self.store, keys, fragment, version)
-            params = read_params(self.store, self.layout, manifest)
+            params = self._by_updates(fragment, manifest)
+            if params is None:
+                params = read_params(self.store, self.layout, manifest)
+                self.stats.fetched_params += 1
         except (Refused, ObjectMissing, ObjectUnreadable) as exc:
             # This version cannot be taken, and will not become takeable: skip it and keep following
             # the stream, so that the next version is taken (a transient StorageUnavailable is
@@ -334,7 +377,41 @@ class Fetcher(threading.Thread):
             want = self._wants.get(fragment)
             if want is not None and version > want.newer_than:
                 del self._wants[fragment]
-            self._ready[fragment] = Fetched(version, params)
+            self._ready[fragment] = self._held[fragment] = Fetched(version, params)
             self._arrived.notify_all()
         self.stats.fetched += 1
         self.stats.fetch_s += time.monotonic() - t0
+
+    def _by_updates(self, fragment: int, manifest: Manifest) -> dict[str, torch.Tensor] | None:
+        """The params of `manifest`'s version from the version held and the update objects in between
+        (`storage.updates`), checked bit for bit against the params' recorded sha256; None when
+        there is no such chain, it is not smaller than the params, or it does not land on them."""
+        with self._lock:
+            held = self._held.get(fragment)
+        if held is None or not 0 < manifest.version - held.version <= self.MAX_CHAIN:
+            return None
+        chain = [manifest]
+        for version in range(manifest.version - 1, held.version, -1):
+            chain.append(read_manifest(self.store, self.bus.keys, fragment, version))
+        chain.reverse()
+        limit = params_limit(self.layout, fragment)
+        params_bytes = manifest.params_bytes or self.layout.fragment_bytes(fragment)
+        if not chain_worth_it([m.update_bytes if m.update_key else 0 for m in chain], params_bytes):
+            return None
+        params = held.params
+        try:
+            for m in chain:
+                blob = read_verified(self.store, m.update_key, m.update_sha256, max_bytes=limit)
+                params = apply_update(params, blob, max_bytes=limit, expect=self.layout.shapes(fragment))
+        except (Refused, ObjectMissing, ObjectUnreadable) as exc:
+            self.stats.update_failed += 1
+            log.warning("fragment %d: the updates from version %d to %d cannot be taken (%s): downloading the "
+                        "params", fragment, held.version, manifest.version, exc.reason if isinstance(exc, Refused) else exc)
+            return None
+        if sha256_hex(encode_params(params, self.bus.keys, fragment, manifest.version)) != manifest.params_sha256:
+            self.stats.update_failed += 1
+            log.error("fragment %d: version %d's updates applied to version %d do not give its params bit for bit: "
+                      "downloading the params", fragment, manifest.version, held.version)
+            return None
+        self.stats.fetched_updates += len(chain)
+        return params

@@ -6,10 +6,13 @@ gradient the learners sent) over the tokens the objects cover (each header says 
 its delta covers; every fragment covers them once), so progress a learner had not sent when the
 run ended counts on neither side; genesis proposals are not counted (once per run). Down: every
 byte the learners read from S3 (versions' params and manifests, the run's records at join: their
-`bytes_downloaded`, last heartbeat) over the tokens they trained. A data-parallel ring all-reduce
-of the same model sends about 2 x the parameter bytes (fp32) per step per worker (reduce-scatter +
-all-gather), i.e. 2 x 4 x params / tokens_per_step bytes per token, and receives as many; each
-reduction factor is data-parallel's bytes over ours, up, down and both ways together.
+`bytes_downloaded`, last heartbeat) over the tokens they trained: since versions travel as updates
+in the run's codec (`storage/updates.py`), down is about up. A data-parallel ring all-reduce of the
+same model over the same M workers sends 2 (M - 1) / M x the parameter bytes (fp32) per step per
+worker (reduce-scatter + all-gather), i.e. 2 (M - 1) / M x 4 x params / tokens_per_step bytes per
+token, and receives as many; each reduction factor is data-parallel's bytes over ours, up, down and
+both ways together. Beside the bytes, each configuration's final eval loss, and its ratio to the
+fp32 run at the same H (short runs: a rough view; `diloco bench quality --codec C` is the measure).
 
 Reconstruction error: the fp32 run's real outer gradients (its contribution objects in S3) are
 encoded and decoded with every codec; the table gives the relative L2 error ||d - d'|| / ||d||.
@@ -40,10 +43,11 @@ HELP = "bytes per learner per token, up and down, for each codec vs a data-paral
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("out/bench/comm"), help="stack data and logs")
-    parser.add_argument("--learners", type=int, default=2, help="M (default: %(default)s)")
+    parser.add_argument("--learners", type=int, default=4, help="M (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=300, help="inner steps per learner (default: %(default)s)")
-    parser.add_argument("--sync-every", default="30,100", help="values of H, comma-separated (default: %(default)s)")
-    parser.add_argument("--fragments", type=int, default=2, help="P (default: %(default)s)")
+    parser.add_argument("--sync-every", default="30,50,100", help="values of H, comma-separated (default: %(default)s)")
+    parser.add_argument("--fragments", type=int, default=4, help="P (default: %(default)s, the run default)")
+    parser.add_argument("--overlap-steps", type=int, default=2, help="tau (default: %(default)s, the run default)")
     parser.add_argument("--codecs", default=",".join(codecs.CODECS), help="codecs to run (default: %(default)s)")
     parser.add_argument("--compress", action=argparse.BooleanOptionalAction, default=True,
                         help="zstd on top of the codec, as in a run's default (default: %(default)s)")
@@ -78,39 +82,48 @@ class Arm:
 class CommResult:
     params: int
     tokens_per_step: int
+    learners: int
     arms: list[Arm]
     errors: dict[str, float]
     """codec -> relative L2 reconstruction error over the fp32 run's real deltas."""
 
     def dp_bytes_per_token(self) -> float:
-        return 2 * 4 * self.params / self.tokens_per_step
+        """What one worker of a ring all-reduce over `learners` workers sends (and receives) per token."""
+        return 2 * (self.learners - 1) / self.learners * 4 * self.params / self.tokens_per_step
+
+    def _fp32_loss(self, arm: Arm) -> float | None:
+        return next((a.trial.eval_loss for a in self.arms if a.codec == "fp32" and a.sync_every == arm.sync_every),
+                    None)
 
     def table(self) -> str:
         dp = self.dp_bytes_per_token()
-        rows = [["data-parallel all-reduce (fp32)", dp, dp, 2 * dp, 1.0, 1.0, None]]
+        rows = [["data-parallel all-reduce (fp32)", dp, dp, 2 * dp, 1.0, 1.0, None, None, None]]
         for arm in self.arms:
             both = arm.bytes_per_token + arm.down_per_token
+            fp32 = self._fp32_loss(arm)
             rows.append([f"{arm.codec}, H={arm.sync_every}", arm.bytes_per_token, arm.down_per_token, both,
-                         dp / arm.bytes_per_token, 2 * dp / both, self.errors.get(arm.codec)])
+                         dp / arm.bytes_per_token, 2 * dp / both, self.errors.get(arm.codec), arm.trial.eval_loss,
+                         arm.trial.eval_loss / fp32 if fp32 else None])
         best_up = max(dp / arm.bytes_per_token for arm in self.arms)
         best = max(2 * dp / (arm.bytes_per_token + arm.down_per_token) for arm in self.arms)
-        head = (f"comm: {self.params} parameters, {self.tokens_per_step} tokens per learner step; data-parallel sends "
-                f"{dp:.1f} and receives {dp:.1f} bytes per token per worker")
+        head = (f"comm: {self.params} parameters, M = {self.learners} learners, {self.tokens_per_step} tokens per "
+                f"learner step; a data-parallel ring all-reduce sends {dp:.1f} and receives {dp:.1f} bytes per token "
+                "per worker")
         return (head + "\n" + figures_table(["what", "up B/token", "down B/token", "both B/token", "x less up",
-                                             "x less both", "rel. L2 error"], rows)
+                                             "x less both", "rel. L2 error", "eval loss", "/ fp32"], rows)
                 + f"\nbest reduction up {best_up:.0f}x, both ways {best:.0f}x (target >= 500x both ways: "
                 f"{'met' if best >= 500 else 'NOT met'}); bytes per token scale as 1/H")
 
     def to_json(self) -> dict:
         dp = self.dp_bytes_per_token()
         return {"bench": NAME, "params": self.params, "tokens_per_step": self.tokens_per_step,
-                "dp_bytes_per_token": dp, "relative_l2_error": self.errors,
+                "learners": self.learners, "dp_bytes_per_token": dp, "relative_l2_error": self.errors,
                 "arms": [{"codec": a.codec, "sync_every": a.sync_every, "delta_bytes": a.delta_bytes, "tokens": a.tokens,
                           "bytes_per_token": a.bytes_per_token, "reduction": dp / a.bytes_per_token,
                           "down_bytes": a.down_bytes, "trained_tokens": a.trained_tokens,
                           "down_per_token": a.down_per_token,
                           "reduction_both_ways": 2 * dp / (a.bytes_per_token + a.down_per_token),
-                          "trial": a.trial.to_json()} for a in self.arms]}
+                          "eval_loss": a.trial.eval_loss, "trial": a.trial.to_json()} for a in self.arms]}
 
 
 def sent(store: ObjectStore, keys: RunKeys, fragments: int) -> tuple[int, int]:
@@ -156,7 +169,7 @@ def run(args: argparse.Namespace) -> CommResult:
         store = ObjectStore(stack.endpoints)
         for h in periods:
             for codec in wanted:
-                shape = run_args(args.fragments, h, min(3, h - 1), codec, cadence="steps")
+                shape = run_args(args.fragments, h, min(args.overlap_steps, h - 1), codec, cadence="steps")
                 if not args.compress:
                     shape = (*shape, "--no-compress")
                 trial = run_trial(stack, Trial(f"comm-{codec}-h{h}", learners, 3600.0, shape), task, args.out,
@@ -167,4 +180,4 @@ def run(args: argparse.Namespace) -> CommResult:
         reference = next(a for a in arms if a.codec == "fp32")
         errors = reconstruction_errors(store, RunKeys(stack.endpoints.prefix, reference.trial.run))
     params = sum(p.numel() for p in task.make_model(0).parameters())
-    return CommResult(params, task.tokens_per_step(), arms, errors)
+    return CommResult(params, task.tokens_per_step(), args.learners, arms, errors)

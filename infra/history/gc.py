@@ -15,7 +15,7 @@ What stays, per fragment whose latest listed manifest is version H:
 - every object younger than `min_age_s`: a margin for readers in flight (a learner still
   downloading a version that was just superseded) and for what gc cannot see (a coordinator
   restarted with a larger max_staleness).
-What goes: the params and outer state of older versions, version objects of another epoch than
+What goes: the params, outer state and update objects of older versions, version objects of another epoch than
 the one their manifest names (a deposed or crashed coordinator's), contributions merged only by
 older versions, genesis proposals that version 0 did not take, and unmerged contributions too
 stale to be merged or whose header does not describe a contribution.
@@ -53,6 +53,7 @@ STALENESS_MARGIN = 1
 DELETED = {
     "old_params": "params of versions older than the kept range",
     "old_outer_state": "outer state of versions older than the kept range",
+    "old_updates": "update objects of versions older than the kept range (a learner that far behind takes the params)",
     "other_epoch_objects": "version objects their manifest does not name (a deposed or crashed coordinator's)",
     "old_inputs": "contributions and genesis proposals merged only into versions older than the kept range",
     "unchosen_genesis": "genesis proposals that version 0 did not take",
@@ -126,7 +127,7 @@ def manifests_to_read(committed: Mapping[int, set[int]], previous: Mapping[int, 
 
 
 def _objects(m: Manifest) -> set[str]:
-    return {m.params_key, m.outer_state_key}
+    return {m.params_key, m.outer_state_key} | ({m.update_key} if m.update_key else set())
 
 
 def _inputs(m: Manifest) -> set[str]:
@@ -181,6 +182,8 @@ class _Planner:
             return "other_epoch_objects"  # a kept version's own objects are in kept_names
         if leaf.startswith("params."):
             return "old_params"
+        if leaf.startswith("update."):
+            return "old_updates"
         return "old_outer_state" if leaf.startswith("outer_state.") else None
 
     def _contribution(self, item: Listed, fragment: int) -> str:

@@ -28,6 +28,7 @@ from diloco.storage.history import Floor, params_limit, read_input, read_manifes
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, Store
 from diloco.storage.protocol import Manifest
+from diloco.storage.updates import apply_update
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +167,26 @@ class _Fragment:
             if result.bit_exact:
                 assert result.params is not None and result.state is not None
                 self.parent = (result.params, result.state)
+                if params is not None:
+                    problems.extend(self._check_update(manifest, params, result.params))
         problems.extend(self._check_stored(manifest))
         return problems
+
+    def _check_update(self, m: Manifest, parent: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+                      ) -> list[Problem]:
+        """The update object learners take instead of the params must land on them, bit for bit."""
+        if not m.update_key:
+            return []
+        try:
+            blob = read_verified(self.run.store, m.update_key, m.update_sha256, max_bytes=self.limit)
+            applied = apply_update(parent, blob, max_bytes=self.limit, expect=self.run.layout.shapes(self.fragment))
+        except ObjectMissing:
+            return [Problem("stored_update", f"{m.update_key} is missing from the bucket")]
+        except Refused as exc:
+            return [Problem("stored_update", str(exc))]
+        if any(not torch.equal(applied[n], params[n]) for n in params):
+            return [Problem("stored_update", f"{m.update_key} applied to the parent does not give the params")]
+        return []
 
     def _check_stored(self, m: Manifest) -> list[Problem]:
         """The stored objects learners read must be the ones the manifest names."""

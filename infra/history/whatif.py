@@ -265,7 +265,8 @@ class _Run:
         params_blob = read_verified(self.store, m.params_key, m.params_sha256, max_bytes=limit)
         state_blob = read_verified(self.store, m.outer_state_key, m.outer_state_sha256, max_bytes=limit)
         copied = dataclasses.replace(m, params_key=self.into.params(fragment, version, m.epoch),
-                                     outer_state_key=self.into.outer_state(fragment, version, m.epoch))
+                                     outer_state_key=self.into.outer_state(fragment, version, m.epoch),
+                                     update_key="", update_sha256="", update_bytes=0)  # no learner fetches here
         self.store.put(copied.params_key, params_blob)
         self.store.put(copied.outer_state_key, state_blob)
         self.store.put(self.into.manifest(fragment, version), copied.to_wire())

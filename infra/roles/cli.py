@@ -47,7 +47,7 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="run id (created with the settings below if it does not exist)")
     add_options(parser, RunSettings, flags={"num_fragments": "--fragments"}, title="run settings (fixed when the run "
                 "is created)", choices={"codec": CODECS, "merge_rule": MERGE_RULES, "cadence": CADENCES})
-    add_options(parser, CoordinatorConfig)
+    add_options(parser, CoordinatorConfig, choices={"downstream_codec": ("run", *CODECS)})
     add_options(parser, RoundConfig, skip=("overlap_steps",))  # tau is a run setting
 
 

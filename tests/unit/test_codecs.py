@@ -92,8 +92,9 @@ def test_error_bound_values() -> None:
     assert error_bound("bf16", 1.0) == pytest.approx(2.0**-8)
     assert error_bound("int8", 127.0) == pytest.approx(0.5, rel=1e-3)
     assert error_bound("int4", 7.0) == pytest.approx(0.5, rel=1e-3)
+    assert error_bound("int2", 1.0) == pytest.approx(0.5, rel=1e-3)
     with pytest.raises(ValueError):
-        error_bound("int2", 1.0)
+        error_bound("int1", 1.0)
 
 
 @pytest.mark.parametrize("compress", [False, True])
@@ -120,7 +121,17 @@ def test_int4_packs_low_nibble_first_with_scale_before_values() -> None:
     assert body[4:] == bytes([0x0F | 0x10, 0x08 | 0x80])  # 7+8 low, -7+8 high; 0+8 then pad 8
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_int2_packs_four_ternary_codes_per_byte_lowest_bits_first() -> None:
+    blob = encode({"v": torch.tensor([2.0, -2.0, 0.4, 1.2, -1.6])}, "int2", block_size=256)
+    _, body = _split(blob)
+    assert struct.unpack("<f", body[:4])[0] == 2.0  # absmax / 1
+    # codes v + 1: 2, 0, 1 (0.4 / 2 rounds to 0), 2 (1.2 / 2 rounds to 1); then 0 (-0.8 -> -1) and pads of 1
+    assert body[4:] == bytes([2 | 0 << 2 | 1 << 4 | 2 << 6, 0 | 1 << 2 | 1 << 4 | 1 << 6])
+    out, _ = decode(blob, max_bytes=LIMIT)
+    assert out["v"].tolist() == [2.0, -2.0, 0.0, 2.0, -2.0]
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 def test_quantized_values_decode_to_the_correctly_rounded_product_of_value_and_scale(codec: str) -> None:
     """Bit for bit float32(value * scale), as the format says, whatever kernels compute it; a
     short last block included. Replay of old versions depends on these exact bits."""
@@ -132,21 +143,23 @@ def test_quantized_values_decode_to_the_correctly_rounded_product_of_value_and_s
     codes = torch.frombuffer(bytearray(body[4 * blocks:]), dtype=torch.uint8)
     if codec == "int8":
         values = codes.view(torch.int8).double()
-    else:
+    elif codec == "int4":
         values = torch.stack((codes & 15, codes >> 4), dim=1).view(-1)[:n].double() - 8
+    else:
+        values = torch.stack([(codes >> (2 * j)) & 3 for j in range(4)], dim=1).view(-1)[:n].double() - 1
     # A float64 product of a 4-bit or 8-bit integer and a float32 is exact: one rounding, to float32.
     expected = (values * scales.repeat_interleave(64)[:n]).float()
     out, _ = decode(blob, max_bytes=LIMIT)
     assert torch.equal(out["v"].reshape(-1).view(torch.int32), expected.view(torch.int32))
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 def test_zero_block_has_scale_zero_and_decodes_to_zeros(codec: str) -> None:
     x = torch.cat([-torch.zeros(4), torch.tensor([1.0, -2.0, 0.5, 0.0])])  # block 0 is all -0.0
     blob = encode({"v": x}, codec, block_size=4)
     _, body = _split(blob)
     assert body[:4] == bytes(4)  # +0.0, not -0.0
-    assert struct.unpack("<f", body[4:8])[0] == pytest.approx(2.0 / (127 if codec == "int8" else 7), rel=1e-7)
+    assert struct.unpack("<f", body[4:8])[0] == pytest.approx(2.0 / {"int8": 127, "int4": 7, "int2": 1}[codec], rel=1e-7)
     out, _ = decode(blob, max_bytes=LIMIT)
     assert torch.equal(out["v"][:4], torch.zeros(4))
 
@@ -188,7 +201,7 @@ def test_encode_refuses_values_beyond_bfloat16_range() -> None:
     assert info.value.code == "non_finite"
 
 
-@pytest.mark.parametrize("kwargs", [{"codec": "int2"}, {"codec": "int8", "block_size": 0},
+@pytest.mark.parametrize("kwargs", [{"codec": "int3"}, {"codec": "int8", "block_size": 0},
                                     {"meta": {"ok": [1, 2]}}, {"meta": {"flag": True}}])
 def test_encode_rejects_bad_arguments(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
@@ -324,10 +337,12 @@ def test_refuses_inf_in_bf16_payload_with_valid_sha() -> None:
     _refused(blob, "non_finite")
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 @pytest.mark.parametrize(("scale", "code"), [(float("nan"), "non_finite"), (float("inf"), "non_finite"),
                                             (3e38, "non_finite"), (-1.0, "bad_payload")])
 def test_refuses_bad_scale_with_valid_sha(codec: str, scale: float, code: str) -> None:
+    if codec == "int2" and scale == 3e38:
+        pytest.skip("int2's qmax is 1: no finite scale overflows value * scale")
     blob = encode({"w": torch.randn(600)}, codec, block_size=256)  # 3 scales, then values
     _refused(_reseal(blob, lambda p: p.__setitem__(slice(4, 8), struct.pack("<f", scale))), code)
 
@@ -339,6 +354,10 @@ def test_refuses_out_of_range_codes_with_valid_sha() -> None:
     _refused(_reseal(int4, lambda p: p.__setitem__(6, p[6] & 0xF0)), "bad_payload")  # nibble 0
     odd = encode({"w": torch.randn(9)}, "int4", block_size=256)
     _refused(_reseal(odd, lambda p: p.__setitem__(-1, (p[-1] & 0x0F) | 0x90)), "bad_payload")  # pad nibble 9
+    int2 = encode({"w": torch.randn(8)}, "int2", block_size=256)
+    _refused(_reseal(int2, lambda p: p.__setitem__(4, p[4] | 0x03)), "bad_payload")  # code 3
+    short = encode({"w": torch.randn(5)}, "int2", block_size=256)
+    _refused(_reseal(short, lambda p: p.__setitem__(-1, (p[-1] & 0x03) | 0x08)), "bad_payload")  # pad code 2
 
 
 def test_refuses_zip_bomb() -> None:

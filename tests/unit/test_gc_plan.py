@@ -20,7 +20,7 @@ def manifest(v: int, epoch: int = 1, refused: tuple[Refusal, ...] = ()) -> Manif
     return Manifest(run="r", fragment=0, version=v, parent_version=v - 1, params_key=K.params(0, v, epoch),
                     params_sha256="0" * 64, outer_state_key=K.outer_state(0, v, epoch), outer_state_sha256="0" * 64,
                     inputs=inputs, settings={"max_staleness": MAX_STALENESS}, refused=refused, committed_at=0.0,
-                    epoch=epoch)
+                    epoch=epoch, update_key=K.update(0, v, epoch) if v else "", update_sha256="0" * 64 if v else "")
 
 
 REFUSED = K.delta(0, "mallory", 99)
@@ -36,7 +36,7 @@ def listing(young: set[str] = frozenset()) -> list[Listed]:
             K.genesis_params("l0", 0), K.genesis_params("l1", 0), K.genesis_params("l1", 1), REFUSED, *BASES]
     for v in range(HEAD + 1):
         keys += [K.manifest(0, v), K.params(0, v, 1), K.outer_state(0, v, 1)]
-        keys += [K.delta(0, "l0", v)] if v else []
+        keys += [K.delta(0, "l0", v), K.update(0, v, 1)] if v else []
     keys += [K.params(0, 1, 2), K.params(0, 5, 2), K.params(0, 6, 2)]  # other epochs; version 6 is being written
     return [Listed(key, 100, 0.0 if key in young else OLD) for key in sorted(keys)]
 
@@ -63,6 +63,7 @@ def test_keeps_the_last_n_versions_their_parent_and_every_manifest_and_deletes_t
     assert kinds(p) == {
         "old_params": {K.params(0, v, 1) for v in (0, 1, 2)} | {K.params(0, 1, 2)},
         "old_outer_state": {K.outer_state(0, v, 1) for v in (0, 1, 2)},
+        "old_updates": {K.update(0, v, 1) for v in (1, 2)},
         "other_epoch_objects": {K.params(0, 5, 2)},
         "old_inputs": {K.delta(0, "l0", v) for v in (1, 2, 3)} | {K.genesis_params("l0", 0)},
         "unchosen_genesis": {K.genesis_params("l1", 0)},
@@ -74,7 +75,7 @@ def test_keeps_the_last_n_versions_their_parent_and_every_manifest_and_deletes_t
     must_stay = {K.run_spec(), K.layout(), K.epoch_claim(1), K.genesis_layout("l0"), REFUSED,
                  K.genesis_params("l1", 1)}  # fragment 1 has no version 0 yet: its proposal may still be taken
     must_stay |= {K.manifest(0, v) for v in range(HEAD + 1)}
-    must_stay |= {key for v in (3, 4, 5) for key in (K.params(0, v, 1), K.outer_state(0, v, 1))}
+    must_stay |= {key for v in (3, 4, 5) for key in (K.params(0, v, 1), K.outer_state(0, v, 1), K.update(0, v, 1))}
     must_stay |= {K.delta(0, "l0", v) for v in (4, 5)}
     assert not gone & must_stay
     assert sorted(asked) == sorted(BASES)  # headers read only for unmerged contributions

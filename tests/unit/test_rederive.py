@@ -11,7 +11,8 @@ import torch
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round
 from diloco.coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
-from diloco.coordinator.publish import encode_params, encode_state
+from diloco.coordinator.publish import encode_state
+from diloco.storage.updates import encode_params
 from diloco.coordinator.rederive import rederive
 from diloco.storage.history import sha256_hex
 from diloco.storage.keys import RunKeys

@@ -1,0 +1,81 @@
+"""A version as an update of its parent: what a learner downloads to move one version on.
+
+Every committed version's params are stored in full (fp32), for joins, learners that missed
+versions, export and replay. But a learner that holds version v-1 of a fragment needs only the
+difference, and that difference travels in the run's codec like an outer gradient does (invariant
+10: what a learner downloads is compressed like what it uploads).
+
+The global params stay bit-identical everywhere because the quantized update *defines* them:
+
+    u        = (target - parent) + residual        target: the outer step's exact result
+    blob     = encode(u, codec)                     the update object, `versions/{f}/{v}/update.{epoch}`
+    params   = parent + decode(blob)                on the coordinator, on every learner, in replay
+    residual = u - decode(blob)                     kept in the outer state for the next version
+
+`decode` is a fixed elementwise computation (int * scale in fp32) and `+` an elementwise fp32 add,
+so the same parent and blob give the same bits on any machine. The quantization error is not lost:
+it is the residual (error feedback), added to the next version's update, so the published params
+follow the exact outer-optimizer trajectory within one quantization step. The residual is part of
+the outer state: replay re-derives it with every version (`coordinator.outer.downstream_step`).
+
+A learner checks the params it computed against the sha256 the manifest records for the full
+params object (`params_sha256`), so a chain of updates is taken only if it lands exactly on the
+committed version; otherwise it downloads the params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor
+
+from diloco.storage import codecs
+from diloco.storage.keys import RunKeys
+
+
+def encode_params(params: Mapping[str, Tensor], keys: RunKeys, fragment: int, version: int) -> bytes:
+    """The params object of a version (fp32, uncompressed): the bytes its manifest's sha256 is of."""
+    return codecs.encode(params, "fp32", meta={"run": keys.run, "fragment": fragment, "version": version,
+                                               "kind": "params"})
+
+
+def encode_carrying(tensors: Mapping[str, Tensor], residual: Mapping[str, Tensor], codec: str, *, compress: bool,
+                    meta: Mapping[str, str | int | float] | None = None
+                    ) -> tuple[bytes, dict[str, Tensor], dict[str, Tensor]]:
+    """Error feedback, both ways: encode `tensors` plus what the codec lost of the previous ones
+    (`residual`, empty: nothing yet); return the object, what it decodes to and what it lost (the
+    next residual). Over a sequence of sends, the decoded ones add up to the sent ones less the last
+    residual: nothing is lost to quantization but the last send's own error. Raises
+    Refused("non_finite") if a value is not finite."""
+    carried = {name: t + residual[name] if name in residual else t for name, t in tensors.items()}
+    blob = codecs.encode(carried, codec, compress=compress, meta=meta)
+    bound = len(blob) + 8 * sum(t.numel() for t in carried.values()) + (1 << 20)
+    decoded, _ = codecs.decode(blob, max_bytes=bound)
+    return blob, decoded, {name: carried[name] - decoded[name] for name in carried}
+
+
+def encode_update(parent: Mapping[str, Tensor], target: Mapping[str, Tensor], residual: Mapping[str, Tensor],
+                  codec: str, *, compress: bool, meta: Mapping[str, str | int | float] | None = None
+                  ) -> tuple[bytes, dict[str, Tensor], dict[str, Tensor]]:
+    """The update object from `parent` towards `target` carrying `residual` (`encode_carrying`), the
+    params it defines (`parent + decode(blob)`, exactly what `apply_update` gives a learner) and the
+    new residual. Raises Refused("non_finite") if the update is not finite."""
+    update = {name: target[name] - p for name, p in parent.items()}
+    blob, decoded, left = encode_carrying(update, residual, codec, compress=compress,
+                                          meta=dict(meta or {}) | {"kind": "update"})
+    return blob, {name: p + decoded[name] for name, p in parent.items()}, left
+
+
+def apply_update(parent: Mapping[str, Tensor], blob: bytes, *, max_bytes: int,
+                 expect: Mapping[str, tuple[int, ...]]) -> dict[str, Tensor]:
+    """The params an update object defines on top of `parent` (the version before it). The blob is
+    checked like any object from the network (`codecs.decode`); raises Refused if it is not an
+    update of these tensors."""
+    decoded, _ = codecs.decode(blob, max_bytes=max_bytes, expect=expect)
+    return {name: p + decoded[name] for name, p in parent.items()}
+
+
+def chain_worth_it(update_bytes: list[int], params_bytes: int) -> bool:
+    """Whether a learner several versions behind takes the updates in between (`update_bytes`, one
+    per version) rather than the newest params: while they are fewer bytes."""
+    return bool(update_bytes) and all(b > 0 for b in update_bytes) and sum(update_bytes) < params_bytes

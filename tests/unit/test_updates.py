@@ -1,0 +1,135 @@
+"""Versions downstream as quantized updates with error feedback (storage.updates, outer.downstream_step).
+
+What users rely on: a learner that applies the update objects to the version it holds gets the
+coordinator's params bit for bit; the published params follow the outer optimizer's exact
+trajectory within one quantization step however many versions go by (the error is carried, not
+lost); the outer state, residual included, survives its object; an update is refused like any
+object from the network.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round, downstream_step
+from diloco.coordinator.publish import decode_state, encode_state
+from diloco.storage import codecs
+from diloco.storage.errors import Refused
+from diloco.storage.keys import RunKeys
+from diloco.storage.updates import apply_update, chain_worth_it, encode_carrying, encode_update
+
+KEYS = RunKeys("p", "r")
+SHAPES = {"w": (64, 33), "b": (33,)}
+
+
+def tensors(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) * scale for n, s in SHAPES.items()}
+
+
+def settings(downstream: str) -> MergeSettings:
+    return MergeSettings(merge="weighted_mean", outer_lr=0.7, outer_momentum=0.9, outer="fractional_nesterov",
+                         downstream=downstream)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "bf16"])
+def test_a_learner_applying_the_update_gets_the_published_params_bit_for_bit(codec):
+    parent = tensors(0)
+    target = {n: t + 0.01 * tensors(1)[n] for n, t in parent.items()}
+    blob, published, residual = encode_update(parent, target, {}, codec, compress=True)
+    learner = apply_update({n: t.clone() for n, t in parent.items()}, blob, max_bytes=1 << 20, expect=SHAPES)
+    for n in SHAPES:
+        assert torch.equal(learner[n], published[n])
+        # The residual is exactly what the published params still owe the target.
+        assert torch.allclose(published[n] + residual[n], target[n], atol=1e-6)
+    assert len(blob) < codecs.tensor_nbytes("fp32", (64 * 33 + 33,), 0) / (1.5 if codec == "bf16" else 3)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+def test_error_feedback_keeps_the_published_params_on_the_exact_trajectory(codec):
+    """Thirty outer steps: with the error carried, the published params stay within one quantization
+    step of the outer optimizer run without any quantization; dropping it, the error accumulates."""
+    exact_params, exact_state = tensors(0), NesterovState()
+    params, state = dict(exact_params), NesterovState()
+    dropped, dropped_state = dict(exact_params), NesterovState()
+    s = settings(codec)
+    for k in range(30):
+        delta = [tensors(100 + k, 0.01)]
+        exact_params, exact_state = apply_round(exact_params, exact_state, delta, [1.0], settings("fp32"))
+        params, state = apply_round(params, state, delta, [1.0], s)
+        dropped, dropped_state = apply_round(dropped, dropped_state, delta, [1.0], s)
+        dropped_state = NesterovState(dropped_state.momentum, dropped_state.steps)  # the residual forgotten
+    step = max(float(state.residual[n].abs().max()) for n in SHAPES)
+    gap = max(float((params[n] - exact_params[n]).abs().max()) for n in SHAPES)
+    drift = max(float((dropped[n] - exact_params[n]).abs().max()) for n in SHAPES)
+    assert state.steps == 30 and gap <= 1.01 * step + 1e-7
+    assert drift > 2 * gap
+
+
+def test_fp32_downstream_publishes_the_target_itself_and_no_update():
+    parent, target = tensors(0), tensors(1)
+    published, state, blob = downstream_step(parent, target, NesterovState(residual=tensors(2)), settings("fp32"))
+    assert blob is None and state.residual == {} and all(torch.equal(published[n], target[n]) for n in SHAPES)
+
+
+def test_the_outer_state_keeps_its_residual_through_its_object():
+    state = NesterovState(momentum=tensors(3), steps=7, residual=tensors(4))
+    back = decode_state(encode_state(state, KEYS, 0, 7), 1 << 20)
+    assert back.steps == 7 and list(back.momentum) == list(state.momentum) and list(back.residual) == list(SHAPES)
+    assert all(torch.equal(back.momentum[n], state.momentum[n]) and torch.equal(back.residual[n], state.residual[n])
+               for n in SHAPES)
+    # Without a residual the object is what it was before residuals existed.
+    plain = NesterovState(momentum=tensors(3), steps=7)
+    assert "residuals" not in codecs.read_header(encode_state(plain, KEYS, 0, 7), max_bytes=1 << 20).meta
+    assert decode_state(encode_state(plain, KEYS, 0, 7), 1 << 20).residual == {}
+
+
+def test_an_outer_state_lying_about_its_residuals_is_refused():
+    blob = codecs.encode(tensors(3), "fp32", meta={"kind": "outer_state", "residuals": 1})
+    with pytest.raises(Refused) as refused:
+        decode_state(blob, 1 << 20)
+    assert refused.value.code == "bad_header"
+
+
+def test_an_update_of_other_tensors_is_refused():
+    blob, _, _ = encode_update(tensors(0), tensors(1), {}, "int8", compress=False)
+    with pytest.raises(Refused) as refused:
+        apply_update(tensors(0), blob, max_bytes=1 << 20, expect={"w": (64, 33), "b": (34,)})
+    assert refused.value.code == "wrong_shape"
+    with pytest.raises(Refused):
+        apply_update(tensors(0), blob[:-10], max_bytes=1 << 20, expect=SHAPES)
+
+
+def test_a_chain_of_updates_is_taken_only_while_smaller_than_the_params():
+    assert chain_worth_it([100, 100], 1000)
+    assert not chain_worth_it([600, 600], 1000)
+    assert not chain_worth_it([100, 0], 1000)  # a version without an update object in between
+    assert not chain_worth_it([], 1000)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+def test_a_learner_carrying_what_the_codec_lost_sends_its_whole_progress(codec):
+    """A hundred deltas of one fragment: with error feedback, what the coordinator decodes adds up
+    to the learner's progress less the last send's own error; without, the small steady components
+    a block's scale rounds away (a drift of 0.01 per send beside values of 1) are lost for good."""
+    total = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    received = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    received_plain = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    residual: dict[str, torch.Tensor] = {}
+    for k in range(100):
+        delta = tensors(200 + k, 0.002)
+        delta["w"] += 0.01
+        delta["w"][:, 0] += 1.0  # one large column sets every block's scale: the rest is coarsely quantized
+        _, decoded, residual = encode_carrying(delta, residual, codec, compress=False)
+        _, plain, _ = encode_carrying(delta, {}, codec, compress=False)
+        for n in SHAPES:
+            total[n] += delta[n]
+            received[n] += decoded[n]
+            received_plain[n] += plain[n]
+    lost = max(float((total[n] - received[n] - residual[n]).abs().max()) for n in SHAPES)
+    error = max(float((total[n] - received[n]).abs().max()) for n in SHAPES)
+    error_plain = max(float((total[n] - received_plain[n]).abs().max()) for n in SHAPES)
+    assert lost < 1e-4  # fp32 rounding of the sums only
+    assert error <= max(float(r.abs().max()) for r in residual.values()) + 1e-4
+    assert error_plain > 1.5 * error
