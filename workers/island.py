@@ -13,8 +13,10 @@ get `None`. What a read or a write costs depends on how a parameter is held:
 
 Everything here is collective on an island: every rank must make the same calls in the same
 order. The learner guarantees that by letting rank 0 decide each step's plan (`share_plan`) and
-every rank then carry it out. Control messages are int64 tensors on the parameters' device
-(NCCL broadcasts only device tensors); nothing is pickled.
+every rank then carry it out. Control messages are int64 CPU tensors broadcast over a gloo group of
+the island's ranks (the default group itself when it is gloo): reading them on the host never waits
+for the device, so the per-step plan costs no device synchronization on NCCL islands; nothing is
+pickled.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class Replica:
         self.island = in_island()
         self.is_leader = not self.island or dist.get_rank() == 0
         self.device = next(iter(params.values())).device
+        # Control messages go over gloo on the host: on an NCCL island a device tensor's .item() would
+        # synchronize the device every step. new_group is collective: every rank builds its Replica.
+        self._control = (dist.new_group(backend="gloo") if self.island and dist.get_backend() != "gloo"
+                         else None)
 
     @torch.no_grad()
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor] | None:
@@ -79,12 +85,12 @@ class Replica:
         if not self.island:
             assert values is not None
             return values
-        box = torch.zeros(length + 1, dtype=torch.int64, device=self.device)
+        box = torch.zeros(length + 1, dtype=torch.int64)  # on the host, broadcast over gloo
         if self.is_leader:
             assert values is not None and len(values) <= length
             box[0] = len(values)
             box[1:1 + len(values)] = torch.tensor(values, dtype=torch.int64)
-        dist.broadcast(box, src=0)
+        dist.broadcast(box, src=0, group=self._control)
         return box[1:1 + int(box[0].item())].tolist()
 
     def share_plan(self, due: list[int] | None, merge: list[int] | None, num_fragments: int,
