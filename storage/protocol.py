@@ -496,6 +496,8 @@ class LearnerStats(Record):
     """Bytes of every object it read from S3 (down): versions, manifests, the run's records."""
     sync_s: float = 0.0
     """Time the training loop spent in the learner's step hook."""
+    background_cpu_s: float = 0.0
+    """CPU seconds of the learner's transfer threads (`TransferStats.cpu_s`)."""
     wall_s: float = 0.0
     """Wall time since the end of the first step."""
     pid: int = 0
@@ -509,7 +511,8 @@ class LearnerStats(Record):
                   "bytes_downloaded": self.bytes_downloaded, "pid": self.pid}
         for name, value in counts.items():
             _require(value >= 0, f"{name} must be >= 0, got {value}")
-        for name, value in {"step_time_s": self.step_time_s, "sync_s": self.sync_s, "wall_s": self.wall_s}.items():
+        for name, value in {"step_time_s": self.step_time_s, "sync_s": self.sync_s, "wall_s": self.wall_s,
+                            "background_cpu_s": self.background_cpu_s}.items():
             _require(math.isfinite(value) and value >= 0.0, f"{name} must be a finite number >= 0, got {value}")
         _require(len(self.incarnation) <= 64, "incarnation longer than 64 characters")
 

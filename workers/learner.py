@@ -270,7 +270,7 @@ class Learner:
         self.fragments = [FragmentState([s.name for s in specs]) for specs in layout.fragments]
         if values is not None:  # rank 0
             for f, state in enumerate(self.fragments):
-                state.anchor = {n: values[n].clone() for n in state.names}
+                state.anchor = {n: values[n] for n in state.names}  # shared with the fetcher: never changed in place
                 state.base_version = heads[f]
         self.replica.write(values, [n for state in self.fragments for n in state.names])
         self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
@@ -627,7 +627,7 @@ class Learner:
                             step_time_s=self._step_time_s, adopted=self.adopted, uploaded=self.stats.uploaded,
                             upload_failed=self.stats.upload_failed, bytes_uploaded=self.stats.bytes_uploaded,
                             bytes_downloaded=self.stats.bytes_downloaded,
-                            sync_s=self.sync_s,
+                            sync_s=self.sync_s, background_cpu_s=self.stats.cpu_s,
                             wall_s=0.0 if self.started_at is None else time.monotonic() - self.started_at,
                             pid=os.getpid(), incarnation=self._incarnation)
 

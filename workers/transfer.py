@@ -100,6 +100,10 @@ class TransferStats:
     fetch_failed: int = 0
     upload_s: float = 0.0
     fetch_s: float = 0.0
+    cpu_s: float = 0.0
+    """CPU seconds of the uploader's and the fetcher's own threads (encode, error feedback, hash,
+    compress, PUT; GET, decompress, decode, apply, verify); torch's intra-op pool threads they use
+    are not counted."""
     last_error: str = ""
 
 
@@ -168,12 +172,14 @@ class Uploader(threading.Thread):
                 self._busy = True
             retry = False
             job.attempts += 1
+            cpu = time.thread_time()
             try:
                 self._send(job)
             except (StorageUnavailable, redis.RedisError) as exc:  # unreachable past the adapters' retries
                 retry = self._failed(job, exc)
             except Exception as exc:  # noqa: BLE001 (a refusal or a bug: never kill the thread)
                 self._drop(job, exc)
+            self.stats.cpu_s += time.thread_time() - cpu
             with self._cv:
                 if retry:
                     self._jobs.insert(0, job)  # first in line again: keeps a fragment's order
@@ -310,6 +316,7 @@ class Fetcher(threading.Thread):
 
     def run(self) -> None:
         while not self._closing.is_set():
+            cpu = time.thread_time()
             try:
                 self._poll()
             except DilocoError as exc:
@@ -320,6 +327,8 @@ class Fetcher(threading.Thread):
                 self.stats.last_error = str(exc)
                 log.warning("versions stream unavailable, retrying: %s", exc)
                 self._closing.wait(1.0)
+            finally:
+                self.stats.cpu_s += time.thread_time() - cpu
 
     def _poll(self) -> None:
         if self._last_id == "$":

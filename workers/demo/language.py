@@ -30,6 +30,26 @@ _STATIONARY_TOL = 1e-13
 _STATIONARY_MAX_ITERS = 200_000
 
 
+_DENSE_SCORES_MAX = 1 << 26
+"""Contexts x vocabulary up to which the successors are ranked from a dense score table (every
+language the benchmarks' tasks use); above, they are drawn without one (a GPT-2 vocabulary)."""
+
+
+def _sparse_successors(forced: torch.Tensor, vocab: int, branching: int) -> torch.Tensor:
+    """successors[c] = the forced token, then branching - 1 distinct others drawn uniformly: what the
+    dense ranking gives in distribution, without a contexts x vocabulary table."""
+    others = torch.randint(0, vocab - 1, (len(forced), branching - 1))
+    others += (others >= forced.unsqueeze(1)).long()  # never the forced token
+    for _ in range(64):
+        ordered = others.sort(dim=1).values
+        clash = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1) if branching > 2 else torch.zeros(len(forced), dtype=torch.bool)
+        if not clash.any():
+            break
+        redraw = torch.randint(0, vocab - 1, (int(clash.sum()), branching - 1))
+        others[clash] = redraw + (redraw >= forced[clash].unsqueeze(1)).long()
+    return torch.cat([forced.unsqueeze(1), others], dim=1)
+
+
 def _entropy(p: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in nats along the last dim (0 log 0 = 0)."""
     return -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
@@ -64,9 +84,12 @@ class MarkovLanguage:
         forced = (torch.arange(num_contexts) % vocab + 1) % vocab  # keeps the chain unichain
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            scores = torch.rand(num_contexts, vocab, dtype=torch.float64)
-            scores[torch.arange(num_contexts), forced] = -1.0  # forced token first in the ranking
-            successors = scores.argsort(dim=-1)[:, :branching]
+            if num_contexts * vocab <= _DENSE_SCORES_MAX:
+                scores = torch.rand(num_contexts, vocab, dtype=torch.float64)
+                scores[torch.arange(num_contexts), forced] = -1.0  # forced token first in the ranking
+                successors = scores.argsort(dim=-1)[:, :branching]
+            else:
+                successors = _sparse_successors(forced, vocab, branching)
             alpha = torch.full((num_contexts, branching), float(concentration), dtype=torch.float64)
             probs = torch.distributions.Dirichlet(alpha).sample()
         return successors, probs
