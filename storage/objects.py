@@ -4,6 +4,8 @@ Contracts, per method:
 - `put(key, data, create_only=True)` is a create-only PUT (`If-None-Match: *`): it either
   creates the object or raises `Conflict`; it never overwrites. Safe to retry: a retry after a
   lost reply finds the object and compares bytes, so a duplicate of our own write is success.
+  An object over `multipart_threshold` (default 4 GiB, under S3's 5 GiB single-PUT limit) goes up
+  as a multipart upload under the same contract (see `ObjectStore._put_multipart`).
 - `get(key, max_bytes)` never reads more than `max_bytes` (+1 to detect overflow) into memory;
   raises `ObjectMissing` if absent, `Refused('too_large')` if bigger, `ObjectUnreadable` if S3
   refuses to return it (e.g. it was stored with a customer-provided encryption key).
@@ -17,9 +19,10 @@ from the standard AWS chain and are never logged.
 
 from __future__ import annotations
 
-import hashlib
+import io
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
@@ -80,12 +83,68 @@ def _code(exc: bexc.ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
 
+_MISSING_CODES = ("NoSuchKey", "404", "NotFound")
+_PRECONDITION_CODES = ("PreconditionFailed", "412", "ConditionalRequestConflict")
+
+_MiB = 1 << 20
+_GiB = 1 << 30
+MIN_PART_BYTES = 5 * _MiB
+"""S3's smallest part (every part of a multipart upload but the last)."""
+MAX_PART_BYTES = 5 * _GiB
+"""S3's largest part, and its largest single PUT."""
+MAX_PARTS = 10_000
+_COMPARE_CHUNK = 8 * _MiB
+_SETTLE_S = 1.0
+"""How long a create-only multipart put waits after completing before it checks the object is
+still its own (see `ObjectStore._put_multipart`)."""
+
+
 _retry = retry(
     retry=retry_if_exception(_transient),
     wait=wait_random_exponential(multiplier=0.2, max=5.0),
     stop=stop_after_attempt(8),
     reraise=True,
 )
+
+# Cleaning up after a failure: a few quick tries only, never delaying the original error for long.
+_retry_cleanup = retry(
+    retry=retry_if_exception(_transient),
+    wait=wait_random_exponential(multiplier=0.2, max=1.0),
+    stop=stop_after_attempt(3),
+    reraise=True,
+)
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview, so that botocore streams one part of a big
+    object without a bytes copy of it (it reads at most 1 MiB at a time: hashing, sending)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer) -> int:  # noqa: ANN001 (any writable buffer)
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        buffer[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def __len__(self) -> int:
+        return len(self._view)
 
 
 def make_client(endpoints: Endpoints, *, timeout_s: float = 30.0):  # noqa: ANN201 (boto3 client type)
@@ -106,7 +165,19 @@ def make_client(endpoints: Endpoints, *, timeout_s: float = 30.0):  # noqa: ANN2
 class ObjectStore:
     """One bucket. Thread-safe (boto3 clients are); create one per process."""
 
-    def __init__(self, endpoints: Endpoints, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, endpoints: Endpoints, *, timeout_s: float = 30.0, multipart_threshold: int = 4 * _GiB,
+                 part_bytes: int = 256 * _MiB) -> None:
+        """`multipart_threshold`: objects longer than this go up as a multipart upload (at most 5 GiB,
+        S3's single-PUT limit). `part_bytes`: the part size of a multipart upload (5 MiB to 5 GiB),
+        grown for an object that would need more than S3's 10000 parts."""
+        if not 0 <= multipart_threshold <= MAX_PART_BYTES:
+            raise ValueError(f"multipart_threshold must be 0..{MAX_PART_BYTES} bytes (S3's single-PUT limit), "
+                             f"not {multipart_threshold}")
+        if not MIN_PART_BYTES <= part_bytes <= MAX_PART_BYTES:
+            raise ValueError(f"part_bytes must be {MIN_PART_BYTES}..{MAX_PART_BYTES} (S3's part sizes), "
+                             f"not {part_bytes}")
+        self.multipart_threshold = multipart_threshold
+        self.part_bytes = part_bytes
         self.bucket = endpoints.bucket
         self._region = endpoints.region
         self._aws = endpoints.s3_endpoint is None
@@ -157,25 +228,183 @@ class ObjectStore:
     def put(self, key: str, data: bytes, *, create_only: bool = True) -> None:
         with self._errors("PUT", key):
             try:
-                self._put(key, data, create_only)
+                if len(data) <= self.multipart_threshold:
+                    self._put(key, data, create_only)
+                    return
+                # A big object that is there already (most often our own, whose reply was lost
+                # before this put was retried) is compared rather than uploaded again.
+                if not (create_only and self._seen(key)):
+                    self._put_multipart(key, data, create_only)
+                    return
             except bexc.ClientError as exc:
-                if _code(exc) not in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                if _code(exc) not in _PRECONDITION_CODES:
                     raise
-                # Either someone else wrote the key, or our own earlier attempt did and its reply was lost.
-                if not self._same_bytes(key, data):
-                    raise Conflict(f"s3://{self.bucket}/{key} already exists with other contents") from None
+            # Either someone else wrote the key, or our own earlier attempt did and its reply was lost.
+            if not self._same_bytes(key, data):
+                raise Conflict(f"s3://{self.bucket}/{key} already exists with other contents") from None
 
     @_retry
     def _put(self, key: str, data: bytes, create_only: bool) -> None:
         extra = {"IfNoneMatch": "*"} if create_only else {}
         self._s3.put_object(Bucket=self.bucket, Key=key, Body=data, **extra)
 
-    def _same_bytes(self, key: str, data: bytes) -> bool:
+    def _put_multipart(self, key: str, data: bytes, create_only: bool) -> None:
+        """CreateMultipartUpload, UploadPart per slice, CompleteMultipartUpload (with
+        `If-None-Match: *` when create_only); AbortMultipartUpload on any failure before the
+        upload completed (best effort: logged, never raised over the original error).
+
+        Create-only: S3 checks `If-None-Match` when the upload completes, which is when the object
+        appears. If the key exists, AWS, MinIO and SeaweedFS 4.48 answer 412 PreconditionFailed
+        and leave the upload open (we abort it), and `put` compares bytes as for a single PUT. A
+        retried Complete whose first try did complete gets 412 (create-only) or NoSuchUpload:
+        both end in the same comparison, so our own object counts as success.
+
+        Remaining race, on SeaweedFS (4.48): its Complete checks If-None-Match and then writes, in
+        two steps (a single PUT does both in one), so Completes that reach it together can all
+        pass the check and each replace the last: 16 writers released together at the Complete
+        had several successes in 2 rounds of 8. AWS documents the check as part of the Complete;
+        MinIO was not tried. So after completing we wait `_SETTLE_S` and HEAD the key: if its
+        ETag is no longer the one our Complete returned and its bytes are not ours, another
+        writer replaced our object and we raise `Conflict` (with this, every round above had one
+        success, the stored object's writer). The race stays open only for a rival Complete that
+        passed its check before ours was written and yet lands more than `_SETTLE_S` after ours
+        returned. Keys with a single writer (the learner or the epoch in their name: every big
+        object of the protocol) never meet it.
+
+        Each step is retried on transient errors, a part from its first byte. Parts are read
+        through a memoryview of `data`: the object is never copied. A CreateMultipartUpload whose
+        reply was lost leaves an upload we never learn of: only a bucket lifecycle rule
+        (AbortIncompleteMultipartUpload) removes such leftovers.
+        """
+        view = memoryview(data).cast("B")
+        size = self._part_size(view.nbytes)
+        upload_id = self._create_upload(key)
         try:
-            existing = self.get(key, max_bytes=len(data))
-        except (ObjectMissing, Refused):
+            parts = []
+            for number, start in enumerate(range(0, view.nbytes, size), start=1):
+                etag = self._upload_part(key, upload_id, number, view[start:start + size])
+                parts.append({"PartNumber": number, "ETag": etag})
+            try:
+                etag = self._complete_upload(key, upload_id, parts, create_only)
+            except bexc.ClientError as exc:
+                if _code(exc) != "NoSuchUpload":
+                    raise
+                # Completed by an earlier try whose reply was lost, or aborted by someone else.
+                if self._same_bytes(key, data):
+                    return
+                if create_only and self.exists(key):
+                    raise Conflict(f"s3://{self.bucket}/{key} already exists with other contents") from None
+                raise StorageUnavailable(f"S3 multipart upload to s3://{self.bucket}/{key} vanished before it "
+                                         f"completed (aborted by a lifecycle rule or another client?)") from exc
+        except BaseException:
+            self._abort_upload(key, upload_id)
+            raise
+        if create_only:
+            time.sleep(_SETTLE_S)
+            now = self._etag(key)
+            if now is not None and now != etag and not self._same_bytes(key, data):
+                raise Conflict(f"s3://{self.bucket}/{key} was created at the same time by another writer, "
+                               f"whose object replaced ours")
+
+    def _seen(self, key: str) -> bool:
+        """A HEAD found `key` (an answer other than found or missing counts as not seen: it is only
+        a shortcut, the Complete's If-None-Match is what keeps create-only)."""
+        try:
+            return self.exists(key)
+        except bexc.ClientError:
             return False
-        return hashlib.sha256(existing).digest() == hashlib.sha256(data).digest()
+
+    def _part_size(self, nbytes: int) -> int:
+        """`part_bytes`, or more (whole MiBs) for an object that would need over S3's 10000 parts."""
+        fewest = -(-nbytes // MAX_PARTS)
+        size = max(self.part_bytes, -(-fewest // _MiB) * _MiB)
+        if size > MAX_PART_BYTES:
+            raise ValueError(f"{nbytes} bytes is over S3's largest object "
+                             f"({MAX_PARTS} parts of {MAX_PART_BYTES} bytes)")
+        return size
+
+    @_retry
+    def _create_upload(self, key: str) -> str:
+        return self._s3.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+
+    @_retry
+    def _upload_part(self, key: str, upload_id: str, number: int, part: memoryview) -> str:
+        resp = self._s3.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                                    Body=_ViewReader(part), ContentLength=part.nbytes)
+        return resp["ETag"]
+
+    @_retry
+    def _complete_upload(self, key: str, upload_id: str, parts: list[dict], create_only: bool) -> str | None:
+        """The ETag of the object made."""
+        extra = {"IfNoneMatch": "*"} if create_only else {}
+        return self._s3.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                                  MultipartUpload={"Parts": parts}, **extra).get("ETag")
+
+    def _etag(self, key: str) -> str | None:
+        """The ETag a HEAD of `key` shows; None if the key is missing."""
+        with self._errors("HEAD", key):
+            try:
+                return self._head_etag(key)
+            except bexc.ClientError as exc:
+                if _code(exc) in _MISSING_CODES:
+                    return None
+                raise
+
+    @_retry
+    def _head_etag(self, key: str) -> str | None:
+        return self._s3.head_object(Bucket=self.bucket, Key=key).get("ETag")
+
+    def _abort_upload(self, key: str, upload_id: str) -> None:
+        """Best effort: a failure here is logged, never raised over the error that led to it."""
+        try:
+            self._abort(key, upload_id)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not abort multipart upload %s of s3://%s/%s (it stays open until a lifecycle "
+                        "rule removes it): %s", upload_id, self.bucket, key, exc)
+
+    @_retry_cleanup
+    def _abort(self, key: str, upload_id: str) -> None:
+        try:
+            self._s3.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except bexc.ClientError as exc:
+            if _code(exc) not in ("NoSuchUpload", "404"):  # completed or aborted already: nothing left
+                raise
+
+    def _same_bytes(self, key: str, data: bytes) -> bool:
+        """Whether `key` holds exactly `data`: the object is streamed in 8 MiB chunks and each chunk
+        compared with ours as it comes, so memory stays one chunk whatever the size, the first
+        difference ends the read and a different ContentLength ends it unread. Missing: False."""
+        want = memoryview(data).cast("B")
+        with self._errors("GET", key):
+            try:
+                return self._stream_equal(key, want)
+            except bexc.ClientError as exc:
+                if _code(exc) in _MISSING_CODES:
+                    return False
+                if not _transient(exc):
+                    message = str(exc.response.get("Error", {}).get("Message", ""))[:200]
+                    raise ObjectUnreadable(f"s3://{self.bucket}/{key}: S3 refuses to return it "
+                                           f"({_code(exc)}: {message})") from None
+                raise
+
+    @_retry
+    def _stream_equal(self, key: str, want: memoryview) -> bool:
+        resp = self._s3.get_object(Bucket=self.bucket, Key=key)
+        body = resp["Body"]
+        try:
+            if int(resp.get("ContentLength", -1)) not in (-1, want.nbytes):
+                return False
+            pos = 0
+            while pos < want.nbytes:
+                chunk = body.read(min(_COMPARE_CHUNK, want.nbytes - pos))
+                with self._counting:
+                    self.bytes_read += len(chunk)
+                if not chunk or want[pos:pos + len(chunk)] != chunk:
+                    return False
+                pos += len(chunk)
+            return not body.read(1)
+        finally:
+            body.close()
 
     def get(self, key: str, *, max_bytes: int) -> bytes:
         with self._errors("GET", key):
@@ -185,7 +414,7 @@ class ObjectStore:
                     self.bytes_read += len(data)
                 return data
             except bexc.ClientError as exc:
-                if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                if _code(exc) in _MISSING_CODES:
                     raise ObjectMissing(f"s3://{self.bucket}/{key} does not exist") from None
                 if not _transient(exc):
                     message = str(exc.response.get("Error", {}).get("Message", ""))[:200]
@@ -214,7 +443,7 @@ class ObjectStore:
                 self._head(key)
                 return True
             except bexc.ClientError as exc:
-                if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                if _code(exc) in _MISSING_CODES:
                     return False
                 raise
 
