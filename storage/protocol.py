@@ -494,6 +494,8 @@ class LearnerStats(Record):
     """Bytes of the contribution objects it stored (up)."""
     bytes_downloaded: int = 0
     """Bytes of every object it read from S3 (down): versions, manifests, the run's records."""
+    bytes_joined: int = 0
+    """Of those, what joining read (the run's records, every fragment's params): once per incarnation."""
     sync_s: float = 0.0
     """Time the training loop spent in the learner's step hook."""
     background_cpu_s: float = 0.0
@@ -508,7 +510,7 @@ class LearnerStats(Record):
         check_id("learner", self.learner)
         counts = {"step": self.step, "tokens": self.tokens, "adopted": self.adopted, "uploaded": self.uploaded,
                   "upload_failed": self.upload_failed, "bytes_uploaded": self.bytes_uploaded,
-                  "bytes_downloaded": self.bytes_downloaded, "pid": self.pid}
+                  "bytes_downloaded": self.bytes_downloaded, "bytes_joined": self.bytes_joined, "pid": self.pid}
         for name, value in counts.items():
             _require(value >= 0, f"{name} must be >= 0, got {value}")
         for name, value in {"step_time_s": self.step_time_s, "sync_s": self.sync_s, "wall_s": self.wall_s,

@@ -455,6 +455,7 @@ class Learner:
                                 deadline, f"version {version} of fragment {fragment}")
             self.fetcher.hold(fragment, version, params)  # the next versions come as updates of these
             values.update(params)
+        self.stats.bytes_joined = self.store.bytes_read
         self.fetcher.start()
         self.bus.join(self.learner_id)
         self._joined = True
@@ -626,7 +627,7 @@ class Learner:
                             loss=self.last_loss if self.last_loss is not None else math.nan,
                             step_time_s=self._step_time_s, adopted=self.adopted, uploaded=self.stats.uploaded,
                             upload_failed=self.stats.upload_failed, bytes_uploaded=self.stats.bytes_uploaded,
-                            bytes_downloaded=self.stats.bytes_downloaded,
+                            bytes_downloaded=self.stats.bytes_downloaded, bytes_joined=self.stats.bytes_joined,
                             sync_s=self.sync_s, background_cpu_s=self.stats.cpu_s,
                             wall_s=0.0 if self.started_at is None else time.monotonic() - self.started_at,
                             pid=os.getpid(), incarnation=self._incarnation)

@@ -87,7 +87,9 @@ class TransferStats:
     bytes_uploaded: int = 0
     """Bytes of the contribution objects stored (up)."""
     bytes_downloaded: int = 0
-    """Bytes of every object read from S3 (down): versions' params and manifests, the run's records at join."""
+    """Bytes of every object read from S3 (down): versions' updates, params and manifests, the run's records at join."""
+    bytes_joined: int = 0
+    """Of those, what joining read (the run's records and every fragment's params)."""
     fetched: int = 0
     """Versions fetched, by either way below."""
     fetched_updates: int = 0

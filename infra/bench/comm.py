@@ -1,6 +1,6 @@
 """`diloco bench comm`: bytes a learner moves per token, both ways, per codec, against a data-parallel all-reduce.
 
-One short run per codec and H (M learners, P fragments, step cadence, real processes and
+One short run per codec and H (M learners, P fragments, the run's default clock cadence, real processes and
 servers). Up: the sizes of the run's contribution objects in S3 (`fragments/`: every outer
 gradient the learners sent) over the tokens the objects cover (each header says how many tokens
 its delta covers; every fragment covers them once), so progress a learner had not sent when the
@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sync-every", default="30,50,100", help="values of H, comma-separated (default: %(default)s)")
     parser.add_argument("--fragments", type=int, default=4, help="P (default: %(default)s, the run default)")
     parser.add_argument("--overlap-steps", type=int, default=2, help="tau (default: %(default)s, the run default)")
+    parser.add_argument("--cadence", default="clock", choices=("clock", "steps"),
+                        help="when learners send (default: %(default)s, the run default; steps makes rounds of one or "
+                             "two learners on a busy machine, each version downloaded by every learner)")
     parser.add_argument("--codecs", default=",".join(codecs.CODECS), help="codecs to run (default: %(default)s)")
     parser.add_argument("--compress", action=argparse.BooleanOptionalAction, default=True,
                         help="zstd on top of the codec, as in a run's default (default: %(default)s)")
@@ -65,6 +68,8 @@ class Arm:
     """Bytes the learners read from S3."""
     trained_tokens: int
     """Tokens the learners trained."""
+    joined_bytes: int
+    """Of `down_bytes`, what joining read (the run's records, every fragment's params): once per learner."""
     trial: TrialResult
 
     @property
@@ -74,8 +79,13 @@ class Arm:
 
     @property
     def down_per_token(self) -> float:
-        """Down: bytes read per learner per token."""
+        """Down: bytes read per learner per token, joining included (a short run pays it over few tokens)."""
         return self.down_bytes / max(1, self.trained_tokens)
+
+    @property
+    def steady_down_per_token(self) -> float:
+        """Down after joining: what a run of any length pays per token."""
+        return (self.down_bytes - self.joined_bytes) / max(1, self.trained_tokens)
 
 
 @dataclass
@@ -97,22 +107,26 @@ class CommResult:
 
     def table(self) -> str:
         dp = self.dp_bytes_per_token()
-        rows = [["data-parallel all-reduce (fp32)", dp, dp, 2 * dp, 1.0, 1.0, None, None, None]]
+        rows = [["data-parallel all-reduce (fp32)", dp, dp, None, 2 * dp, 1.0, 1.0, None, None, None, None]]
         for arm in self.arms:
             both = arm.bytes_per_token + arm.down_per_token
+            steady = arm.bytes_per_token + arm.steady_down_per_token
             fp32 = self._fp32_loss(arm)
-            rows.append([f"{arm.codec}, H={arm.sync_every}", arm.bytes_per_token, arm.down_per_token, both,
-                         dp / arm.bytes_per_token, 2 * dp / both, self.errors.get(arm.codec), arm.trial.eval_loss,
-                         arm.trial.eval_loss / fp32 if fp32 else None])
+            rows.append([f"{arm.codec}, H={arm.sync_every}", arm.bytes_per_token, arm.down_per_token,
+                         arm.steady_down_per_token, both, dp / arm.bytes_per_token, 2 * dp / both, 2 * dp / steady,
+                         self.errors.get(arm.codec), arm.trial.eval_loss, arm.trial.eval_loss / fp32 if fp32 else None])
         best_up = max(dp / arm.bytes_per_token for arm in self.arms)
         best = max(2 * dp / (arm.bytes_per_token + arm.down_per_token) for arm in self.arms)
+        best_steady = max(2 * dp / (arm.bytes_per_token + arm.steady_down_per_token) for arm in self.arms)
         head = (f"comm: {self.params} parameters, M = {self.learners} learners, {self.tokens_per_step} tokens per "
                 f"learner step; a data-parallel ring all-reduce sends {dp:.1f} and receives {dp:.1f} bytes per token "
                 "per worker")
-        return (head + "\n" + figures_table(["what", "up B/token", "down B/token", "both B/token", "x less up",
-                                             "x less both", "rel. L2 error", "eval loss", "/ fp32"], rows)
-                + f"\nbest reduction up {best_up:.0f}x, both ways {best:.0f}x (target >= 500x both ways: "
-                f"{'met' if best >= 500 else 'NOT met'}); bytes per token scale as 1/H")
+        return (head + "\n" + figures_table(["what", "up B/token", "down B/token", "down after join", "both B/token",
+                                             "x less up", "x less both", "x less both after join", "rel. L2 error",
+                                             "eval loss", "/ fp32"], rows)
+                + f"\nbest reduction up {best_up:.0f}x, both ways {best:.0f}x with the join, {best_steady:.0f}x after "
+                f"it (target >= 500x both ways: {'met' if best >= 500 else 'NOT met'} with the join); bytes per token "
+                "scale as 1/H; the join is a fixed cost, the shorter the run the more it weighs")
 
     def to_json(self) -> dict:
         dp = self.dp_bytes_per_token()
@@ -121,7 +135,8 @@ class CommResult:
                 "arms": [{"codec": a.codec, "sync_every": a.sync_every, "delta_bytes": a.delta_bytes, "tokens": a.tokens,
                           "bytes_per_token": a.bytes_per_token, "reduction": dp / a.bytes_per_token,
                           "down_bytes": a.down_bytes, "trained_tokens": a.trained_tokens,
-                          "down_per_token": a.down_per_token,
+                          "down_per_token": a.down_per_token, "joined_bytes": a.joined_bytes,
+                          "steady_down_per_token": a.steady_down_per_token,
                           "reduction_both_ways": 2 * dp / (a.bytes_per_token + a.down_per_token),
                           "eval_loss": a.trial.eval_loss, "trial": a.trial.to_json()} for a in self.arms]}
 
@@ -169,14 +184,14 @@ def run(args: argparse.Namespace) -> CommResult:
         store = ObjectStore(stack.endpoints)
         for h in periods:
             for codec in wanted:
-                shape = run_args(args.fragments, h, min(args.overlap_steps, h - 1), codec, cadence="steps")
+                shape = run_args(args.fragments, h, min(args.overlap_steps, h - 1), codec, cadence=args.cadence)
                 if not args.compress:
                     shape = (*shape, "--no-compress")
                 trial = run_trial(stack, Trial(f"comm-{codec}-h{h}", learners, 3600.0, shape), task, args.out,
                                   curve_points=1)
                 size, tokens = sent(store, RunKeys(stack.endpoints.prefix, trial.run), args.fragments)
                 arms.append(Arm(codec, h, size, tokens, int(trial.total("bytes_downloaded")),
-                                int(trial.total("tokens")), trial))
+                                int(trial.total("tokens")), int(trial.total("bytes_joined")), trial))
         reference = next(a for a in arms if a.codec == "fp32")
         errors = reconstruction_errors(store, RunKeys(stack.endpoints.prefix, reference.trial.run))
     params = sum(p.numel() for p in task.make_model(0).parameters())
