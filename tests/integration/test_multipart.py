@@ -165,6 +165,7 @@ def test_a_failed_upload_is_aborted_and_its_error_surfaces(endpoints):
     assert open_uploads(endpoints) == []
 
 
+@pytest.mark.slow  # 5 s: the race; make test keeps every other multipart test
 def test_concurrent_writers_of_one_key_have_one_winner(endpoints):
     """Writers of other bytes whose Completes reach the server together. SeaweedFS checks
     If-None-Match and then writes in two steps, so several Completes can succeed; the check after
