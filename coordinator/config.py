@@ -35,7 +35,8 @@ class RunSettings:
     alpha: float = 0.5
     """For merge_rule 'mix': local = alpha * local + (1 - alpha) * global."""
     codec: str = "int8"
-    """Outer-gradient codec: fp32, bf16, int8, int4 or int2 (ternary)."""
+    """Outer-gradient codec, both ways: fp32, bf16, int8, int4 or int2 (ternary: loses quality badly on the
+    quality benchmark, docs/benchmarks.md)."""
     compress: bool = True
     """zstd on top of the codec."""
     max_object_bytes: int = 1 << 30
