@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from diloco.infra.bench import wan
+from diloco.infra.bench import dataparallel, netns, wan
 from diloco.workers.demo.task import DemoTask
 
 
@@ -34,8 +34,8 @@ def test_the_default_scaling_is_a_12b_model_on_2_to_5_gbps():
 
 
 def test_tbf_bucket_holds_two_frames_or_10_ms():
-    assert wan.tbf_args(1.25, 100) == ["tbf", "rate", "1250000bit", "burst", "4096", "latency", "100ms"]
-    assert wan.tbf_args(1000, 50)[4] == str(1_250_000)
+    assert netns.tbf_args(1.25, 100) == ["tbf", "rate", "1250000bit", "burst", "4096", "latency", "100ms"]
+    assert netns.tbf_args(1000, 50)[4] == str(1_250_000)
 
 
 def test_a_per_version_curve_reaches_the_target_at_a_commit():
@@ -46,7 +46,7 @@ def test_a_per_version_curve_reaches_the_target_at_a_commit():
 
 
 def test_dp_time_at_interpolates_inside_the_run_and_extrapolates_beyond():
-    run = wan.DpRun(0.0, 3, [4.0, 9.0, 14.0], [0.1] * 3, [4.5] * 3, [], 3.0)
+    run = dataparallel.DpRun(0.0, 3, [4.0, 9.0, 14.0], [0.1] * 3, [4.5] * 3, [], 3.0)
     assert run.mean_step_s == 5.0  # the first step left out
     assert run.time_at(2) == 9.0
     assert run.time_at(2.5) == 11.5
@@ -59,7 +59,7 @@ def test_the_in_process_data_parallel_step_is_the_mean_of_the_shards_gradients()
     task = DemoTask(d_model=32, n_layers=1, n_heads=2, d_ff=64, batch_size=4, seq_len=16, eval_tokens=256,
                     warmup_steps=2)
     world, steps = 3, 4
-    curve = dict(wan.dp_equivalent_curve(task, world, steps, eval_every=1))
+    curve = dict(dataparallel.dp_equivalent_curve(task, world, steps, eval_every=1))
     model = task.make_model(0)
     optimizer = task.make_inner_optimizer(model)
     schedule = task.make_lr_schedule(optimizer, steps)
@@ -76,8 +76,8 @@ def test_the_in_process_data_parallel_step_is_the_mean_of_the_shards_gradients()
 
 
 def test_without_namespaces_the_result_says_why(monkeypatch):
-    monkeypatch.setattr(wan.os, "geteuid", lambda: 1000)
-    assert "root" in (wan.feasibility().reason or "")
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert "root" in (netns.feasibility().reason or "")
     parser = argparse.ArgumentParser()
     wan.add_arguments(parser)
     result = wan.run(parser.parse_args([]))
@@ -86,26 +86,26 @@ def test_without_namespaces_the_result_says_why(monkeypatch):
 
 
 def _namespaces() -> set[str]:
-    return {line.split()[0] for line in wan.sh("ip", "netns", "list").splitlines() if line.strip()}
+    return {line.split()[0] for line in netns.sh("ip", "netns", "list").splitlines() if line.strip()}
 
 
 def _in(ns: str, code: str) -> subprocess.Popen:
-    return subprocess.Popen([*wan.netns_exec(ns), sys.executable, "-c", code])
+    return subprocess.Popen([*netns.netns_exec(ns), sys.executable, "-c", code])
 
 
 def test_links_carry_their_rate_reach_each_other_and_leave_nothing_behind():
-    if reason := wan.feasibility().reason:
+    if reason := netns.feasibility().reason:
         pytest.skip(reason)
     import socket
 
     received: dict[str, tuple[int, float]] = {}
-    with wan.WanNet(2) as net:
+    with netns.WanNet(2) as net:
         names = {net.hub, *(link.ns for link in net.links)}
         assert names <= _namespaces()
-        net.shape(0, wan.Rates(2.0, 2.0))
-        net.shape(1, wan.Rates(2.0, 0.5))
-        sleeper = subprocess.Popen([*wan.netns_exec(net.links[1].ns), "sleep", "60"])
-        with wan.entered(net.hub):
+        net.shape(0, netns.Rates(2.0, 2.0))
+        net.shape(1, netns.Rates(2.0, 0.5))
+        sleeper = subprocess.Popen([*netns.netns_exec(net.links[1].ns), "sleep", "60"])
+        with netns.entered(net.hub):
             server = socket.create_server(("0.0.0.0", 0))
 
         def receive() -> None:
@@ -128,7 +128,7 @@ def test_links_carry_their_rate_reach_each_other_and_leave_nothing_behind():
         # learner 0 to learner 1 through the hub: learner 1's download (0.5 Mbit/s) is the narrow end
         listen = ("import socket, time; srv = socket.create_server(('0.0.0.0', 7001)); c, _ = srv.accept(); "
                   "t = None\nwhile c.recv(65536): t = t or time.monotonic()\nprint(time.monotonic() - t)")
-        rx = subprocess.Popen([*wan.netns_exec(net.links[1].ns), sys.executable, "-c", listen], stdout=subprocess.PIPE,
+        rx = subprocess.Popen([*netns.netns_exec(net.links[1].ns), sys.executable, "-c", listen], stdout=subprocess.PIPE,
                               text=True)
         time.sleep(1.0)
         assert _in(net.links[0].ns, send.format(net.links[1].ip, 7001, 62_500)).wait(30) == 0
@@ -143,11 +143,11 @@ def test_links_carry_their_rate_reach_each_other_and_leave_nothing_behind():
 
 @pytest.mark.slow
 def test_a_real_gloo_run_across_the_links_matches_the_in_process_update(tmp_path):
-    if reason := wan.feasibility().reason:
+    if reason := netns.feasibility().reason:
         pytest.skip(reason)
     task = DemoTask()
-    with wan.WanNet(2) as net, wan.entered(net.hub):
-        dp = wan.run_dp(net, task, tmp_path, steps=3, budget_s=60, step_time_s=0.0, rate=wan.Rates(50.0, 50.0))
+    with netns.WanNet(2) as net, netns.entered(net.hub):
+        dp = dataparallel.run_dp(net, task, tmp_path, steps=3, budget_s=60, step_time_s=0.0, rate=netns.Rates(50.0, 50.0))
     assert dp.steps == 3
     assert all(up > 3 * wan.ring_bytes(108_288, 2, 4) for up, _ in dp.wire)  # three all-reduces each way
-    assert dp.final_eval == pytest.approx(dict(wan.dp_equivalent_curve(task, 2, 3, eval_every=3))[3], rel=1e-4)
+    assert dp.final_eval == pytest.approx(dict(dataparallel.dp_equivalent_curve(task, 2, 3, eval_every=3))[3], rel=1e-4)
