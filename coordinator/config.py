@@ -34,9 +34,10 @@ class RunSettings:
     """How learners take a new version: 'rebase' keeps progress made since the send, 'mix' blends."""
     alpha: float = 0.5
     """For merge_rule 'mix': local = alpha * local + (1 - alpha) * global."""
-    codec: str = "int8"
-    """Outer-gradient codec, both ways: fp32, bf16, int8, int4 or int2 (ternary: loses quality badly on the
-    quality benchmark, docs/benchmarks.md)."""
+    codec: str = "int4"
+    """Outer-gradient codec, both ways (deltas up, updates down, each with error feedback): fp32, bf16,
+    int8, int4 or int2. int4 and int8 are within 1% of fp32 on every task of the quality benchmark;
+    int2 (ternary) loses badly (docs/benchmarks.md)."""
     compress: bool = True
     """zstd on top of the codec."""
     max_object_bytes: int = 1 << 30

@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sync-every", type=int, help="H of every DiLoCo arm (default: the task's)")
     parser.add_argument("--overlap-steps", type=int, default=DEFAULTS.overlap_steps,
                         help="tau of our arms (default: the run default, %(default)s)")
-    parser.add_argument("--codec", default="int8", choices=CODECS, help="outer-gradient codec of our arms (default: %(default)s)")
+    parser.add_argument("--codec", default=DEFAULTS.codec, choices=CODECS,
+                        help="outer-gradient codec of our arms (default: the run default, %(default)s)")
     parser.add_argument("--learner-args", default="",
                         help="extra options for the decoupled arm's learners, e.g. '--own-version-wait 0'")
     parser.add_argument("--coordinator-args", default="",

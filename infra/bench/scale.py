@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diloco.coordinator.config import RunSettings
 from diloco.infra.bench.trial import bench_stack
 from diloco.infra.local.fleet import Fleet, diloco_command, learner_argv, process_env, wait_until
 from diloco.infra.output import figures_table, human_bytes
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=16, help="inner steps per learner (default: %(default)s)")
     parser.add_argument("--sync-every", type=int, default=4, help="H (default: %(default)s)")
     parser.add_argument("--fragments", type=int, default=4, help="P (default: %(default)s)")
-    parser.add_argument("--codec", default="int8", help="the run's codec (default: %(default)s)")
+    parser.add_argument("--codec", default=RunSettings().codec, help="the run's codec (default: the run default, %(default)s)")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step (default: %(default)s)")
     parser.add_argument("--n-layer", type=int, default=12, help="blocks (default: %(default)s, GPT-2 small)")
