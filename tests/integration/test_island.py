@@ -142,6 +142,7 @@ def rank_main(rank: int, mode: str, endpoints_by_rank: list[Endpoints], run_id: 
         result = {"before": before, "started": started, "final": checksum(full_state(model)), "steps": steps,
                   "adopted": learner.adopted, "checked": checked, "mismatched": mismatched}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # tear down together: rank 0 holds the rendezvous store the others still talk to
     finally:
         dist.destroy_process_group()
 
