@@ -374,13 +374,22 @@ class ObjectStore:
         """Whether `key` holds exactly `data`: the object is streamed in 8 MiB chunks and each chunk
         compared with ours as it comes, so memory stays one chunk whatever the size, the first
         difference ends the read and a different ContentLength ends it unread. Missing: False."""
-        want = memoryview(data).cast("B")
+        try:
+            with self._reading(key):
+                return self._stream_equal(key, memoryview(data).cast("B"))
+        except ObjectMissing:
+            return False
+
+    @contextmanager
+    def _reading(self, key: str) -> Iterator[None]:
+        """A GET's errors as `get` raises them: ObjectMissing, ObjectUnreadable (S3 refuses it for
+        good), StorageUnavailable (transient past the retries)."""
         with self._errors("GET", key):
             try:
-                return self._stream_equal(key, want)
+                yield
             except bexc.ClientError as exc:
                 if _code(exc) in _MISSING_CODES:
-                    return False
+                    raise ObjectMissing(f"s3://{self.bucket}/{key} does not exist") from None
                 if not _transient(exc):
                     message = str(exc.response.get("Error", {}).get("Message", ""))[:200]
                     raise ObjectUnreadable(f"s3://{self.bucket}/{key}: S3 refuses to return it "
@@ -407,20 +416,11 @@ class ObjectStore:
             body.close()
 
     def get(self, key: str, *, max_bytes: int) -> bytes:
-        with self._errors("GET", key):
-            try:
-                data = self._get(key, max_bytes)
-                with self._counting:
-                    self.bytes_read += len(data)
-                return data
-            except bexc.ClientError as exc:
-                if _code(exc) in _MISSING_CODES:
-                    raise ObjectMissing(f"s3://{self.bucket}/{key} does not exist") from None
-                if not _transient(exc):
-                    message = str(exc.response.get("Error", {}).get("Message", ""))[:200]
-                    raise ObjectUnreadable(f"s3://{self.bucket}/{key}: S3 refuses to return it "
-                                           f"({_code(exc)}: {message})") from None
-                raise
+        with self._reading(key):
+            data = self._get(key, max_bytes)
+        with self._counting:
+            self.bytes_read += len(data)
+        return data
 
     @_retry
     def _get(self, key: str, max_bytes: int) -> bytes:
