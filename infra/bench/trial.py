@@ -19,7 +19,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +97,8 @@ class TrialResult:
     """Tokens of the learner compute that reached the global model: the tokens of the contributions merged
     into versions, per fragment (every fragment's contributions cover a learner's tokens once)."""
     rounds: RoundStats | None = None
+    learners_done_s: float = 0.0
+    """When the last learner exited, since the trial started."""
 
     def total(self, key: str) -> float:
         return sum(float(s.get(key, 0) or 0) for s in self.learners.values())
@@ -108,7 +110,8 @@ class TrialResult:
                 "counters": self.counters,
                 "heads": {str(k): v for k, v in self.heads.items()}, "learners": self.learners,
                 "restarts": self.restarts, "merged_tokens": self.merged_tokens,
-                "rounds": None if self.rounds is None else self.rounds.to_json()}
+                "rounds": None if self.rounds is None else self.rounds.to_json(),
+                "learners_done_s": round(self.learners_done_s, 2)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,11 +128,14 @@ class RoundStats:
     mean_staleness: float
     weight_sum: float
     """Mean over versions of the sum of the inputs' weights: below 1 where the staleness discount shrank the step."""
+    per_learner: dict[str, dict] = dataclasses.field(default_factory=dict)
+    """Learner -> {"merged": pieces merged, "mean_staleness": their mean staleness}."""
 
     def to_json(self) -> dict:
         return {"versions": self.versions, "contributions": self.contributions,
                 "learners_per_version": round(self.learners_per_version, 3), "stale_share": round(self.stale_share, 4),
-                "mean_staleness": round(self.mean_staleness, 4), "weight_sum": round(self.weight_sum, 4)}
+                "mean_staleness": round(self.mean_staleness, 4), "weight_sum": round(self.weight_sum, 4),
+                "per_learner": self.per_learner}
 
 
 def round_stats(manifests: dict[int, list[Manifest]]) -> RoundStats:
@@ -141,7 +147,23 @@ def round_stats(manifests: dict[int, list[Manifest]]) -> RoundStats:
         learners_per_version=sum(len({c.learner for c in m.inputs}) for m in merged) / n,
         stale_share=sum(1 for c in inputs if c.staleness > 0) / max(1, len(inputs)),
         mean_staleness=sum(c.staleness for c in inputs) / max(1, len(inputs)),
-        weight_sum=sum(sum(c.weight for c in m.inputs) for m in merged) / n)
+        weight_sum=sum(sum(c.weight for c in m.inputs) for m in merged) / n,
+        per_learner={learner: {"merged": len(mine), "mean_staleness": sum(mine) / len(mine)}
+                     for learner in sorted({c.learner for c in inputs})
+                     for mine in [[c.staleness for c in inputs if c.learner == learner]]})
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a trial's processes run: the default is here, on the stack's endpoints; `bench wan`
+    puts the coordinator in a hub network namespace and each learner behind a link of its own."""
+
+    coordinator: tuple[str, ...] = ()
+    """What goes before the coordinator's command line (e.g. `ip netns exec HUB`)."""
+    learner: Callable[[int], list[str]] = lambda _k: []
+    """What goes before learner k's command line (k: its index in the trial's learners)."""
+    learner_env: Callable[[int], dict[str, str] | None] = lambda _k: None
+    """Learner k's environment before `process_env`; None: the stack's."""
 
 
 def _learner_argv(trial: Trial, plan: LearnerPlan, run: str, task_path: Path, until: float,
@@ -152,10 +174,10 @@ def _learner_argv(trial: Trial, plan: LearnerPlan, run: str, task_path: Path, un
 
 
 def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: str | None = None,
-              curve_points: int | None = 8) -> TrialResult:
+              curve_points: int | None = 8, placement: Placement = Placement()) -> TrialResult:
     """Run `trial` to the end of its budget on `stack` and measure it (see the module docstring).
     `curve_points`: evaluate the global model at that many evenly spaced times, or after every
-    committed version if None."""
+    committed version if None. `placement`: where the processes run."""
     run = run or f"{trial.name}-{int(time.time())}"
     out.mkdir(parents=True, exist_ok=True)
     task_path = out / "task.json"
@@ -168,14 +190,17 @@ def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: st
     # A killed learner comes back unless that would be within a second of the budget's end.
     with Fleet(process_env(stack.env()), out / "logs", restarts_until_s=trial.budget_s - 1.0) as fleet:
         try:
-            fleet.add(coordinator, diloco_command("coordinator", "--run", run, *trial.run_args,
-                                                  *trial.coordinator_args), service=True)
-            for name, plan in plans.items():
+            fleet.add(coordinator, [*placement.coordinator, *diloco_command(
+                "coordinator", "--run", run, *trial.run_args, *trial.coordinator_args)], service=True)
+            for k, (name, plan) in enumerate(plans.items()):
+                env = placement.learner_env(k)
                 # A restarted learner's data seed counts the trial's restarts so far, not its own.
-                fleet.add(name, lambda i, plan=plan: _learner_argv(trial, plan, run, task_path, until,
-                                                                   fleet.restarts if i else 0))
+                fleet.add(name, lambda i, plan=plan, k=k: [*placement.learner(k), *_learner_argv(
+                    trial, plan, run, task_path, until, fleet.restarts if i else 0)],
+                          env=None if env is None else process_env(env))
                 fleet.schedule(name, plan.outages)
             _supervise(trial, fleet, plans, started)
+            learners_done_s = time.monotonic() - started
             bus = Bus(stack.endpoints, run)
             wait_until(lambda: bus.pending_count() == 0, 15.0)  # let the last round merge
             if not wait_until(lambda: bus.run_end() is not None, RUN_END_S):  # the learners' final pieces merged
@@ -200,7 +225,8 @@ def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: st
     # Each fragment's contributions cover the learner's tokens once: the fleet's merged tokens are the mean.
     merged = sum(c.tokens for history in manifests.values() for m in history[1:] for c in m.inputs) // len(manifests)
     return TrialResult(trial.name, run, wall_s, curve[-1][1], curve, curve_versions, counters, heads,
-                       {k: dataclasses.asdict(v) for k, v in learners.items()}, fleet.restarts, merged, round_stats(manifests))
+                       {k: dataclasses.asdict(v) for k, v in learners.items()}, fleet.restarts, merged, round_stats(manifests),
+                       learners_done_s)
 
 
 def _supervise(trial: Trial, fleet: Fleet, plans: dict[str, LearnerPlan], started: float) -> None:

@@ -50,11 +50,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import shutil
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,15 +61,9 @@ from diloco.coordinator.config import RunSettings
 from diloco.infra.bench.dataparallel import DpRun, _dp_worker, dp_equivalent_curve, run_dp
 from diloco.infra.bench.netns import (Rates, WanNet, _sigterm_interrupts, entered, feasibility, netns_exec,
                                       remove_leftovers)
-from diloco.infra.bench.trial import (RUN_END_S, LearnerPlan, Trial, TrialResult, _supervise, eval_curve,
-                                      round_stats, sync_trial, time_to, version_curve)
-from diloco.infra.local.fleet import Fleet, diloco_command, learner_argv, process_env, wait_until
+from diloco.infra.bench.trial import LearnerPlan, Placement, Trial, TrialResult, run_trial, sync_trial, time_to
 from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.infra.output import figures_table
-from diloco.storage.bus import Bus
-from diloco.storage.history import list_versions, read_layout, read_manifest
-from diloco.storage.keys import RunKeys
-from diloco.storage.objects import ObjectStore
 from diloco.workers.demo.task import DemoTask
 from diloco.workers.tasks.base import Task
 
@@ -155,74 +147,31 @@ class LinkedTrial:
     rates: list[Rates]
     wire: list[tuple[int, int]]
     """(bytes up, bytes down) on each learner's link during the arm."""
-    learners_done_s: float
-    """When the last learner exited, since the arm started."""
-    per_learner: dict[str, dict]
-    """Merged contributions and their mean staleness, per learner (from the manifests)."""
+
+    @property
+    def learners_done_s(self) -> float:
+        """When the last learner exited, since the arm started."""
+        return self.trial.learners_done_s
+
+    @property
+    def per_learner(self) -> dict[str, dict]:
+        """Merged contributions and their mean staleness, per learner (from the manifests)."""
+        return self.trial.rounds.per_learner if self.trial.rounds else {}
 
 
 def run_linked_trial(stack: LocalStack, net: WanNet, trial: Trial, task: Task, out: Path, rates: Sequence[Rates], *,
                      curve_points: int | None) -> LinkedTrial:
-    """`trial.run_trial` on the links: the same processes and figures, the coordinator in the hub (at
-    127.0.0.1 there) and learner i in its namespace behind link i, shaped to `rates[i]`."""
+    """`trial.run_trial` on the links: the coordinator in the hub (at 127.0.0.1 there) and learner i
+    in its namespace behind link i, shaped to `rates[i]`."""
     for i, r in enumerate(rates):
         net.shape(i, r)
-    run = f"{trial.name}-{int(time.time())}"
-    out.mkdir(parents=True, exist_ok=True)
-    task_path = out / "task.json"
-    task_path.write_text(json.dumps(task.to_wire()))
     before = net.counters()
-    started, started_unix = time.monotonic(), time.time()
-    until = started_unix + trial.budget_s
-    coordinator = f"{trial.name}-coordinator"
-    plans = {f"{trial.name}-{p.name}": p for p in trial.learners}
-    with Fleet(process_env(stack.env()), out / "logs") as fleet:
-        try:
-            fleet.add(coordinator, [*netns_exec(net.hub), *diloco_command(
-                "coordinator", "--run", run, *trial.run_args, *trial.coordinator_args)], service=True)
-            for i, (name, plan) in enumerate(plans.items()):
-                argv = learner_argv(run, plan.name, task_path, steps=plan.steps, until=until, slowdown=plan.slowdown,
-                                    step_time_s=trial.step_time_s, data_seed=plan.data_seed, extra=trial.learner_args)
-                fleet.add(name, [*netns_exec(net.links[i].ns), *argv],
-                          env=process_env(net.endpoints_env(i, stack)))
-            _supervise(trial, fleet, plans, started)
-            learners_done_s = time.monotonic() - started
-            bus = Bus(stack.endpoints, run)
-            wait_until(lambda: bus.pending_count() == 0, 15.0)
-            if not wait_until(lambda: bus.run_end() is not None, RUN_END_S):
-                log.warning("%s: run %s did not end within %.0fs of its last learner: measuring the heads as they are",
-                            trial.name, run, RUN_END_S)
-            wall_s = time.monotonic() - started
-            counters, heads, learners = bus.counters(), bus.heads(), bus.learner_stats()
-        finally:
-            fleet.stop(plans, timeout_s=10)
-            fleet.stop([coordinator])
+    placement = Placement(coordinator=tuple(netns_exec(net.hub)), learner=lambda i: netns_exec(net.links[i].ns),
+                          learner_env=lambda i: net.endpoints_env(i, stack))
+    result = run_trial(stack, trial, task, out, curve_points=curve_points, placement=placement)
     after = net.counters()
-    store, keys = ObjectStore(stack.endpoints), RunKeys(stack.endpoints.prefix, run)
-    layout = read_layout(store, keys)
-    if layout is None:
-        raise RuntimeError(f"{trial.name}: run {run} never committed version 0: see {out / 'logs'}")
-    manifests = {f: [read_manifest(store, keys, f, v) for v in list_versions(store, keys, f)]
-                 for f in range(len(layout.fragments))}
-    if curve_points is None:
-        curve, curve_versions = version_curve(task, store, layout, manifests, started_unix)
-    else:
-        curve, curve_versions = eval_curve(task, store, layout, manifests, started_unix, wall_s, curve_points), []
-    merged = sum(c.tokens for history in manifests.values() for m in history[1:] for c in m.inputs) // len(manifests)
-    result = TrialResult(trial.name, run, wall_s, curve[-1][1], curve, curve_versions, counters, heads,
-                         {k: dataclasses.asdict(v) for k, v in learners.items()}, fleet.restarts, merged,
-                         round_stats(manifests))
-    per_learner: dict[str, dict] = {}
-    for history in manifests.values():
-        for m in history[1:]:
-            for c in m.inputs:
-                d = per_learner.setdefault(c.learner, {"merged": 0, "staleness": 0})
-                d["merged"] += 1
-                d["staleness"] += c.staleness
-    for d in per_learner.values():
-        d["mean_staleness"] = d.pop("staleness") / max(1, d["merged"])
     wire = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
-    return LinkedTrial(result, list(rates), wire, learners_done_s, per_learner)
+    return LinkedTrial(result, list(rates), wire)
 
 
 # ---------------------------------------------------------------------------------------------
