@@ -1,6 +1,6 @@
 """A learner's view of its parameters: one process, or a torchrun island of several ranks.
 
-The learner reads and writes parameters only through `Replica`, as full, unsharded CPU fp32
+The learner reads and writes parameters only through `Replica`, as full, unsharded host fp32
 tensors that exist on the leader (rank 0) alone; the other ranks take part in the collectives and
 get `None`. What a read or a write costs depends on how a parameter is held:
 
@@ -10,6 +10,12 @@ get `None`. What a read or a write costs depends on how a parameter is held:
 - DTensors (FSDP2 `fully_shard`, tensor parallelism, HSDP: any mesh and placements): reads
   all-gather the full tensor (`full_tensor()`, every rank takes part), writes broadcast the full
   value from rank 0 and each rank keeps its own shard of it.
+
+In the step hook nothing waits for the device (`workers.hostcopy`): a send takes a `snapshot`
+(device clones copied to pinned host buffers on a side stream; the uploader's thread waits for
+them), and a merge `blend`s a value computed on the host into the parameters in place on the
+device (`p += global - anchor` for the rebase rule), so a merge never reads the parameters back.
+`read` and `write` (joining) wait.
 
 Everything here is collective on an island: every rank must make the same calls in the same
 order. The learner guarantees that by letting rank 0 decide each step's plan (`share_plan`) and
@@ -27,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from diloco.workers.hostcopy import HostCopies, Snapshot
+
 
 def in_island() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -38,26 +46,39 @@ class Replica:
         self.island = in_island()
         self.is_leader = not self.island or dist.get_rank() == 0
         self.device = next(iter(params.values())).device
+        self.copies = HostCopies(self.device)
         # Control messages go over gloo on the host: on an NCCL island a device tensor's .item() would
         # synchronize the device every step. new_group is collective: every rank builds its Replica.
         self._control = (dist.new_group(backend="gloo") if self.island and dist.get_backend() != "gloo"
                          else None)
 
     @torch.no_grad()
-    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor] | None:
-        """Full values of `names` as CPU fp32 copies on the leader, None on the other ranks."""
-        out: dict[str, torch.Tensor] = {}
+    def snapshot(self, names: Iterable[str]) -> Snapshot | None:
+        """Full values of `names` as host fp32 copies on the leader, taken now but possibly still on
+        their way from the device (`workers.hostcopy`); None on the other ranks."""
+        clones: dict[str, torch.Tensor] = {}
         for name in names:
             p = self.params[name]
             if isinstance(p, DTensor):
-                value = p.full_tensor()  # collective: every rank gathers
+                value = p.full_tensor()  # collective: every rank gathers; a new tensor
+                fresh = True
             elif self.is_leader:
-                value = p.detach()
+                value, fresh = p.detach(), False
             else:
                 continue
             if self.is_leader:
-                out[name] = value.to("cpu", torch.float32, copy=True)
-        return out if self.is_leader else None
+                clones[name] = value.to(torch.float32, copy=not fresh)  # on the device, in queue order
+        return self.copies.snapshot(clones) if self.is_leader else None
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor] | None:
+        """Full values of `names` as host fp32 copies on the leader, None on the other ranks; waits
+        for them (joining; `snapshot` is the step hook's way)."""
+        snapshot = self.snapshot(names)
+        return None if snapshot is None else snapshot.wait()
+
+    def host_empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An fp32 host buffer to compute values to `blend` into (pinned on a device)."""
+        return self.copies.host_empty(shape)
 
     @torch.no_grad()
     def write(self, values: dict[str, torch.Tensor] | None, names: Sequence[str]) -> None:
@@ -71,6 +92,32 @@ class Replica:
                     else torch.empty(p.shape, dtype=p.dtype, device=self.device))
             dist.broadcast(full, src=0)
             self._assign(p, full)
+
+    @torch.no_grad()
+    def blend(self, values: dict[str, torch.Tensor] | None, names: Sequence[str], *, keep: float = 1.0,
+              add: float = 1.0) -> None:
+        """`p = keep * p + add * value` on every rank, for `names`, with the leader's host fp32 `values`
+        (ignored on other ranks), in place on the device: the parameters are never read back. The
+        value goes to the device without waiting (`HostCopies.to_device`), is broadcast on an island,
+        and each rank of a sharded parameter adds its own shard of it. `keep` and `add` are the
+        leader's too."""
+        if self.island:
+            box = torch.tensor([keep, add], dtype=torch.float64)  # on the host, over gloo
+            dist.broadcast(box, src=0, group=self._control)
+            keep, add = box.tolist()
+        for name in names:
+            p = self.params[name]
+            if self.is_leader:
+                full = self.copies.to_device(values[name])  # type: ignore[index]
+            else:
+                full = torch.empty(p.shape, dtype=torch.float32, device=self.device)
+            if self.island:
+                dist.broadcast(full, src=0)
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            if keep != 1.0:
+                p.mul_(keep)
+            p.add_(full, alpha=add)
 
     @staticmethod
     def _assign(p: torch.nn.Parameter, full: torch.Tensor) -> None:

@@ -26,8 +26,11 @@ exception leaves without sending anything (`close`).
 
 Bookkeeping per fragment (`FragmentState`): `anchor` is the point unsent progress is measured from.
 Sending: delta = anchor - local, then anchor = local. Taking version G:
-'rebase': local = G + (local - anchor) (keeps progress made since the send), anchor = G;
+'rebase': local = local + (G - anchor) (keeps progress made since the send), anchor = G;
 'mix':    local = alpha * local + (1 - alpha) * G, anchor = G.
+The step hook never waits for the device (`workers.hostcopy`): `local` at a send is a snapshot whose
+copy to the host the uploader's thread waits for, and it computes the delta there; a merge computes
+`G - anchor` on the host and adds it to the parameters in place on the device.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import Layout, LearnerFinished, LearnerStats, RunEnd, check_id, plain_name
 from diloco.storage.settings import Endpoints
 from diloco.workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout
+from diloco.workers.hostcopy import Snapshot
 from diloco.workers.island import Replica
 from diloco.workers.metrics import LearnerMetrics
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
@@ -106,9 +110,9 @@ class FragmentState:
 
     names: list[str]
     """The fragment's parameter names."""
-    anchor: dict[str, torch.Tensor] = field(default_factory=dict)
+    anchor: Snapshot = field(default_factory=lambda: Snapshot({}))
     """The point unsent progress is measured from: the local values at the last send, or the global
-    version taken since."""
+    version taken since. Never changed in place: the uploader and the fetcher may hold it."""
     base_version: int = -1
     """The global version the anchor descends from: a delta sent now is based on it."""
     tokens: int = 0
@@ -171,7 +175,7 @@ class Learner:
         self._endpoints = endpoints
         self.step = 0
         self.tokens = 0
-        self.last_loss: float | None = None
+        self._loss: float | torch.Tensor | None = None
         self.adopted = 0
         self.stats = TransferStats()
         # Names without torch.compile's wrapper prefix: a compiled and an uncompiled model train the same run.
@@ -270,7 +274,7 @@ class Learner:
         self.fragments = [FragmentState([s.name for s in specs]) for specs in layout.fragments]
         if values is not None:  # rank 0
             for f, state in enumerate(self.fragments):
-                state.anchor = {n: values[n] for n in state.names}  # shared with the fetcher: never changed in place
+                state.anchor = Snapshot({n: values[n] for n in state.names})  # shared with the fetcher
                 state.base_version = heads[f]
         self.replica.write(values, [n for state in self.fragments for n in state.names])
         self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
@@ -387,12 +391,20 @@ class Learner:
             leaving.start()
             leaving.join(timeout=2.0)  # the lease lapses anyway
 
-    def report(self, *, loss: float | None = None, tokens: int | None = None) -> None:
-        """Optional, before optimizer.step(): the step's loss (for progress) and token count (else tokens_per_step)."""
+    def report(self, *, loss: float | torch.Tensor | None = None, tokens: int | None = None) -> None:
+        """Optional, before optimizer.step(): the step's loss (for progress) and token count (else
+        tokens_per_step). Pass the loss tensor itself rather than `loss.item()`: it is kept detached
+        and read on the heartbeat's thread, so the training loop never waits for the device for it."""
         if loss is not None:
-            self.last_loss = float(loss)
+            self._loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
         if tokens is not None:
             self._pending_tokens = int(tokens)
+
+    @property
+    def last_loss(self) -> float | None:
+        """The last loss reported (a tensor's value is read here: on a device, this waits for it)."""
+        loss = self._loss
+        return None if loss is None else float(loss)
 
     # ---- preemption ---------------------------------------------------------------------------
     def _install_sigterm_handler(self) -> None:
@@ -589,12 +601,12 @@ class Learner:
     def _send(self, fragment: int, deadline: float, *, final: bool = False) -> str | None:
         """Send the fragment's progress since its last send; rank 0 returns its contribution id."""
         state = self.fragments[fragment]
-        snapshot = self.replica.read(state.names)
+        snapshot = self.replica.snapshot(state.names)
         if snapshot is None:
             return None  # not rank 0: the gather was our part
-        delta = {name: state.anchor[name] - local for name, local in snapshot.items()}
-        job = UploadJob(fragment, delta, state.base_version, state.tokens, state.steps, self._step_time_s,
-                        deadline=deadline, final=final)
+        # The uploader computes the delta, once the snapshot has landed on the host.
+        job = UploadJob(fragment, {}, state.base_version, state.tokens, state.steps, self._step_time_s,
+                        deadline=deadline, final=final, pending=(state.anchor, snapshot))
         state.anchor, state.tokens, state.steps = snapshot, 0, 0
         state.sent_id = self.uploader.submit(job)
         state.awaiting = self.step + self.spec.overlap_steps
@@ -603,19 +615,22 @@ class Learner:
 
     @torch.no_grad()
     def _merge(self, fragment: int, fetched: Fetched | None) -> None:
+        """Take version G of the fragment (see the module docstring): the parameters are updated in
+        place on the device and never read back."""
         state = self.fragments[fragment]
         names = state.names
-        local = self.replica.read(names)
-        new = None
-        if local is not None and fetched is not None:  # rank 0
-            anchor, g = state.anchor, fetched.params
+        values, keep, add = None, 1.0, 1.0
+        if self.is_leader and fetched is not None:
+            g = fetched.params
             if self.spec.merge_rule == "rebase":
-                new = {n: g[n] + (local[n] - anchor[n]) for n in names}
+                anchor = state.anchor.wait()  # landed long ago: at least overlap_steps since the send
+                values = {n: torch.sub(g[n], anchor[n], out=self.replica.host_empty(tuple(g[n].shape)))
+                          for n in names}
             else:
-                new = {n: self.spec.alpha * local[n] + (1.0 - self.spec.alpha) * g[n] for n in names}
-            state.anchor, state.base_version = fetched.params, fetched.version
+                values, keep, add = g, self.spec.alpha, 1.0 - self.spec.alpha
+            state.anchor, state.base_version = Snapshot(g), fetched.version
             self.adopted += 1
-        self.replica.write(new, names)
+        self.replica.blend(values, names, keep=keep, add=add)
 
     # ---- heartbeats --------------------------------------------------------------------------
     def progress(self) -> LearnerStats:
@@ -624,7 +639,7 @@ class Learner:
         if store is not None:
             self.stats.bytes_downloaded = store.bytes_read
         return LearnerStats(learner=self.learner_id, step=self.step, tokens=self.tokens,
-                            loss=self.last_loss if self.last_loss is not None else math.nan,
+                            loss=math.nan if (loss := self.last_loss) is None else loss,
                             step_time_s=self._step_time_s, adopted=self.adopted, uploaded=self.stats.uploaded,
                             upload_failed=self.stats.upload_failed, bytes_uploaded=self.stats.bytes_uploaded,
                             bytes_downloaded=self.stats.bytes_downloaded, bytes_joined=self.stats.bytes_joined,

@@ -39,6 +39,7 @@ from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, Layout, Manifest, RunSpec, VersionEvent
 from diloco.storage.updates import apply_update, chain_worth_it, encode_carrying, encode_params
+from diloco.workers.hostcopy import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 class UploadJob:
     fragment: int
     delta: dict[str, torch.Tensor]
+    """What goes out (the outer gradient; a genesis job's params), plus `pending` once settled."""
     base_version: int
     tokens: int
     steps: int
@@ -66,10 +68,31 @@ class UploadJob:
     this one is stored."""
     seq: int = 0
     attempts: int = 0
+    pending: tuple[Snapshot, Snapshot] | None = None
+    """(anchor, local) of a send whose delta, anchor - local, is not computed yet: `local` may still
+    be on its way from the device. The uploader's thread computes it (`settle`), so the training
+    loop neither waits for the copy nor spends the subtraction."""
+
+    def settle(self) -> dict[str, torch.Tensor]:
+        """Add the pending delta into `delta` (waiting for its snapshots) and return `delta`."""
+        if self.pending is not None:
+            anchor, local = (s.wait() for s in self.pending)
+            for name, value in local.items():
+                if name in self.delta:
+                    self.delta[name].add_(anchor[name]).sub_(value)
+                else:
+                    self.delta[name] = anchor[name] - value
+            self.pending = None
+        return self.delta
 
     def absorb(self, newer: UploadJob) -> None:
+        """Take in a newer job of the same fragment. Settles this job's own pending delta (its snapshot
+        is at least one send old: landed) and keeps the newer one pending, so a job holds one delta
+        and at most one pending pair however many sends it absorbs."""
+        self.settle()
         for name, t in newer.delta.items():
-            self.delta[name].add_(t)
+            self.delta[name] = self.delta[name].add_(t) if name in self.delta else t.clone()
+        self.pending = newer.pending
         self.tokens += newer.tokens
         self.steps += newer.steps
         self.step_time_s = newer.step_time_s
@@ -232,6 +255,7 @@ class Uploader(threading.Thread):
                 "steps": job.steps, "step_time_s": job.step_time_s, "deadline": job.deadline}
         if job.final:
             meta["final"] = 1
+        job.settle()
         if job.kind != "delta" or codec == "fp32" or not self.error_feedback:
             return codecs.encode(job.delta, codec, compress=compress, meta=meta)
         # Error feedback: what the codec lost of the previous sends of this fragment goes out with

@@ -1,0 +1,108 @@
+"""The step hook as a device would run it, checked on the CPU through the copy seam
+(`workers.hostcopy`, a recording `Streams`), against the real Redis and S3:
+
+- a send hands (anchor, snapshot) to the uploader: the training thread never waits for a snapshot
+  its own step took; the uploader's thread waits for it and computes the delta, and the stored
+  contribution is exactly anchor - the parameters at the send, whatever the loop did since;
+- a merge adds global - anchor to the parameters in place (the rebase rule), without reading them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from diloco.storage import codecs
+from diloco.storage.history import read_manifest, read_params
+from diloco.workers.hostcopy import HostCopies
+from harness import TINY_RUN, announcements, make_coordinator, serving, start_beside, tiny_learner
+from hoststreams import RecordingStreams
+
+
+STEPS_RUN = dataclasses.replace(TINY_RUN, cadence="steps")  # H = 4, fp32, rebase, overlap 1
+
+
+def test_the_training_thread_never_waits_for_a_fresh_copy_and_sends_and_merges_are_exact(endpoints, run_id):
+    coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
+    learner, opt = tiny_learner(endpoints, run_id, "hook")
+    streams = RecordingStreams(step=lambda: learner.step)
+    learner.replica.copies = HostCopies(torch.device("cpu"), streams=streams)
+    model = learner.model
+    before: dict[int, dict[str, torch.Tensor]] = {}  # step -> params after the optimizer, before the learner's hook
+    after: dict[int, dict[str, torch.Tensor]] = {}  # step -> params after the learner's hook
+    anchors: dict[int, list[dict[str, torch.Tensor]]] = {}  # step -> each fragment's anchor before the hook
+    versions: dict[int, dict[int, int]] = {}  # step -> fragment -> version held after the hook
+
+    def ahead(*_: object) -> None:
+        before[learner.step + 1] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        anchors[learner.step + 1] = [dict(s.anchor.wait()) for s in learner.fragments]
+
+    def behind(*_: object) -> None:
+        after[learner.step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        versions[learner.step] = dict(learner.versions)
+
+    opt.register_step_post_hook(ahead)  # before the learner's own (registered when it starts)
+    start_beside(coord, learner)
+    opt.register_step_post_hook(behind)
+    try:
+        with serving(coord):
+            for _ in range(40):
+                for p in model.parameters():
+                    p.grad = torch.randn_like(p)
+                opt.step()
+                time.sleep(0.05)
+            assert learner.uploader.flush(30)
+    finally:
+        learner.close()
+    coord.close()
+
+    # Every send's snapshot was first waited for by the uploader; the training thread waited only
+    # for snapshots of earlier steps (a merge's anchor, sent at least overlap_steps before). Joining
+    # (step 0) reads the parameters and waits: once.
+    sends = [event for event in streams.events if event.step > 0]
+    assert len(sends) >= 8
+    for event in sends:
+        assert event.waits, "a send's snapshot was never read"
+        assert event.waits[0][0].startswith("uploader-"), event
+        for thread, step in event.waits:
+            assert thread.startswith("uploader-") or step > event.step, event
+
+    # Each contribution is anchor - the parameters at its step (fp32: exactly; none was coalesced,
+    # so the steps they count add up to the step each was sent at).
+    assert learner.stats.coalesced == 0
+    limit = 1 << 20
+    checked = 0
+    for fragment in range(2):
+        names, step = learner.fragments[fragment].names, 0
+        for _, a in announcements(coord.bus):
+            if a.learner != "hook" or a.kind != "delta" or a.fragment != fragment:
+                continue
+            step += a.steps
+            sent, _ = codecs.decode(coord.store.get(a.object_key, max_bytes=limit), max_bytes=limit)
+            for n in names:
+                assert torch.equal(sent[n], anchors[step][fragment][n] - before[step][n]), (fragment, step, n)
+            checked += 1
+    assert checked >= 6
+
+    # Each merge moved the parameters by global - anchor, in place: p = p + (G - anchor).
+    merges = 0
+    for step in sorted(versions)[1:]:
+        for fragment, version in versions[step].items():
+            if version == versions[step - 1][fragment]:
+                continue
+            g = read_params(coord.store, learner.layout, read_manifest(coord.store, coord.keys, fragment, version))
+            for n in learner.fragments[fragment].names:
+                assert torch.equal(after[step][n], before[step][n] + (g[n] - anchors[step][fragment][n]))
+            merges += 1
+    assert merges >= 4
+
+
+def test_a_loss_tensor_is_kept_detached_and_read_when_progress_is_reported(endpoints, run_id):
+    learner, _ = tiny_learner(endpoints, run_id, "loss")
+    w = torch.ones(2, requires_grad=True)
+    loss = (w * 1.25).sum()
+    learner.report(loss=loss)  # no .item() in the training loop
+    assert not learner._loss.requires_grad
+    assert learner.last_loss == 2.5 and learner.progress().loss == 2.5

@@ -1,0 +1,74 @@
+"""Copies between the device and the host (`workers.hostcopy`), on the CPU: what a device is asked to
+do, in which order, through the recording seam; and the values that come out."""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.workers.hostcopy import HostCopies, Snapshot
+from diloco.workers.island import Replica
+from diloco.workers.transfer import UploadJob
+from hoststreams import RecordingStreams
+
+
+def test_a_snapshot_copies_on_the_side_stream_after_the_compute_stream_and_keeps_the_clones_alive():
+    streams = RecordingStreams()
+    copies = HostCopies(torch.device("cpu"), streams=streams)
+    clones = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4)}
+    snapshot = copies.snapshot(clones)
+    assert streams.log == [
+        ("wait_stream", "side", "compute"),  # the clones' values are queued on the compute stream
+        ("using", "side"),
+        ("host_empty", (2, 3), "side"), ("keep_alive", (2, 3), "side", "side"),
+        ("host_empty", (4,), "side"), ("keep_alive", (4,), "side", "side"),
+        ("record", "side", "side"),  # after every copy
+        ("done", "side"),
+    ]
+    [event] = streams.events
+    assert not snapshot.landed and not event.waits  # nothing waited yet
+    values = snapshot.wait()
+    assert len(event.waits) == 1 and snapshot.landed
+    assert torch.equal(values["a"], clones["a"]) and torch.equal(values["b"], clones["b"])
+    assert values["a"].data_ptr() != clones["a"].data_ptr()  # host buffers, not the device clones
+    snapshot.wait()
+    assert len(event.waits) == 1  # the event is waited for once
+
+
+def test_on_the_cpu_the_clones_are_the_snapshot_and_nothing_waits():
+    copies = HostCopies(torch.device("cpu"))
+    assert copies.streams is None
+    clone = torch.randn(3)
+    snapshot = copies.snapshot({"w": clone})
+    assert snapshot.landed and snapshot.wait()["w"] is clone
+    value = copies.host_empty((3,))
+    assert copies.to_device(value) is value
+
+
+def test_a_replica_snapshot_keeps_the_values_of_its_step_and_blend_updates_in_place():
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    replica = Replica({"w": w})
+    snapshot = replica.snapshot(["w"])
+    with torch.no_grad():
+        w.add_(10.0)  # the next optimizer step
+    assert torch.equal(snapshot.wait()["w"], torch.tensor([1.0, 2.0, 3.0]))
+    storage = w.data_ptr()
+    replica.blend({"w": torch.tensor([0.5, 0.5, 0.5])}, ["w"])  # rebase: p += global - anchor
+    assert torch.equal(w.detach(), torch.tensor([11.5, 12.5, 13.5])) and w.data_ptr() == storage
+    replica.blend({"w": torch.zeros(3)}, ["w"], keep=0.5, add=0.5)  # mix: alpha * p + (1 - alpha) * global
+    assert torch.equal(w.detach(), torch.tensor([5.75, 6.25, 6.75]))
+
+
+def test_an_upload_job_computes_its_delta_when_settled_and_holds_one_pending_pair_however_many_it_absorbs():
+    anchor = Snapshot({"w": torch.tensor([4.0, 4.0])})
+    first = Snapshot({"w": torch.tensor([3.0, 5.0])})
+    job = UploadJob(0, {}, base_version=1, tokens=10, steps=1, step_time_s=0.1, pending=(anchor, first))
+    assert job.delta == {}  # nothing computed on the training thread
+    for i, local in enumerate([torch.tensor([2.0, 5.0]), torch.tensor([2.0, 7.0])], start=1):
+        previous = job.pending[1] if job.pending else None
+        newer = UploadJob(0, {}, base_version=2, tokens=10, steps=1, step_time_s=0.1,
+                          pending=(previous, Snapshot({"w": local})))
+        job.absorb(newer)
+        assert job.pending is newer.pending and job.tokens == 10 * (i + 1)
+    assert job.base_version == 1
+    # The sum of the three deltas: (4-3, 4-5) + (3-2, 5-5) + (2-2, 5-7) = anchor - the last local.
+    assert torch.equal(job.settle()["w"], torch.tensor([2.0, -3.0])) and job.pending is None

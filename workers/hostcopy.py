@@ -1,0 +1,147 @@
+"""Copies between the device and the host that the training loop does not wait for.
+
+Reading a parameter into host memory the plain way (`t.to("cpu")`) blocks the Python thread until
+the device has run everything queued before it: on a GPU, a sync at every send that leaves the
+device idle while the host catches up, then the host idle while the copy crawls through pageable
+memory. A snapshot here instead:
+
+1. clones the values on the device, on the compute stream, in queue order (a device-to-device copy:
+   the values are those after the optimizer step just queued, and the next step may overwrite the
+   parameters without waiting for anything);
+2. copies the clones into pinned host buffers on a side stream that first waits for the compute
+   stream (`non_blocking`), records an event, and marks the clones as used by the side stream, so
+   that the caching allocator does not hand their memory out before the copy is done;
+3. returns at once. Whoever reads the values (the uploader's thread that computes the delta, a
+   later merge) waits for the event first: `Snapshot.wait()`, off the training thread or long after.
+
+The other way (a merge): the host computes what to add (`global - anchor`, where both live) into a
+pinned buffer, which goes to the device `non_blocking` on the compute stream, where the parameter
+is updated in place: `p += value` queued behind the copy. The device never waits for the host and
+the host never waits for the device.
+
+On the CPU there are no streams (`HostCopies(cpu)` has none): the clone is the snapshot, `wait`
+returns at once, nothing is pinned. The stream logic itself (which stream waits for which, when the
+event is recorded, that clones are kept alive) is tested on the CPU through the `Streams` seam with
+a recorder; what no machine here can test is real concurrency on a device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+
+class Streams(Protocol):
+    """What `HostCopies` needs of a device's streams and events (torch.cuda and alike provide it)."""
+
+    def current(self) -> Any:
+        """The compute stream: where the training loop queues its work."""
+
+    def side(self) -> Any:
+        """The stream copies to the host are queued on."""
+
+    def using(self, stream: Any) -> Any:
+        """A context in which copies are queued on `stream`."""
+
+    def record(self, stream: Any) -> Any:
+        """An event recorded on `stream` now (it has `.synchronize()` and `.query()`)."""
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        """`tensor`, allocated on another stream, is in use by `stream` until its queued work is done."""
+
+    def host_empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An fp32 host buffer the device copies to and from without staging: pinned memory."""
+
+
+class DeviceStreams:
+    """`Streams` of an accelerator (CUDA, or any backend with torch's stream and event API)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._module = torch.get_device_module(device)
+        self._side = self._module.Stream(device=device)
+
+    def current(self) -> Any:
+        return self._module.current_stream(self.device)
+
+    def side(self) -> Any:
+        return self._side
+
+    def using(self, stream: Any) -> Any:
+        return self._module.stream(stream)
+
+    def record(self, stream: Any) -> Any:
+        return stream.record_event()
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+    def host_empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32, pin_memory=True)
+
+
+class Snapshot:
+    """Host fp32 copies of some parameters, possibly still on their way from the device. Read them
+    with `wait()` (from any thread); never changed in place once taken."""
+
+    __slots__ = ("_values", "_event")
+
+    def __init__(self, values: dict[str, torch.Tensor], event: Any = None) -> None:
+        self._values = values
+        self._event = event
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        """The values, once the copies have landed."""
+        event = self._event
+        if event is not None:
+            event.synchronize()
+            self._event = None
+        return self._values
+
+    @property
+    def landed(self) -> bool:
+        """The copies are done (reading the values would not wait)."""
+        return self._event is None or bool(self._event.query())
+
+
+class HostCopies:
+    """Snapshots of a device's tensors on the host, and host values staged for the device; see the
+    module docstring. `streams=None` on the CPU: copies are plain and immediate."""
+
+    def __init__(self, device: torch.device, streams: Streams | None = None) -> None:
+        self.device = device
+        self.streams = streams if streams is not None or device.type == "cpu" else DeviceStreams(device)
+
+    def snapshot(self, clones: Mapping[str, torch.Tensor]) -> Snapshot:
+        """Host copies of `clones`: fp32 tensors that the caller made for this (device-side clones
+        of parameters, queued on the compute stream) and does not use again. On the CPU they are
+        the snapshot."""
+        streams = self.streams
+        if streams is None:
+            return Snapshot(dict(clones))
+        side = streams.side()
+        side.wait_stream(streams.current())  # the clones' values are queued there
+        host: dict[str, torch.Tensor] = {}
+        with streams.using(side):
+            for name, clone in clones.items():
+                buffer = streams.host_empty(tuple(clone.shape))
+                buffer.copy_(clone, non_blocking=True)
+                streams.keep_alive(clone, side)
+                host[name] = buffer
+            event = streams.record(side)
+        return Snapshot(host, event)
+
+    def host_empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An fp32 host buffer to compute values for the device into (pinned on a device)."""
+        if self.streams is None:
+            return torch.empty(shape, dtype=torch.float32)
+        return self.streams.host_empty(shape)
+
+    def to_device(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` (a host tensor, best from `host_empty`) on the device, queued on the compute
+        stream without waiting: what is queued after it there sees it."""
+        if self.streams is None:
+            return value
+        return value.to(self.device, non_blocking=True)
