@@ -125,6 +125,8 @@ class FragmentState:
     """Contribution id of the last send."""
     sent_deadline: float | None = None
     """The clock deadline the last send served (clock cadence)."""
+    holding: bool = False
+    """Sends are held back until a newer version is taken (`Learner._hold`)."""
 
 
 FLAG_RUN_FINISHED = 1
@@ -177,6 +179,8 @@ class Learner:
         self.tokens = 0
         self._loss: float | torch.Tensor | None = None
         self.adopted = 0
+        self.held_stale = 0
+        """Sends held back because the coordinator would have refused them as stale (`_hold`)."""
         self.stats = TransferStats()
         # Names without torch.compile's wrapper prefix: a compiled and an uncompiled model train the same run.
         self.replica = Replica({plain_name(n): p for n, p in model.named_parameters() if p.requires_grad})
@@ -462,9 +466,10 @@ class Learner:
         self.fetcher = Fetcher(self.store, self.bus, layout, self.stats)
         values: dict[str, torch.Tensor] = {}
         for fragment, version in heads.items():
-            params = self._wait(lambda f=fragment, v=version: read_params(self.store, layout,
-                                                                          read_manifest(self.store, keys, f, v)),
-                                deadline, f"version {version} of fragment {fragment}")
+            what = f"version {version} of fragment {fragment}"
+            manifest = self._wait(lambda f=fragment, v=version: read_manifest(self.store, keys, f, v), deadline, what)
+            params = self._wait(lambda m=manifest: read_params(self.store, layout, m), deadline, what)
+            self.fetcher.note(manifest)
             self.fetcher.hold(fragment, version, params)  # the next versions come as updates of these
             values.update(params)
         self.stats.bytes_joined = self.store.bytes_read
@@ -568,8 +573,29 @@ class Learner:
                 self.fragments[f].sent_deadline = deadline
         else:
             due = [(f, 0.0) for f in due_fragments(self.step, self.spec.num_fragments, self.spec.sync_every)]
-        # Nothing to send for a fragment with no step since its last send.
-        return {f: deadline for f, deadline in due if self.fragments[f].steps > 0}
+        # Nothing to send for a fragment with no step since its last send, nor a piece the
+        # coordinator would refuse as stale (`_hold`).
+        return {f: deadline for f, deadline in due if self.fragments[f].steps > 0 and not self._hold(f)}
+
+    def _hold(self, fragment: int) -> bool:
+        """Rank 0: keep the fragment's progress instead of sending it now: based on a version more
+        than the coordinator's max_staleness behind the head, it would be refused and its bytes
+        wasted, on a link that is then the bottleneck (a learner that cannot download versions as
+        fast as they come). The progress stays in the local values: taking a newer version rebases it
+        (`local - anchor` is kept), and the next send after that carries it, based on that version.
+        Meanwhile the learner asks for the newest version and takes it as soon as it is in."""
+        state = self.fragments[fragment]
+        if not self.fetcher.too_stale(fragment, state.base_version):
+            return False
+        self.held_stale += 1
+        if not state.holding:
+            log.info("fragment %d: progress held, not sent: based on version %d, more than max_staleness behind "
+                     "the head; it goes out after a newer version is taken", fragment, state.base_version)
+        state.holding, state.sent_id = True, None  # no own contribution to wait for: take the newest version
+        if state.awaiting is None:
+            state.awaiting = self.step
+        self.fetcher.want(fragment, state.base_version)
+        return True
 
     def _ready(self) -> dict[int, Fetched]:
         """Rank 0: fetched versions to merge now: at least `overlap_steps` after the send that awaits
@@ -581,7 +607,8 @@ class Learner:
             if not_before is None or self.step < not_before:
                 continue
             mine = None if sync else self.fetcher.merged_in(state.sent_id)
-            patient = not sync and self.step < not_before + self.config.own_version_wait * self.spec.sync_every
+            patient = (not sync and state.sent_id is not None
+                       and self.step < not_before + self.config.own_version_wait * self.spec.sync_every)
             if mine is None and patient:
                 continue  # our contribution's round has not committed yet: train on, take that version later
             fetched = self.fetcher.take(fragment, self.config.merge_wait_s if sync else 0.0)
@@ -628,7 +655,7 @@ class Learner:
                           for n in names}
             else:
                 values, keep, add = g, self.spec.alpha, 1.0 - self.spec.alpha
-            state.anchor, state.base_version = Snapshot(g), fetched.version
+            state.anchor, state.base_version, state.holding = Snapshot(g), fetched.version, False
             self.adopted += 1
         self.replica.blend(values, names, keep=keep, add=add)
 

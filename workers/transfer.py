@@ -311,6 +311,25 @@ class Fetcher(threading.Thread):
         self._arrived = threading.Condition(self._lock)
         self._closing = threading.Event()
         self._last_id = "$"
+        self._max_staleness: int | None = None  # as the newest manifest read records it
+
+    def too_stale(self, fragment: int, base_version: int) -> bool:
+        """A piece based on `base_version` would be refused as stale: the fragment's head, as the
+        versions stream last said, is more than the coordinator's `max_staleness` (as the newest
+        manifest read records it) ahead of it. False while either is unknown."""
+        with self._lock:
+            head, limit = self._heads.get(fragment), self._max_staleness
+        return head is not None and limit is not None and head - base_version > limit
+
+    def note(self, manifest: Manifest) -> None:
+        """Learn the coordinator's settings from a manifest read (its `max_staleness`: `too_stale`)
+        and the fragment's head, if the manifest is newer than the one known."""
+        limit = manifest.settings.get("max_staleness")
+        with self._lock:
+            if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0:
+                self._max_staleness = limit
+            if manifest.version > self._heads.get(manifest.fragment, -1):
+                self._heads[manifest.fragment] = manifest.version
 
     def want(self, fragment: int, newer_than: int) -> None:
         with self._lock:
@@ -361,7 +380,9 @@ class Fetcher(threading.Thread):
             # Start from the heads, then follow the stream from its current end.
             last = self.bus.r.xrevrange(self.bus.keys.versions, count=1)
             self._last_id = last[0][0].decode() if last else "0"
-            self._heads.update(self.bus.heads())
+            heads = self.bus.heads()
+            with self._lock:
+                self._heads.update(heads)
         with self._lock:
             wanted = {f: w.newer_than for f, w in self._wants.items()}
         for fragment, newer_than in wanted.items():
@@ -372,9 +393,9 @@ class Fetcher(threading.Thread):
             self._last_id = entry_id
             if not isinstance(event, VersionEvent):
                 continue
-            if event.version > self._heads.get(event.fragment, -1):
-                self._heads[event.fragment] = event.version
             with self._lock:
+                if event.version > self._heads.get(event.fragment, -1):
+                    self._heads[event.fragment] = event.version
                 for cid in event.contributions:
                     self._merged[cid] = event.version
                 while len(self._merged) > self.MERGED_MEMORY:
@@ -395,6 +416,7 @@ class Fetcher(threading.Thread):
         keys = self.bus.keys
         try:
             manifest = read_manifest(self.store, keys, fragment, version)
+            self.note(manifest)
             params = self._by_updates(fragment, manifest)
             if params is None:
                 params = read_params(self.store, self.layout, manifest)
