@@ -87,11 +87,14 @@ class CoordinatorConfig:
     """The most decoded (fp32) bytes one read of the announcements takes in: a backlog is read in
     batches of at most this many bytes of the largest fragment (at least one announcement, at most
     256), so a coordinator that restarts on a long backlog of large fragments does not decode it all
-    into memory at once. Open rounds hold their contributions on top of this."""
+    into memory at once (a delta's decoded tensors are dropped once checked: its round keeps the
+    object as it travelled). Open rounds hold their contributions on top of this."""
     max_round_bytes: int = 2 << 30
-    """The most decoded (fp32) bytes one fragment's open round holds: a round whose pieces reach it
-    merges at once (the earliest arrivals, at most 4096 pieces), the rest wait for the next round.
-    With `read_batch_bytes`, it bounds the coordinator's memory whatever a flood of valid pieces does."""
+    """The most decoded (fp32) bytes one fragment's open round may stand for: a round whose pieces
+    reach it merges at once (the earliest arrivals, at most 4096 pieces), the rest wait for the next
+    round. The round holds its pieces compressed as they travelled and the merge decodes one at a
+    time, so this bounds the memory generously. With `read_batch_bytes`, it bounds the coordinator's
+    memory whatever a flood of valid pieces does."""
     max_refusals_listed: int = 1000
     """Refusals a version's manifest lists one by one; the rest since its parent are summed up in
     one more line, by code (each stays on the refusals stream and in the counters). A thousand

@@ -2,7 +2,8 @@
 
 `check_announcement` is pure: it decides from the announcement and what the coordinator knows
 (run, layout, head, applied ids) whether the contribution may be fetched. `fetch_tensors`
-then reads the object (size-bounded), checks its sha256 against the announcement, decodes it
+(`fetch_checked` for a delta, which keeps the checked object rather than its tensors) then
+reads the object (size-bounded), checks its sha256 against the announcement, decodes it
 against the run and the layout (codec, shapes, finite values) and checks that its header names what
 the announcement says. Each failure is a `Refused` whose reason a person can act on; the caller
 records it and the run goes on.
@@ -31,7 +32,10 @@ class PendingDelta:
     entry_id: str
     announcement: Announcement
     arrival: Arrival
-    delta: dict[str, torch.Tensor]
+    blob: bytes = b""
+    """The object as read and checked (`fetch_checked`), still compressed as it travelled (int8: a
+    quarter of its decoded size, int4 an eighth): a round holds its pieces so and decodes each one
+    when the merge reads it (`decode_piece`). Empty for a genesis proposal, published as it arrives."""
 
 
 def check_announcement(a: Announcement, *, spec: RunSpec, keys: RunKeys, head: int | None,
@@ -75,17 +79,39 @@ def fetch_tensors(store: ObjectStore, a: Announcement, layout: Layout, max_bytes
 
     `codec` is the run's codec: a delta must be encoded with it, a genesis proposal with fp32.
     `timed` times the read ("get") and the checks and decoding ("verify")."""
+    blob = _read(store, a, max_bytes, timed)
+    with timed("verify"):
+        return _check_object(blob, a, layout, max_bytes, codec=codec)
+
+
+def fetch_checked(store: ObjectStore, a: Announcement, layout: Layout, max_bytes: int, *,
+                  codec: str, timed: Timed = untimed) -> bytes:
+    """`fetch_tensors`' read and every one of its checks, decoding included, but the object is what
+    is returned: a delta waits for its round in the few bytes it travelled in, not as a fragment's
+    worth of fp32 tensors, and is decoded again when the round merges (`decode_piece`)."""
+    blob = _read(store, a, max_bytes, timed)
+    with timed("verify"):
+        _check_object(blob, a, layout, max_bytes, codec=codec)
+    return blob
+
+
+def decode_piece(blob: bytes, layout: Layout, fragment: int, max_bytes: int) -> dict[str, torch.Tensor]:
+    """The tensors of a piece `fetch_checked` returned. Decoding is deterministic and checks again
+    what it checked then (sha256 of the payload, shapes, finite values): the same tensors."""
+    return codecs.decode(blob, max_bytes=max_bytes, expect=layout.shapes(fragment))[0]
+
+
+def _read(store: ObjectStore, a: Announcement, max_bytes: int, timed: Timed) -> bytes:
+    """The announced object's bytes (size-bounded); Refused if it is missing or unreadable."""
     with timed("get"):
         try:
-            blob = store.get(a.object_key, max_bytes=max_bytes)
+            return store.get(a.object_key, max_bytes=max_bytes)
         except ObjectMissing:
             raise Refused("missing_object", f"announced object {a.object_key} does not exist in the bucket "
                           "(never uploaded, or deleted since)") from None
         except ObjectUnreadable as exc:
             raise Refused("unreadable_object", f"announced object {a.object_key} cannot be read: {exc}; "
                           "a learner must store its objects so that the run's readers can read them") from None
-    with timed("verify"):
-        return _check_object(blob, a, layout, max_bytes, codec=codec)
 
 
 def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, *,

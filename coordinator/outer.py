@@ -22,7 +22,7 @@ same inputs in the same order give the same bits. Here is what guarantees it:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -45,40 +45,65 @@ def merge_deltas(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float
     result has the weighted mean norm sum(w_m * |d_m|) along the direction of sum(w_m * d_m/|d_m|).
     A plain mean of near-orthogonal deltas shrinks ~1/sqrt(M); this one keeps the typical step
     length. Zero deltas add nothing to the direction; if the directions cancel, the result is 0.
+
+    `deltas` is read in order, each delta once (twice, radial_directional: its norms first), and
+    accumulated as it is read: a sequence that decodes a delta when it is read (the coordinator's
+    round, `service._Pieces`) holds one decoded delta at a time, not the whole round.
     """
     if not deltas or len(deltas) != len(weights):
         raise ValueError(f"need one weight per delta and at least one delta, got "
                          f"{len(deltas)} deltas and {len(weights)} weights")
-    names = list(deltas[0])
-    for i, d in enumerate(deltas[1:], start=1):
-        if set(d) != set(names):
-            raise ValueError(f"delta {i} and delta 0 differ in tensors {sorted(set(d) ^ set(names))}")
-        for name in names:
-            if d[name].shape != deltas[0][name].shape:
-                raise ValueError(f"delta {i} has {name} of shape {tuple(d[name].shape)}, "
-                                 f"delta 0 has {tuple(deltas[0][name].shape)}")
-    merge = _radial_directional if radial_directional else _weighted_sum
-    return {name: merge([d[name].to(torch.float32) for d in deltas], list(weights)) for name in names}
+    if radial_directional:
+        return _radial_directional(deltas, list(weights))
+    return _weighted_sum(_checked(deltas), list(weights))
 
 
-def _weighted_sum(tensors: list[Tensor], weights: list[float]) -> Tensor:
-    acc = tensors[0] * _fp32(weights[0])
-    for t, w in zip(tensors[1:], weights[1:], strict=True):
-        acc.add_(t * _fp32(w))  # alpha 1: a plain correctly rounded add, never an FMA
+def _checked(deltas: Sequence[Mapping[str, Tensor]]) -> Iterator[dict[str, Tensor]]:
+    """Each delta in order, its tensors as fp32 in delta 0's order; ValueError for a delta whose
+    names or shapes are not delta 0's."""
+    shapes: dict[str, torch.Size] = {}
+    for i, d in enumerate(deltas):
+        if i == 0:
+            shapes = {name: t.shape for name, t in d.items()}
+        elif set(d) != set(shapes):
+            raise ValueError(f"delta {i} and delta 0 differ in tensors {sorted(set(d) ^ set(shapes))}")
+        for name, shape in shapes.items():
+            if d[name].shape != shape:
+                raise ValueError(f"delta {i} has {name} of shape {tuple(d[name].shape)}, delta 0 has {tuple(shape)}")
+        yield {name: d[name].to(torch.float32) for name in shapes}
+
+
+def _weighted_sum(deltas: Iterable[Mapping[str, Tensor]], weights: list[float]) -> dict[str, Tensor]:
+    """acc = w_0 * d_0, then acc = acc + w_i * d_i, tensor by tensor, one delta after the other."""
+    acc: dict[str, Tensor] = {}
+    for i, (d, w) in enumerate(zip(deltas, weights)):
+        if i == 0:
+            acc = {name: t * _fp32(w) for name, t in d.items()}
+            continue
+        for name, total in acc.items():
+            total.add_(d[name] * _fp32(w))  # alpha 1: a plain correctly rounded add, never an FMA
     return acc
 
 
-def _radial_directional(tensors: list[Tensor], weights: list[float]) -> Tensor:
-    norms = [_norm(t) for t in tensors]
-    mean_norm = math.fsum(w * n for w, n in zip(weights, norms, strict=True))
-    live = [(t, w / n) for t, w, n in zip(tensors, weights, norms, strict=True) if n > 0.0]
-    if not live:
-        return torch.zeros_like(tensors[0])
-    direction = _weighted_sum([t for t, _ in live], [c for _, c in live])
-    length = _norm(direction)
-    if length == 0.0:
-        return torch.zeros_like(direction)
-    return direction * _fp32(mean_norm / length)
+def _radial_directional(deltas: Sequence[Mapping[str, Tensor]], weights: list[float]) -> dict[str, Tensor]:
+    """Per tensor: the weighted sum of the unit directions of the deltas whose norm is not zero (the
+    first of them starts the sum), scaled to the weighted mean norm; 0 if no direction is left."""
+    norms = [{name: _norm(t) for name, t in d.items()} for d in _checked(deltas)]
+    shapes: dict[str, torch.Size] = {}
+    direction: dict[str, Tensor] = {}
+    for d, w, norm in zip(_checked(deltas), weights, norms, strict=True):
+        shapes = shapes or {name: t.shape for name, t in d.items()}
+        for name, t in d.items():
+            if norm[name] > 0.0:
+                part = t * _fp32(w / norm[name])
+                direction[name] = direction[name].add_(part) if name in direction else part
+    out = {}
+    for name, shape in shapes.items():
+        mean_norm = math.fsum(w * n[name] for w, n in zip(weights, norms, strict=True))
+        length = _norm(direction[name]) if name in direction else 0.0
+        out[name] = (direction[name] * _fp32(mean_norm / length) if length != 0.0
+                     else torch.zeros(shape, dtype=torch.float32))
+    return out
 
 
 def _fp32(x: float) -> Tensor:
@@ -87,14 +112,26 @@ def _fp32(x: float) -> Tensor:
 
 
 def _norm(t: Tensor) -> float:
-    """L2 norm with a fixed summation order: exact float64 squares, pairwise tree of adds."""
-    sq = t.detach().reshape(-1).to(torch.float64).square()
-    size = 1 << max(0, (sq.numel() - 1).bit_length())
-    sq = torch.nn.functional.pad(sq, (0, size - sq.numel()))
-    while sq.numel() > 1:
-        half = sq.numel() // 2
-        sq = sq[:half] + sq[half:]
-    return math.sqrt(sq.item())
+    """L2 norm with a fixed summation order: exact float64 squares, pairwise tree of adds. The tree:
+    the squares zero-padded to a power-of-two length, then, level by level, element i plus element
+    i + half, until one is left.
+
+    Computed in one float64 buffer of half the padded length, in place: the first level reads the
+    squares' second half straight from the tensor, and leaves the elements whose partner is padding
+    as they are (a square plus 0.0 is itself), so the padding is never made. The same adds in the
+    same tree as padding and halving into new tensors, with about 2x the tensor's fp32 bytes of
+    memory rather than 5.5x (a 154 MB embedding is one tensor, and a fragment of its own)."""
+    flat = t.detach().reshape(-1)
+    n = flat.numel()
+    if n < 2:
+        return math.sqrt(flat.to(torch.float64).square().item()) if n else 0.0
+    half = 1 << ((n - 1).bit_length() - 1)  # half the padded length: n - half elements have a partner
+    sums = flat[:half].to(torch.float64, copy=True).square_()
+    sums[:n - half].add_(flat[half:].to(torch.float64, copy=True).square_())
+    while half > 1:
+        half //= 2
+        sums[:half].add_(sums[half:2 * half])
+    return math.sqrt(sums[0].item())
 
 
 @dataclass
@@ -149,11 +186,14 @@ def nesterov_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], sta
     new_momentum: dict[str, Tensor] = {}
     for name, p in params.items():
         grad = delta[name].detach()
-        added = grad * gain
         buf = state.momentum.get(name)
-        buf = added if buf is None else buf * decay + added  # separate correctly rounded ops, never an FMA
+        # Separate correctly rounded ops, never an FMA: buf = buf * decay + grad * gain, and params =
+        # p - (grad + buf * push) * rate, the adds and multiplies in place on this step's own
+        # temporaries (the same bits: a + b is b + a), so that a tensor as big as the fragment is
+        # not made four times over.
+        buf = grad * gain if buf is None else (buf * decay).add_(grad * gain)
         new_momentum[name] = buf
-        new_params[name] = p.detach() - (grad + buf * push) * rate
+        new_params[name] = p.detach() - (buf * push).add_(grad).mul_(rate)
     return new_params, NesterovState(momentum=new_momentum, steps=state.steps + 1, residual=state.residual)
 
 

@@ -33,9 +33,9 @@ from diloco.storage.crashpoints import crash_point
 from diloco.storage.errors import Conflict, Refused
 from diloco.storage.history import latest_version, read_manifest, sha256_hex
 from diloco.storage.keys import RunKeys
-from diloco.storage.objects import ObjectStore, Store
+from diloco.storage.objects import Body, ObjectStore, Store
 from diloco.storage.protocol import Contribution, Manifest, Refusal, VersionEvent
-from diloco.storage.updates import encode_params
+from diloco.storage.updates import params_body
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +44,22 @@ RESIDUAL = "residual:"
 """Prefix of the residual tensors' names in an outer-state object (after the momentum buffers)."""
 
 
-def encode_state(state: NesterovState, keys: RunKeys, fragment: int, version: int) -> bytes:
+def state_body(state: NesterovState, keys: RunKeys, fragment: int, version: int) -> codecs.Streamed:
     """The outer-state object: the momentum buffers, then (meta `residuals` = how many) the
     downstream residual's tensors under RESIDUAL + name. A state without residual encodes as before
-    residuals existed."""
+    residuals existed. As views of the state's own tensors (`codecs.encode_streamed`): PUT and
+    hashed without a copy of them."""
     meta = {"run": keys.run, "fragment": fragment, "version": version, "kind": "outer_state", "steps": state.steps}
     tensors = dict(state.momentum)
     if state.residual:
         meta["residuals"] = len(state.residual)
         tensors |= {RESIDUAL + name: t for name, t in state.residual.items()}
-    return codecs.encode(tensors, "fp32", meta=meta)
+    return codecs.encode_streamed(tensors, meta=meta)
+
+
+def encode_state(state: NesterovState, keys: RunKeys, fragment: int, version: int) -> bytes:
+    """The outer-state object's bytes (`state_body`, joined)."""
+    return bytes(state_body(state, keys, fragment, version))
 
 
 def decode_state(blob: bytes, max_bytes: int) -> NesterovState:
@@ -106,8 +112,9 @@ def write_version(store: Store, keys: RunKeys, *, fragment: int, version: int,
             raise ValueError(f"the manifest of fragment {fragment} version {version} would be {size} bytes, over "
                              f"the {Manifest.MAX_BYTES} its readers accept ({len(inputs)} inputs, {len(refused)} "
                              "refusals)")
-        params_blob = encode_params(params, keys, fragment, version)
-        state_blob = encode_state(state, keys, fragment, version)
+        # Views of the version's own tensors, not copies: hashed here and sent by the PUTs below.
+        params_blob = params_body(params, keys, fragment, version)
+        state_blob = state_body(state, keys, fragment, version)
         params_sha256, state_sha256 = sha256_hex(params_blob), sha256_hex(state_blob)
         update_sha256 = sha256_hex(update) if update is not None else ""
     params_key, state_key = keys.params(fragment, version, epoch), keys.outer_state(fragment, version, epoch)
@@ -130,7 +137,7 @@ def write_version(store: Store, keys: RunKeys, *, fragment: int, version: int,
     return manifest
 
 
-def _put_uncommitted(store: Store, keys: RunKeys, fragment: int, version: int, key: str, blob: bytes) -> None:
+def _put_uncommitted(store: Store, keys: RunKeys, fragment: int, version: int, key: str, blob: bytes | Body) -> None:
     """Write an object of a version not committed yet. Existing objects of the same version are
     leftovers of a coordinator that crashed mid-publish (no manifest): replaced. If the manifest
     exists the version is committed and nothing of it may change: Conflict."""

@@ -3,7 +3,7 @@
 Pure: no I/O, no clock. Given a manifest, the parent version's params and outer state and the
 decoded inputs (in the manifest's order), `rederive` recomputes the version with the functions
 the live coordinator merges with (`merge_order`, `merge_weights`, `outer.apply_round`, and
-`updates.encode_params` / `publish.encode_state` for the bytes), using the weights and settings the
+`updates.params_body` / `publish.state_body` for the bytes), using the weights and settings the
 manifest records, and compares the sha256 of the encoded bytes with the manifest's.
 
 It also re-checks what the manifest claims about its own inputs: that they are in merge order,
@@ -22,8 +22,8 @@ from torch import Tensor
 
 from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round
 from diloco.coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
-from diloco.coordinator.publish import encode_state
-from diloco.storage.updates import encode_params
+from diloco.coordinator.publish import state_body
+from diloco.storage.updates import params_body
 from diloco.storage.history import sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.protocol import Contribution, Manifest
@@ -144,11 +144,11 @@ def rederive(manifest: Manifest, keys: RunKeys, inputs: Sequence[Mapping[str, Te
         except ValueError as exc:
             return Rederived(None, None, (*problems, Problem("settings", str(exc))))
     f, v = manifest.fragment, manifest.version
-    got = sha256_hex(encode_params(params, keys, f, v))
+    got = sha256_hex(params_body(params, keys, f, v))  # hashed from the tensors: no copy of them
     if got != manifest.params_sha256:
         problems.append(Problem("params", f"params sha256 expected {_short(manifest.params_sha256)}..., "
                                 f"re-derived {_short(got)}..."))
-    got = sha256_hex(encode_state(state, keys, f, v))
+    got = sha256_hex(state_body(state, keys, f, v))
     if got != manifest.outer_state_sha256:
         problems.append(Problem("outer_state", f"outer state sha256 expected "
                                 f"{_short(manifest.outer_state_sha256)}..., re-derived {_short(got)}..."))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,7 +26,8 @@ import torch
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.influence import Claim, count_claims, fastest_plausible, plausible_deadline, waited_learners
-from diloco.coordinator.intake import PendingDelta, check_announcement, fetch_tensors, to_arrival
+from diloco.coordinator.intake import (PendingDelta, check_announcement, decode_piece, fetch_checked, fetch_tensors,
+                                      to_arrival)
 from diloco.coordinator.leadership import Fenced, Leadership
 from diloco.coordinator.metrics import Metrics
 from diloco.coordinator.outer import (MergeSettings, NesterovState, downstream_step, outer_step, round_delta,
@@ -74,6 +76,21 @@ def _finite(tensors: dict[str, torch.Tensor]) -> bool:
 
 def _absmax(tensors: dict[str, torch.Tensor]) -> float:
     return max((float(t.abs().max()) for t in tensors.values() if t.numel()), default=0.0)
+
+
+class _Pieces(Sequence[dict[str, torch.Tensor]]):
+    """A round's pieces, each decoded when it is read: `outer.merge_deltas` reads them in order and
+    adds each to the sum as it comes, so a merge holds the sum and one decoded piece, while the
+    round waits with its pieces as they travelled (`PendingDelta.blob`)."""
+
+    def __init__(self, blobs: list[bytes], decode: Callable[[bytes], dict[str, torch.Tensor]]) -> None:
+        self._blobs, self._decode = blobs, decode
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:  # type: ignore[override] (no slices)
+        return self._decode(self._blobs[i])
 
 
 @dataclass
@@ -504,7 +521,7 @@ class Coordinator:
         for entry_id, a, future in futures:
             try:
                 with self.timing("fetch_wait"):
-                    tensors = future.result()
+                    fetched = future.result()
             except Refused as exc:
                 self._refuse(entry_id, a, exc)
                 continue
@@ -520,7 +537,7 @@ class Coordinator:
                                                   f"{type(exc).__name__}: {exc}"))
                 continue
             if a.kind == "genesis":
-                self._genesis(entry_id, a, tensors)
+                self._genesis(entry_id, a, fetched)
             else:
                 now = self.now()
                 arrival = to_arrival(a, now)
@@ -528,7 +545,7 @@ class Coordinator:
                     arrival.deadline, now=now, cadence=self.cadence, fragment=a.fragment,
                     num_fragments=self.spec.num_fragments))
                 self.last_piece[a.learner] = now
-                self.fragments[a.fragment].round.append(PendingDelta(entry_id, a, arrival, tensors))
+                self.fragments[a.fragment].round.append(PendingDelta(entry_id, a, arrival, fetched))
             self.metrics.accepted(a)
 
     def _behind(self, a: Announcement) -> bool:
@@ -559,13 +576,15 @@ class Coordinator:
         head = None if frag is None or frag.head < 0 else frag.head
         check_announcement(a, spec=self.spec, keys=self.keys, head=head, cfg=self.round_cfg)
 
-    def _fetch(self, a: Announcement) -> dict[str, torch.Tensor]:
+    def _fetch(self, a: Announcement) -> dict[str, torch.Tensor] | bytes:
+        """A genesis proposal's tensors (published as it arrives), or a delta's checked object, which
+        waits in its round as it travelled (`PendingDelta.blob`)."""
         layout = self.layout
         if a.kind == "genesis" and layout is None:
             layout = self._adopt_layout(a.learner)
         assert layout is not None
-        return fetch_tensors(self.store, a, layout, self.spec.max_object_bytes, codec=self.spec.codec,
-                             timed=self.timing)
+        fetch = fetch_tensors if a.kind == "genesis" else fetch_checked
+        return fetch(self.store, a, layout, self.spec.max_object_bytes, codec=self.spec.codec, timed=self.timing)
 
     def _adopt_layout(self, learner: str) -> Layout:
         """The first genesis fixes the run's layout (create-only: concurrent proposals, one winner)."""
@@ -622,7 +641,7 @@ class Coordinator:
         if frag.head >= 0:
             self._superseded(entry_id, a)
             return
-        c = PendingDelta(entry_id, a, to_arrival(a, self.now()), tensors)
+        c = PendingDelta(entry_id, a, to_arrival(a, self.now()))
         self._publish(a.fragment, frag, [c], [1.0], tensors, NesterovState(), self._settings("genesis"), [c.arrival])
 
     def _maybe_merge(self, fragment: int, frag: Fragment) -> None:
@@ -664,31 +683,53 @@ class Coordinator:
             by_id = {c.announcement.contribution_id: c for c in taking}
             contributions = [by_id[a.contribution_id] for a in ordered]
             weights = merge_weights(ordered, frag.head, self.round_cfg)
-            settings = self._settings("delta")
-            merge = MergeSettings.read(settings)
-            # The settings the manifest records configure the merge itself: a replay's `apply_round`
-            # runs the same merge, scale and outer step from them.
-            with self.timing("merge"):
-                update = round_delta([c.delta for c in contributions], weights, merge)
-                if self.config.scale_rounds:
-                    norm = update_norm(update)
-                    step = round_step(round_size(ordered, norm), frag.recent)
-                    merge = replace(merge, round_scale=step.scale, progress=step.progress, update_norm=norm)
-                    settings |= merge.round_map()
-                    update = scale_update(update, step.scale)
-            with self.timing("outer"):
-                target, state = outer_step(frag.params, frag.state, update, merge)
-                published = self._downstream(fragment, frag, target, state, merge)
+            published, settings = self._step_round(fragment, frag, contributions, weights, ordered)
             self.metrics.merged(fragment, time.monotonic() - started)
             if published is not None:
                 for cid, note in notes.items():
                     log.warning("fragment %d: %s's piece %s bounded: %s", fragment, by_id[cid].announcement.learner,
                                 cid, note)
                 params, state, blob = published
+                # The parent is not needed any more, unless this publish fails before its manifest is
+                # written: then the next merge reads it again from S3 (`_ensure_loaded`). Meanwhile its
+                # params, momentum and residual are three fragments' worth of memory less.
+                frag.params = frag.state = None
                 self._publish(fragment, frag, contributions, weights, params, state, settings, ordered, notes,
                               update=blob)
                 return
             self._refuse_overflow(fragment, frag, contributions)
+
+    def _step_round(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
+                    ordered: tuple[Arrival, ...]
+                    ) -> tuple[tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None, dict]:
+        """Merge the round's pieces (in merge order, with their weights), take the outer step and the
+        downstream step: the version's params, outer state and update object (None if the step
+        overflowed float32), and the settings its manifest records. These configure the merge itself:
+        a replay's `apply_round` runs the same merge, scale and outer step from them.
+
+        Each whole-fragment temporary goes as soon as it has been used, not at the end of the round:
+        each piece once added to the sum (the merge decodes them one at a time, `_Pieces`), the
+        merged update once stepped with, the outer step's exact result when this returns."""
+        settings = self._settings("delta")
+        merge = MergeSettings.read(settings)
+        with self.timing("merge"):
+            update = round_delta(self._pieces(fragment, contributions), weights, merge)
+            if self.config.scale_rounds:
+                norm = update_norm(update)
+                step = round_step(round_size(ordered, norm), frag.recent)
+                merge = replace(merge, round_scale=step.scale, progress=step.progress, update_norm=norm)
+                settings |= merge.round_map()
+                update = scale_update(update, step.scale)
+        with self.timing("outer"):
+            target, state = outer_step(frag.params, frag.state, update, merge)
+            del update
+            return self._downstream(fragment, frag, target, state, merge), settings
+
+    def _pieces(self, fragment: int, contributions: list[PendingDelta]) -> _Pieces:
+        """The pieces' deltas, decoded as they are read (`intake.decode_piece`)."""
+        layout, limit = self.layout, self.spec.max_object_bytes
+        assert layout is not None
+        return _Pieces([c.blob for c in contributions], lambda blob: decode_piece(blob, layout, fragment, limit))
 
     def _downstream(self, fragment: int, frag: Fragment, target: dict[str, torch.Tensor], state: NesterovState,
                     merge: MergeSettings) -> tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None:
@@ -704,7 +745,8 @@ class Coordinator:
 
     def _round_cap(self, fragment: int) -> int:
         """The most pieces a round of `fragment` holds before it merges: as many decoded deltas as
-        `max_round_bytes` holds, at most MAX_ROUND_PIECES (so that its manifest stays small)."""
+        `max_round_bytes` holds, at most MAX_ROUND_PIECES (so that its manifest stays small). The
+        round holds them compressed and decodes one at a time: the bound is a generous one."""
         if self.layout is None:
             return MAX_ROUND_PIECES
         return max(1, min(MAX_ROUND_PIECES, self.config.max_round_bytes // max(1, self.layout.fragment_bytes(fragment))))
@@ -712,12 +754,13 @@ class Coordinator:
     def _refuse_overflow(self, fragment: int, frag: Fragment, contributions: list[PendingDelta]) -> None:
         """Each delta is finite, yet the outer step overflowed float32: refuse the largest one (the
         first in merge order on a tie) and let the others merge without it."""
-        culprit = max(contributions, key=lambda c: _absmax(c.delta))
+        largest = [_absmax(delta) for delta in self._pieces(fragment, contributions)]  # one decoded at a time
+        culprit, absmax = max(zip(contributions, largest), key=lambda pair: pair[1])
         frag.round = [c for c in frag.round if c is not culprit]
         a = culprit.announcement
         self._refuse(culprit.entry_id, a, Refused(
             "non_finite", f"{a.object_key}: merging it into fragment {fragment} version {frag.head} overflows "
-            f"float32 (its largest |value| is {_absmax(culprit.delta):.3g}): the learner has likely diverged"))
+            f"float32 (its largest |value| is {absmax:.3g}): the learner has likely diverged"))
 
     def _adopt_written(self, fragment: int, frag: Fragment, version: int) -> None:
         """The manifest of `version` exists already: a deposed coordinator wrote it just before its

@@ -49,6 +49,7 @@ has scale 0. Scales of int8/int4/int2 tensors are not 4-byte aligned in general:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
 import re
@@ -160,9 +161,84 @@ def encode(tensors: Mapping[str, torch.Tensor], codec: str = "fp32", *, compress
     if codec in _QMAX and not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
     block = block_size if codec in _QMAX else 0
+    meta_map = _checked_meta(meta)
+    specs = _specs(tensors, codec, block)
+    buf = bytearray(specs[-1].offset + specs[-1].nbytes if specs else 0)
+    payload = _as_uint8(buf)
+    for spec, t in zip(specs, tensors.values()):
+        x = t.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+        _encode_tensor(payload[spec.offset:spec.offset + spec.nbytes], x, codec, block, spec.name)
+    head = _framed_header(codec, "zstd" if compress else "none", len(buf), hashlib.sha256(buf).hexdigest(), block,
+                          meta_map, specs)
+    body = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(buf) if compress else buf
+    return b"".join((head, body))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Streamed:
+    """An uncompressed fp32 object as consecutive byte views, not joined: its framing and header, then
+    each tensor's own memory. A `storage.objects.Body`: `ObjectStore.put` sends it and
+    `history.sha256_hex` hashes it from the views, so a version's params and outer state go up
+    without a copy of them; `bytes(...)` joins it (one copy) where bytes are needed.
+
+    It holds the tensors it views: they must not change while it is in use (a published version's
+    tensors never do)."""
+
+    views: tuple[memoryview, ...]
+    """The object's bytes in order: framing and header, then one read-only view per non-empty tensor."""
+    tensors: tuple[torch.Tensor, ...]
+    """The flat contiguous fp32 CPU tensors the views point into (each view holds its own too)."""
+    nbytes: int
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.views)
+
+
+def encode_streamed(tensors: Mapping[str, torch.Tensor], *,
+                    meta: Mapping[str, str | int | float] | None = None) -> Streamed:
+    """`encode(tensors, "fp32", meta=meta)`'s very bytes, as views instead of one buffer.
+
+    A contiguous fp32 CPU tensor is viewed in place; any other (another dtype or device, not
+    contiguous) is converted on its own, so at most one tensor is ever copied at a time and kept.
+    The header's payload_sha256 takes one pass over the tensors' memory (hashlib reads the views:
+    no copy). Raises as `encode` does (`Refused("non_finite")`, `ValueError`)."""
+    meta_map = _checked_meta(meta)
+    specs = _specs(tensors, "fp32", 0)
+    flat: list[torch.Tensor] = []
+    payload = hashlib.sha256()
+    for spec, t in zip(specs, tensors.values()):
+        x = t.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
+        if not _all_finite(x):
+            raise Refused("non_finite", f"tensor {spec.name!r} has NaN/Inf values (or values beyond the fp32 range)")
+        flat.append(x)
+        if x.numel():
+            payload.update(_bytes_of(x))
+    head = _framed_header("fp32", "none", sum(s.nbytes for s in specs), payload.hexdigest(), 0, meta_map, specs)
+    views = (memoryview(head), *(_bytes_of(x) for x in flat if x.numel()))
+    return Streamed(views, tuple(flat), sum(v.nbytes for v in views))
+
+
+def _bytes_of(x: torch.Tensor) -> memoryview:
+    """A read-only byte view of contiguous CPU tensor `x`'s memory (torch tensors have no buffer
+    protocol of their own). The view keeps `x` alive: it can outlive whatever held the tensor."""
+    raw = (ctypes.c_ubyte * (x.numel() * x.element_size())).from_address(x.data_ptr())
+    raw.tensor = x  # the memory's owner, held as long as the array (and so the view) is
+    return memoryview(raw).cast("B").toreadonly()
+
+
+def _checked_meta(meta: Mapping[str, str | int | float] | None) -> Meta:
     meta_map = dict(meta or {})
     if (problem := _meta_problem(meta_map)) is not None:
         raise ValueError(problem)
+    return meta_map
+
+
+def _specs(tensors: Mapping[str, torch.Tensor], codec: str, block: int) -> list[TensorSpec]:
+    """Where each tensor goes in the payload, in mapping order; ValueError for a non-str name or a
+    tensor that is not floating-point."""
     specs: list[TensorSpec] = []
     offset = 0
     for name, t in tensors.items():
@@ -170,22 +246,22 @@ def encode(tensors: Mapping[str, torch.Tensor], codec: str = "fp32", *, compress
             raise ValueError(f"tensor {name!r}: expected a str name and a floating-point tensor, got {t!r:.80}")
         specs.append(TensorSpec(name, tuple(t.shape), offset, tensor_nbytes(codec, tuple(t.shape), block)))
         offset += specs[-1].nbytes
-    buf = bytearray(offset)
-    payload = _as_uint8(buf)
-    for spec, t in zip(specs, tensors.values()):
-        x = t.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-        _encode_tensor(payload[spec.offset:spec.offset + spec.nbytes], x, codec, block, spec.name)
+    return specs
+
+
+def _framed_header(codec: str, compression: str, payload_bytes: int, payload_sha256: str, block: int, meta: Meta,
+                   specs: list[TensorSpec]) -> bytes:
+    """The framing and the header, the object's bytes before its payload."""
     header = msgpack.packb({
-        "codec": codec, "compression": "zstd" if compress else "none", "payload_bytes": len(buf),
-        "payload_sha256": hashlib.sha256(buf).hexdigest(), "block_size": block, "meta": meta_map,
+        "codec": codec, "compression": compression, "payload_bytes": payload_bytes,
+        "payload_sha256": payload_sha256, "block_size": block, "meta": meta,
         "tensors": [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes}
                     for s in specs],
     }, use_bin_type=True)
     if len(header) > MAX_HEADER_BYTES:
         raise ValueError(f"header is {len(header)} bytes, over the {MAX_HEADER_BYTES}-byte limit: "
                          "split the tensors over several objects or shorten meta")
-    body = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(buf) if compress else buf
-    return b"".join((_FRAMING.pack(MAGIC, FORMAT_VERSION, len(header)), header, body))
+    return _FRAMING.pack(MAGIC, FORMAT_VERSION, len(header)) + header
 
 
 def read_header(blob: bytes, *, max_bytes: int) -> Header:

@@ -16,13 +16,17 @@ import torch
 from diloco.storage import codecs
 from diloco.storage.errors import Refused
 from diloco.storage.keys import RunKeys
-from diloco.storage.objects import ObjectMissing, Store
+from diloco.storage.objects import Body, ObjectMissing, Store, views_of
 from diloco.storage.protocol import (MAX_MESSAGE_BYTES, MAX_RECORD_BYTES, Collection, Contribution, Layout, Manifest,
                                      RunEnd, RunSpec)
 
 
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def sha256_hex(data: bytes | Body) -> str:
+    """The sha256 of an object's bytes, bytes or a `Body` (hashed view by view: no joined copy)."""
+    digest = hashlib.sha256()
+    for view in views_of(data):
+        digest.update(view)
+    return digest.hexdigest()
 
 
 def read_run_spec(store: Store, keys: RunKeys) -> RunSpec | None:

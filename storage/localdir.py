@@ -10,17 +10,17 @@ never sees half an object and two writers of one key get exactly one winner.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from diloco.storage.errors import Conflict, Refused
-from diloco.storage.objects import ObjectMissing
+from diloco.storage.objects import Body, ObjectMissing, ViewsReader, views_of
 
 TMP_DIR = ".diloco-tmp"
 """Where puts stage their bytes, under `root` (same file system, so the final link is atomic)."""
+_COMPARE_CHUNK = 8 << 20
 
 
 class DirStore:
@@ -43,12 +43,14 @@ class DirStore:
     def ensure_bucket(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def put(self, key: str, data: bytes, *, create_only: bool = True) -> None:
+    def put(self, key: str, data: bytes | Body, *, create_only: bool = True) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.root / TMP_DIR / uuid.uuid4().hex
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(data)
+        with tmp.open("wb") as f:
+            for view in views_of(data):  # a body is written view by view, never joined
+                f.write(view)
         try:
             if not create_only:
                 os.replace(tmp, path)
@@ -62,10 +64,16 @@ class DirStore:
             tmp.unlink(missing_ok=True)
 
     @staticmethod
-    def _same_bytes(path: Path, data: bytes) -> bool:
-        if path.stat().st_size != len(data):
+    def _same_bytes(path: Path, data: bytes | Body) -> bool:
+        """Whether the file holds exactly `data`, compared chunk by chunk (memory: one chunk)."""
+        want = ViewsReader(views_of(data))
+        if path.stat().st_size != len(want):
             return False
-        return hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(data).digest()
+        with path.open("rb") as f:
+            while chunk := f.read(_COMPARE_CHUNK):
+                if want.read(len(chunk)) != chunk:
+                    return False
+        return want.tell() == len(want)
 
     def get(self, key: str, *, max_bytes: int) -> bytes:
         path = self._path(key)

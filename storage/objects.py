@@ -5,7 +5,10 @@ Contracts, per method:
   creates the object or raises `Conflict`; it never overwrites. Safe to retry: a retry after a
   lost reply finds the object and compares bytes, so a duplicate of our own write is success.
   An object over `multipart_threshold` (default 4 GiB, under S3's 5 GiB single-PUT limit) goes up
-  as a multipart upload under the same contract (see `ObjectStore._put_multipart`).
+  as a multipart upload under the same contract (see `ObjectStore._put_multipart`). `data` is
+  bytes or a `Body` (the object as consecutive buffers, e.g. a version's params as views of its
+  tensors, `codecs.encode_streamed`): a body is sent, compared and hashed from its buffers, never
+  joined into one copy.
 - `get(key, max_bytes)` never reads more than `max_bytes` (+1 to detect overflow) into memory;
   raises `ObjectMissing` if absent, `Refused('too_large')` if bigger, `ObjectUnreadable` if S3
   refuses to return it (e.g. it was stored with a customer-provided encryption key).
@@ -19,11 +22,13 @@ from the standard AWS chain and are never logged.
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -48,13 +53,35 @@ class ObjectUnreadable(DilocoError):
     (SSE-C), AccessDenied, InvalidObjectState for an archived one)."""
 
 
+class Body(Protocol):
+    """An object's bytes as consecutive buffers, written without being joined into one: a version's
+    params are a header and then views of its tensors' own memory (`codecs.encode_streamed`), so a
+    PUT of them costs no copy of the model. The buffers must not change while the body is in use."""
+
+    @property
+    def views(self) -> tuple[memoryview, ...]:
+        """The object's bytes in order, each a flat byte view (format 'B')."""
+        ...
+
+    def __len__(self) -> int:
+        """The object's length in bytes: the sum of the views'."""
+        ...
+
+
+def views_of(data: bytes | Body) -> tuple[memoryview, ...]:
+    """The bytes of `data`, bytes or a `Body`, as flat byte views (no copy)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return (memoryview(data).cast("B"),)
+    return data.views
+
+
 class Store(Protocol):
     """What the history tools need of a bucket: `ObjectStore` (S3) or `storage.localdir.DirStore` (an export)."""
 
     bucket: str
 
     def url(self, key: str) -> str: ...
-    def put(self, key: str, data: bytes, *, create_only: bool = True) -> None: ...
+    def put(self, key: str, data: bytes | Body, *, create_only: bool = True) -> None: ...
     def get(self, key: str, *, max_bytes: int) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def list(self, prefix: str) -> Iterator[str]: ...
@@ -115,13 +142,17 @@ _retry_cleanup = retry(
 )
 
 
-class _ViewReader(io.RawIOBase):
-    """A seekable read-only file over a memoryview, so that botocore streams one part of a big
-    object without a bytes copy of it (it reads at most 1 MiB at a time: hashing, sending)."""
+class ViewsReader(io.RawIOBase):
+    """A seekable read-only file over consecutive byte views (the bytes of an object, or of one part
+    of it), so that botocore streams them without a bytes copy (it reads at most 1 MiB at a time:
+    hashing for the signature, sending). A fresh reader starts at byte 0: a retried request takes a
+    new one."""
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, views: Sequence[memoryview]) -> None:
         super().__init__()
-        self._view, self._pos = view, 0
+        self._views = [v for v in views if v.nbytes]
+        self._starts = list(itertools.accumulate((v.nbytes for v in self._views), initial=0))
+        self._pos = 0
 
     def readable(self) -> bool:
         return True
@@ -133,18 +164,38 @@ class _ViewReader(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self)}[whence]
         self._pos = max(0, base + offset)
         return self._pos
 
     def readinto(self, buffer) -> int:  # noqa: ANN001 (any writable buffer)
-        n = max(0, min(len(buffer), len(self._view) - self._pos))
-        buffer[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
+        out = memoryview(buffer).cast("B")
+        done = 0
+        i = bisect.bisect_right(self._starts, self._pos) - 1
+        while done < out.nbytes and 0 <= i < len(self._views):
+            at = self._pos - self._starts[i]
+            piece = self._views[i][at:at + out.nbytes - done]
+            out[done:done + piece.nbytes] = piece
+            done += piece.nbytes
+            self._pos += piece.nbytes
+            i += 1
+        return done
 
     def __len__(self) -> int:
-        return len(self._view)
+        return self._starts[-1]
+
+
+def window(views: Sequence[memoryview], start: int, stop: int) -> tuple[memoryview, ...]:
+    """Bytes [start, stop) of the object `views` make up, as views of theirs (no copy): a part of a
+    multipart upload."""
+    out = []
+    offset = 0
+    for v in views:
+        lo, hi = max(start, offset), min(stop, offset + v.nbytes)
+        if lo < hi:
+            out.append(v[lo - offset:hi - offset])
+        offset += v.nbytes
+    return tuple(out)
 
 
 def make_client(endpoints: Endpoints, *, timeout_s: float = 30.0):  # noqa: ANN201 (boto3 client type)
@@ -225,7 +276,7 @@ class ObjectStore:
         except bexc.BotoCoreError as exc:
             raise self._unavailable(op, key, exc) from exc
 
-    def put(self, key: str, data: bytes, *, create_only: bool = True) -> None:
+    def put(self, key: str, data: bytes | Body, *, create_only: bool = True) -> None:
         with self._errors("PUT", key):
             try:
                 if len(data) <= self.multipart_threshold:
@@ -244,11 +295,12 @@ class ObjectStore:
                 raise Conflict(f"s3://{self.bucket}/{key} already exists with other contents") from None
 
     @_retry
-    def _put(self, key: str, data: bytes, create_only: bool) -> None:
+    def _put(self, key: str, data: bytes | Body, create_only: bool) -> None:
         extra = {"IfNoneMatch": "*"} if create_only else {}
-        self._s3.put_object(Bucket=self.bucket, Key=key, Body=data, **extra)
+        body = data if isinstance(data, bytes) else ViewsReader(views_of(data))  # each try reads from byte 0
+        self._s3.put_object(Bucket=self.bucket, Key=key, Body=body, ContentLength=len(data), **extra)
 
-    def _put_multipart(self, key: str, data: bytes, create_only: bool) -> None:
+    def _put_multipart(self, key: str, data: bytes | Body, create_only: bool) -> None:
         """CreateMultipartUpload, UploadPart per slice, CompleteMultipartUpload (with
         `If-None-Match: *` when create_only); AbortMultipartUpload on any failure before the
         upload completed (best effort: logged, never raised over the original error).
@@ -272,17 +324,17 @@ class ObjectStore:
         object of the protocol) never meet it.
 
         Each step is retried on transient errors, a part from its first byte. Parts are read
-        through a memoryview of `data`: the object is never copied. A CreateMultipartUpload whose
+        through views of `data`'s buffers: the object is never copied. A CreateMultipartUpload whose
         reply was lost leaves an upload we never learn of: only a bucket lifecycle rule
         (AbortIncompleteMultipartUpload) removes such leftovers.
         """
-        view = memoryview(data).cast("B")
-        size = self._part_size(view.nbytes)
+        views, total = views_of(data), len(data)
+        size = self._part_size(total)
         upload_id = self._create_upload(key)
         try:
             parts = []
-            for number, start in enumerate(range(0, view.nbytes, size), start=1):
-                etag = self._upload_part(key, upload_id, number, view[start:start + size])
+            for number, start in enumerate(range(0, total, size), start=1):
+                etag = self._upload_part(key, upload_id, number, window(views, start, start + size))
                 parts.append({"PartNumber": number, "ETag": etag})
             try:
                 etag = self._complete_upload(key, upload_id, parts, create_only)
@@ -328,9 +380,10 @@ class ObjectStore:
         return self._s3.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
 
     @_retry
-    def _upload_part(self, key: str, upload_id: str, number: int, part: memoryview) -> str:
+    def _upload_part(self, key: str, upload_id: str, number: int, part: tuple[memoryview, ...]) -> str:
+        reader = ViewsReader(part)
         resp = self._s3.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                                    Body=_ViewReader(part), ContentLength=part.nbytes)
+                                    Body=reader, ContentLength=len(reader))
         return resp["ETag"]
 
     @_retry
@@ -370,13 +423,13 @@ class ObjectStore:
             if _code(exc) not in ("NoSuchUpload", "404"):  # completed or aborted already: nothing left
                 raise
 
-    def _same_bytes(self, key: str, data: bytes) -> bool:
+    def _same_bytes(self, key: str, data: bytes | Body) -> bool:
         """Whether `key` holds exactly `data`: the object is streamed in 8 MiB chunks and each chunk
         compared with ours as it comes, so memory stays one chunk whatever the size, the first
         difference ends the read and a different ContentLength ends it unread. Missing: False."""
         try:
             with self._reading(key):
-                return self._stream_equal(key, memoryview(data).cast("B"))
+                return self._stream_equal(key, views_of(data))
         except ObjectMissing:
             return False
 
@@ -397,18 +450,19 @@ class ObjectStore:
                 raise
 
     @_retry
-    def _stream_equal(self, key: str, want: memoryview) -> bool:
+    def _stream_equal(self, key: str, views: tuple[memoryview, ...]) -> bool:
         resp = self._s3.get_object(Bucket=self.bucket, Key=key)
         body = resp["Body"]
+        want = ViewsReader(views)  # each try compares from byte 0
         try:
-            if int(resp.get("ContentLength", -1)) not in (-1, want.nbytes):
+            if int(resp.get("ContentLength", -1)) not in (-1, len(want)):
                 return False
             pos = 0
-            while pos < want.nbytes:
-                chunk = body.read(min(_COMPARE_CHUNK, want.nbytes - pos))
+            while pos < len(want):
+                chunk = body.read(min(_COMPARE_CHUNK, len(want) - pos))
                 with self._counting:
                     self.bytes_read += len(chunk)
-                if not chunk or want[pos:pos + len(chunk)] != chunk:
+                if not chunk or want.read(len(chunk)) != chunk:
                     return False
                 pos += len(chunk)
             return not body.read(1)

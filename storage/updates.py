@@ -33,25 +33,44 @@ from diloco.storage import codecs
 from diloco.storage.keys import RunKeys
 
 
+def params_body(params: Mapping[str, Tensor], keys: RunKeys, fragment: int, version: int) -> codecs.Streamed:
+    """The params object of a version (fp32, uncompressed) as views of `params` themselves
+    (`codecs.encode_streamed`): what the coordinator PUTs and hashes without a copy of the fragment."""
+    return codecs.encode_streamed(params, meta={"run": keys.run, "fragment": fragment, "version": version,
+                                                "kind": "params"})
+
+
 def encode_params(params: Mapping[str, Tensor], keys: RunKeys, fragment: int, version: int) -> bytes:
     """The params object of a version (fp32, uncompressed): the bytes its manifest's sha256 is of."""
-    return codecs.encode(params, "fp32", meta={"run": keys.run, "fragment": fragment, "version": version,
-                                               "kind": "params"})
+    return bytes(params_body(params, keys, fragment, version))
 
 
 def encode_carrying(tensors: Mapping[str, Tensor], residual: Mapping[str, Tensor], codec: str, *, compress: bool,
-                    meta: Mapping[str, str | int | float] | None = None
+                    meta: Mapping[str, str | int | float] | None = None, owned: bool = False
                     ) -> tuple[bytes, dict[str, Tensor], dict[str, Tensor]]:
     """Error feedback, both ways: encode `tensors` plus what the codec lost of the previous ones
     (`residual`, empty: nothing yet); return the object, what it decodes to and what it lost (the
     next residual). Over a sequence of sends, the decoded ones add up to the sent ones less the last
     residual: nothing is lost to quantization but the last send's own error. Raises
-    Refused("non_finite") if a value is not finite."""
-    carried = {name: t + residual[name] if name in residual else t for name, t in tensors.items()}
+    Refused("non_finite") if a value is not finite.
+
+    `owned`: `tensors` are the caller's scratch, held by nothing else: the residual is added to them
+    and they become the next residual, in place. The same elementwise adds and subtracts either way
+    (the same bits); in place, a fragment's worth of memory less at each step."""
+    carried = {name: _plus(t, residual.get(name), owned) for name, t in tensors.items()}
     blob = codecs.encode(carried, codec, compress=compress, meta=meta)
     bound = len(blob) + 8 * sum(t.numel() for t in carried.values()) + (1 << 20)
     decoded, _ = codecs.decode(blob, max_bytes=bound)
-    return blob, decoded, {name: carried[name] - decoded[name] for name in carried}
+    # A carried tensor made here (a sum with the residual) is ours to turn into the next residual.
+    return blob, decoded, {name: c.sub_(decoded[name]) if owned or name in residual else c - decoded[name]
+                           for name, c in carried.items()}
+
+
+def _plus(t: Tensor, r: Tensor | None, in_place: bool) -> Tensor:
+    """t + r (t itself without r), into t's own memory if `in_place`."""
+    if r is None:
+        return t
+    return t.add_(r) if in_place else t + r
 
 
 def encode_update(parent: Mapping[str, Tensor], target: Mapping[str, Tensor], residual: Mapping[str, Tensor],
@@ -59,20 +78,25 @@ def encode_update(parent: Mapping[str, Tensor], target: Mapping[str, Tensor], re
                   ) -> tuple[bytes, dict[str, Tensor], dict[str, Tensor]]:
     """The update object from `parent` towards `target` carrying `residual` (`encode_carrying`), the
     params it defines (`parent + decode(blob)`, exactly what `apply_update` gives a learner) and the
-    new residual. Raises Refused("non_finite") if the update is not finite."""
+    new residual. Raises Refused("non_finite") if the update is not finite.
+
+    Whole-fragment temporaries are reused in place (the difference becomes the residual, the decoded
+    update the params: float addition is commutative, so decoded + parent has parent + decoded's
+    bits): two fragments' worth of memory at the peak besides the inputs, not five."""
     update = {name: target[name] - p for name, p in parent.items()}
     blob, decoded, left = encode_carrying(update, residual, codec, compress=compress,
-                                          meta=dict(meta or {}) | {"kind": "update"})
-    return blob, {name: p + decoded[name] for name, p in parent.items()}, left
+                                          meta=dict(meta or {}) | {"kind": "update"}, owned=True)
+    return blob, {name: decoded[name].add_(p) for name, p in parent.items()}, left
 
 
 def apply_update(parent: Mapping[str, Tensor], blob: bytes, *, max_bytes: int,
                  expect: Mapping[str, tuple[int, ...]]) -> dict[str, Tensor]:
     """The params an update object defines on top of `parent` (the version before it). The blob is
     checked like any object from the network (`codecs.decode`); raises Refused if it is not an
-    update of these tensors."""
+    update of these tensors. The decoded update becomes the params in place (decoded + parent:
+    parent + decoded's bits, without a second fragment's worth of memory)."""
     decoded, _ = codecs.decode(blob, max_bytes=max_bytes, expect=expect)
-    return {name: p + decoded[name] for name, p in parent.items()}
+    return {name: decoded[name].add_(p) for name, p in parent.items()}
 
 
 def chain_worth_it(update_bytes: list[int], params_bytes: int) -> bool:

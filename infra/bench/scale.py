@@ -83,6 +83,11 @@ class Usage:
     """A process's peak resident memory and CPU time, as last sampled from /proc."""
 
     peak_rss: int = 0
+    peak_at: float = 0.0
+    """When the peak was reached (unix time of the sample that first saw it): set against the
+    process's log, it says which phase holds the most memory."""
+    rss: list[tuple[float, int]] = field(default_factory=list)
+    """(seconds since the sampler started, resident bytes) at every sample: the memory over the run."""
     cpu_s: float = 0.0
     joined_cpu_s: float | None = None
     """A learner's CPU time when its heartbeat first showed a step: joining (genesis, first download)
@@ -101,6 +106,7 @@ class Sampler(threading.Thread):
         """() -> {learner: step} from the heartbeats."""
         self.usage: dict[str, Usage] = {name: Usage() for name in names}
         self.stop = threading.Event()
+        self.started = time.time()
 
     def run(self) -> None:
         while not self.stop.wait(self.every_s):
@@ -120,10 +126,14 @@ class Sampler(threading.Thread):
                 stat = Path(f"/proc/{proc.pid}/stat").read_text()
             except OSError:
                 continue  # exited: the last sample stands
-            hwm = re.search(r"VmHWM:\s+(\d+) kB", status)
+            hwm, rss = re.search(r"VmHWM:\s+(\d+) kB", status), re.search(r"VmRSS:\s+(\d+) kB", status)
             fields = stat.rsplit(")", 1)[1].split()
             usage = self.usage[name]
-            usage.peak_rss = max(usage.peak_rss, int(hwm.group(1)) * 1024 if hwm else 0)
+            now = time.time()
+            if hwm and int(hwm.group(1)) * 1024 > usage.peak_rss:
+                usage.peak_rss, usage.peak_at = int(hwm.group(1)) * 1024, now
+            if rss:
+                usage.rss.append((round(now - self.started, 2), int(rss.group(1)) * 1024))
             usage.cpu_s = max(usage.cpu_s, (int(fields[11]) + int(fields[12])) / _TICK)  # utime, stime
             if usage.joined_cpu_s is None and steps.get(name, 0) >= 1:
                 usage.joined_cpu_s, usage.joined_step = usage.cpu_s, steps[name]
@@ -182,6 +192,8 @@ class ScaleResult:
     sizes: dict[str, int] = field(default_factory=dict)
     """Mean bytes of a contribution, an update and a params object (one fragment)."""
     wall_s: float = 0.0
+    started_at: float = 0.0
+    """When the fleet started (unix time)."""
 
     def table(self) -> str:
         b = self.baseline
@@ -203,7 +215,8 @@ class ScaleResult:
                 f"a params object {human_bytes(self.sizes.get('params', 0))} (one fragment)")
         tail = (f"coordinator: {self.versions} versions committed, publish {_mean(publish):.2f} s mean / "
                 f"{publish[-1] if publish else 0:.2f} s max, {coord.cpu_s / max(1, self.versions):.2f} CPU s per "
-                f"version (start-up and genesis included), peak memory {human_bytes(coord.peak_rss)}")
+                f"version (start-up and genesis included), peak memory {human_bytes(coord.peak_rss)}"
+                + (f" (reached {coord.peak_at - self.started_at:.0f} s after the start)" if coord.peak_at else ""))
         return "\n".join([head, figures_table(["process", "wall s/step", "hook s/step", "CPU s/step", "CPU overhead",
                                                "transfer threads CPU", "peak memory", "memory overhead", "up",
                                                "down"], rows), tail])
@@ -213,7 +226,7 @@ class ScaleResult:
                 "steps": self.steps, "codec": self.codec, "wall_s": self.wall_s,
                 "baseline": self.baseline.__dict__, "learner_stats": self.learner_stats,
                 "usage": {k: v.__dict__ for k, v in self.usage.items()}, "publish_s": self.publish_s,
-                "versions": self.versions, "sizes": self.sizes}
+                "versions": self.versions, "sizes": self.sizes, "started_at": self.started_at}
 
 
 def _mean(xs: list[float]) -> float:
@@ -231,7 +244,7 @@ def run(args: argparse.Namespace) -> ScaleResult:
     run_id = f"scale-{int(time.time())}"
     names = [f"learner-{i}" for i in range(args.learners)]
     with bench_stack(args.out) as stack:
-        started = time.monotonic()
+        started, started_at = time.monotonic(), time.time()
         with Fleet(process_env(stack.env()), args.out / "logs") as fleet:
             fleet.add("coordinator", diloco_command(
                 "coordinator", "--run", run_id, "--fragments", str(args.fragments), "--sync-every",
@@ -265,7 +278,7 @@ def run(args: argparse.Namespace) -> ScaleResult:
              "update": int(_mean([m.update_bytes for m in manifests])),
              "params": int(_mean([m.params_bytes for m in manifests]))}
     return ScaleResult(params, args.fragments, args.learners, args.steps, args.codec, base, stats,
-                       sampler.usage, publish, len(manifests), sizes, wall_s)
+                       sampler.usage, publish, len(manifests), sizes, wall_s, started_at)
 
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--baseline-child":
