@@ -125,8 +125,6 @@ class FragmentState:
     """Contribution id of the last send."""
     sent_deadline: float | None = None
     """The clock deadline the last send served (clock cadence)."""
-    holding: bool = False
-    """Sends are held back until a newer version is taken (`Learner._hold`)."""
 
 
 FLAG_RUN_FINISHED = 1
@@ -179,8 +177,8 @@ class Learner:
         self.tokens = 0
         self._loss: float | torch.Tensor | None = None
         self.adopted = 0
-        self.held_stale = 0
-        """Sends held back because the coordinator would have refused them as stale (`_hold`)."""
+        self.dropped_stale = 0
+        """Pieces not sent because the coordinator would have refused them as stale (`_send`)."""
         self.stats = TransferStats()
         # Names without torch.compile's wrapper prefix: a compiled and an uncompiled model train the same run.
         self.replica = Replica({plain_name(n): p for n, p in model.named_parameters() if p.requires_grad})
@@ -573,29 +571,13 @@ class Learner:
                 self.fragments[f].sent_deadline = deadline
         else:
             due = [(f, 0.0) for f in due_fragments(self.step, self.spec.num_fragments, self.spec.sync_every)]
-        # Nothing to send for a fragment with no step since its last send, nor a piece the
-        # coordinator would refuse as stale (`_hold`).
-        return {f: deadline for f, deadline in due if self.fragments[f].steps > 0 and not self._hold(f)}
+        # Nothing to send for a fragment with no step since its last send.
+        return {f: deadline for f, deadline in due if self.fragments[f].steps > 0}
 
-    def _hold(self, fragment: int) -> bool:
-        """Rank 0: keep the fragment's progress instead of sending it now: based on a version more
-        than the coordinator's max_staleness behind the head, it would be refused and its bytes
-        wasted, on a link that is then the bottleneck (a learner that cannot download versions as
-        fast as they come). The progress stays in the local values: taking a newer version rebases it
-        (`local - anchor` is kept), and the next send after that carries it, based on that version.
-        Meanwhile the learner asks for the newest version and takes it as soon as it is in."""
-        state = self.fragments[fragment]
-        if not self.fetcher.too_stale(fragment, state.base_version):
-            return False
-        self.held_stale += 1
-        if not state.holding:
-            log.info("fragment %d: progress held, not sent: based on version %d, more than max_staleness behind "
-                     "the head; it goes out after a newer version is taken", fragment, state.base_version)
-        state.holding, state.sent_id = True, None  # no own contribution to wait for: take the newest version
-        if state.awaiting is None:
-            state.awaiting = self.step
-        self.fetcher.want(fragment, state.base_version)
-        return True
+    def _too_stale(self, fragment: int) -> bool:
+        """Rank 0: the fragment's piece would be refused as stale: based on a version more than the
+        coordinator's max_staleness behind the head. `_send` then drops it instead of uploading it."""
+        return self.fetcher.too_stale(fragment, self.fragments[fragment].base_version)
 
     def _ready(self) -> dict[int, Fetched]:
         """Rank 0: fetched versions to merge now: at least `overlap_steps` after the send that awaits
@@ -631,6 +613,8 @@ class Learner:
         snapshot = self.replica.snapshot(state.names)
         if snapshot is None:
             return None  # not rank 0: the gather was our part
+        if not final and self._too_stale(fragment):
+            return self._drop_stale(fragment, snapshot)
         # The uploader computes the delta, once the snapshot has landed on the host.
         job = UploadJob(fragment, {}, state.base_version, state.tokens, state.steps, self._step_time_s,
                         deadline=deadline, final=final, pending=(state.anchor, snapshot))
@@ -639,6 +623,23 @@ class Learner:
         state.awaiting = self.step + self.spec.overlap_steps
         self.fetcher.want(fragment, state.base_version)
         return state.sent_id
+
+    def _drop_stale(self, fragment: int, snapshot: Snapshot) -> None:
+        """Rank 0: a piece based on a version more than max_staleness behind the head would be refused
+        on arrival. Drop it here, as the coordinator would (the progress since the last send is left
+        out of the global model, the local values keep it), instead of spending the link on it: a
+        learner whose link cannot download versions as fast as they come would otherwise upload
+        pieces refused on arrival, slowing the very downloads it is behind on. Sending that progress
+        later, based on a newer version, would pass it off as fresh: it was computed from the old
+        one. The learner asks for the newest version and takes it at once (no own piece to wait for)."""
+        state = self.fragments[fragment]
+        if self.dropped_stale == 0 or state.sent_id is not None:
+            log.info("fragment %d: piece not sent: based on version %d, more than max_staleness behind the head, "
+                     "it would be refused; taking the newest version", fragment, state.base_version)
+        self.dropped_stale += 1
+        state.anchor, state.tokens, state.steps, state.sent_id = snapshot, 0, 0, None
+        state.awaiting = self.step
+        self.fetcher.want(fragment, state.base_version)
 
     @torch.no_grad()
     def _merge(self, fragment: int, fetched: Fetched | None) -> None:
@@ -655,7 +656,7 @@ class Learner:
                           for n in names}
             else:
                 values, keep, add = g, self.spec.alpha, 1.0 - self.spec.alpha
-            state.anchor, state.base_version, state.holding = Snapshot(g), fetched.version, False
+            state.anchor, state.base_version = Snapshot(g), fetched.version
             self.adopted += 1
         self.replica.blend(values, names, keep=keep, add=add)
 

@@ -38,7 +38,7 @@ from diloco.storage.history import params_limit, read_manifest, read_params, rea
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, Layout, Manifest, RunSpec, VersionEvent
-from diloco.storage.updates import apply_update, chain_worth_it, encode_carrying, encode_params
+from diloco.storage.updates import apply_update, chain_worth_it, encode_carrying, params_body
 from diloco.workers.hostcopy import Snapshot
 
 log = logging.getLogger(__name__)
@@ -465,7 +465,7 @@ class Fetcher(threading.Thread):
             log.warning("fragment %d: the updates from version %d to %d cannot be taken (%s): downloading the "
                         "params", fragment, held.version, manifest.version, exc.reason if isinstance(exc, Refused) else exc)
             return None
-        if sha256_hex(encode_params(params, self.bus.keys, fragment, manifest.version)) != manifest.params_sha256:
+        if sha256_hex(params_body(params, self.bus.keys, fragment, manifest.version)) != manifest.params_sha256:
             self.stats.update_failed += 1
             log.error("fragment %d: version %d's updates applied to version %d do not give its params bit for bit: "
                       "downloading the params", fragment, manifest.version, held.version)
