@@ -57,11 +57,6 @@ def state_body(state: NesterovState, keys: RunKeys, fragment: int, version: int)
     return codecs.encode_streamed(tensors, meta=meta)
 
 
-def encode_state(state: NesterovState, keys: RunKeys, fragment: int, version: int) -> bytes:
-    """The outer-state object's bytes (`state_body`, joined)."""
-    return bytes(state_body(state, keys, fragment, version))
-
-
 def decode_state(blob: bytes, max_bytes: int) -> NesterovState:
     tensors, header = codecs.decode(blob, max_bytes=max_bytes)
     count = header.meta.get("residuals", 0)

@@ -16,11 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from diloco.storage.errors import Conflict, Refused
-from diloco.storage.objects import Body, ObjectMissing, ViewsReader, views_of
+from diloco.storage.objects import Body, ObjectMissing, same_stream, views_of
 
 TMP_DIR = ".diloco-tmp"
 """Where puts stage their bytes, under `root` (same file system, so the final link is atomic)."""
-_COMPARE_CHUNK = 8 << 20
 
 
 class DirStore:
@@ -66,14 +65,10 @@ class DirStore:
     @staticmethod
     def _same_bytes(path: Path, data: bytes | Body) -> bool:
         """Whether the file holds exactly `data`, compared chunk by chunk (memory: one chunk)."""
-        want = ViewsReader(views_of(data))
-        if path.stat().st_size != len(want):
+        if path.stat().st_size != len(data):
             return False
         with path.open("rb") as f:
-            while chunk := f.read(_COMPARE_CHUNK):
-                if want.read(len(chunk)) != chunk:
-                    return False
-        return want.tell() == len(want)
+            return same_stream(f.read, views_of(data))
 
     def get(self, key: str, *, max_bytes: int) -> bytes:
         path = self._path(key)

@@ -28,7 +28,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -183,6 +183,19 @@ class ViewsReader(io.RawIOBase):
 
     def __len__(self) -> int:
         return self._starts[-1]
+
+
+def same_stream(read: Callable[[int], bytes], views: Sequence[memoryview]) -> bool:
+    """Whether reading a stored object through `read(n)` (at most n bytes; b"" at its end) gives
+    exactly the bytes `views` make up: compared chunk by chunk as they come (memory: one chunk), the
+    first difference ends the read. `ObjectStore` and `localdir.DirStore` compare a refused
+    create-only write with it."""
+    want = ViewsReader(views)
+    while want.tell() < len(want):
+        chunk = read(min(_COMPARE_CHUNK, len(want) - want.tell()))
+        if not chunk or want.read(len(chunk)) != chunk:
+            return False
+    return not read(1)
 
 
 def window(views: Sequence[memoryview], start: int, stop: int) -> tuple[memoryview, ...]:
@@ -453,19 +466,17 @@ class ObjectStore:
     def _stream_equal(self, key: str, views: tuple[memoryview, ...]) -> bool:
         resp = self._s3.get_object(Bucket=self.bucket, Key=key)
         body = resp["Body"]
-        want = ViewsReader(views)  # each try compares from byte 0
+
+        def read(n: int) -> bytes:
+            chunk = body.read(n)
+            with self._counting:
+                self.bytes_read += len(chunk)
+            return chunk
+
         try:
-            if int(resp.get("ContentLength", -1)) not in (-1, len(want)):
+            if int(resp.get("ContentLength", -1)) not in (-1, sum(v.nbytes for v in views)):
                 return False
-            pos = 0
-            while pos < len(want):
-                chunk = body.read(min(_COMPARE_CHUNK, len(want) - pos))
-                with self._counting:
-                    self.bytes_read += len(chunk)
-                if not chunk or want.read(len(chunk)) != chunk:
-                    return False
-                pos += len(chunk)
-            return not body.read(1)
+            return same_stream(read, views)  # each try compares from byte 0
         finally:
             body.close()
 

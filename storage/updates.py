@@ -40,11 +40,6 @@ def params_body(params: Mapping[str, Tensor], keys: RunKeys, fragment: int, vers
                                                 "kind": "params"})
 
 
-def encode_params(params: Mapping[str, Tensor], keys: RunKeys, fragment: int, version: int) -> bytes:
-    """The params object of a version (fp32, uncompressed): the bytes its manifest's sha256 is of."""
-    return bytes(params_body(params, keys, fragment, version))
-
-
 def encode_carrying(tensors: Mapping[str, Tensor], residual: Mapping[str, Tensor], codec: str, *, compress: bool,
                     meta: Mapping[str, str | int | float] | None = None, owned: bool = False
                     ) -> tuple[bytes, dict[str, Tensor], dict[str, Tensor]]:

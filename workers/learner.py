@@ -573,12 +573,6 @@ class Learner:
             due = [(f, 0.0) for f in due_fragments(self.step, self.spec.num_fragments, self.spec.sync_every)]
         # Nothing to send for a fragment with no step since its last send.
         return {f: deadline for f, deadline in due if self.fragments[f].steps > 0}
-
-    def _too_stale(self, fragment: int) -> bool:
-        """Rank 0: the fragment's piece would be refused as stale: based on a version more than the
-        coordinator's max_staleness behind the head. `_send` then drops it instead of uploading it."""
-        return self.fetcher.too_stale(fragment, self.fragments[fragment].base_version)
-
     def _ready(self) -> dict[int, Fetched]:
         """Rank 0: fetched versions to merge now: at least `overlap_steps` after the send that awaits
         them, and preferably the version that merged that send (see `LearnerConfig.own_version_wait`)."""
@@ -613,7 +607,7 @@ class Learner:
         snapshot = self.replica.snapshot(state.names)
         if snapshot is None:
             return None  # not rank 0: the gather was our part
-        if not final and self._too_stale(fragment):
+        if not final and self.fetcher.too_stale(fragment, state.base_version):  # it would be refused on arrival
             return self._drop_stale(fragment, snapshot)
         # The uploader computes the delta, once the snapshot has landed on the host.
         job = UploadJob(fragment, {}, state.base_version, state.tokens, state.steps, self._step_time_s,

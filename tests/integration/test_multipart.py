@@ -10,60 +10,17 @@ second to give a new bucket its volume), each under a prefix of its own, and wai
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
-import uuid
-from collections import Counter
-from collections.abc import Iterator
 
 import botocore.exceptions as bexc
 import pytest
 
-from diloco.infra.local.stack import LocalStack
-from diloco.storage import objects
 from diloco.storage.errors import Conflict
 from diloco.storage.objects import MAX_PARTS, MIN_PART_BYTES, ObjectStore, make_client
-from diloco.storage.settings import Endpoints
-from harness import fresh_endpoints
+from smalls3 import MiB, PART, THRESHOLD, bucket, calls, endpoints, open_uploads, small_store  # noqa: F401 (fixtures)
 
-MiB = 1 << 20
-THRESHOLD, PART = 6 * MiB, 5 * MiB
 BIG = 10 * MiB + 12345  # three parts: 5 MiB, 5 MiB and the rest
-
-
-@pytest.fixture(scope="module")
-def bucket(stack: LocalStack) -> Iterator[Endpoints]:
-    with pytest.MonkeyPatch.context() as mp:
-        yield fresh_endpoints(stack, mp)
-
-
-@pytest.fixture
-def endpoints(bucket: Endpoints, monkeypatch: pytest.MonkeyPatch) -> Endpoints:
-    """This file's bucket with a prefix of the test's own (in place of conftest's fresh bucket)."""
-    monkeypatch.setattr(objects, "_SETTLE_S", 0.1)
-    return dataclasses.replace(bucket, prefix=f"t{uuid.uuid4().hex[:12]}")
-
-
-def small_store(endpoints: Endpoints) -> ObjectStore:
-    return ObjectStore(endpoints, multipart_threshold=THRESHOLD, part_bytes=PART)
-
-
-def calls(store: ObjectStore) -> Counter:
-    """S3 operations the store's client makes from now on, by name."""
-    seen: Counter = Counter()
-
-    def count(event_name: str, **_) -> None:
-        seen[event_name.rsplit(".", 1)[-1]] += 1
-
-    store._s3.meta.events.register("before-call.s3", count)
-    return seen
-
-
-def open_uploads(endpoints: Endpoints) -> list[tuple[str, str]]:
-    """Multipart uploads not completed nor aborted under the test's prefix."""
-    reply = make_client(endpoints).list_multipart_uploads(Bucket=endpoints.bucket, Prefix=f"{endpoints.prefix}/")
-    return [(u["Key"], u["UploadId"]) for u in reply.get("Uploads", [])]
 
 
 def test_a_big_object_goes_up_in_parts_and_reads_back_byte_for_byte(endpoints):

@@ -8,53 +8,19 @@ create-only put of the same views again is a success found by comparing, of othe
 
 from __future__ import annotations
 
-import dataclasses
-import uuid
-from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from diloco.coordinator.outer import NesterovState
 from diloco.coordinator.publish import decode_state, write_version
-from diloco.infra.local.stack import LocalStack
-from diloco.storage import codecs, objects
+from diloco.storage import codecs
 from diloco.storage.errors import Conflict
 from diloco.storage.history import params_limit, read_params, read_verified, sha256_hex
 from diloco.storage.keys import RunKeys
-from diloco.storage.objects import ObjectStore, make_client
+from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import Layout, ParamSpec
-from diloco.storage.settings import Endpoints
-from harness import fresh_endpoints
-
-MiB = 1 << 20
-THRESHOLD, PART = 6 * MiB, 5 * MiB
-
-
-@pytest.fixture(scope="module")
-def bucket(stack: LocalStack) -> Iterator[Endpoints]:
-    with pytest.MonkeyPatch.context() as mp:
-        yield fresh_endpoints(stack, mp)
-
-
-@pytest.fixture
-def endpoints(bucket: Endpoints, monkeypatch: pytest.MonkeyPatch) -> Endpoints:
-    """This file's bucket with a prefix of the test's own (in place of conftest's fresh bucket)."""
-    monkeypatch.setattr(objects, "_SETTLE_S", 0.1)
-    return dataclasses.replace(bucket, prefix=f"t{uuid.uuid4().hex[:12]}")
-
-
-def calls(store: ObjectStore) -> Counter:
-    """S3 operations the store's client makes from now on, by name."""
-    seen: Counter = Counter()
-
-    def count(event_name: str, **_) -> None:
-        seen[event_name.rsplit(".", 1)[-1]] += 1
-
-    store._s3.meta.events.register("before-call.s3", count)
-    return seen
-
+from smalls3 import PART, THRESHOLD, bucket, calls, endpoints, open_uploads, small_store  # noqa: F401 (fixtures)
 
 def fragment(seed: int, rows: int = 64) -> dict[str, torch.Tensor]:
     """Tensors of odd sizes (a view's edge is never a part's), one of them a transposed view; ~3 MiB per 64 rows."""
@@ -81,7 +47,7 @@ def test_a_params_object_put_from_its_tensors_reads_back_as_the_encoded_bytes(en
 
 
 def test_a_streamed_object_over_the_threshold_goes_up_in_parts_cut_across_its_tensors(endpoints):
-    store = ObjectStore(endpoints, multipart_threshold=THRESHOLD, part_bytes=PART)
+    store = small_store(endpoints)
     key = f"{endpoints.prefix}/versions/0/1/outer_state"
     tensors = fragment(1, rows=256)  # ~12 MiB: three parts
     streamed = codecs.encode_streamed(tensors, meta={"kind": "outer_state"})
@@ -90,8 +56,7 @@ def test_a_streamed_object_over_the_threshold_goes_up_in_parts_cut_across_its_te
     store.put(key, streamed)
     assert seen["CreateMultipartUpload"] == 1 and seen["UploadPart"] == 3 and seen["PutObject"] == 0
     assert store.get(key, max_bytes=len(streamed)) == bytes(streamed)
-    uploads = make_client(endpoints).list_multipart_uploads(Bucket=endpoints.bucket, Prefix=f"{endpoints.prefix}/")
-    assert uploads.get("Uploads", []) == []
+    assert open_uploads(endpoints) == []
 
 
 @pytest.mark.parametrize("threshold", [THRESHOLD, 4 << 30], ids=["multipart", "single"])

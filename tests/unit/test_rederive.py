@@ -11,8 +11,8 @@ import torch
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round
 from diloco.coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
-from diloco.coordinator.publish import encode_state
-from diloco.storage.updates import encode_params
+from diloco.coordinator.publish import state_body
+from diloco.storage.updates import params_body
 from diloco.coordinator.rederive import rederive
 from diloco.storage.history import sha256_hex
 from diloco.storage.keys import RunKeys
@@ -46,8 +46,8 @@ def a_version(radial: bool = False) -> tuple[Manifest, list[dict[str, torch.Tens
                                 tokens=a.tokens, steps=a.steps, weight=w, stream_id="")
                    for i, (a, w) in enumerate(zip(ordered, weights)))
     manifest = Manifest(run="run", fragment=0, version=3, parent_version=2, params_key="x", outer_state_key="y",
-                        params_sha256=sha256_hex(encode_params(params, KEYS, 0, 3)),
-                        outer_state_sha256=sha256_hex(encode_state(new_state, KEYS, 0, 3)),
+                        params_sha256=sha256_hex(params_body(params, KEYS, 0, 3)),
+                        outer_state_sha256=sha256_hex(state_body(new_state, KEYS, 0, 3)),
                         inputs=inputs, settings=settings, refused=(), committed_at=0.0, epoch=1)
     return manifest, deltas, parent, state
 
@@ -87,8 +87,8 @@ def test_genesis_is_its_proposal_unchanged():
     inputs = (Contribution(contribution_id=uuid.uuid4().hex, learner="a", seq=0, object_key="g", sha256="0" * 64,
                            base_version=-1, staleness=0, tokens=0, steps=0, weight=1.0, stream_id=""),)
     manifest = Manifest(run="run", fragment=0, version=0, parent_version=-1, params_key="x", outer_state_key="y",
-                        params_sha256=sha256_hex(encode_params(proposal, KEYS, 0, 0)),
-                        outer_state_sha256=sha256_hex(encode_state(NesterovState(), KEYS, 0, 0)),
+                        params_sha256=sha256_hex(params_body(proposal, KEYS, 0, 0)),
+                        outer_state_sha256=sha256_hex(state_body(NesterovState(), KEYS, 0, 0)),
                         inputs=inputs, settings={"kind": "genesis"}, refused=(), committed_at=0.0, epoch=1)
     assert rederive(manifest, KEYS, [proposal]).bit_exact
     changed = {k: v.clone() for k, v in proposal.items()}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round, downstream_step
-from diloco.coordinator.publish import decode_state, encode_state
+from diloco.coordinator.publish import decode_state, state_body
 from diloco.storage import codecs
 from diloco.storage.errors import Refused
 from diloco.storage.keys import RunKeys
@@ -75,14 +75,14 @@ def test_fp32_downstream_publishes_the_target_itself_and_no_update():
 
 def test_the_outer_state_keeps_its_residual_through_its_object():
     state = NesterovState(momentum=tensors(3), steps=7, residual=tensors(4))
-    back = decode_state(encode_state(state, KEYS, 0, 7), 1 << 20)
+    back = decode_state(bytes(state_body(state, KEYS, 0, 7)), 1 << 20)
     assert back.steps == 7 and list(back.momentum) == list(state.momentum) and list(back.residual) == list(SHAPES)
     assert all(torch.equal(back.momentum[n], state.momentum[n]) and torch.equal(back.residual[n], state.residual[n])
                for n in SHAPES)
     # Without a residual the object is what it was before residuals existed.
     plain = NesterovState(momentum=tensors(3), steps=7)
-    assert "residuals" not in codecs.read_header(encode_state(plain, KEYS, 0, 7), max_bytes=1 << 20).meta
-    assert decode_state(encode_state(plain, KEYS, 0, 7), 1 << 20).residual == {}
+    assert "residuals" not in codecs.read_header(bytes(state_body(plain, KEYS, 0, 7)), max_bytes=1 << 20).meta
+    assert decode_state(bytes(state_body(plain, KEYS, 0, 7)), 1 << 20).residual == {}
 
 
 def test_an_outer_state_lying_about_its_residuals_is_refused():
