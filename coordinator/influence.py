@@ -69,12 +69,16 @@ def count_claims(arrivals: Sequence[Arrival], history: Sequence[Claim], ratio: f
 
 
 def plausible_deadline(deadline: float, *, now: float, cadence: Cadence | None, fragment: int,
-                       num_fragments: int) -> float:
+                       num_fragments: int, final: bool = False) -> float:
     """The clock deadline an arrival counts as sent for. A learner sends a fragment just before its
     deadline, on the clock the coordinator published: a deadline more than one period ahead of
     `now` names no round that exists yet and would hold the fragment's rounds open until then, so
-    it counts as the fragment's next deadline. Deadlines of step cadence (0) pass unchanged."""
-    if deadline <= 0 or cadence is None or deadline <= now + cadence.period_s:
+    it counts as the fragment's next deadline. So does a piece sent on step counts (deadline 0) once
+    there is a clock, unless it is a learner's last (`final`): its learner had not read the clock
+    yet (a run's first pieces, sent H steps in, while the clock published a moment before reaches
+    the learners on their next heartbeat), and merged on its own it would split the round the other
+    learners send for the clock's deadline. Without a clock deadlines pass unchanged."""
+    if cadence is None or final or (0 < deadline <= now + cadence.period_s):
         return deadline
     return cadence.next_deadline(fragment, num_fragments, after=now)
 

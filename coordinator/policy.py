@@ -353,26 +353,41 @@ def merge_order(arrivals: Sequence[Arrival]) -> list[Arrival]:
     return sorted(arrivals, key=lambda a: (a.learner, a.contribution_id))
 
 
-def next_cadence(current: Cadence | None, period_s: float, now: float, *, tolerance: float = 0.3) -> Cadence | None:
+FIRST_DEADLINE_LEAD_S = 2.0
+"""How far ahead of its publication a new round clock puts its first deadline, at least: learners
+read the clock on their heartbeat (every second by default), and a deadline some of them learn of
+too late splits that round into two, the second a whole outer step on top of the first."""
+
+
+def next_cadence(current: Cadence | None, period_s: float, now: float, num_fragments: int = 1, *,
+                 slower: float = 0.3, faster: float = 0.1) -> Cadence | None:
     """The round clock to publish for a measured `period_s` (H steps of the fastest live learner), or
     None to keep `current`.
 
-    The clock is re-set only when the period moves by more than `tolerance`, so that rounds keep
-    their phase. When it is, the new clock starts from the current one's last fragment-0 deadline:
-    each upcoming deadline moves by a fraction of the change of period, so learners that have not
-    read the new clock yet send for nearly the same instant and land in the same round. (A clock
-    started afresh at `now` would put its deadlines anywhere against the old ones and split the next
-    round of every fragment.)
+    A first clock starts at its origin (no deadline before it), FIRST_DEADLINE_LEAD_S or a
+    fragment's share of the period from `now`, whichever is later, so that every learner has read
+    it before any fragment's first deadline (fragment p's is then p/P of a period after the origin).
+
+    The clock is re-set only when the period moves by more than 30% slower (`slower`) or 10% faster
+    (`faster`): a clock running slow makes every round carry more than H steps of the fastest
+    learner, hence fewer outer steps in the run, so it follows a faster fleet closely; a noisy step
+    time that moves it back and forth would only shift the rounds' phase. When it is re-set, the new
+    clock starts from the current one's last fragment-0 deadline: each upcoming deadline moves by a
+    fraction of the change of period, so learners that have not read the new clock yet send for
+    nearly the same instant and land in the same round. (A clock started afresh at `now` would put
+    its deadlines anywhere against the old ones and split the next round of every fragment.)
     """
     if current is None:
-        return Cadence(origin=now + 0.5, period_s=period_s)
-    if abs(period_s / current.period_s - 1.0) <= tolerance:
+        return Cadence(origin=now + max(FIRST_DEADLINE_LEAD_S, period_s / num_fragments), period_s=period_s)
+    if -faster <= period_s / current.period_s - 1.0 <= slower:
         return None
     return Cadence(origin=current.next_deadline(0, 1, after=now) - current.period_s, period_s=period_s)
 
 
 RECENT_ROUNDS = 8
-"""How many of a fragment's last rounds `round_step` takes the usual round from."""
+"""How many of a fragment's last rounds `round_step` takes the usual round's size from."""
+FLEET_ROUNDS = 32
+"""How many of a fragment's last rounds `round_step` counts the learners that contribute over."""
 MAX_REACH = 2.0
 """The most progress per learner a round may carry, in usual rounds (see `round_step`)."""
 STILL_SHARE = 0.5
@@ -392,6 +407,10 @@ class RoundSize:
     tokens: int
     learners: int
     norm: float | None = None
+    names: frozenset[str] = frozenset()
+    """The learners (empty if not known)."""
+    steps: int = 0
+    """The inner steps of its pieces, summed (0 if not known)."""
 
     @property
     def reach(self) -> float:
@@ -403,6 +422,8 @@ class _Piece(Protocol):
     @property
     def tokens(self) -> int: ...
     @property
+    def steps(self) -> int: ...
+    @property
     def learner(self) -> str: ...
 
 
@@ -410,7 +431,9 @@ def round_size(pieces: Iterable[_Piece], norm: float | None = None) -> RoundSize
     """The size of a round of `pieces` (its arrivals, or a manifest's inputs) whose merged update
     has L2 norm `norm` (None: not measured)."""
     pieces = list(pieces)
-    return RoundSize(tokens=sum(p.tokens for p in pieces), learners=len({p.learner for p in pieces}), norm=norm)
+    names = frozenset(p.learner for p in pieces)
+    return RoundSize(tokens=sum(p.tokens for p in pieces), learners=len(names), norm=norm, names=names,
+                     steps=sum(p.steps for p in pieces))
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,40 +450,59 @@ class RoundStep:
     (`outer.nesterov_step`)."""
 
 
-def round_step(size: RoundSize, recent: Sequence[RoundSize]) -> RoundStep:
-    """The outer step of a round of `size` (the coordinator's `scale_rounds`), against the
-    fragment's usual round: the median of its recent rounds (`recent`, up to RECENT_ROUNDS), so one
-    odd round does not move it and a fleet that has really changed is followed after a few rounds.
+def round_step(size: RoundSize, recent: Sequence[RoundSize], fleet: int = 0, interval: int = 0) -> RoundStep:
+    """The outer step of a round of `size` (the coordinator's `scale_rounds`): the share of the
+    usual round it carries, the usual round being every learner of the fleet with a usual piece.
+
+    **The fleet's learners** are the median of the recent rounds' (the last RECENT_ROUNDS of
+    `recent`), so one odd round does not move them and a fleet that has really changed is followed
+    after a few rounds, but never fewer than the learners that contributed to any of `recent` (up to
+    FLEET_ROUNDS) and are in the `fleet` the round was for (its live learners; 0 if not known). When
+    most rounds hold one learner each (the step cadence with quorum 1: each piece merges as it
+    comes), their median says 1, and each round would be a whole outer step of one learner's delta:
+    counted against the fleet, each is its share. Learners that only heartbeat are not counted.
+
+    **A usual piece** is `interval` inner steps (H: the step cadence's, and the round clock's when
+    it follows H steps of the fastest learner), or, when the interval is not fixed (0: a clock of a
+    fixed period), the median tokens per learner of the recent rounds (`RoundSize.reach`). H does not
+    drift with the clock: a clock that runs slower or faster for a while makes every round carry
+    more or fewer steps, and a median of recent rounds would then count the next rounds of the
+    fleet as fractions, or the larger ones as no more than whole. On the clock the learners slower
+    than the fastest send fewer than H steps: a round of them carries that much less.
 
     - **A small round** (one learner of four merged alone, a learner late for the round that
       merged, a last piece at the end of a run) moves the model only as far as the progress it
       carries: its update counts for its learners' share of the fleet, and its step, momentum
-      included, for its share of a usual round's tokens. Cutting the same deltas into more rounds
+      included, for its share of a usual round's steps. Cutting the same deltas into more rounds
       then gives nearly the model one round gives (invariant 8), where a whole Nesterov step per
       extra round would push the momentum again each time.
-    - **An oversized round** is capped at MAX_REACH usual rounds of progress per learner: a learner
-      back from an S3 outage (its queued pieces coalesced into one delta of hundreds of steps), or
-      a backlog merged at once after the coordinator was down, would otherwise take one outer step
-      many times the usual size, which momentum then carries on for rounds. A straggler's two
-      intervals in one round stay within the cap.
-
+    - **An oversized round** is capped at MAX_REACH usual rounds of progress per learner (its
+      tokens per learner against the recent rounds'): a learner back from an S3 outage (its queued
+      pieces coalesced into one delta of hundreds of steps), or a backlog merged at once after the
+      coordinator was down, would otherwise take one outer step many times the usual size, which
+      momentum then carries on for rounds. A straggler's two intervals in one round stay within it.
     - **A round that barely moves** carries the progress of its movement: when its merged update's
       norm is under STILL_SHARE of the usual round's, its progress is its norm over that share of
-      the usual norm, if that is below its token share. Tokens trained at an inner learning rate
+      the usual norm, if that is below its share of steps. Steps trained at an inner learning rate
       decayed to almost nothing (the end of a cosine schedule) are not a usual round's progress,
       and a whole step would be mostly momentum: it would carry the model on, past where the
       learners stopped, for as many rounds as the run has left. Mid-run, rounds move about as
       far as the usual one and this never binds.
 
-    A round larger than usual (more learners, more tokens) takes a whole step, not more. Without
+    A round larger than usual (more learners, more steps) takes a whole step, not more. Without
     history (a run's first round) or without token counts the step is whole.
     """
     if size.tokens <= 0 or not recent:
         return RoundStep(1.0, 1.0)
-    usual_tokens = statistics.median(r.tokens for r in recent)
-    usual_learners = statistics.median(r.learners for r in recent)
+    contributors = len(frozenset().union(*(r.names for r in recent[-FLEET_ROUNDS:])))
+    recent = recent[-RECENT_ROUNDS:]
+    usual_learners = max(statistics.median(r.learners for r in recent), min(fleet, contributors))
     usual_reach = statistics.median(r.reach for r in recent)
-    progress = min(1.0, size.tokens / usual_tokens) if usual_tokens > 0 else 1.0
+    if interval > 0 and size.steps > 0:
+        progress = min(1.0, size.steps / (interval * usual_learners))
+    else:
+        usual_tokens = usual_learners * usual_reach
+        progress = min(1.0, size.tokens / usual_tokens) if usual_tokens > 0 else 1.0
     norms = [r.norm for r in recent if r.norm]
     if size.norm is not None and norms:
         progress = max(min(progress, size.norm / (STILL_SHARE * statistics.median(norms))), STILL_PROGRESS)

@@ -32,8 +32,8 @@ from diloco.coordinator.leadership import Fenced, Leadership
 from diloco.coordinator.metrics import Metrics
 from diloco.coordinator.outer import (MergeSettings, NesterovState, downstream_step, outer_step, round_delta,
                                       scale_update, update_norm)
-from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round, merge_order, merge_weights,
-                                       next_cadence, round_size, round_step, run_end, served_deadline,
+from diloco.coordinator.policy import (FLEET_ROUNDS, RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round,
+                                       merge_order, merge_weights, next_cadence, round_size, round_step, run_end, served_deadline,
                                        staleness_verdict)
 from diloco.coordinator.publish import (commit, commit_existing, decode_state, listed_refusals, roll_forward,
                                         write_version)
@@ -455,7 +455,7 @@ class Coordinator:
 
     def _tend_cadence(self) -> None:
         """Publish the round clock: a fixed period, or H steps of the fastest live learner (re-set
-        by `next_cadence` only when that moves by more than 30%, keeping the phase)."""
+        by `next_cadence` only when that moves by more than 30% slower or 10% faster, keeping the phase)."""
         self._last_cadence_check = time.monotonic()
         self._clock_offset_s = self.bus.server_time() - time.time()
         period = self.config.round_s
@@ -469,7 +469,7 @@ class Coordinator:
             if fastest is None:
                 return
             period = max(self.config.min_round_s, self.spec.sync_every * fastest)
-        cadence = next_cadence(self.cadence, period, self.now())
+        cadence = next_cadence(self.cadence, period, self.now(), self.spec.num_fragments)
         if cadence is None:
             return
         self.cadence = cadence
@@ -543,7 +543,7 @@ class Coordinator:
                 arrival = to_arrival(a, now)
                 arrival = replace(arrival, deadline=plausible_deadline(
                     arrival.deadline, now=now, cadence=self.cadence, fragment=a.fragment,
-                    num_fragments=self.spec.num_fragments))
+                    num_fragments=self.spec.num_fragments, final=a.final))
                 self.last_piece[a.learner] = now
                 self.fragments[a.fragment].round.append(PendingDelta(entry_id, a, arrival, fetched))
             self.metrics.accepted(a)
@@ -683,7 +683,7 @@ class Coordinator:
             by_id = {c.announcement.contribution_id: c for c in taking}
             contributions = [by_id[a.contribution_id] for a in ordered]
             weights = merge_weights(ordered, frag.head, self.round_cfg)
-            published, settings = self._step_round(fragment, frag, contributions, weights, ordered)
+            published, settings = self._step_round(fragment, frag, contributions, weights, ordered, live)
             self.metrics.merged(fragment, time.monotonic() - started)
             if published is not None:
                 for cid, note in notes.items():
@@ -700,9 +700,10 @@ class Coordinator:
             self._refuse_overflow(fragment, frag, contributions)
 
     def _step_round(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
-                    ordered: tuple[Arrival, ...]
+                    ordered: tuple[Arrival, ...], fleet: int
                     ) -> tuple[tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None, dict]:
-        """Merge the round's pieces (in merge order, with their weights), take the outer step and the
+        """Merge the round's pieces (in merge order, with their weights), take the outer step (scaled
+        against the round's usual size for a `fleet` of that many live learners) and the
         downstream step: the version's params, outer state and update object (None if the step
         overflowed float32), and the settings its manifest records. These configure the merge itself:
         a replay's `apply_round` runs the same merge, scale and outer step from them.
@@ -716,7 +717,9 @@ class Coordinator:
             update = round_delta(self._pieces(fragment, contributions), weights, merge)
             if self.config.scale_rounds:
                 norm = update_norm(update)
-                step = round_step(round_size(ordered, norm), frag.recent)
+                # H steps make a usual piece, unless the clock has a fixed period (`round_s`).
+                interval = self.spec.sync_every if self.config.round_s <= 0 else 0
+                step = round_step(round_size(ordered, norm), frag.recent, fleet, interval)
                 merge = replace(merge, round_scale=step.scale, progress=step.progress, update_norm=norm)
                 settings |= merge.round_map()
                 update = scale_update(update, step.scale)
@@ -788,16 +791,17 @@ class Coordinator:
             self._load_recent(fragment, frag, manifest)
 
     def _load_recent(self, fragment: int, frag: Fragment, head: Manifest | None = None) -> None:
-        """The fragment's last RECENT_ROUNDS merged rounds, oldest first, from their manifests: a
-        restarted or standby coordinator scales rounds, counts claims and knows its fleet as its
-        predecessor did."""
+        """The fragment's last FLEET_ROUNDS merged rounds (and the last RECENT_ROUNDS' claims), oldest
+        first, from their manifests: a restarted or standby coordinator scales rounds, counts claims
+        and knows its fleet as its predecessor did."""
         rounds: list[RoundSize] = []
         claims: list[tuple[Claim, ...]] = []
         manifest = head if head is not None or frag.head < 1 else read_manifest(self.store, self.keys, fragment,
                                                                                   frag.head)
-        while manifest is not None and manifest.settings.get("kind") == "delta" and len(rounds) < RECENT_ROUNDS:
+        while manifest is not None and manifest.settings.get("kind") == "delta" and len(rounds) < FLEET_ROUNDS:
             rounds.append(round_size(manifest.inputs, _norm(manifest)))
-            claims.append(tuple(Claim(c.learner, c.tokens, c.steps) for c in manifest.inputs))
+            if len(claims) < RECENT_ROUNDS:
+                claims.append(tuple(Claim(c.learner, c.tokens, c.steps) for c in manifest.inputs))
             for c in manifest.inputs:
                 self.last_piece[c.learner] = max(self.last_piece.get(c.learner, 0.0), manifest.committed_at)
             previous = manifest.version - 1
@@ -864,7 +868,7 @@ class Coordinator:
         frag.refused, self._unplaced = [], []
         frag.merged_deadline = served_deadline(frag.merged_deadline, counted)
         if manifest.settings.get("kind") == "delta":
-            frag.recent = [*frag.recent, round_size(counted, _norm(manifest))][-RECENT_ROUNDS:]
+            frag.recent = [*frag.recent, round_size(counted, _norm(manifest))][-FLEET_ROUNDS:]
             frag.claims = [*frag.claims, tuple(Claim(a.learner, a.tokens, a.steps) for a in counted)][-RECENT_ROUNDS:]
         frag.committed = [*frag.committed, frozenset(merged)][-(self.round_cfg.max_staleness + 1):]
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None

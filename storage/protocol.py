@@ -421,7 +421,7 @@ class Collection(Record):
 @dataclass(frozen=True, slots=True)
 class Cadence(Record):
     """The coordinator's round clock, published in Redis: fragment p of P has a deadline at
-    origin + (k + p/P) * period_s for every integer k. Learners send a fragment at their last step
+    origin + (k + p/P) * period_s for every integer k >= 0. Learners send a fragment at their last step
     boundary before its deadline, with however many steps they managed; the round merges then.
     Times are Redis server time (unix seconds), so every machine reads the same clock."""
 
@@ -432,9 +432,10 @@ class Cadence(Record):
         _require(self.period_s > 0, f"period_s must be positive, got {self.period_s}")
 
     def next_deadline(self, fragment: int, num_fragments: int, after: float) -> float:
-        """The first deadline of `fragment` strictly after `after`."""
+        """The first deadline of `fragment` strictly after `after`. The clock starts at its origin:
+        fragment p's first deadline is origin + p/P * period_s, whenever `after` is before it."""
         phase = self.origin + self.period_s * fragment / num_fragments
-        return phase + (math.floor((after - phase) / self.period_s) + 1) * self.period_s
+        return phase + max(0, math.floor((after - phase) / self.period_s) + 1) * self.period_s
 
 
 @dataclass(frozen=True, slots=True)

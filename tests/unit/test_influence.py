@@ -68,7 +68,11 @@ def test_a_deadline_far_ahead_counts_as_the_next_one() -> None:
     assert plausible_deadline(1e15, now=now, cadence=clock, fragment=1, num_fragments=4) == nxt
     assert plausible_deadline(nxt, now=now, cadence=clock, fragment=1, num_fragments=4) == nxt
     assert plausible_deadline(now - 30, now=now, cadence=clock, fragment=1, num_fragments=4) == now - 30  # late
-    assert plausible_deadline(0.0, now=now, cadence=clock, fragment=1, num_fragments=4) == 0.0  # step cadence
+    # Sent on step counts by a learner that had not read the clock yet (a run's first pieces): it
+    # joins the round of the fragment's next deadline, not a round of its own; a last piece does not wait.
+    assert plausible_deadline(0.0, now=now, cadence=clock, fragment=1, num_fragments=4) == nxt
+    assert plausible_deadline(0.0, now=now, cadence=clock, fragment=1, num_fragments=4, final=True) == 0.0
+    assert plausible_deadline(0.0, now=now, cadence=None, fragment=1, num_fragments=4) == 0.0  # step cadence
     assert plausible_deadline(1e15, now=now, cadence=None, fragment=1, num_fragments=4) == 1e15  # no clock yet
 
 

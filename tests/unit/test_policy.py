@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from diloco.coordinator.policy import (STILL_PROGRESS, Arrival, Decision, RoundConfig, RoundSize, RoundState, RoundStep,
-                                       decide_round, merge_order, merge_weights, next_cadence, quorum_target, round_size,
+from diloco.coordinator.policy import (FIRST_DEADLINE_LEAD_S, STILL_PROGRESS, Arrival, Decision, RoundConfig, RoundSize,
+                                       RoundState, RoundStep, decide_round, merge_order, merge_weights, next_cadence, quorum_target, round_size,
                                        round_step, run_end, staleness_verdict)
 from diloco.storage.errors import ConfigError
 from diloco.storage.protocol import Cadence
@@ -298,16 +298,35 @@ def test_a_late_arrival_for_a_round_that_merged_waits_for_the_next_round_instead
 
 
 def test_the_round_clock_is_re_set_only_on_a_large_change_and_keeps_its_phase() -> None:
-    first = next_cadence(None, 4.0, now=1000.0)
-    assert first == Cadence(origin=1000.5, period_s=4.0)
-    assert next_cadence(first, 4.0 * 1.25, now=1009.0) is None  # within 30%: rounds keep their phase
-    # Slower by 50%: the new clock starts at the old one's last fragment-0 deadline (1008.5), so the
-    # next deadline of fragment 1 of 2 moves from 1010.5 to 1011.5, not to anywhere.
-    slower = next_cadence(first, 6.0, now=1009.0)
-    assert slower == Cadence(origin=1008.5, period_s=6.0)
-    assert first.next_deadline(1, 2, after=1009.0) == 1010.5
-    assert slower.next_deadline(1, 2, after=1009.0) == 1011.5
-    assert slower.next_deadline(0, 2, after=1009.0) == 1014.5
+    first = next_cadence(None, 4.0, now=1000.0, num_fragments=2)
+    assert first == Cadence(origin=1002.0, period_s=4.0)
+    assert next_cadence(first, 4.0 * 1.25, now=1009.0) is None  # 25% slower: rounds keep their phase
+    assert next_cadence(first, 4.0 * 0.95, now=1009.0) is None  # 5% faster: noise
+    # Slower by 50%: the new clock starts at the old one's last fragment-0 deadline (1006), so the
+    # next deadline of fragment 1 of 2 moves from 1012 to 1015, not to anywhere.
+    slower = next_cadence(first, 6.0, now=1009.5)
+    assert slower == Cadence(origin=1006.0, period_s=6.0)
+    assert first.next_deadline(1, 2, after=1009.5) == 1012.0
+    assert slower.next_deadline(1, 2, after=1009.5) == 1015.0
+    assert slower.next_deadline(0, 2, after=1009.5) == 1012.0
+    # Faster by 15%: a clock running slow would make every round carry more than H steps of the
+    # fastest learner (fewer outer steps in the run), so it follows.
+    assert next_cadence(first, 4.0 * 0.85, now=1009.5) == Cadence(origin=1006.0, period_s=3.4)
+
+
+def test_a_first_clock_leaves_learners_time_to_read_it_before_any_deadline() -> None:
+    """Learners read the clock on their heartbeat: a deadline right after the clock is published
+    is made by some of them and missed by others, which splits that round in two."""
+    now = 1000.0
+    short = next_cadence(None, 1.6, now=now, num_fragments=4)  # H steps of 0.08 s
+    deadlines = [short.next_deadline(f, 4, after=now) for f in range(4)]
+    assert min(deadlines) >= now + FIRST_DEADLINE_LEAD_S
+    assert deadlines == pytest.approx([now + FIRST_DEADLINE_LEAD_S + 0.4 * f for f in range(4)])  # staggered
+    # A long period: fragment 0's first round is its share of a period, as on the step cadence.
+    long = next_cadence(None, 400.0, now=now, num_fragments=4)
+    assert [long.next_deadline(f, 4, after=now) for f in range(4)] == [1100.0, 1200.0, 1300.0, 1400.0]
+    # The clock has no deadline before its origin, for any `after`.
+    assert long.next_deadline(3, 4, after=0.0) == 1400.0
 
 
 def test_a_round_smaller_than_usual_steps_by_its_share_and_a_larger_one_takes_a_whole_step() -> None:
@@ -357,5 +376,42 @@ def test_a_round_that_barely_moves_steps_by_its_movement_not_its_tokens() -> Non
 
 def test_round_size_counts_tokens_and_distinct_learners() -> None:
     pieces = [arrival("a", 1.0, tokens=300), arrival("a", 2.0, tokens=200), arrival("b", 1.5, tokens=500)]
-    assert round_size(pieces) == RoundSize(tokens=1000, learners=2)
+    assert round_size(pieces) == RoundSize(tokens=1000, learners=2, names=frozenset({"a", "b"}), steps=30)
     assert round_size(pieces).reach == 500
+
+
+def one_learner_rounds(learners: int, count: int, steps: int = 20) -> list[RoundSize]:
+    """Rounds of one learner each, the learners in turn: the step cadence with quorum 1."""
+    return [round_size([arrival(f"l{i % learners}", i, tokens=100 * steps, steps=steps)]) for i in range(count)]
+
+
+def test_rounds_of_one_learner_each_are_each_their_share_of_the_fleet() -> None:
+    """Quorum 1 on the step cadence: each of 4 learners' pieces merges alone. Their median round
+    holds one learner; counted against it, every round would be a whole outer step of one
+    learner's delta, four per interval of the fleet (the run diverges). Counted against the
+    learners that contribute and are live, each round is a quarter."""
+    recent = one_learner_rounds(4, 12)
+    piece = round_size([arrival("l0", 99.0, tokens=2000, steps=20)])
+    assert round_step(piece, recent, fleet=4, interval=20) == RoundStep(scale=0.25, progress=0.25)
+    assert round_step(piece, recent, fleet=4) == RoundStep(scale=0.25, progress=0.25)  # by tokens per learner
+    # Learners that heartbeat and never contribute are not part of the usual round.
+    assert round_step(piece, recent, fleet=1000, interval=20) == RoundStep(scale=0.25, progress=0.25)
+    # Nor are contributors that are gone: two of the four left, the fleet is the two live ones.
+    assert round_step(piece, recent, fleet=2, interval=20) == RoundStep(scale=0.5, progress=0.5)
+    # Without the fleet (not known) the median is all there is.
+    assert round_step(piece, recent) == RoundStep(1.0, 1.0)
+
+
+def test_a_usual_piece_is_h_steps_so_a_clock_that_drifts_does_not_move_the_usual_round() -> None:
+    """On the clock, rounds carry more or fewer steps as the period follows the fleet's step time:
+    whole rounds of every learner with H steps each are whole steps whatever the recent rounds held,
+    and a round of learners slower than the fastest carries their share of H."""
+    slow_clock = [round_size([arrival(f"l{k}", float(k), tokens=2600, steps=26) for k in range(4)])] * 8
+    fleet_round = round_size([arrival(f"l{k}", 9.0, tokens=2000, steps=20) for k in range(4)])
+    assert round_step(fleet_round, slow_clock, fleet=4, interval=20) == RoundStep(1.0, 1.0)
+    assert round_step(fleet_round, slow_clock, fleet=4).progress == pytest.approx(20 / 26)  # against the median
+    uneven = round_size([arrival(f"l{k}", 9.0, tokens=100 * n, steps=n) for k, n in enumerate((20, 18, 16, 14))])
+    assert round_step(uneven, slow_clock, fleet=4, interval=20) == RoundStep(1.0, pytest.approx(68 / 80))
+    # A straggler's two intervals: a whole step, not more.
+    two = round_size([arrival(f"l{k}", 9.0, tokens=100 * n, steps=n) for k, n in enumerate((20, 20, 20, 40))])
+    assert round_step(two, slow_clock, fleet=4, interval=20) == RoundStep(1.0, 1.0)
