@@ -62,11 +62,11 @@ class CoordinatorConfig:
     """Average norms and directions of deltas separately instead of a plain weighted mean."""
     scale_rounds: bool = True
     """Size each round's outer step by the progress it carries, against the fragment's usual round
-    (`policy.round_step`): a round of fewer learners or tokens than usual (a learner late for the
-    round that merged, the last pieces at the end of a run) takes a fractional Nesterov step,
-    momentum included, rather than a whole one; a round carrying more than two usual rounds of
-    progress per learner (a backlog after an outage) is scaled down to that. Off: a whole step
-    every round."""
+    (`policy.round_step`: every learner that contributes and is live, H steps each): a round of
+    fewer learners or steps than usual (a learner late for the round that merged, the last pieces
+    at the end of a run) takes a fractional Nesterov step, momentum included, rather than a whole
+    one; a round carrying more than two usual rounds of progress per learner (a backlog after an
+    outage) is scaled down to that. Off: a whole step every round."""
     downstream_codec: str = "run"
     """The codec learners download new versions in: each version is also stored as an update of its
     parent in this codec, its quantization error carried into the next version (error feedback), and

@@ -33,8 +33,8 @@ from diloco.coordinator.metrics import Metrics
 from diloco.coordinator.outer import (MergeSettings, NesterovState, downstream_step, outer_step, round_delta,
                                       scale_update, update_norm)
 from diloco.coordinator.policy import (FLEET_ROUNDS, RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round,
-                                       merge_order, merge_weights, next_cadence, round_size, round_step, run_end, served_deadline,
-                                       staleness_verdict)
+                                       merge_order, merge_weights, next_cadence, round_size, round_step, run_end,
+                                       served_deadline, staleness_verdict)
 from diloco.coordinator.publish import (commit, commit_existing, decode_state, listed_refusals, roll_forward,
                                         write_version)
 from diloco.coordinator.recovery import reannounce_lost

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from diloco.coordinator.policy import (FIRST_DEADLINE_LEAD_S, STILL_PROGRESS, Arrival, Decision, RoundConfig, RoundSize,
-                                       RoundState, RoundStep, decide_round, merge_order, merge_weights, next_cadence, quorum_target, round_size,
-                                       round_step, run_end, staleness_verdict)
+                                       RoundState, RoundStep, decide_round, merge_order, merge_weights, next_cadence,
+                                       quorum_target, round_size, round_step, run_end, staleness_verdict)
 from diloco.storage.errors import ConfigError
 from diloco.storage.protocol import Cadence
 
