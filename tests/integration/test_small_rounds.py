@@ -1,12 +1,14 @@
 """A round smaller than usual takes a smaller outer step, also right after a coordinator restart.
 
-With `scale_rounds` (the default) the coordinator sizes each round's outer step against the median
-of the fragment's recent rounds (`policy.round_step`): a small round's merged update counts for its
-learners' share of the fleet and its fractional Nesterov step for its share of the tokens; both are
-recorded in the manifest's settings (`round_scale`, `progress`). A round carrying more than two
-usual rounds of progress per learner (a backlog) is scaled down to that. A coordinator that starts on an existing run recalls those
-recent rounds from the manifests, so a lone learner's round right after a restart or a standby
-takeover is scaled as it would have been without one.
+With `scale_rounds` (the default) the coordinator sizes each round's outer step against the usual
+round (`policy.round_step`): every learner of the fleet (the median learners of the recent rounds,
+never fewer than those that contributed lately and are live) with H steps each. A small round's
+merged update counts for its learners' share of the fleet and its fractional Nesterov step for its
+share of the steps; both are recorded in the manifest's settings (`round_scale`, `progress`). A round
+carrying more than two usual rounds of progress per learner (a backlog) is scaled down to that. A
+coordinator that starts on an existing run recalls those recent rounds from the manifests, so a
+lone learner's round right after a restart or a standby takeover is scaled as it would have been
+without one.
 """
 
 from __future__ import annotations
@@ -53,6 +55,31 @@ def test_a_lone_learners_round_steps_by_its_share_and_a_backlog_is_capped_also_a
         train(a, opt_a, 16)
         merge_all(coord)
         assert last_round(coord) == (160, 0.25, 1.0)
+    finally:
+        a.close()
+        b.close()
+        coord.close()
+
+
+def test_rounds_that_each_hold_one_learner_stay_each_its_share_of_the_fleet(endpoints, run_id):
+    """Quorum 1 on the step cadence, the learners' pieces merged one at a time: soon every recent
+    round holds one learner. Against their median, each round would be a whole outer step of one
+    learner's delta (twice as many whole steps as the fleet's rounds: a run diverged so). Against
+    the learners that contribute and are live, each is half, also after a restart."""
+    coord = make_coordinator(endpoints, run_id, settings=RUN)
+    (a, opt_a), (b, opt_b) = join(endpoints, run_id, coord, "a"), join(endpoints, run_id, coord, "b")
+    try:
+        for turn in range(12):
+            learner, opt = (a, opt_a) if turn % 2 == 0 else (b, opt_b)
+            train(learner, opt, 4)
+            merge_all(coord)
+            if turn > 1:  # until b has contributed, a alone is all the fleet the rounds know of
+                assert last_round(coord) == (40, 0.5, 0.5), turn
+        coord.close()
+        coord = make_coordinator(endpoints, run_id, settings=RUN)  # recalls who contributed
+        train(a, opt_a, 4)
+        merge_all(coord)
+        assert last_round(coord) == (40, 0.5, 0.5)
     finally:
         a.close()
         b.close()
