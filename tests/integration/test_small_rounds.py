@@ -15,72 +15,69 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from diloco.storage.history import read_manifest
 from harness import TINY_RUN, join, make_coordinator, train
 
 RUN = dataclasses.replace(TINY_RUN, cadence="steps")
 
 
-def merge_all(coord) -> None:  # noqa: ANN001
-    for _ in range(10):
-        coord.step(block_ms=50)
+class TwoLearners:
+    """A coordinator of a step-cadence run and learners "a" and "b", the coordinator restartable."""
+
+    def __init__(self, endpoints, run_id) -> None:  # noqa: ANN001
+        self.endpoints, self.run_id = endpoints, run_id
+        self.coord = make_coordinator(endpoints, run_id, settings=RUN)
+        self.learners = {name: join(endpoints, run_id, self.coord, name) for name in ("a", "b")}
+
+    def round_of(self, *names: str, steps: int = 4) -> tuple[int, float, float]:
+        """Each named learner trains `steps` steps (sending every 4), the coordinator merges what
+        came: (tokens, round_scale, progress) of fragment 0's head version."""
+        for name in names:
+            train(*self.learners[name], steps)
+        for _ in range(10):
+            self.coord.step(block_ms=50)
+        m = read_manifest(self.coord.store, self.coord.keys, 0, self.coord.bus.heads()[0])
+        assert m.settings["outer"] == "fractional_nesterov"
+        return sum(c.tokens for c in m.inputs), m.settings["round_scale"], m.settings["progress"]
+
+    def restart(self) -> None:
+        self.coord.close()
+        self.coord = make_coordinator(self.endpoints, self.run_id, settings=RUN)
+
+    def close(self) -> None:
+        for learner, _ in self.learners.values():
+            learner.close()
+        self.coord.close()
 
 
-def last_round(coord) -> tuple[int, float, float]:  # noqa: ANN001
-    """(tokens, round_scale, progress) of fragment 0's head version."""
-    m = read_manifest(coord.store, coord.keys, 0, coord.bus.heads()[0])
-    assert m.settings["outer"] == "fractional_nesterov"
-    return sum(c.tokens for c in m.inputs), m.settings["round_scale"], m.settings["progress"]
+@pytest.fixture
+def fleet(endpoints, run_id):  # noqa: ANN001, ANN201
+    two = TwoLearners(endpoints, run_id)
+    yield two
+    two.close()
 
 
-def test_a_lone_learners_round_steps_by_its_share_and_a_backlog_is_capped_also_after_a_restart(endpoints, run_id):
-    coord = make_coordinator(endpoints, run_id, settings=RUN)
-    (a, opt_a), (b, opt_b) = join(endpoints, run_id, coord, "a"), join(endpoints, run_id, coord, "b")
-    try:
-        for _ in range(3):  # rounds of both learners: 2 x 4 steps x 10 tokens
-            train(a, opt_a, 4)
-            train(b, opt_b, 4)
-            merge_all(coord)
-            assert last_round(coord) == (80, 1.0, 1.0)
-        train(a, opt_a, 4)  # a alone: half the fleet, half a usual round's tokens
-        merge_all(coord)
-        assert last_round(coord) == (40, 0.5, 0.5)
-        coord.close()
-        coord = make_coordinator(endpoints, run_id, settings=RUN)  # recalls 80, 80, 80, 40: median 80
-        train(a, opt_a, 4)
-        merge_all(coord)
-        assert last_round(coord) == (40, 0.5, 0.5)
-        # A backlog: a's four sends merged in one round, 160 tokens from one learner where a usual
-        # round holds 40 per learner: half the fleet, capped at two rounds' worth; a whole step's time.
-        train(a, opt_a, 16)
-        merge_all(coord)
-        assert last_round(coord) == (160, 0.25, 1.0)
-    finally:
-        a.close()
-        b.close()
-        coord.close()
+def test_a_lone_learners_round_steps_by_its_share_and_a_backlog_is_capped_also_after_a_restart(fleet):
+    for _ in range(3):  # rounds of both learners: 2 x 4 steps x 10 tokens
+        assert fleet.round_of("a", "b") == (80, 1.0, 1.0)
+    assert fleet.round_of("a") == (40, 0.5, 0.5)  # a alone: half the fleet, half a usual round's steps
+    fleet.restart()  # recalls 80, 80, 80, 40: median 2 learners
+    assert fleet.round_of("a") == (40, 0.5, 0.5)
+    # A backlog: a's four sends merged in one round, 160 tokens from one learner where a usual
+    # round holds 40 per learner: half the fleet, capped at two rounds' worth; a whole step's time.
+    assert fleet.round_of("a", steps=16) == (160, 0.25, 1.0)
 
 
-def test_rounds_that_each_hold_one_learner_stay_each_its_share_of_the_fleet(endpoints, run_id):
+def test_rounds_that_each_hold_one_learner_stay_each_its_share_of_the_fleet(fleet):
     """Quorum 1 on the step cadence, the learners' pieces merged one at a time: soon every recent
     round holds one learner. Against their median, each round would be a whole outer step of one
     learner's delta (twice as many whole steps as the fleet's rounds: a run diverged so). Against
     the learners that contribute and are live, each is half, also after a restart."""
-    coord = make_coordinator(endpoints, run_id, settings=RUN)
-    (a, opt_a), (b, opt_b) = join(endpoints, run_id, coord, "a"), join(endpoints, run_id, coord, "b")
-    try:
-        for turn in range(12):
-            learner, opt = (a, opt_a) if turn % 2 == 0 else (b, opt_b)
-            train(learner, opt, 4)
-            merge_all(coord)
-            if turn > 1:  # until b has contributed, a alone is all the fleet the rounds know of
-                assert last_round(coord) == (40, 0.5, 0.5), turn
-        coord.close()
-        coord = make_coordinator(endpoints, run_id, settings=RUN)  # recalls who contributed
-        train(a, opt_a, 4)
-        merge_all(coord)
-        assert last_round(coord) == (40, 0.5, 0.5)
-    finally:
-        a.close()
-        b.close()
-        coord.close()
+    for turn in range(12):
+        step = fleet.round_of("ab"[turn % 2])
+        if turn > 1:  # until b has contributed, a alone is all the fleet the rounds know of
+            assert step == (40, 0.5, 0.5), turn
+    fleet.restart()  # recalls who contributed
+    assert fleet.round_of("a") == (40, 0.5, 0.5)
