@@ -62,7 +62,7 @@ class CoordinatorConfig:
     """Average norms and directions of deltas separately instead of a plain weighted mean."""
     scale_rounds: bool = True
     """Size each round's outer step by the progress it carries, against the fragment's usual round
-    (`policy.round_step`: every learner that contributes and is live, H steps each): a round of
+    (`policy.round_step`: every live learner that sends pieces, H steps each): a round of
     fewer learners or steps than usual (a learner late for the round that merged, the last pieces
     at the end of a run) takes a fractional Nesterov step, momentum included, rather than a whole
     one; a round carrying more than two usual rounds of progress per learner (a backlog after an

@@ -386,8 +386,6 @@ def next_cadence(current: Cadence | None, period_s: float, now: float, num_fragm
 
 RECENT_ROUNDS = 8
 """How many of a fragment's last rounds `round_step` takes the usual round's size from."""
-FLEET_ROUNDS = 32
-"""How many of a fragment's last rounds `round_step` counts the learners that contribute over."""
 MAX_REACH = 2.0
 """The most progress per learner a round may carry, in usual rounds (see `round_step`)."""
 STILL_SHARE = 0.5
@@ -407,8 +405,6 @@ class RoundSize:
     tokens: int
     learners: int
     norm: float | None = None
-    names: frozenset[str] = frozenset()
-    """The learners (empty if not known)."""
     steps: int = 0
     """The inner steps of its pieces, summed (0 if not known)."""
 
@@ -431,8 +427,7 @@ def round_size(pieces: Iterable[_Piece], norm: float | None = None) -> RoundSize
     """The size of a round of `pieces` (its arrivals, or a manifest's inputs) whose merged update
     has L2 norm `norm` (None: not measured)."""
     pieces = list(pieces)
-    names = frozenset(p.learner for p in pieces)
-    return RoundSize(tokens=sum(p.tokens for p in pieces), learners=len(names), norm=norm, names=names,
+    return RoundSize(tokens=sum(p.tokens for p in pieces), learners=len({p.learner for p in pieces}), norm=norm,
                      steps=sum(p.steps for p in pieces))
 
 
@@ -456,11 +451,12 @@ def round_step(size: RoundSize, recent: Sequence[RoundSize], fleet: int = 0, int
 
     **The fleet's learners** are the median of the recent rounds' (the last RECENT_ROUNDS of
     `recent`), so one odd round does not move them and a fleet that has really changed is followed
-    after a few rounds, but never fewer than the learners that contributed to any of `recent` (up to
-    FLEET_ROUNDS) and are in the `fleet` the round was for (its live learners; 0 if not known). When
-    most rounds hold one learner each (the step cadence with quorum 1: each piece merges as it
-    comes), their median says 1, and each round would be a whole outer step of one learner's delta:
-    counted against the fleet, each is its share. Learners that only heartbeat are not counted.
+    after a few rounds, but never fewer than `fleet`: the learners the round was for that contribute
+    (live, and known to have sent pieces: the caller counts them; 0 if not known). When most rounds
+    hold one learner each (the step cadence with quorum 1: each piece merges as it comes), their
+    median says 1, and each round would be a whole outer step of one learner's delta: counted
+    against the fleet, each is its share. Learners that only heartbeat must not be in `fleet`: a
+    flood of made-up ids would make every round a sliver of a step.
 
     **A usual piece** is `interval` inner steps (H: the step cadence's, and the round clock's when
     it follows H steps of the fastest learner), or, when the interval is not fixed (0: a clock of a
@@ -494,9 +490,8 @@ def round_step(size: RoundSize, recent: Sequence[RoundSize], fleet: int = 0, int
     """
     if size.tokens <= 0 or not recent:
         return RoundStep(1.0, 1.0)
-    contributors = len(frozenset().union(*(r.names for r in recent[-FLEET_ROUNDS:])))
     recent = recent[-RECENT_ROUNDS:]
-    usual_learners = max(statistics.median(r.learners for r in recent), min(fleet, contributors))
+    usual_learners = max(statistics.median(r.learners for r in recent), fleet)
     usual_reach = statistics.median(r.reach for r in recent)
     if interval > 0 and size.steps > 0:
         progress = min(1.0, size.steps / (interval * usual_learners))

@@ -32,7 +32,7 @@ from diloco.coordinator.leadership import Fenced, Leadership
 from diloco.coordinator.metrics import Metrics
 from diloco.coordinator.outer import (MergeSettings, NesterovState, downstream_step, outer_step, round_delta,
                                       scale_update, update_norm)
-from diloco.coordinator.policy import (FLEET_ROUNDS, RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round,
+from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round,
                                        merge_order, merge_weights, next_cadence, round_size, round_step, run_end,
                                        served_deadline, staleness_verdict)
 from diloco.coordinator.publish import (commit, commit_existing, decode_state, listed_refusals, roll_forward,
@@ -650,7 +650,10 @@ class Coordinator:
         # and left (its lease gone) must not stand in for one still live whose piece is on its way.
         arrived = {a.learner for a in arrivals}
         gone = {a.learner for a in arrivals if a.final} | (arrived & self.finished)
-        live = len((self.live_names | arrived) - gone)
+        fleet = (self.live_names | arrived) - gone
+        live = len(fleet)
+        # The usual round counts the fleet's learners that have sent pieces: not ids that only heartbeat.
+        senders = sum(1 for name in fleet if name in self.last_piece)
         state = RoundState(fragment=fragment, head_version=frag.head, arrivals=arrivals, live_learners=live,
                            sync_time_s=self.sync_time_s, period_s=self.cadence.period_s if self.cadence else 0.0,
                            merged_deadline=frag.merged_deadline, finished=self.finished,
@@ -683,7 +686,7 @@ class Coordinator:
             by_id = {c.announcement.contribution_id: c for c in taking}
             contributions = [by_id[a.contribution_id] for a in ordered]
             weights = merge_weights(ordered, frag.head, self.round_cfg)
-            published, settings = self._step_round(fragment, frag, contributions, weights, ordered, live)
+            published, settings = self._step_round(fragment, frag, contributions, weights, ordered, senders)
             self.metrics.merged(fragment, time.monotonic() - started)
             if published is not None:
                 for cid, note in notes.items():
@@ -703,7 +706,7 @@ class Coordinator:
                     ordered: tuple[Arrival, ...], fleet: int
                     ) -> tuple[tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None, dict]:
         """Merge the round's pieces (in merge order, with their weights), take the outer step (scaled
-        against the round's usual size for a `fleet` of that many live learners) and the
+        against the round's usual size for a `fleet` of that many live learners that send pieces) and the
         downstream step: the version's params, outer state and update object (None if the step
         overflowed float32), and the settings its manifest records. These configure the merge itself:
         a replay's `apply_round` runs the same merge, scale and outer step from them.
@@ -791,17 +794,16 @@ class Coordinator:
             self._load_recent(fragment, frag, manifest)
 
     def _load_recent(self, fragment: int, frag: Fragment, head: Manifest | None = None) -> None:
-        """The fragment's last FLEET_ROUNDS merged rounds (and the last RECENT_ROUNDS' claims), oldest
-        first, from their manifests: a restarted or standby coordinator scales rounds, counts claims
-        and knows its fleet as its predecessor did."""
+        """The fragment's last RECENT_ROUNDS merged rounds and their claims, oldest first, from their
+        manifests, and when their learners last sent: a restarted or standby coordinator scales
+        rounds, counts claims and knows which of its fleet send pieces as its predecessor did."""
         rounds: list[RoundSize] = []
         claims: list[tuple[Claim, ...]] = []
         manifest = head if head is not None or frag.head < 1 else read_manifest(self.store, self.keys, fragment,
                                                                                   frag.head)
-        while manifest is not None and manifest.settings.get("kind") == "delta" and len(rounds) < FLEET_ROUNDS:
+        while manifest is not None and manifest.settings.get("kind") == "delta" and len(rounds) < RECENT_ROUNDS:
             rounds.append(round_size(manifest.inputs, _norm(manifest)))
-            if len(claims) < RECENT_ROUNDS:
-                claims.append(tuple(Claim(c.learner, c.tokens, c.steps) for c in manifest.inputs))
+            claims.append(tuple(Claim(c.learner, c.tokens, c.steps) for c in manifest.inputs))
             for c in manifest.inputs:
                 self.last_piece[c.learner] = max(self.last_piece.get(c.learner, 0.0), manifest.committed_at)
             previous = manifest.version - 1
@@ -868,7 +870,7 @@ class Coordinator:
         frag.refused, self._unplaced = [], []
         frag.merged_deadline = served_deadline(frag.merged_deadline, counted)
         if manifest.settings.get("kind") == "delta":
-            frag.recent = [*frag.recent, round_size(counted, _norm(manifest))][-FLEET_ROUNDS:]
+            frag.recent = [*frag.recent, round_size(counted, _norm(manifest))][-RECENT_ROUNDS:]
             frag.claims = [*frag.claims, tuple(Claim(a.learner, a.tokens, a.steps) for a in counted)][-RECENT_ROUNDS:]
         frag.committed = [*frag.committed, frozenset(merged)][-(self.round_cfg.max_staleness + 1):]
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None

@@ -2,7 +2,7 @@
 
 With `scale_rounds` (the default) the coordinator sizes each round's outer step against the usual
 round (`policy.round_step`): every learner of the fleet (the median learners of the recent rounds,
-never fewer than those that contributed lately and are live) with H steps each. A small round's
+never fewer than the live ones that send pieces) with H steps each. A small round's
 merged update counts for its learners' share of the fleet and its fractional Nesterov step for its
 share of the steps; both are recorded in the manifest's settings (`round_scale`, `progress`). A round
 carrying more than two usual rounds of progress per learner (a backlog) is scaled down to that. A
@@ -74,10 +74,13 @@ def test_rounds_that_each_hold_one_learner_stay_each_its_share_of_the_fleet(flee
     """Quorum 1 on the step cadence, the learners' pieces merged one at a time: soon every recent
     round holds one learner. Against their median, each round would be a whole outer step of one
     learner's delta (twice as many whole steps as the fleet's rounds: a run diverged so). Against
-    the learners that contribute and are live, each is half, also after a restart."""
+    the learners that send pieces and are live, each is half, also after a restart. A learner that
+    is live and sends nothing (here "c", which joined and does not train) is not part of it."""
     for turn in range(12):
+        if turn == 4:
+            fleet.learners["c"] = join(fleet.endpoints, fleet.run_id, fleet.coord, "c")
         step = fleet.round_of("ab"[turn % 2])
         if turn > 1:  # until b has contributed, a alone is all the fleet the rounds know of
             assert step == (40, 0.5, 0.5), turn
-    fleet.restart()  # recalls who contributed
+    fleet.restart()  # recalls who sent pieces
     assert fleet.round_of("a") == (40, 0.5, 0.5)

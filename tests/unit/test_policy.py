@@ -376,7 +376,7 @@ def test_a_round_that_barely_moves_steps_by_its_movement_not_its_tokens() -> Non
 
 def test_round_size_counts_tokens_and_distinct_learners() -> None:
     pieces = [arrival("a", 1.0, tokens=300), arrival("a", 2.0, tokens=200), arrival("b", 1.5, tokens=500)]
-    assert round_size(pieces) == RoundSize(tokens=1000, learners=2, names=frozenset({"a", "b"}), steps=30)
+    assert round_size(pieces) == RoundSize(tokens=1000, learners=2, steps=30)
     assert round_size(pieces).reach == 500
 
 
@@ -394,9 +394,7 @@ def test_rounds_of_one_learner_each_are_each_their_share_of_the_fleet() -> None:
     piece = round_size([arrival("l0", 99.0, tokens=2000, steps=20)])
     assert round_step(piece, recent, fleet=4, interval=20) == RoundStep(scale=0.25, progress=0.25)
     assert round_step(piece, recent, fleet=4) == RoundStep(scale=0.25, progress=0.25)  # by tokens per learner
-    # Learners that heartbeat and never contribute are not part of the usual round.
-    assert round_step(piece, recent, fleet=1000, interval=20) == RoundStep(scale=0.25, progress=0.25)
-    # Nor are contributors that are gone: two of the four left, the fleet is the two live ones.
+    # Contributors that are gone do not count: two of the four left, the fleet is the two live ones.
     assert round_step(piece, recent, fleet=2, interval=20) == RoundStep(scale=0.5, progress=0.5)
     # Without the fleet (not known) the median is all there is.
     assert round_step(piece, recent) == RoundStep(1.0, 1.0)
