@@ -652,8 +652,11 @@ class Coordinator:
         gone = {a.learner for a in arrivals if a.final} | (arrived & self.finished)
         fleet = (self.live_names | arrived) - gone
         live = len(fleet)
-        # The usual round counts the fleet's learners that have sent pieces: not ids that only heartbeat.
-        senders = sum(1 for name in fleet if name in self.last_piece)
+        # The usual round: the fleet's learners that have sent pieces (not ids that only heartbeat), the
+        # round's own, and those that finished with a piece in the fragment's recent rounds. A run winding
+        # down keeps the usual round of the fleet that trained: the last learners' pieces stay their share.
+        finished_lately = {c.learner for r in frag.claims for c in r} & (self.finished | gone)
+        senders = len({name for name in fleet if name in self.last_piece} | arrived | finished_lately)
         state = RoundState(fragment=fragment, head_version=frag.head, arrivals=arrivals, live_learners=live,
                            sync_time_s=self.sync_time_s, period_s=self.cadence.period_s if self.cadence else 0.0,
                            merged_deadline=frag.merged_deadline, finished=self.finished,

@@ -84,3 +84,17 @@ def test_rounds_that_each_hold_one_learner_stay_each_its_share_of_the_fleet(flee
             assert step == (40, 0.5, 0.5), turn
     fleet.restart()  # recalls who sent pieces
     assert fleet.round_of("a") == (40, 0.5, 0.5)
+
+
+def test_the_last_learners_pieces_stay_their_share_when_the_others_have_finished(fleet):
+    """At the end of a run learners finish one after another. Counted against the live learners
+    alone, the last one's lone pieces would be whole outer steps of one learner's delta: the
+    fleet that trained is the usual round while the finished learners' pieces are recent."""
+    for turn in range(6):
+        fleet.round_of("ab"[turn % 2])
+    fleet.learners["a"][0].finish()
+    for _ in range(10):
+        fleet.coord.step(block_ms=50)
+    assert "a" in fleet.coord.finished
+    for _ in range(3):
+        assert fleet.round_of("b") == (40, 0.5, 0.5)
