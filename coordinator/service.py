@@ -25,7 +25,8 @@ import redis
 import torch
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
-from diloco.coordinator.influence import Claim, count_claims, fastest_plausible, plausible_deadline, waited_learners
+from diloco.coordinator.influence import (Claim, count_claims, fastest_plausible, plausible_deadline, usual_fleet,
+                                          waited_learners)
 from diloco.coordinator.intake import (PendingDelta, check_announcement, decode_piece, fetch_checked, fetch_tensors,
                                       to_arrival)
 from diloco.coordinator.leadership import Fenced, Leadership
@@ -650,13 +651,7 @@ class Coordinator:
         # and left (its lease gone) must not stand in for one still live whose piece is on its way.
         arrived = {a.learner for a in arrivals}
         gone = {a.learner for a in arrivals if a.final} | (arrived & self.finished)
-        fleet = (self.live_names | arrived) - gone
-        live = len(fleet)
-        # The usual round: the fleet's learners that have sent pieces (not ids that only heartbeat), the
-        # round's own, and those that finished with a piece in the fragment's recent rounds. A run winding
-        # down keeps the usual round of the fleet that trained: the last learners' pieces stay their share.
-        finished_lately = {c.learner for r in frag.claims for c in r} & (self.finished | gone)
-        senders = len({name for name in fleet if name in self.last_piece} | arrived | finished_lately)
+        live = len((self.live_names | arrived) - gone)
         state = RoundState(fragment=fragment, head_version=frag.head, arrivals=arrivals, live_learners=live,
                            sync_time_s=self.sync_time_s, period_s=self.cadence.period_s if self.cadence else 0.0,
                            merged_deadline=frag.merged_deadline, finished=self.finished,
@@ -678,6 +673,8 @@ class Coordinator:
             self._ensure_loaded(fragment, frag)
         crash_point("fetched")
         assert frag.params is not None and frag.state is not None
+        senders = usual_fleet(self.live_names - gone, arrived=frozenset(arrived), sent=self.last_piece,
+                              recent=frozenset(c.learner for r in frag.claims for c in r), finished=self.finished)
         while frag.round:
             started = time.monotonic()
             taking = sorted(frag.round, key=lambda c: (c.arrival.arrived_at, c.entry_id))[:cap]

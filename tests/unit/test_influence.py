@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.coordinator.influence import (Claim, count_claims, fastest_plausible, plausible_deadline,
+from diloco.coordinator.influence import (Claim, count_claims, fastest_plausible, plausible_deadline, usual_fleet,
                                           waited_learners)
 from diloco.coordinator.policy import (Arrival, RoundConfig, RoundSize, RoundState, decide_round, merge_weights,
                                        round_size, round_step, slowest_plausible)
@@ -135,3 +135,17 @@ def test_bounds_are_checked() -> None:
         RoundConfig(max_claim_ratio=0.5)
     with pytest.raises(ConfigError, match="max_silent_rounds"):
         RoundConfig(max_silent_rounds=0)
+
+
+def test_the_usual_fleet_counts_senders_the_rounds_own_and_the_lately_finished_not_heartbeats() -> None:
+    sent = {"a": 1.0, "b": 2.0, "old": 0.5}
+    none: frozenset[str] = frozenset()
+    # A thousand ids that only heartbeat count for nothing; live senders count.
+    flood = frozenset({"a", "b"} | {f"x{i}" for i in range(1000)})
+    assert usual_fleet(flood, arrived=none, sent=sent, recent=none, finished=none) == 2
+    # The round's own learners count, also one whose final piece is in it (no longer live).
+    assert usual_fleet(frozenset({"a"}), arrived=frozenset({"b"}), sent=sent, recent=none, finished=none) == 2
+    # Finished learners count while they have a piece in the recent rounds; crashed ones (neither live
+    # nor finished) and finished ones gone from the recent rounds do not.
+    recent = frozenset({"a", "b", "old", "crashed"})
+    assert usual_fleet(frozenset({"a"}), arrived=none, sent=sent, recent=recent, finished=frozenset({"b", "gone"})) == 2
