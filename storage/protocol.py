@@ -487,6 +487,9 @@ class LearnerStats(Record):
     """Moving average of the wall time of an inner step (0: not measured yet)."""
     adopted: int = 0
     """Global versions merged into the local model."""
+    steps_through: int = 0
+    """Inner steps trained between a send and the take of a version after it, summed over the takes
+    that followed a send: the training on through rounds (mean per take: steps_through / adopted)."""
     uploaded: int = 0
     """Contributions stored and announced."""
     upload_failed: int = 0
@@ -509,7 +512,8 @@ class LearnerStats(Record):
 
     def __post_init__(self) -> None:
         check_id("learner", self.learner)
-        counts = {"step": self.step, "tokens": self.tokens, "adopted": self.adopted, "uploaded": self.uploaded,
+        counts = {"step": self.step, "tokens": self.tokens, "adopted": self.adopted,
+                  "steps_through": self.steps_through, "uploaded": self.uploaded,
                   "upload_failed": self.upload_failed, "bytes_uploaded": self.bytes_uploaded,
                   "bytes_downloaded": self.bytes_downloaded, "bytes_joined": self.bytes_joined, "pid": self.pid}
         for name, value in counts.items():

@@ -125,6 +125,8 @@ class FragmentState:
     """Contribution id of the last send."""
     sent_deadline: float | None = None
     """The clock deadline the last send served (clock cadence)."""
+    sent_step: int | None = None
+    """The learner's step at the last send, until a version is taken after it."""
 
 
 FLAG_RUN_FINISHED = 1
@@ -177,6 +179,8 @@ class Learner:
         self.tokens = 0
         self._loss: float | torch.Tensor | None = None
         self.adopted = 0
+        self.steps_through = 0
+        """Inner steps trained between sends and the takes after them (LearnerStats.steps_through)."""
         self.dropped_stale = 0
         """Pieces not sent because the coordinator would have refused them as stale (`_send`)."""
         self.stats = TransferStats()
@@ -614,6 +618,7 @@ class Learner:
                         deadline=deadline, final=final, pending=(state.anchor, snapshot))
         state.anchor, state.tokens, state.steps = snapshot, 0, 0
         state.sent_id = self.uploader.submit(job)
+        state.sent_step = self.step
         state.awaiting = self.step + self.spec.overlap_steps
         self.fetcher.want(fragment, state.base_version)
         return state.sent_id
@@ -652,6 +657,9 @@ class Learner:
                 values, keep, add = g, self.spec.alpha, 1.0 - self.spec.alpha
             state.anchor, state.base_version = Snapshot(g), fetched.version
             self.adopted += 1
+            if state.sent_step is not None:
+                self.steps_through += self.step - state.sent_step
+                state.sent_step = None
         self.replica.blend(values, names, keep=keep, add=add)
 
     # ---- heartbeats --------------------------------------------------------------------------
@@ -662,7 +670,8 @@ class Learner:
             self.stats.bytes_downloaded = store.bytes_read
         return LearnerStats(learner=self.learner_id, step=self.step, tokens=self.tokens,
                             loss=math.nan if (loss := self.last_loss) is None else loss,
-                            step_time_s=self._step_time_s, adopted=self.adopted, uploaded=self.stats.uploaded,
+                            step_time_s=self._step_time_s, adopted=self.adopted,
+                            steps_through=self.steps_through, uploaded=self.stats.uploaded,
                             upload_failed=self.stats.upload_failed, bytes_uploaded=self.stats.bytes_uploaded,
                             bytes_downloaded=self.stats.bytes_downloaded, bytes_joined=self.stats.bytes_joined,
                             sync_s=self.sync_s, background_cpu_s=self.stats.cpu_s,

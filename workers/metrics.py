@@ -75,6 +75,8 @@ COUNTERS: dict[str, tuple[str, Callable[[LearnerStats, Any], float]]] = {
     "diloco_learner_steps": ("Inner steps of this incarnation", lambda p, s: p.step),
     "diloco_learner_tokens": ("Tokens of those steps", lambda p, s: p.tokens),
     "diloco_learner_versions_adopted": ("Global versions merged into the local model", lambda p, s: p.adopted),
+    "diloco_learner_steps_through": ("Inner steps trained between a send and the take of a version after it",
+                                     lambda p, s: p.steps_through),
     "diloco_learner_contributions_uploaded": ("Contributions stored and announced", lambda p, s: p.uploaded),
     "diloco_learner_contributions_dropped": ("Contributions dropped after the upload deadline (S3 or Redis down)",
                                              lambda p, s: p.upload_failed),

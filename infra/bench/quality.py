@@ -6,6 +6,8 @@ steps each, learner i on data stream i, all from the same initial weights, inner
 schedule (so every arm trains the same tokens from the same seeds):
 
 - decoupled: quorum K = 1, the adaptive grace window, clock cadence (the defaults);
+- waiting: the decoupled arm with learners that wait for each merge (`--wait-for-merge`): what the
+  decoupled arm would reach if never waiting cost nothing (invariant 11: within 0.5% of it);
 - sync: our synchronous DiLoCo: the whole model as one fragment, quorum K = M, no grace window, step
   cadence, and every learner waits for the new version before training on (`--wait-for-merge`);
 - torchft: torchft 0.2.0's synchronous DiLoCo (`infra.bench.peer`): one fragment, quorum of all M
@@ -16,7 +18,11 @@ schedule (so every arm trains the same tokens from the same seeds):
 
 Our arms' learners are `diloco learner --task` processes (the public `Learner` API). Every arm's
 global model is evaluated after every committed version (outer step; every M x H steps for the
-baseline), after the arm has ended. Prints a table task x arm (final eval loss, best of the last
+baseline), after the arm has ended.
+
+Settings: every task runs at its own H and budget (`own`) and at the run's defaults (`defaults`: H =
+50, as a user gets it, over at least MIN_ROUNDS rounds per fragment: the task's steps, raised to 20 x
+50 if fewer); a task whose own H is the default runs once. Prints a table task x arm (final eval loss, best of the last
 10%, end-of-run damage, ratios to torchft and to the baseline, gap to the floor) and each task's
 verdict against issue 13's targets (`infra.bench.quality_report`). Tasks: `infra.bench.quality_tasks`.
 """
@@ -27,7 +33,7 @@ import argparse
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,7 +42,8 @@ from diloco.coordinator.config import RunSettings
 from diloco.infra.bench.peer import run_torchft, torchft_missing
 from diloco.infra.bench.quality_report import ArmCurve, TaskReport, table
 from diloco.infra.bench.quality_tasks import TASKS, BenchTask, pick
-from diloco.infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
+from diloco.infra.bench.trial import (SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial,
+                                      sync_trial)
 from diloco.infra.local.stack import LocalStack
 from diloco.infra.output import Progress
 from diloco.storage.codecs import CODECS
@@ -47,7 +54,10 @@ log = logging.getLogger(__name__)
 NAME = "quality"
 HELP = ("eval loss of decoupled DiLoCo, synchronous DiLoCo (ours, torchft's) and a single replica on the same "
         "token budget, per task")
-ARMS = ("decoupled", "sync", "torchft", "baseline")
+ARMS = ("decoupled", "waiting", "sync", "torchft", "baseline")
+SETTINGS = ("own", "defaults")
+MIN_ROUNDS = 20
+"""At the run's defaults, a task's budget gives every fragment at least this many rounds of H steps."""
 DEFAULTS = RunSettings()
 """The decoupled arm runs with the defaults a user gets (P, tau, codec, cadence), H being the task's."""
 BUDGET_S = 3600.0
@@ -62,7 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="inner steps per learner (default: the task's)")
     parser.add_argument("--fragments", type=int, default=DEFAULTS.num_fragments,
                         help="P of the decoupled arm (default: the run default, %(default)s)")
-    parser.add_argument("--sync-every", type=int, help="H of every DiLoCo arm (default: the task's)")
+    parser.add_argument("--sync-every", type=int,
+                        help="H of every DiLoCo arm, in one setting (default: the task's, and the run's default)")
+    parser.add_argument("--at", default=",".join(SETTINGS),
+                        help="comma-separated subset of %(default)s: each task at its own H and budget, and at the "
+                             f"run's default H = {DEFAULTS.sync_every} over >= {MIN_ROUNDS} rounds per fragment")
     parser.add_argument("--overlap-steps", type=int, default=DEFAULTS.overlap_steps,
                         help="tau of our arms (default: the run default, %(default)s)")
     parser.add_argument("--codec", default=DEFAULTS.codec, choices=CODECS,
@@ -73,25 +87,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra options for the decoupled arm's coordinator, after the run's settings (so they "
                              "override them), e.g. '--fragments 1' or '--no-staleness-discount'")
     parser.add_argument("--arms", default=",".join(ARMS),
-                        help="comma-separated subset of %(default)s (default: all four)")
+                        help="comma-separated subset of %(default)s (default: all five)")
 
 
 @dataclass(frozen=True, slots=True)
 class Budget:
+    label: str
+    """The task's name, with its H when it runs at the run's defaults: 'fast', 'fast@H50'."""
     steps: int
     sync_every: int
 
 
-def budget(args: argparse.Namespace, bench: BenchTask) -> Budget:
-    return Budget(args.steps or bench.steps, args.sync_every or bench.sync_every)
+def budgets(args: argparse.Namespace, name: str, bench: BenchTask) -> list[Budget]:
+    """The settings a task runs at: its own H and budget, the run's default H over >= MIN_ROUNDS
+    rounds (steps a multiple of H), or the one H `--sync-every` gives."""
+    if args.sync_every:
+        return [Budget(name, args.steps or bench.steps, args.sync_every)]
+    wanted = settings(args.at)
+    own = Budget(name, args.steps or bench.steps, bench.sync_every)
+    h = DEFAULTS.sync_every
+    steps = args.steps or -(-max(bench.steps, MIN_ROUNDS * h) // h) * h
+    at_defaults = own if own.sync_every == h else Budget(f"{name}@H{h}", steps, h)
+    return [own] * ("own" in wanted) + [at_defaults] * ("defaults" in wanted and at_defaults != own)
+
+
+def settings(names: str) -> list[str]:
+    wanted = [a.strip() for a in names.split(",") if a.strip()]
+    unknown = set(wanted) - set(SETTINGS)
+    if unknown or not wanted:
+        raise SystemExit(f"unknown setting(s) {sorted(unknown)}: choose from {', '.join(SETTINGS)}")
+    return wanted
 
 
 def our_arms(args: argparse.Namespace, b: Budget) -> dict[str, Trial]:
     learners = tuple(LearnerPlan(f"learner-{i}", steps=b.steps, data_seed=i) for i in range(args.learners))
+    decoupled = Trial("decoupled", learners, BUDGET_S,
+                      run_args(args.fragments, b.sync_every, args.overlap_steps, args.codec),
+                      ("--min-quorum", "1", *args.coordinator_args.split()), tuple(args.learner_args.split()))
     return {
-        "decoupled": Trial("decoupled", learners, BUDGET_S,
-                           run_args(args.fragments, b.sync_every, args.overlap_steps, args.codec),
-                           ("--min-quorum", "1", *args.coordinator_args.split()), tuple(args.learner_args.split())),
+        "decoupled": decoupled,
+        "waiting": replace(decoupled, name="waiting", learner_args=(*decoupled.learner_args, *SYNC_LEARNER)),
         "sync": sync_trial("sync", learners, BUDGET_S, sync_every=b.sync_every, overlap_steps=args.overlap_steps,
                            codec=args.codec),
     }
@@ -112,13 +147,15 @@ class QualityResult:
 def trial_curve(t: TrialResult) -> ArmCurve:
     details = {"run": t.run, "curve_versions": [list(v) for v in t.curve_versions], "counters": t.counters,
                "heads": {str(k): v for k, v in t.heads.items()}, "merged_tokens": t.merged_tokens,
-               "rounds": None if t.rounds is None else t.rounds.to_json()}
+               "rounds": None if t.rounds is None else t.rounds.to_json(),
+               "steps_through_per_take": t.total("steps_through") / max(1.0, t.total("adopted")),
+               "sync_s": t.total("sync_s")}
     return ArmCurve(t.name, t.curve, t.wall_s, details=details)
 
 
-def run_task(name: str, bench: BenchTask, args: argparse.Namespace, wanted: list[str],
+def run_task(b: Budget, bench: BenchTask, args: argparse.Namespace, wanted: list[str],
              stack: LocalStack) -> TaskReport:
-    b, task, out = budget(args, bench), bench.task, args.out / name
+    name, task, out = b.label, bench.task, args.out / b.label
     out.mkdir(parents=True, exist_ok=True)
     arms: dict[str, ArmCurve] = {}
     skipped: dict[str, str] = {}
@@ -157,13 +194,13 @@ def run(args: argparse.Namespace) -> QualityResult:
     unknown = set(wanted) - set(ARMS)
     if unknown:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}: choose from {', '.join(ARMS)}")
-    tasks = pick(args.tasks)
+    runs = [(b, bench) for name, bench in pick(args.tasks).items() for b in budgets(args, name, bench)]
     reports = []
     with bench_stack(args.out) as stack, Progress("quality", unit="tasks") as bar:
-        bar.update(0, len(tasks))
-        for name, bench in tasks.items():
-            reports.append(run_task(name, bench, args, wanted, stack))
+        bar.update(0, len(runs))
+        for b, bench in runs:
+            reports.append(run_task(b, bench, args, wanted, stack))
             bar.advance()
-            if len(tasks) > 1:
-                log.info("quality %s done:\n%s", name, table(reports[-1:], args.learners))
+            if len(runs) > 1:
+                log.info("quality %s done:\n%s", b.label, table(reports[-1:], args.learners))
     return QualityResult(args.learners, reports)

@@ -81,6 +81,8 @@ def test_unmodified_gpt2_trains_through_the_run_and_its_model_comes_out(endpoint
     assert min(heads.values()) >= 1, heads
     assert min(learner.versions.values()) >= 1, learner.versions
     assert learner.adopted >= 2 and learner.stats.upload_failed == 0
+    # Every take followed a send by at least overlap_steps (1) steps trained on, and the heartbeat says so.
+    assert learner.steps_through >= learner.adopted and learner.progress().steps_through == learner.steps_through
     assert all(math.isfinite(x) for x in losses)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert coord.bus.counters().get("contributions_refused", 0) == 0, coord.bus.refusals()
