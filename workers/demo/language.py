@@ -1,6 +1,6 @@
-"""Token sources for the demo: a synthetic Markov language with a known entropy rate, or bytes of a file.
+"""Token sources for the demo: synthetic languages with a known entropy rate, or bytes of a file.
 
-Both expose the same small interface, which is all `DemoTask` uses:
+All expose the same small interface, which is all `DemoTask` uses:
 
 - `vocab_size: int`
 - `windows(num_windows, length, generator, held_out=False) -> LongTensor[num_windows, length]`
@@ -17,11 +17,17 @@ from a context drawn from pi, so the sampled process is stationary and its per-t
 entropy is exactly `sum_c pi(c) H(next | c)` from the k-th token on (periodicity does not matter for
 this; pi is found by power iteration on the lazy chain (I + P) / 2, which has the same pi and
 always converges).
+
+`LaggedCopyLanguage` hides all its structure at one distance: each token repeats the token `lag`
+positions back with probability `copy_prob` and is otherwise uniform. Every token is marginally
+uniform and tokens less than `lag` apart are independent, so no short-context statistic helps: a
+model sits at ln(vocab_size) until it learns to look exactly `lag` back, then drops to the floor.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from pathlib import Path
 
 import torch
@@ -186,6 +192,53 @@ class MarkovLanguage:
             append(token)
             context = (context * vocab + token) % num_contexts
         return torch.tensor(tokens[:num_tokens], dtype=torch.long)
+
+
+class LaggedCopyLanguage:
+    """x_t = x_{t-lag} with probability `copy_prob`, else uniform over `vocab_size` (see the module docstring).
+
+    There are no tables: all randomness comes from the generator passed to `windows`. Every window
+    starts afresh, so its first `lag` tokens are uniform and independent (they have no source).
+    """
+
+    def __init__(self, vocab_size: int, lag: int, copy_prob: float) -> None:
+        if vocab_size < 2 or lag < 1 or not 0.0 <= copy_prob <= 1.0:
+            raise ValueError(f"need vocab_size >= 2, lag >= 1, 0 <= copy_prob <= 1; got {vocab_size=}, {lag=}, "
+                             f"{copy_prob=}")
+        self.vocab_size = vocab_size
+        self.lag = lag
+        self.copy_prob = copy_prob
+
+    def entropy_rate_nats(self) -> float:
+        """H(x_t | x_{<t}) for t >= lag: the mixture copy_prob * [x_{t-lag}] + (1 - copy_prob) * uniform."""
+        other = (1.0 - self.copy_prob) / self.vocab_size
+        same = self.copy_prob + other
+        return float(_entropy(torch.tensor([same] + [other] * (self.vocab_size - 1), dtype=torch.float64)))
+
+    def window_floor_nats(self, length: int) -> float:
+        """Mean of H(X_j | X_0..X_{j-1}) over j = 1..length-1: ln(vocab_size) for j < lag, the rate after."""
+        if length < 2:
+            raise ValueError(f"a window of {length} tokens has nothing to predict")
+        blind = min(self.lag, length) - 1  # positions 1..lag-1 have no source in the window
+        sourced = length - 1 - blind
+        return (blind * math.log(self.vocab_size) + sourced * self.entropy_rate_nats()) / (length - 1)
+
+    def windows(
+        self, num_windows: int, length: int, generator: torch.Generator, held_out: bool = False
+    ) -> torch.Tensor:
+        """`num_windows` independent windows, int64 [num_windows, length]; one tensor op per `lag` positions.
+
+        `held_out` is accepted for interface parity; fresh randomness (a different generator seed) is
+        already held out.
+        """
+        del held_out
+        out = torch.randint(0, self.vocab_size, (num_windows, length), generator=generator)
+        copy = torch.rand(num_windows, length, generator=generator) < self.copy_prob
+        for start in range(self.lag, length, self.lag):
+            stop = min(start + self.lag, length)
+            out[:, start:stop] = torch.where(copy[:, start:stop], out[:, start - self.lag:stop - self.lag],
+                                             out[:, start:stop])
+        return out
 
 
 class ByteText:

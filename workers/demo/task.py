@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
-from diloco.workers.demo.language import ByteText, MarkovLanguage
+from diloco.workers.demo.language import ByteText, LaggedCopyLanguage, MarkovLanguage
 from diloco.workers.demo.model import TinyGPT, TinyGPTConfig
 from diloco.workers.tasks.base import Batch, descend, fields_from_wire, to_wire
 
@@ -34,7 +34,7 @@ _EVAL_SEED_BASE = 7_919
 
 @dataclass(frozen=True)
 class DemoTask:
-    """A TinyGPT on a synthetic Markov language (exact floor), AdamW with warmup (a `workers.tasks.base.Task`)."""
+    """A TinyGPT on a synthetic language (exact floor), AdamW with warmup (a `workers.tasks.base.Task`)."""
 
     kind: ClassVar[str] = "demo"
     # The language (ignored when text_path is set).
@@ -46,6 +46,12 @@ class DemoTask:
     """Possible next tokens per context (random Dirichlet(1) probabilities)."""
     language_seed: int = 0
     """Seed of the language's transition tables."""
+    copy_lag: int = 0
+    """0: the Markov language. > 0: the lagged-copy language instead (`vocab_size` tokens; order,
+    branching and language_seed unused): each token repeats the one `copy_lag` back with probability
+    `copy_prob`, else is uniform, so the loss plateaus at ln(vocab_size) until attention finds the lag."""
+    copy_prob: float = 0.5
+    """Probability that a lagged-copy token repeats the token `copy_lag` positions back."""
     text_path: str | None = None
     """Train on the bytes of this file (vocab 256, no known floor) instead of the synthetic language."""
     # The model.
@@ -85,6 +91,8 @@ class DemoTask:
             raise ValueError(f"need seq_len >= 2, batch_size >= 1, eval_tokens >= seq_len: {self}")
         if self.lr <= 0 or self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"need lr > 0, warmup_steps >= 0, 0 <= min_lr_ratio <= 1: {self}")
+        if not 0 <= self.copy_lag < self.seq_len or not 0.0 <= self.copy_prob <= 1.0:
+            raise ValueError(f"need 0 <= copy_lag < seq_len, 0 <= copy_prob <= 1: {self}")
         self.model_config  # validates the model shape early  # noqa: B018
 
     # ---- wire form (the demo passes the task to learner processes) ----
@@ -100,8 +108,9 @@ class DemoTask:
     # ---- data ----
 
     @property
-    def language(self) -> MarkovLanguage | ByteText:
-        return _language(self.text_path, self.vocab_size, self.order, self.branching, self.language_seed)
+    def language(self) -> MarkovLanguage | LaggedCopyLanguage | ByteText:
+        return _language(self.text_path, self.vocab_size, self.order, self.branching, self.language_seed,
+                         self.copy_lag, self.copy_prob)
 
     @property
     def model_config(self) -> TinyGPTConfig:
@@ -189,10 +198,12 @@ class DemoTask:
 
 @functools.lru_cache(maxsize=8)
 def _language(
-    text_path: str | None, vocab_size: int, order: int, branching: int, seed: int
-) -> MarkovLanguage | ByteText:
+    text_path: str | None, vocab_size: int, order: int, branching: int, seed: int, copy_lag: int, copy_prob: float
+) -> MarkovLanguage | LaggedCopyLanguage | ByteText:
     if text_path:
         return ByteText(text_path)
+    if copy_lag:
+        return LaggedCopyLanguage(vocab_size, copy_lag, copy_prob)
     return MarkovLanguage(vocab_size, order, branching, seed)
 
 
