@@ -31,7 +31,9 @@ class RunSettings:
     A floor above that latency only delays every merge: 5 instead of 0 cost synchronous DiLoCo 1-2%
     on the quality benchmark's tasks (docs/benchmarks.md)."""
     merge_rule: str = "rebase"
-    """How learners take a new version: 'rebase' keeps progress made since the send, 'mix' blends."""
+    """How learners take a new version: 'rebase' keeps the steps trained since the send on top of it,
+    'adopt' takes it as it is (those steps, computed from a model the version replaced, are dropped),
+    'mix' blends (docs/benchmarks.md: the cost of never waiting)."""
     alpha: float = 0.5
     """For merge_rule 'mix': local = alpha * local + (1 - alpha) * global."""
     codec: str = "int4"

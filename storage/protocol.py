@@ -184,7 +184,8 @@ class RunSpec(Record):
     overlap_steps: int
     """tau: inner steps a learner keeps training before it merges the new global fragment."""
     merge_rule: str
-    """How a learner takes a new global fragment: 'rebase' keeps its unsent progress, 'mix' blends with alpha."""
+    """How a learner takes a new global fragment: 'adopt' takes it as it is (the steps trained since the
+    send are dropped), 'rebase' keeps that progress on top of it, 'mix' blends with alpha."""
     alpha: float
     """For merge_rule 'mix': local = alpha * local + (1 - alpha) * global (0 = adopt)."""
     codec: str
@@ -204,13 +205,13 @@ class RunSpec(Record):
         _require(self.sync_every >= 1, f"sync_every must be >= 1, got {self.sync_every}")
         _require(0 <= self.overlap_steps < self.sync_every,
                  f"overlap_steps must be in [0, sync_every), got {self.overlap_steps}")
-        _require(self.merge_rule in MERGE_RULES, f"merge_rule must be 'rebase' or 'mix', got {self.merge_rule!r}")
+        _require(self.merge_rule in MERGE_RULES, f"merge_rule must be one of {MERGE_RULES}, got {self.merge_rule!r}")
         _require(0.0 <= self.alpha < 1.0, f"alpha must be in [0, 1), got {self.alpha}")
         _require(self.codec in ("fp32", "bf16", "int8", "int4", "int2"), f"unknown codec {self.codec!r}")
         _require(self.max_object_bytes > 0, "max_object_bytes must be positive")
 
 
-MERGE_RULES = ("rebase", "mix")
+MERGE_RULES = ("adopt", "rebase", "mix")
 """How a learner takes a new version (RunSpec.merge_rule)."""
 CADENCES = ("clock", "steps")
 """When learners send (RunSpec.cadence)."""
@@ -488,8 +489,9 @@ class LearnerStats(Record):
     adopted: int = 0
     """Global versions merged into the local model."""
     steps_through: int = 0
-    """Inner steps trained between a send and the take of a version after it, summed over the takes
-    that followed a send: the training on through rounds (mean per take: steps_through / adopted)."""
+    """Inner steps trained on the old base before a take (since the last send or take of that fragment),
+    summed over the takes: the training on through rounds (mean per take: steps_through / adopted);
+    with the adopt rule, the steps dropped."""
     uploaded: int = 0
     """Contributions stored and announced."""
     upload_failed: int = 0

@@ -115,9 +115,12 @@ class Replica:
                 dist.broadcast(full, src=0)
             if isinstance(p, DTensor):
                 full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-            if keep != 1.0:
-                p.mul_(keep)
-            p.add_(full, alpha=add)
+            if keep == 0.0 and add == 1.0:
+                p.copy_(full)  # adopt: the global value as it is
+            else:
+                if keep != 1.0:
+                    p.mul_(keep)
+                p.add_(full, alpha=add)
 
     @staticmethod
     def _assign(p: torch.nn.Parameter, full: torch.Tensor) -> None:

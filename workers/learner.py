@@ -26,6 +26,7 @@ exception leaves without sending anything (`close`).
 
 Bookkeeping per fragment (`FragmentState`): `anchor` is the point unsent progress is measured from.
 Sending: delta = anchor - local, then anchor = local. Taking version G:
+'adopt':  local = G, anchor = G (the steps trained since the send are dropped, and not counted);
 'rebase': local = local + (G - anchor) (keeps progress made since the send), anchor = G;
 'mix':    local = alpha * local + (1 - alpha) * G, anchor = G.
 The step hook never waits for the device (`workers.hostcopy`): `local` at a send is a snapshot whose
@@ -125,8 +126,8 @@ class FragmentState:
     """Contribution id of the last send."""
     sent_deadline: float | None = None
     """The clock deadline the last send served (clock cadence)."""
-    sent_step: int | None = None
-    """The learner's step at the last send, until a version is taken after it."""
+    since_step: int = 0
+    """The step of the last send or take: the steps since were trained on from the same base."""
 
 
 FLAG_RUN_FINISHED = 1
@@ -180,7 +181,8 @@ class Learner:
         self._loss: float | torch.Tensor | None = None
         self.adopted = 0
         self.steps_through = 0
-        """Inner steps trained between sends and the takes after them (LearnerStats.steps_through)."""
+        """Inner steps trained between a send (or take) and the take after it (LearnerStats.steps_through):
+        with the adopt rule, the steps dropped."""
         self.dropped_stale = 0
         """Pieces not sent because the coordinator would have refused them as stale (`_send`)."""
         self.stats = TransferStats()
@@ -192,10 +194,12 @@ class Learner:
         self._pending_tokens: int | None = None
         self._step_time_s = 0.0
         self._last_step_at: float | None = None
+        self._merge_wait_s = 0.0  # with wait_for_merge: time the last hook waited for versions, not a step's
         self._cadence = None
         self._clock_offset_s = 0.0  # Redis server time - local time
         self._last_boundary: float | None = None  # the previous step's end, on the cadence clock
         self._hook = None
+        self._merges_first = True  # set when joining: a step takes versions before it sends (rebase)
         self._joined = False  # rank 0: joined (heartbeats then keep it in the run's joined set)
         self._run_end: RunEnd | None = None  # rank 0: the run's end, once a heartbeat has seen it
         self._run_finished = False  # every rank: as rank 0 last shared it
@@ -268,7 +272,9 @@ class Learner:
                 failure = exc
                 self._abandon()
         status = self.replica.share(None if not self.is_leader else
-                                    [int(failure is not None), 0 if failure else len(self.layout.fragments)], 2)
+                                    [int(failure is not None), 0 if failure else len(self.layout.fragments),
+                                     int(not failure and self.spec.merge_rule == "rebase")], 3)
+        self._merges_first = bool(status[2])  # every rank runs a step's sends and merges in the same order
         if failure is not None:
             raise failure
         if status[0]:
@@ -526,9 +532,11 @@ class Learner:
         if self._last_step_at is None:
             self._last_step_at = self.started_at = now  # the end of the first step: wall time counts from here
         else:
-            dt = now - self._last_step_at
+            # The step's own time: a wait for a merge (wait_for_merge) is not, or the round clock, set
+            # from step times, would slow down by every wait, and every wait grow with it.
+            dt = now - self._last_step_at - self._merge_wait_s
             self._step_time_s = dt if self._step_time_s == 0 else 0.9 * self._step_time_s + 0.1 * dt
-        self._last_step_at = now
+        self._last_step_at, self._merge_wait_s = now, 0.0
         self.step += 1
         tokens = self.tokens_per_step if self._pending_tokens is None else self._pending_tokens
         if tokens is None:
@@ -555,9 +563,16 @@ class Learner:
             self.finish(preempted=True)
             raise Preempted(f"learner {self.learner_id} left run {self.run!r} on SIGTERM after step {self.step}, "
                             "its progress sent")
+        # A fragment both due and ready this step: rebasing first uses the anchor of its last send,
+        # landed long ago, and the send after it carries the same progress (local - anchor), based on
+        # the version just taken; sending first would make the rebase wait for this step's own
+        # snapshot to reach the host. Adopting or mixing first would drop or blend the round's progress
+        # before it is sent, and neither reads the anchor: they come after the send.
+        for f in to_merge if self._merges_first else ():
+            self._merge(f, ready.get(f))
         for f in to_send:
             self._send(f, due.get(f, 0.0))
-        for f in to_merge:
+        for f in () if self._merges_first else to_merge:
             self._merge(f, ready.get(f))
 
     def _due(self) -> dict[int, float]:
@@ -591,7 +606,9 @@ class Learner:
                        and self.step < not_before + self.config.own_version_wait * self.spec.sync_every)
             if mine is None and patient:
                 continue  # our contribution's round has not committed yet: train on, take that version later
+            waited_from = time.monotonic()
             fetched = self.fetcher.take(fragment, self.config.merge_wait_s if sync else 0.0)
+            self._merge_wait_s += time.monotonic() - waited_from
             if fetched is None:
                 continue
             if fetched.version <= state.base_version:
@@ -618,7 +635,7 @@ class Learner:
                         deadline=deadline, final=final, pending=(state.anchor, snapshot))
         state.anchor, state.tokens, state.steps = snapshot, 0, 0
         state.sent_id = self.uploader.submit(job)
-        state.sent_step = self.step
+        state.since_step = self.step
         state.awaiting = self.step + self.spec.overlap_steps
         self.fetcher.want(fragment, state.base_version)
         return state.sent_id
@@ -637,7 +654,7 @@ class Learner:
                      "it would be refused; taking the newest version", fragment, state.base_version)
         self.dropped_stale += 1
         state.anchor, state.tokens, state.steps, state.sent_id = snapshot, 0, 0, None
-        state.awaiting = self.step
+        state.awaiting, state.since_step = self.step, self.step
         self.fetcher.want(fragment, state.base_version)
 
     @torch.no_grad()
@@ -653,13 +670,16 @@ class Learner:
                 anchor = state.anchor.wait()  # landed long ago: at least overlap_steps since the send
                 values = {n: torch.sub(g[n], anchor[n], out=self.replica.host_empty(tuple(g[n].shape)))
                           for n in names}
+            elif self.spec.merge_rule == "adopt":
+                # Steps computed from a model G replaced: dropped, so the next piece neither carries nor counts them.
+                values, keep, add = g, 0.0, 1.0
+                state.tokens, state.steps = 0, 0
             else:
                 values, keep, add = g, self.spec.alpha, 1.0 - self.spec.alpha
             state.anchor, state.base_version = Snapshot(g), fetched.version
             self.adopted += 1
-            if state.sent_step is not None:
-                self.steps_through += self.step - state.sent_step
-                state.sent_step = None
+            self.steps_through += self.step - state.since_step
+            state.since_step = self.step
         self.replica.blend(values, names, keep=keep, add=add)
 
     # ---- heartbeats --------------------------------------------------------------------------

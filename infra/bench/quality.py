@@ -6,8 +6,12 @@ steps each, learner i on data stream i, all from the same initial weights, inner
 schedule (so every arm trains the same tokens from the same seeds):
 
 - decoupled: quorum K = 1, the adaptive grace window, clock cadence (the defaults);
-- waiting: the decoupled arm with learners that wait for each merge (`--wait-for-merge`): what the
-  decoupled arm would reach if never waiting cost nothing (invariant 11: within 0.5% of it);
+- waiting: the decoupled arm's settings (P, tau, codec, take rule) with learners that wait for each
+  merge (`--wait-for-merge`), rounds of every learner on the step cadence: what the decoupled arm
+  would reach if never waiting cost nothing (invariant 11: within 0.5% of it). Not the clock: on
+  shared cores a waiting learner frees the CPU for the others, the fleet's step times and so the
+  clock's period shrink, and rounds of one or two learners' short pieces came out (66 versions per
+  fragment where H gives 20);
 - sync: our synchronous DiLoCo: the whole model as one fragment, quorum K = M, no grace window, step
   cadence, and every learner waits for the new version before training on (`--wait-for-merge`);
 - torchft: torchft 0.2.0's synchronous DiLoCo (`infra.bench.peer`): one fragment, quorum of all M
@@ -126,7 +130,9 @@ def our_arms(args: argparse.Namespace, b: Budget) -> dict[str, Trial]:
                       ("--min-quorum", "1", *args.coordinator_args.split()), tuple(args.learner_args.split()))
     return {
         "decoupled": decoupled,
-        "waiting": replace(decoupled, name="waiting", learner_args=(*decoupled.learner_args, *SYNC_LEARNER)),
+        "waiting": replace(decoupled, name="waiting", learner_args=(*decoupled.learner_args, *SYNC_LEARNER),
+                           coordinator_args=("--min-quorum", str(args.learners), "--cadence", "steps",
+                                             *args.coordinator_args.split())),
         "sync": sync_trial("sync", learners, BUDGET_S, sync_every=b.sync_every, overlap_steps=args.overlap_steps,
                            codec=args.codec),
     }

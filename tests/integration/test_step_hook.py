@@ -4,7 +4,9 @@
 - a send hands (anchor, snapshot) to the uploader: the training thread never waits for a snapshot
   its own step took; the uploader's thread waits for it and computes the delta, and the stored
   contribution is exactly anchor - the parameters at the send, whatever the loop did since;
-- a merge adds global - anchor to the parameters in place (the rebase rule), without reading them.
+- a merge adds global - anchor to the parameters in place (the rebase rule), without reading them;
+- the adopt rule takes the global values as they are, and the steps trained between
+  a send and the take are dropped, counted in `steps_through` and in no piece.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from harness import TINY_RUN, announcements, make_coordinator, serving, start_be
 from hoststreams import RecordingStreams
 
 
-STEPS_RUN = dataclasses.replace(TINY_RUN, cadence="steps")  # H = 4, fp32, rebase, overlap 1
+STEPS_RUN = dataclasses.replace(TINY_RUN, cadence="steps", merge_rule="rebase")  # H = 4, fp32, overlap 1
+ADOPT_RUN = dataclasses.replace(STEPS_RUN, merge_rule="adopt")
 
 
 def test_the_training_thread_never_waits_for_a_fresh_copy_and_sends_and_merges_are_exact(endpoints, run_id):
@@ -81,8 +84,13 @@ def test_the_training_thread_never_waits_for_a_fresh_copy_and_sends_and_merges_a
                 continue
             step += a.steps
             sent, _ = codecs.decode(coord.store.get(a.object_key, max_bytes=limit), max_bytes=limit)
+            anchor, params = anchors[step][fragment], before[step]
+            if versions[step][fragment] != versions[step - 1][fragment]:  # taken first, in the same step
+                anchor = read_params(coord.store, learner.layout,
+                                     read_manifest(coord.store, coord.keys, fragment, versions[step][fragment]))
+                params = after[step]
             for n in names:
-                assert torch.equal(sent[n], anchors[step][fragment][n] - before[step][n]), (fragment, step, n)
+                assert torch.equal(sent[n], anchor[n] - params[n]), (fragment, step, n)
             checked += 1
     assert checked >= 6
 
@@ -97,6 +105,66 @@ def test_the_training_thread_never_waits_for_a_fresh_copy_and_sends_and_merges_a
                 assert torch.equal(after[step][n], before[step][n] + (g[n] - anchors[step][fragment][n]))
             merges += 1
     assert merges >= 4
+
+
+def test_adopting_takes_the_global_values_and_every_step_is_sent_once_or_dropped(endpoints, run_id):
+    coord = make_coordinator(endpoints, run_id, settings=ADOPT_RUN)
+    learner, opt = tiny_learner(endpoints, run_id, "adopt")
+    model = learner.model
+    before: dict[int, dict[str, torch.Tensor]] = {}  # step -> params after the optimizer, before the hook
+    anchors: dict[int, list[dict[str, torch.Tensor]]] = {}  # step -> each fragment's anchor before the hook
+    after: dict[int, dict[str, torch.Tensor]] = {}
+    versions: dict[int, dict[int, int]] = {}
+    sent_at: dict[str, int] = {}  # contribution id -> the step it was sent at
+
+    def ahead(*_: object) -> None:
+        before[learner.step + 1] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        anchors[learner.step + 1] = [dict(s.anchor.wait()) for s in learner.fragments]
+
+    def behind(*_: object) -> None:
+        after[learner.step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        versions[learner.step] = dict(learner.versions)
+        for state in learner.fragments:
+            sent_at.setdefault(state.sent_id, learner.step)
+
+    opt.register_step_post_hook(ahead)
+    start_beside(coord, learner)
+    opt.register_step_post_hook(behind)
+    try:
+        with serving(coord):
+            for _ in range(40):
+                for p in model.parameters():
+                    p.grad = torch.randn_like(p)
+                opt.step()
+                time.sleep(0.05)
+            assert learner.uploader.flush(30)
+    finally:
+        learner.close()
+    coord.close()
+
+    merges = 0
+    for step in sorted(versions)[1:]:
+        for fragment, version in versions[step].items():
+            if version != versions[step - 1][fragment]:
+                g = read_params(coord.store, learner.layout, read_manifest(coord.store, coord.keys, fragment, version))
+                assert all(torch.equal(after[step][n], g[n]) for n in learner.fragments[fragment].names)
+                merges += 1
+    assert merges >= 4 and learner.steps_through >= merges  # overlap 1: at least a step dropped per take
+    # A piece is the progress since the take before it (anchor = G): nothing of the dropped steps.
+    limit, pieces = 1 << 20, 0
+    sent_steps = 0
+    for _, a in announcements(coord.bus):
+        if a.learner != "adopt" or a.kind != "delta":
+            continue
+        step, names = sent_at[a.contribution_id], learner.fragments[a.fragment].names
+        sent, _ = codecs.decode(coord.store.get(a.object_key, max_bytes=limit), max_bytes=limit)
+        assert all(torch.equal(sent[n], anchors[step][a.fragment][n] - before[step][n]) for n in names)
+        sent_steps += a.steps
+        pieces += 1
+    assert pieces >= 6 and learner.stats.coalesced == 0
+    # Every step of every fragment went out once in a piece, was dropped at a take, or is still unsent.
+    unsent = sum(state.steps for state in learner.fragments)
+    assert sent_steps + learner.steps_through + unsent == 40 * len(learner.fragments)
 
 
 def test_a_loss_tensor_is_kept_detached_and_read_when_progress_is_reported(endpoints, run_id):
