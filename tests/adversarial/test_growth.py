@@ -31,6 +31,7 @@ def run_keys_bytes(bus: Bus) -> dict[str, int]:
     return {k.decode(): int(bus.r.memory_usage(k, samples=0) or 0) for k in bus.r.scan_iter(match=prefix + "*")}
 
 
+@pytest.mark.slow  # 100k announcements: 16 s
 def test_100k_contributions_leave_redis_bounded(endpoints, run_id, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(bus_module, "VERSIONS_MAXLEN", 500)  # the streams' cap, reached within the test
     monkeypatch.setattr(bus_module, "COMMITS_KEPT", 200)

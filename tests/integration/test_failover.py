@@ -70,6 +70,7 @@ def test_a_restart_right_after_a_crash_waits_for_the_dead_coordinators_lease(end
     restarted.close()
 
 
+@pytest.mark.slow  # 40 s of leases running out; the chaos run kills coordinators in `make test` too
 def test_standby_takes_over_within_the_lease_when_the_coordinator_is_killed(endpoints, run_id, tmp_path, fleet_env):
     env, procs = fleet_env
     lease = ["--lease-s", str(LEASE_S)]

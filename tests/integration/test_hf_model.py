@@ -41,6 +41,7 @@ def tiny_gpt2() -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
+@pytest.mark.slow  # a Hugging Face GPT-2 through a run: 20 s
 def test_unmodified_gpt2_trains_through_the_run_and_its_model_comes_out(endpoints, run_id, tmp_path, monkeypatch):
     coord = Coordinator(endpoints, run_id,
                         settings=RunSettings(num_fragments=2, sync_every=4, overlap_steps=1, cadence="steps"),
