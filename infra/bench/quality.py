@@ -10,8 +10,7 @@ schedule (so every arm trains the same tokens from the same seeds):
   merge (`--wait-for-merge`), rounds of every learner on the step cadence: what the decoupled arm
   would reach if never waiting cost nothing (invariant 11: within 0.5% of it). Not the clock: on
   shared cores a waiting learner frees the CPU for the others, the fleet's step times and so the
-  clock's period shrink, and rounds of one or two learners' short pieces came out (66 versions per
-  fragment where H gives 20);
+  clock's period shrink, and the rounds fall apart into one or two learners' short pieces;
 - sync: our synchronous DiLoCo: the whole model as one fragment, quorum K = M, no grace window, step
   cadence, and every learner waits for the new version before training on (`--wait-for-merge`);
 - torchft: torchft 0.2.0's synchronous DiLoCo (`infra.bench.peer`): one fragment, quorum of all M
@@ -26,9 +25,10 @@ baseline), after the arm has ended.
 
 Settings: every task runs at its own H and budget (`own`) and at the run's defaults (`defaults`: H =
 50, as a user gets it, over at least MIN_ROUNDS rounds per fragment: the task's steps, raised to 20 x
-50 if fewer); a task whose own H is the default runs once. Prints a table task x arm (final eval loss, best of the last
-10%, end-of-run damage, ratios to torchft and to the baseline, gap to the floor) and each task's
-verdict against issue 13's targets (`infra.bench.quality_report`). Tasks: `infra.bench.quality_tasks`.
+50 if fewer); a task whose own H is the default runs once. Prints a table task x arm (final eval
+loss, best of the last 10%, end-of-run damage, ratios to torchft and to the baseline, gap to the
+floor) and each task's verdict against the targets (`infra.bench.quality_report`). Tasks:
+`infra.bench.quality_tasks`.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ SETTINGS = ("own", "defaults")
 MIN_ROUNDS = 20
 """At the run's defaults, a task's budget gives every fragment at least this many rounds of H steps."""
 DEFAULTS = RunSettings()
-"""The decoupled arm runs with the defaults a user gets (P, tau, codec, cadence), H being the task's."""
+"""The decoupled arm runs with the defaults a user gets (P, tau, codec, cadence); H is the task's or the default's."""
 BUDGET_S = 3600.0
 """A cap only: the arms end when every learner has done its steps."""
 
