@@ -564,14 +564,15 @@ class Learner:
             raise Preempted(f"learner {self.learner_id} left run {self.run!r} on SIGTERM after step {self.step}, "
                             "its progress sent")
         # A fragment both due and ready this step: rebasing first uses the anchor of its last send,
-        # landed long ago, and the send after it carries the same progress (local - anchor), based on
-        # the version just taken; sending first would make the rebase wait for this step's own
-        # snapshot to reach the host. Adopting or mixing first would drop or blend the round's progress
+        # landed long ago, and the send after it carries the same progress (local - anchor), labelled
+        # with the version it was trained from; sending first would make the rebase wait for this
+        # step's own snapshot to reach the host. Adopting or mixing first would drop or blend the round's progress
         # before it is sent, and neither reads the anchor: they come after the send.
+        based_on = {f: self.fragments[f].base_version for f in to_merge} if self._merges_first else {}
         for f in to_merge if self._merges_first else ():
             self._merge(f, ready.get(f))
         for f in to_send:
-            self._send(f, due.get(f, 0.0))
+            self._send(f, due.get(f, 0.0), based_on=based_on.get(f))
         for f in () if self._merges_first else to_merge:
             self._merge(f, ready.get(f))
 
@@ -622,16 +623,20 @@ class Learner:
         return ready
 
     @torch.no_grad()
-    def _send(self, fragment: int, deadline: float, *, final: bool = False) -> str | None:
-        """Send the fragment's progress since its last send; rank 0 returns its contribution id."""
+    def _send(self, fragment: int, deadline: float, *, final: bool = False, based_on: int | None = None
+              ) -> str | None:
+        """Send the fragment's progress since its last send; rank 0 returns its contribution id.
+        `based_on`: the version the progress was trained from, when a take this step moved the base
+        (a rebase before the send: the piece is the same progress, and says so)."""
         state = self.fragments[fragment]
         snapshot = self.replica.snapshot(state.names)
         if snapshot is None:
             return None  # not rank 0: the gather was our part
-        if not final and self.fetcher.too_stale(fragment, state.base_version):  # it would be refused on arrival
+        base = state.base_version if based_on is None else based_on
+        if not final and self.fetcher.too_stale(fragment, base):  # it would be refused on arrival
             return self._drop_stale(fragment, snapshot)
         # The uploader computes the delta, once the snapshot has landed on the host.
-        job = UploadJob(fragment, {}, state.base_version, state.tokens, state.steps, self._step_time_s,
+        job = UploadJob(fragment, {}, base, state.tokens, state.steps, self._step_time_s,
                         deadline=deadline, final=final, pending=(state.anchor, snapshot))
         state.anchor, state.tokens, state.steps = snapshot, 0, 0
         state.sent_id = self.uploader.submit(job)
