@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -27,31 +28,35 @@ STEPS_RUN = dataclasses.replace(TINY_RUN, cadence="steps", merge_rule="rebase") 
 ADOPT_RUN = dataclasses.replace(STEPS_RUN, merge_rule="adopt")
 
 
-def test_the_training_thread_never_waits_for_a_fresh_copy_and_sends_and_merges_are_exact(endpoints, run_id):
-    coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
-    learner, opt = tiny_learner(endpoints, run_id, "hook")
-    streams = RecordingStreams(step=lambda: learner.step)
-    learner.replica.copies = HostCopies(torch.device("cpu"), streams=streams)
-    model = learner.model
-    before: dict[int, dict[str, torch.Tensor]] = {}  # step -> params after the optimizer, before the learner's hook
-    after: dict[int, dict[str, torch.Tensor]] = {}  # step -> params after the learner's hook
-    anchors: dict[int, list[dict[str, torch.Tensor]]] = {}  # step -> each fragment's anchor before the hook
-    versions: dict[int, dict[int, int]] = {}  # step -> fragment -> version held after the hook
+class Recorded(NamedTuple):
+    before: dict[int, dict[str, torch.Tensor]]  # step -> params after the optimizer, before the learner's hook
+    anchors: dict[int, list[dict[str, torch.Tensor]]]  # step -> each fragment's anchor before the hook
+    after: dict[int, dict[str, torch.Tensor]]  # step -> params after the learner's hook
+    versions: dict[int, dict[int, int]]  # step -> fragment -> version held after the hook
+    sent_at: dict[str | None, int]  # contribution id -> the step it was sent at
+
+
+def record_steps(coord, learner, opt, steps: int = 40) -> Recorded:  # noqa: ANN001
+    """Join `learner` beside `coord`, train `steps` steps of random gradients, record what each
+    step did around the learner's hook, flush the uploads and close both."""
+    model, r = learner.model, Recorded({}, {}, {}, {}, {})
 
     def ahead(*_: object) -> None:
-        before[learner.step + 1] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        anchors[learner.step + 1] = [dict(s.anchor.wait()) for s in learner.fragments]
+        r.before[learner.step + 1] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        r.anchors[learner.step + 1] = [dict(s.anchor.wait()) for s in learner.fragments]
 
     def behind(*_: object) -> None:
-        after[learner.step] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        versions[learner.step] = dict(learner.versions)
+        r.after[learner.step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        r.versions[learner.step] = dict(learner.versions)
+        for state in learner.fragments:
+            r.sent_at.setdefault(state.sent_id, learner.step)
 
     opt.register_step_post_hook(ahead)  # before the learner's own (registered when it starts)
     start_beside(coord, learner)
     opt.register_step_post_hook(behind)
     try:
         with serving(coord):
-            for _ in range(40):
+            for _ in range(steps):
                 for p in model.parameters():
                     p.grad = torch.randn_like(p)
                 opt.step()
@@ -60,6 +65,15 @@ def test_the_training_thread_never_waits_for_a_fresh_copy_and_sends_and_merges_a
     finally:
         learner.close()
     coord.close()
+    return r
+
+
+def test_the_training_thread_never_waits_for_a_fresh_copy_and_sends_and_merges_are_exact(endpoints, run_id):
+    coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
+    learner, opt = tiny_learner(endpoints, run_id, "hook")
+    streams = RecordingStreams(step=lambda: learner.step)
+    learner.replica.copies = HostCopies(torch.device("cpu"), streams=streams)
+    before, anchors, after, versions, _ = record_steps(coord, learner, opt)
 
     # Every send's snapshot was first waited for by the uploader; the training thread waited only
     # for snapshots of earlier steps (a merge's anchor, sent at least overlap_steps before). Joining
@@ -110,37 +124,7 @@ def test_the_training_thread_never_waits_for_a_fresh_copy_and_sends_and_merges_a
 def test_adopting_takes_the_global_values_and_every_step_is_sent_once_or_dropped(endpoints, run_id):
     coord = make_coordinator(endpoints, run_id, settings=ADOPT_RUN)
     learner, opt = tiny_learner(endpoints, run_id, "adopt")
-    model = learner.model
-    before: dict[int, dict[str, torch.Tensor]] = {}  # step -> params after the optimizer, before the hook
-    anchors: dict[int, list[dict[str, torch.Tensor]]] = {}  # step -> each fragment's anchor before the hook
-    after: dict[int, dict[str, torch.Tensor]] = {}
-    versions: dict[int, dict[int, int]] = {}
-    sent_at: dict[str, int] = {}  # contribution id -> the step it was sent at
-
-    def ahead(*_: object) -> None:
-        before[learner.step + 1] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        anchors[learner.step + 1] = [dict(s.anchor.wait()) for s in learner.fragments]
-
-    def behind(*_: object) -> None:
-        after[learner.step] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        versions[learner.step] = dict(learner.versions)
-        for state in learner.fragments:
-            sent_at.setdefault(state.sent_id, learner.step)
-
-    opt.register_step_post_hook(ahead)
-    start_beside(coord, learner)
-    opt.register_step_post_hook(behind)
-    try:
-        with serving(coord):
-            for _ in range(40):
-                for p in model.parameters():
-                    p.grad = torch.randn_like(p)
-                opt.step()
-                time.sleep(0.05)
-            assert learner.uploader.flush(30)
-    finally:
-        learner.close()
-    coord.close()
+    before, anchors, after, versions, sent_at = record_steps(coord, learner, opt)
 
     merges = 0
     for step in sorted(versions)[1:]:
