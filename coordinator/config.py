@@ -64,8 +64,8 @@ class CoordinatorConfig:
     """Average norms and directions of deltas separately instead of a plain weighted mean."""
     scale_rounds: bool = True
     """Size each round's outer step by the progress it carries, against the fragment's usual round
-    (`policy.round_step`: every live learner that sends pieces, H steps each): a round of
-    fewer learners or steps than usual (a learner late for the round that merged, the last pieces
+    (`policy.round_step`: every live learner that sends pieces, each with its usual piece of at most
+    H steps): a round of fewer learners or steps than usual (a learner late for the round that merged, the last pieces
     at the end of a run) takes a fractional Nesterov step, momentum included, rather than a whole
     one; a round carrying more than two usual rounds of progress per learner (a backlog after an
     outage) is scaled down to that. Off: a whole step every round."""
@@ -102,6 +102,11 @@ class CoordinatorConfig:
     one more line, by code (each stays on the refusals stream and in the counters). A thousand
     refusals, reasons clipped to 2000 characters, keep a manifest within a few MB of its 64 MiB read
     limit whatever a flood of forged announcements does."""
+    token_budget: int = 0
+    """End the run once every fragment has merged this many tokens of the fleet's training (0: no
+    budget; the run ends when its learners finish). Learners see the run end and stop; a fast
+    learner trains on while a slow one lags, so the fleet, not each learner, spends the budget.
+    The count survives a restart: each manifest records its fragment's merged tokens so far."""
     claim_idle_s: float = 60.0
     """Entries pending on another consumer for longer than this are claimed."""
     lease_s: float = 10.0
@@ -128,6 +133,8 @@ class CoordinatorConfig:
             raise ConfigError(f"lease_s must be at least 1 second, got {self.lease_s}")
         if self.downstream_codec not in ("run", *CODECS):
             raise ConfigError(f"downstream_codec must be 'run' or one of {', '.join(CODECS)}, got {self.downstream_codec!r}")
+        if self.token_budget < 0:
+            raise ConfigError(f"token_budget must be >= 0 (0: no budget), got {self.token_budget}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be a TCP port (0: off), got {self.metrics_port}")
 

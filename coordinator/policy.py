@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -287,6 +287,18 @@ def run_end(*, joined: frozenset[str], live: frozenset[str], finished: frozenset
     return "learners", f"every learner that joined has finished ({who})"
 
 
+def budget_spent(merged_tokens: Mapping[int, int], budget: int) -> str | None:
+    """Why the run is over once every fragment has merged `budget` tokens (`merged_tokens`: per
+    fragment, since version 0), None while one has not. Every fragment covers each learner's tokens
+    once, so the least of them is what the fleet's training has put into the whole model."""
+    if budget <= 0 or not merged_tokens:
+        return None
+    least = min(merged_tokens.values())
+    if least < budget:
+        return None
+    return f"the token budget is spent: every fragment merged at least {least:,} tokens (budget {budget:,})"
+
+
 def staleness_verdict(base_version: int, head_version: int, cfg: RoundConfig) -> tuple[bool, int, str]:
     """(accept, staleness, reason) for a contribution computed against `base_version`.
 
@@ -407,6 +419,8 @@ class RoundSize:
     norm: float | None = None
     steps: int = 0
     """The inner steps of its pieces, summed (0 if not known)."""
+    names: frozenset[str] = frozenset()
+    """Its learners (empty if not known: then only their count is)."""
 
     @property
     def reach(self) -> float:
@@ -427,8 +441,30 @@ def round_size(pieces: Iterable[_Piece], norm: float | None = None) -> RoundSize
     """The size of a round of `pieces` (its arrivals, or a manifest's inputs) whose merged update
     has L2 norm `norm` (None: not measured)."""
     pieces = list(pieces)
-    return RoundSize(tokens=sum(p.tokens for p in pieces), learners=len({p.learner for p in pieces}), norm=norm,
-                     steps=sum(p.steps for p in pieces))
+    names = frozenset(p.learner for p in pieces)
+    return RoundSize(tokens=sum(p.tokens for p in pieces), learners=len(names), norm=norm,
+                     steps=sum(p.steps for p in pieces), names=names)
+
+
+def usual_pieces(fleet: Iterable[str], history: Iterable[Iterable[_Piece]], interval: int) -> dict[str, int]:
+    """Each learner of `fleet` with its usual piece (`round_step`), in inner steps: the median of the
+    steps it carried into the recent rounds it was in (`history`: each round's pieces; a learner's
+    pieces in one round add up), at most `interval` (H); H for a learner in none of them, so a
+    newcomer counts whole until its pieces show otherwise. On the clock, a learner k times slower
+    than the fastest carries H / k steps into each round: that is its usual piece, and a round of
+    every learner's usual piece is a usual round. With no fixed interval (0) every learner counts 1:
+    the usual round is counted in learners."""
+    if interval <= 0:
+        return dict.fromkeys(fleet, 1)
+    carried: dict[str, list[int]] = {}
+    for pieces in history:
+        in_round: dict[str, int] = {}
+        for p in pieces:
+            in_round[p.learner] = in_round.get(p.learner, 0) + p.steps
+        for name, steps in in_round.items():
+            carried.setdefault(name, []).append(steps)
+    return {name: min(interval, max(1, round(statistics.median(carried[name])))) if carried.get(name) else interval
+            for name in fleet}
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,7 +473,8 @@ class RoundStep:
 
     scale: float
     """In (0, 1]: the merged update's multiplier (`round_scale`). A round of fewer learners than
-    usual counts for their share of the fleet's mean (its merged update is theirs alone); a round
+    usual counts for their share of the fleet's mean, by their usual pieces (its merged update is
+    theirs alone); a round
     carrying more than MAX_REACH usual rounds of progress per learner is capped there."""
     progress: float
     """In (0, 1]: how much of a usual round's progress (its tokens, or its movement when that is
@@ -445,26 +482,33 @@ class RoundStep:
     (`outer.nesterov_step`)."""
 
 
-def round_step(size: RoundSize, recent: Sequence[RoundSize], fleet: int = 0, interval: int = 0) -> RoundStep:
+def round_step(size: RoundSize, recent: Sequence[RoundSize], fleet: Mapping[str, int] | None = None,
+               interval: int = 0) -> RoundStep:
     """The outer step of a round of `size` (the coordinator's `scale_rounds`): the share of the
-    usual round it carries, the usual round being every learner of the fleet with a usual piece.
+    usual round it carries, the usual round being every learner of the fleet with its usual piece.
 
     **The fleet's learners** are the median of the recent rounds' (the last RECENT_ROUNDS of
     `recent`), so one odd round does not move them and a fleet that has really changed is followed
     after a few rounds, but never fewer than `fleet`: the learners the round was for that contribute
-    (live, and known to have sent pieces: the caller counts them; 0 if not known). When most rounds
+    (live, and known to have sent pieces: the caller names them, each with its usual piece,
+    `usual_pieces`; None if not known). When most rounds
     hold one learner each (the step cadence with quorum 1: each piece merges as it comes), their
     median says 1, and each round would be a whole outer step of one learner's delta: counted
     against the fleet, each is its share. Learners that only heartbeat must not be in `fleet`: a
     flood of made-up ids would make every round a sliver of a step.
 
-    **A usual piece** is `interval` inner steps (H: the step cadence's, and the round clock's when
-    it follows H steps of the fastest learner), or, when the interval is not fixed (0: a clock of a
-    fixed period), the median tokens per learner of the recent rounds (`RoundSize.reach`). H does not
-    drift with the clock: a clock that runs slower or faster for a while makes every round carry
-    more or fewer steps, and a median of recent rounds would then count the next rounds of the
-    fleet as fractions, or the larger ones as no more than whole. On the clock the learners slower
-    than the fastest send fewer than H steps: a round of them carries that much less.
+    **A usual piece** is a learner's own (`fleet`): the steps it carries into a round, at most
+    `interval` inner steps (H: the step cadence's, and the round clock's when it follows H steps of
+    the fastest learner); `interval` for a learner the fleet does not name. When the interval is not
+    fixed (0: a clock of a fixed period) it is the median tokens per learner of the recent rounds
+    (`RoundSize.reach`). H does not drift with the clock: a clock that runs slower or faster for a
+    while makes every round carry more or fewer steps, and a median of recent rounds would then
+    count the next rounds of the fleet as fractions, or the larger ones as no more than whole. On
+    the clock a learner slower than the fastest sends fewer than H steps each round: that is its
+    usual piece, so a round of the whole fleet is a whole step, and a slow learner added to a fleet
+    adds its own progress to each round instead of making every round of the others a fraction.
+    A round without it counts for the others' share of the usual round's steps, by the same
+    measure its update's scale does.
 
     - **A small round** (one learner of four merged alone, a learner late for the round that
       merged, a last piece at the end of a run) moves the model only as far as the progress it
@@ -491,17 +535,21 @@ def round_step(size: RoundSize, recent: Sequence[RoundSize], fleet: int = 0, int
     if size.tokens <= 0 or not recent:
         return RoundStep(1.0, 1.0)
     recent = recent[-RECENT_ROUNDS:]
-    usual_learners = max(statistics.median(r.learners for r in recent), fleet)
+    fleet = fleet or {}
+    usual_learners = max(statistics.median(r.learners for r in recent), len(fleet))
     usual_reach = statistics.median(r.reach for r in recent)
+    unit = interval if interval > 0 else 1  # a learner the fleet does not name: a whole one
+    usual = math.fsum(fleet.values()) + unit * (usual_learners - len(fleet))
+    here = math.fsum(fleet.get(n, unit) for n in size.names) if size.names else unit * size.learners
     if interval > 0 and size.steps > 0:
-        progress = min(1.0, size.steps / (interval * usual_learners))
+        progress = min(1.0, size.steps / usual)
     else:
         usual_tokens = usual_learners * usual_reach
         progress = min(1.0, size.tokens / usual_tokens) if usual_tokens > 0 else 1.0
     norms = [r.norm for r in recent if r.norm]
     if size.norm is not None and norms:
         progress = max(min(progress, size.norm / (STILL_SHARE * statistics.median(norms))), STILL_PROGRESS)
-    scale = min(1.0, size.learners / usual_learners) if usual_learners > 0 else 1.0
+    scale = min(1.0, here / usual) if usual > 0 else 1.0
     if usual_reach > 0 and size.reach > MAX_REACH * usual_reach:
         scale *= MAX_REACH * usual_reach / size.reach
     return RoundStep(scale=scale, progress=progress)

@@ -86,10 +86,11 @@ def listed_refusals(refused: Sequence[Refusal], limit: int) -> tuple[Refusal, ..
 def write_version(store: Store, keys: RunKeys, *, fragment: int, version: int,
                   params: dict[str, torch.Tensor], state: NesterovState, inputs: tuple[Contribution, ...],
                   refused: tuple[Refusal, ...], settings: dict, epoch: int, timed: Timed = untimed,
-                  update: bytes | None = None) -> Manifest:
+                  update: bytes | None = None, merged_tokens: int = 0) -> Manifest:
     """Steps 1 and 2. Raises Conflict if a manifest for this version already exists, ValueError if
     the manifest would be too large for its readers (nothing is written then). `update` is the
-    version as an update of its parent (`outer.downstream_step`), stored beside the params.
+    version as an update of its parent (`outer.downstream_step`), stored beside the params;
+    `merged_tokens` the fragment's merged tokens so far, this version's included.
 
     `timed` times the encoding ("encode"), the objects' PUTs ("put") and the manifest's ("manifest")."""
     with timed("encode"):
@@ -101,7 +102,8 @@ def write_version(store: Store, keys: RunKeys, *, fragment: int, version: int,
                          outer_state_key=keys.outer_state(fragment, version, epoch), outer_state_sha256="0" * 64,
                          inputs=inputs, settings=settings, refused=refused, committed_at=0.0, epoch=epoch,
                          update_key=update_key, update_sha256="0" * 64 if update is not None else "",
-                         update_bytes=len(update or b""), params_bytes=1 << 40)  # sizes: no smaller than the real ones
+                         update_bytes=len(update or b""), params_bytes=1 << 40,  # sizes: no smaller than the real ones
+                         merged_tokens=merged_tokens)
         size = len(draft.to_wire())
         if size > Manifest.MAX_BYTES:
             raise ValueError(f"the manifest of fragment {fragment} version {version} would be {size} bytes, over "
@@ -125,7 +127,7 @@ def write_version(store: Store, keys: RunKeys, *, fragment: int, version: int,
                         outer_state_sha256=state_sha256, inputs=inputs, settings=settings,
                         refused=refused, committed_at=time.time(), epoch=epoch, update_key=update_key,
                         update_sha256=update_sha256, update_bytes=len(update or b""),
-                        params_bytes=len(params_blob))
+                        params_bytes=len(params_blob), merged_tokens=merged_tokens)
     with timed("manifest"):
         store.put(keys.manifest(fragment, version), manifest.to_wire(), create_only=True)
     crash_point("manifest_written")

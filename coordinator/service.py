@@ -35,7 +35,7 @@ from diloco.coordinator.outer import (MergeSettings, NesterovState, downstream_s
                                       scale_update, update_norm)
 from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round,
                                        merge_order, merge_weights, next_cadence, round_size, round_step, run_end,
-                                       served_deadline, staleness_verdict)
+                                       budget_spent, served_deadline, staleness_verdict, usual_pieces)
 from diloco.coordinator.publish import (commit, commit_existing, decode_state, listed_refusals, roll_forward,
                                         write_version)
 from diloco.coordinator.recovery import reannounce_lost
@@ -111,6 +111,9 @@ class Fragment:
     """The last rounds merged here (`policy.round_step`'s usual round)."""
     claims: list[tuple[Claim, ...]] = field(default_factory=list)
     """What the pieces of the same rounds counted (`influence.count_claims` weighs a claim against them)."""
+    merged_tokens: int | None = None
+    """The tokens merged into the fragment up to its head (`Manifest.merged_tokens`); None: read from
+    the head's manifest when needed (the head moved by another path than our own commit)."""
     committed: list[frozenset[str]] = field(default_factory=list)
     """The contribution ids of the last versions this process committed here (max_staleness + 1 of
     them): applied, since their manifests are in S3, whatever Redis says (it may forget its last
@@ -274,7 +277,7 @@ class Coordinator:
                              keep_applied=self._keep_applied)
         for fragment, frag in self.fragments.items():
             if heads.get(fragment, -1) != frag.head:
-                frag.head, frag.params, frag.state = heads.get(fragment, -1), None, None
+                frag.head, frag.params, frag.state, frag.merged_tokens = heads.get(fragment, -1), None, None, None
             frag.round = [c for c in frag.round if not self.bus.is_applied(c.announcement.contribution_id)]
         return heads
 
@@ -399,9 +402,23 @@ class Coordinator:
         self.finish_asked = fleet.finish_request
         self.metrics.fleet(now)
 
+    def _merged_tokens(self, fragment: int, frag: Fragment) -> int:
+        """The tokens merged into `fragment` up to its head (`Manifest.merged_tokens`)."""
+        if frag.merged_tokens is None:
+            frag.merged_tokens = (read_manifest(self.store, self.keys, fragment, frag.head).merged_tokens
+                                  if frag.head >= 0 else 0)
+        return frag.merged_tokens
+
     def _maybe_end(self, fleet: Fleet, complete: bool) -> None:
         """Finish the run once `policy.run_end` says it is over and no announcement is pending in the
-        stream either (none left to another consumer)."""
+        stream either (none left to another consumer), or once every fragment has merged the token
+        budget (`policy.budget_spent`; what is in flight is not merged then)."""
+        if self.config.token_budget > 0:
+            spent = budget_spent({f: self._merged_tokens(f, frag) for f, frag in self.fragments.items()},
+                                 self.config.token_budget)
+            if spent is not None:
+                self._end("budget", spent)
+                return
         pending = sum(len(f.round) for f in self.fragments.values()) + len(self._retry) + int(not complete)
         asked = fleet.finish_request
         over = run_end(joined=fleet.joined, live=fleet.live, finished=fleet.finished,
@@ -703,10 +720,10 @@ class Coordinator:
             self._refuse_overflow(fragment, frag, contributions)
 
     def _step_round(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
-                    ordered: tuple[Arrival, ...], fleet: int
+                    ordered: tuple[Arrival, ...], fleet: frozenset[str]
                     ) -> tuple[tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None, dict]:
         """Merge the round's pieces (in merge order, with their weights), take the outer step (scaled
-        against the round's usual size for a `fleet` of that many live learners that send pieces) and the
+        against the round's usual size for the `fleet` of live learners that send pieces) and the
         downstream step: the version's params, outer state and update object (None if the step
         overflowed float32), and the settings its manifest records. These configure the merge itself:
         a replay's `apply_round` runs the same merge, scale and outer step from them.
@@ -722,7 +739,8 @@ class Coordinator:
                 norm = update_norm(update)
                 # H steps make a usual piece, unless the clock has a fixed period (`round_s`).
                 interval = self.spec.sync_every if self.config.round_s <= 0 else 0
-                step = round_step(round_size(ordered, norm), frag.recent, fleet, interval)
+                usual = usual_pieces(sorted(fleet), frag.claims, interval)
+                step = round_step(round_size(ordered, norm), frag.recent, usual, interval)
                 merge = replace(merge, round_scale=step.scale, progress=step.progress, update_norm=norm)
                 settings |= merge.round_map()
                 update = scale_update(update, step.scale)
@@ -779,6 +797,7 @@ class Coordinator:
         merged = {c.contribution_id for c in manifest.inputs}
         frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
         frag.head, frag.params, frag.state, frag.wake_at = version, None, None, None
+        frag.merged_tokens = manifest.merged_tokens
         self.bus.incr("versions_adopted")
 
     def _ensure_loaded(self, fragment: int, frag: Fragment) -> None:
@@ -836,10 +855,11 @@ class Coordinator:
                   bounded=notes.get(c.announcement.contribution_id, ""))
             for c, w, n in zip(contributions, weights, counted, strict=True))
         refused = listed_refusals([*frag.refused, *self._unplaced], self.config.max_refusals_listed)
+        merged_tokens = self._merged_tokens(fragment, frag) + sum(c.tokens for c in inputs)
         try:
             manifest = write_version(self.store, self.keys, fragment=fragment, version=version, params=params,
                                      state=state, inputs=inputs, refused=refused, settings=settings,
-                                     epoch=self.epoch, timed=self.timing, update=update)
+                                     epoch=self.epoch, timed=self.timing, update=update, merged_tokens=merged_tokens)
         except Conflict:
             self._adopt_written(fragment, frag, version)
             return
@@ -874,6 +894,7 @@ class Coordinator:
             frag.claims = [*frag.claims, tuple(Claim(a.learner, a.tokens, a.steps) for a in counted)][-RECENT_ROUNDS:]
         frag.committed = [*frag.committed, frozenset(merged)][-(self.round_cfg.max_staleness + 1):]
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
+        frag.merged_tokens = manifest.merged_tokens
         elapsed = time.monotonic() - t0
         self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed
         log.info("committed fragment %d version %d from %d contribution(s) in %.3fs", fragment, version,

@@ -386,11 +386,16 @@ class Manifest(Record):
     while it is smaller than the params."""
     params_bytes: int = 0
     """Size of the params object (0 in manifests made before sizes were recorded)."""
+    merged_tokens: int = 0
+    """The tokens merged into the fragment since version 0, this version's inputs included (counted
+    as they weighed): what `--token-budget` measures. Counted from 0 again after manifests made
+    before it was recorded."""
 
     def __post_init__(self) -> None:
         check_id("run", self.run)
         _require(bool(self.update_key) == bool(self.update_sha256) and self.update_bytes >= 0
-                 and self.params_bytes >= 0, "update_key and update_sha256 go together, sizes >= 0")
+                 and self.params_bytes >= 0 and self.merged_tokens >= 0,
+                 "update_key and update_sha256 go together, sizes and merged tokens >= 0")
         _require(self.version >= 0 and self.parent_version == self.version - 1,
                  f"version {self.version} must follow parent {self.parent_version}")
 
@@ -540,6 +545,10 @@ class FinishRequest(Record):
         check_id("run", self.run)
 
 
+RUN_ENDERS = ("learners", "operator", "budget")
+"""Who may end a run (`RunEnd.by`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RunEnd(Record):
     """The end of a run (`finished.msgpack`, create-only, and the `finished` key): no contribution
@@ -549,7 +558,8 @@ class RunEnd(Record):
     finished_at: float
     """Redis server time (unix seconds)."""
     by: str
-    """'learners' (every learner that joined has finished) or 'operator' (`diloco finish`)."""
+    """'learners' (every learner that joined has finished), 'operator' (`diloco finish`) or 'budget'
+    (every fragment merged the coordinator's `--token-budget`)."""
     reason: str
     """The sentence the coordinator logged."""
     versions: tuple[int, ...]
@@ -559,5 +569,5 @@ class RunEnd(Record):
 
     def __post_init__(self) -> None:
         check_id("run", self.run)
-        _require(self.by in ("learners", "operator"), f"by must be 'learners' or 'operator', got {self.by!r}")
+        _require(self.by in RUN_ENDERS, f"by must be one of {', '.join(RUN_ENDERS)}, got {self.by!r}")
         _require(all(v >= -1 for v in self.versions), "final versions must be >= -1")

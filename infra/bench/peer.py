@@ -95,15 +95,16 @@ class PeerResult:
 
 
 def run_torchft(task: Task, task_path: Path, out: Path, *, replicas: int, steps: int, sync_every: int,
-                budget_s: float) -> PeerResult:
+                budget_s: float, name: str = "torchft", step_time_s: float = 0.0) -> PeerResult:
     """Run the torchft arm to its end and evaluate it (see the module docstring). `budget_s`: how
-    long the replicas may take before they are counted as stuck (plus OVERRUN_S)."""
-    arm = out / "torchft"
+    long the replicas may take before they are counted as stuck (plus OVERRUN_S); `step_time_s`:
+    each replica's pace (every step takes at least that long), 0 for none."""
+    arm = out / name
     versions = arm / "versions"
     for old in versions.glob("*.safetensors"):
         old.unlink()
     env = process_env({})
-    lighthouse, address = start_lighthouse(replicas, out / "logs" / "torchft-lighthouse.log", env)
+    lighthouse, address = start_lighthouse(replicas, out / "logs" / f"{name}-lighthouse.log", env)
     started, started_unix = time.monotonic(), time.time()
     with Fleet(env, out / "logs") as fleet:
         try:
@@ -111,8 +112,9 @@ def run_torchft(task: Task, task_path: Path, out: Path, *, replicas: int, steps:
                 fleet.add(f"replica-{i}", [sys.executable, "-m", "diloco.infra.bench.torchft_replica", "--task",
                                            str(task_path), "--replica", str(i), "--replicas", str(replicas),
                                            "--lighthouse", address, "--steps", str(steps),
-                                           "--sync-every", str(sync_every), "--data-seed", str(i), "--out", str(arm)],
-                          log=f"torchft-replica-{i}.log")
+                                           "--sync-every", str(sync_every), "--data-seed", str(i), "--out", str(arm),
+                                           "--step-time-s", str(step_time_s)],
+                          log=f"{name}-replica-{i}.log")
             while fleet.busy():
                 time.sleep(0.5)
                 fleet.check()  # a replica must end with 0
@@ -123,7 +125,7 @@ def run_torchft(task: Task, task_path: Path, out: Path, *, replicas: int, steps:
         finally:
             fleet.stop(timeout_s=10)
             lighthouse.terminate(10)
-    return PeerResult("torchft", wall_s, *evaluate_versions(task, versions, started_unix), steps)
+    return PeerResult(name, wall_s, *evaluate_versions(task, versions, started_unix), steps)
 
 
 def evaluate_versions(task: Task, versions: Path, started_unix: float) -> tuple[list[tuple[float, float]], list[int]]:

@@ -19,6 +19,18 @@ schedule (so every arm trains the same tokens from the same seeds):
 - baseline: one replica for M x steps steps of the same batch size (the same tokens), trained in
   this process, its schedule spanning them all.
 
+Straggler arms, every learner paced (each step takes at least `pace` seconds, the rest slept, so that
+speed ratios hold on shared cores; `pace` fits the fleet's load to this machine's cores) and all of
+them ending together (equal wall time):
+
+- straggler: the decoupled arm with learner M-1 STRAGGLER_SLOWDOWN x slower per step, training
+  steps / STRAGGLER_SLOWDOWN steps (its schedule spans what it does in the others' time);
+- without: the decoupled arm of the M-1 fast learners alone;
+- torchft_without: torchft's synchronous DiLoCo of the M-1 fast replicas: what torchft does with a
+  straggler at best, leaving it out of every quorum (`min_replicas` M-1).
+
+The verdict holds straggler to <= both: adding a slow learner never leaves the model worse.
+
 Our arms' learners are `diloco learner --task` processes (the public `Learner` API). Every arm's
 global model is evaluated after every committed version (outer step; every M x H steps for the
 baseline), after the arm has ended.
@@ -36,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,14 +64,18 @@ from diloco.infra.bench.trial import (SYNC_LEARNER, LearnerPlan, Trial, TrialRes
 from diloco.infra.local.stack import LocalStack
 from diloco.infra.output import Progress
 from diloco.storage.codecs import CODECS
-from diloco.workers.tasks.base import train_baseline
+from diloco.workers.tasks.base import Task, train_baseline, train_step
 
 log = logging.getLogger(__name__)
 
 NAME = "quality"
 HELP = ("eval loss of decoupled DiLoCo, synchronous DiLoCo (ours, torchft's) and a single replica on the same "
         "token budget, per task")
-ARMS = ("decoupled", "waiting", "sync", "torchft", "baseline")
+ARMS = ("decoupled", "waiting", "sync", "torchft", "baseline", "straggler", "without", "torchft_without")
+STRAGGLER_SLOWDOWN = 5.0
+"""The straggler arm's slow learner takes this many times as long per step as the others."""
+HEADROOM = 1.5
+"""The paced arms' step time: this x a step's compute time x the fleet's load per core."""
 SETTINGS = ("own", "defaults")
 MIN_ROUNDS = 20
 """At the run's defaults, a task's budget gives every fragment at least this many rounds of H steps."""
@@ -91,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra options for the decoupled arm's coordinator, after the run's settings (so they "
                              "override them), e.g. '--fragments 1' or '--no-staleness-discount'")
     parser.add_argument("--arms", default=",".join(ARMS),
-                        help="comma-separated subset of %(default)s (default: all five)")
+                        help="comma-separated subset of %(default)s (default: all)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +155,33 @@ def our_arms(args: argparse.Namespace, b: Budget) -> dict[str, Trial]:
     }
 
 
+def straggler_arms(args: argparse.Namespace, b: Budget, decoupled: Trial, pace_s: float) -> dict[str, Trial]:
+    """The straggler arm and our M-1 fleet without it, paced at `pace_s` per step (see the module docstring)."""
+    slow = LearnerPlan(f"learner-{args.learners - 1}", slowdown=STRAGGLER_SLOWDOWN,
+                       steps=max(1, round(b.steps / STRAGGLER_SLOWDOWN)), data_seed=args.learners - 1)
+    fast = decoupled.learners[:-1]
+    return {"straggler": replace(decoupled, name="straggler", learners=(*fast, slow), step_time_s=pace_s),
+            "without": replace(decoupled, name="without", learners=fast, step_time_s=pace_s)}
+
+
+def pace(task: Task, learners: int, cores: int | None = None, steps: int = 8) -> float:
+    """Seconds per step that a paced fleet of `learners - 1` learners and one straggler can keep on
+    this machine's cores: a step's compute time (measured here, one thread) x their load per core x
+    HEADROOM (for the coordinator and the learners' transfer threads)."""
+    torch.set_num_threads(1)
+    model = task.make_model(0)
+    optimizer = task.make_inner_optimizer(model)
+    schedule = task.make_lr_schedule(optimizer, 2 * steps)
+    batches = task.train_batches(0)
+    train_step(task, model, optimizer, schedule, next(batches))  # warm
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        train_step(task, model, optimizer, schedule, next(batches))
+    step_s = (time.perf_counter() - t0) / steps
+    load = (learners - 1 + 1 / STRAGGLER_SLOWDOWN) / (cores or os.cpu_count() or 1)
+    return round(step_s * max(1.0, load) * HEADROOM, 3)
+
+
 @dataclass
 class QualityResult:
     learners: int
@@ -165,26 +209,38 @@ def run_task(b: Budget, bench: BenchTask, args: argparse.Namespace, wanted: list
     out.mkdir(parents=True, exist_ok=True)
     arms: dict[str, ArmCurve] = {}
     skipped: dict[str, str] = {}
-    for arm, trial in our_arms(args, b).items():
+    ours = our_arms(args, b)
+    paced = {"straggler", "without", "torchft_without"} & set(wanted)
+    pace_s = pace(task, args.learners) if paced else 0.0
+    if paced:
+        log.info("quality %s: straggler arms paced at %.3fs per step (the straggler x%g)", name, pace_s,
+                 STRAGGLER_SLOWDOWN)
+        ours |= straggler_arms(args, b, ours["decoupled"], pace_s)
+    for arm, trial in ours.items():
         if arm in wanted:
             log.info("quality %s: arm %s ...", name, arm)
             result = run_trial(stack, trial, task, out, curve_points=None)
             arms[arm] = trial_curve(result)
+            if trial.step_time_s:
+                arms[arm].details["pace_s"] = trial.step_time_s
             log.info("quality %s: arm %s: eval %.4f in %.0fs", name, arm, result.eval_loss, result.wall_s)
-    if "torchft" in wanted:
+    for arm, replicas, step_s in (("torchft", args.learners, 0.0), ("torchft_without", args.learners - 1, pace_s)):
+        if arm not in wanted:
+            continue
         missing = torchft_missing()
         if missing:
-            skipped["torchft"] = missing
-            log.warning("quality %s: torchft arm skipped: %s", name, missing)
-        else:
-            log.info("quality %s: arm torchft ...", name)
-            task_path = out / "task.json"
-            task_path.write_text(json.dumps(task.to_wire()))
-            peer = run_torchft(task, task_path, out, replicas=args.learners, steps=b.steps, sync_every=b.sync_every,
-                               budget_s=BUDGET_S)
-            arms["torchft"] = ArmCurve("torchft", peer.curve, peer.wall_s,
-                                       details={"steps": peer.steps, "unsynced_steps": peer.unsynced_steps})
-            log.info("quality %s: arm torchft: eval %.4f in %.0fs", name, peer.eval_loss, peer.wall_s)
+            skipped[arm] = missing
+            log.warning("quality %s: %s arm skipped: %s", name, arm, missing)
+            continue
+        log.info("quality %s: arm %s ...", name, arm)
+        task_path = out / "task.json"
+        task_path.write_text(json.dumps(task.to_wire()))
+        peer = run_torchft(task, task_path, out, replicas=replicas, steps=b.steps, sync_every=b.sync_every,
+                           budget_s=BUDGET_S, name=arm, step_time_s=step_s)
+        arms[arm] = ArmCurve(arm, peer.curve, peer.wall_s,
+                             details={"steps": peer.steps, "unsynced_steps": peer.unsynced_steps,
+                                      **({"pace_s": step_s} if step_s else {})})
+        log.info("quality %s: arm %s: eval %.4f in %.0fs", name, arm, peer.eval_loss, peer.wall_s)
     if "baseline" in wanted:
         torch.set_num_threads(2)
         t0 = time.monotonic()

@@ -26,6 +26,9 @@ MAX_TO_BASELINE = 1.02
 MAX_TO_WAITING = 1.005
 """Target: decoupled final <= this x the waiting arm's (the same run with learners that wait for each
 merge): never waiting is (nearly) free (invariant 11)."""
+MAX_WITH_STRAGGLER = 1.0
+"""Target: the straggler arm's final <= this x the better of the fleets without the straggler (ours
+and torchft's, at equal wall time): a slow learner never leaves the model worse."""
 MAX_DAMAGE = 0.005
 """Target: decoupled final <= (1 + this) x the best of the last LAST_SHARE of the run."""
 
@@ -109,10 +112,17 @@ class TaskReport:
         to_torchft, to_baseline = self.ratio("decoupled", "torchft"), self.ratio("decoupled", "baseline")
         to_waiting = self.ratio("decoupled", "waiting")
         damage = self.arms["decoupled"].end.damage_share if "decoupled" in self.arms else None
+        with_straggler = self.straggler_ratio()
         return {"to_torchft": None if to_torchft is None else to_torchft <= MAX_TO_TORCHFT,
                 "to_baseline": None if to_baseline is None else to_baseline <= MAX_TO_BASELINE,
                 "to_waiting": None if to_waiting is None else to_waiting <= MAX_TO_WAITING,
-                "end_of_run": None if damage is None else damage <= MAX_DAMAGE}
+                "end_of_run": None if damage is None else damage <= MAX_DAMAGE,
+                "straggler": None if with_straggler is None else with_straggler <= MAX_WITH_STRAGGLER}
+
+    def straggler_ratio(self) -> float | None:
+        """The straggler arm's final over the better of the fleets without it (None if any did not run)."""
+        ratios = [self.ratio("straggler", arm) for arm in ("without", "torchft_without")]
+        return None if None in ratios else max(ratios)
 
     def verdict_line(self) -> str:
         def said(ok: bool | None) -> str:
@@ -126,7 +136,8 @@ class TaskReport:
                 f"{said(v['to_torchft'])}), / baseline {_fmt(to_baseline, '.4f')} (<= {MAX_TO_BASELINE}: "
                 f"{said(v['to_baseline'])}), / waiting {_fmt(to_waiting, '.4f')} (<= {MAX_TO_WAITING}: "
                 f"{said(v['to_waiting'])}), end-of-run damage {_fmt(damage and 100 * damage, '.2f')}% "
-                f"(<= {100 * MAX_DAMAGE}%: {said(v['end_of_run'])})")
+                f"(<= {100 * MAX_DAMAGE}%: {said(v['end_of_run'])}), straggler / without it "
+                f"{_fmt(self.straggler_ratio(), '.4f')} (<= {MAX_WITH_STRAGGLER}: {said(v['straggler'])})")
 
     def to_json(self) -> dict:
         return {"task": self.wire, "steps_per_learner": self.steps, "sync_every": self.sync_every, "entropy_floor": self.floor,
@@ -149,7 +160,7 @@ def table(reports: Sequence[TaskReport], learners: int) -> str:
         floor = "unknown" if r.floor is None else f"{r.floor:.4f}"
         lines.append(f"{r.task}: {r.steps} steps per learner, H = {r.sync_every}, floor {floor}")
         lines.extend(f"  {arm} skipped: {why}" for arm, why in r.skipped.items())
-    lines.extend(r.verdict_line() for r in reports if "decoupled" in r.arms)
+    lines.extend(r.verdict_line() for r in reports if {"decoupled", "straggler"} & set(r.arms))
     return "\n".join(lines)
 
 

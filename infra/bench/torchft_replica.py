@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--out", type=Path, required=True, help="replica 0 writes the global versions here")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--step-time-s", type=float, default=0.0,
+                        help="pace: every step takes at least this long (the rest is slept), as our paced learners")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s replica-{args.replica} %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
@@ -88,7 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every, pin_memory=False):
             for step in range(1, args.steps + 1):
+                t0 = time.perf_counter()
                 loss = train_step(task, model, inner, schedule, next(batches))
+                if args.step_time_s > 0:
+                    time.sleep(max(0.0, args.step_time_s - (time.perf_counter() - t0)))
                 if manager.current_step() != committed:  # an outer step was committed in this step's hook
                     committed = manager.current_step()
                     log.info("step %d: outer step %d committed, train loss %.4f (%.0fs)", step, committed, loss,

@@ -53,6 +53,11 @@ def manifests(coord) -> dict[int, list]:  # noqa: ANN001
             for f, head in coord.bus.heads().items()}
 
 
+def sees_end(learner, opt) -> bool:  # noqa: ANN001
+    train(learner, opt, 1)
+    return learner.run_finished
+
+
 def merged_ids(coord) -> list[str]:  # noqa: ANN001
     return [c.contribution_id for history in manifests(coord).values() for m in history for c in m.inputs]
 
@@ -176,3 +181,38 @@ def test_diloco_finish_without_a_coordinator_fails_and_the_next_coordinator_fini
     step_until(coord, "the run's end", lambda: coord.ended is not None)
     assert coord.ended.by == "operator" and coord.ended.versions == (0, 0)
     coord.close()
+
+
+def test_a_token_budget_ends_the_run_once_every_fragment_merged_it_also_after_a_restart(endpoints, run_id):
+    """`--token-budget`: the run ends once every fragment has merged that many tokens, counted in the
+    manifests (so a restarted coordinator goes on from its predecessor's count, not from 0), and the
+    learners see the run end. Two learners, 10 tokens per step, H = 4, the budget 200: after 10 steps
+    each, fragment 0 has merged 2 x 8 steps (160 tokens), fragment 1 2 x 10 (200); fragment 0's
+    pieces of step 12 bring it to 240."""
+    config = CoordinatorConfig(token_budget=200, round=RoundConfig(min_quorum=2, max_grace_s=0.0))
+    coord = Coordinator(endpoints, run_id, settings=STEPS_RUN, config=config)
+    (a, opt_a), (b, opt_b) = (join(endpoints, run_id, coord, name) for name in "ab")
+
+    def merged() -> dict[int, int]:
+        return {f: history[-1].merged_tokens for f, history in manifests(coord).items()}
+
+    try:
+        train(a, opt_a, 10)  # fragment 0 sent at steps 4 and 8, fragment 1 at 6 and 10
+        train(b, opt_b, 10)
+        step_until(coord, "the pieces of 10 steps merged", lambda: merged() == {0: 160, 1: 200})
+        coord.step(block_ms=20)
+        assert coord.ended is None and not a.run_finished  # fragment 0 has not merged the budget
+        coord.close()
+        coord = Coordinator(endpoints, run_id, settings=STEPS_RUN, config=config)  # a restart: 160 and 200 so far
+        train(a, opt_a, 4)
+        train(b, opt_b, 4)
+        step_until(coord, "the run's end", lambda: coord.ended is not None)
+        end = read_run_end(coord.store, coord.keys)
+        assert end is not None and end.by == "budget" and "200" in end.reason
+        assert merged()[0] == 240 and end.versions == tuple(coord.bus.heads()[f] for f in (0, 1))
+        # A learner sees the end on its heartbeat, and says so at its next step.
+        wait_for("the learners to see the run end", lambda: sees_end(a, opt_a) and sees_end(b, opt_b))
+    finally:
+        for learner in (a, b):
+            learner.close()
+        coord.close()

@@ -142,10 +142,11 @@ def test_the_usual_fleet_counts_senders_the_rounds_own_and_the_lately_finished_n
     none: frozenset[str] = frozenset()
     # A thousand ids that only heartbeat count for nothing; live senders count.
     flood = frozenset({"a", "b"} | {f"x{i}" for i in range(1000)})
-    assert usual_fleet(flood, arrived=none, sent=sent, recent=none, finished=none) == 2
+    assert usual_fleet(flood, arrived=none, sent=sent, recent=none, finished=none) == {"a", "b"}
     # The round's own learners count, also one whose final piece is in it (no longer live).
-    assert usual_fleet(frozenset({"a"}), arrived=frozenset({"b"}), sent=sent, recent=none, finished=none) == 2
+    assert usual_fleet(frozenset({"a"}), arrived=frozenset({"b"}), sent=sent, recent=none, finished=none) == {"a", "b"}
     # Finished learners count while they have a piece in the recent rounds; crashed ones (neither live
     # nor finished) and finished ones gone from the recent rounds do not.
     recent = frozenset({"a", "b", "old", "crashed"})
-    assert usual_fleet(frozenset({"a"}), arrived=none, sent=sent, recent=recent, finished=frozenset({"b", "gone"})) == 2
+    assert usual_fleet(frozenset({"a"}), arrived=none, sent=sent, recent=recent,
+                       finished=frozenset({"b", "gone"})) == {"a", "b"}

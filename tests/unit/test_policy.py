@@ -10,7 +10,8 @@ import pytest
 
 from diloco.coordinator.policy import (FIRST_DEADLINE_LEAD_S, STILL_PROGRESS, Arrival, Decision, RoundConfig, RoundSize,
                                        RoundState, RoundStep, decide_round, merge_order, merge_weights, next_cadence,
-                                       quorum_target, round_size, round_step, run_end, staleness_verdict)
+                                       quorum_target, round_size, round_step, run_end, staleness_verdict,
+                                       usual_pieces)
 from diloco.storage.errors import ConfigError
 from diloco.storage.protocol import Cadence
 
@@ -376,7 +377,7 @@ def test_a_round_that_barely_moves_steps_by_its_movement_not_its_tokens() -> Non
 
 def test_round_size_counts_tokens_and_distinct_learners() -> None:
     pieces = [arrival("a", 1.0, tokens=300), arrival("a", 2.0, tokens=200), arrival("b", 1.5, tokens=500)]
-    assert round_size(pieces) == RoundSize(tokens=1000, learners=2, steps=30)
+    assert round_size(pieces) == RoundSize(tokens=1000, learners=2, steps=30, names=frozenset({"a", "b"}))
     assert round_size(pieces).reach == 500
 
 
@@ -392,10 +393,10 @@ def test_rounds_of_one_learner_each_are_each_their_share_of_the_fleet() -> None:
     learners that contribute and are live, each round is a quarter."""
     recent = one_learner_rounds(4, 12)
     piece = round_size([arrival("l0", 99.0, tokens=2000, steps=20)])
-    assert round_step(piece, recent, fleet=4, interval=20) == RoundStep(scale=0.25, progress=0.25)
-    assert round_step(piece, recent, fleet=4) == RoundStep(scale=0.25, progress=0.25)  # by tokens per learner
+    assert round_step(piece, recent, whole(4, 20), interval=20) == RoundStep(scale=0.25, progress=0.25)
+    assert round_step(piece, recent, whole(4, 1)) == RoundStep(scale=0.25, progress=0.25)  # by tokens per learner
     # Contributors that are gone do not count: two of the four left, the fleet is the two live ones.
-    assert round_step(piece, recent, fleet=2, interval=20) == RoundStep(scale=0.5, progress=0.5)
+    assert round_step(piece, recent, whole(2, 20), interval=20) == RoundStep(scale=0.5, progress=0.5)
     # Without the fleet (not known) the median is all there is.
     assert round_step(piece, recent) == RoundStep(1.0, 1.0)
 
@@ -406,10 +407,42 @@ def test_a_usual_piece_is_h_steps_so_a_clock_that_drifts_does_not_move_the_usual
     and a round of learners slower than the fastest carries their share of H."""
     slow_clock = [round_size([arrival(f"l{k}", float(k), tokens=2600, steps=26) for k in range(4)])] * 8
     fleet_round = round_size([arrival(f"l{k}", 9.0, tokens=2000, steps=20) for k in range(4)])
-    assert round_step(fleet_round, slow_clock, fleet=4, interval=20) == RoundStep(1.0, 1.0)
-    assert round_step(fleet_round, slow_clock, fleet=4).progress == pytest.approx(20 / 26)  # against the median
+    assert round_step(fleet_round, slow_clock, whole(4, 20), interval=20) == RoundStep(1.0, 1.0)
+    assert round_step(fleet_round, slow_clock, whole(4, 1)).progress == pytest.approx(20 / 26)  # against the median
+    # Learners whose usual piece is not known count H steps each: a round of fewer is that much less.
     uneven = round_size([arrival(f"l{k}", 9.0, tokens=100 * n, steps=n) for k, n in enumerate((20, 18, 16, 14))])
-    assert round_step(uneven, slow_clock, fleet=4, interval=20) == RoundStep(1.0, pytest.approx(68 / 80))
+    assert round_step(uneven, slow_clock, whole(4, 20), interval=20) == RoundStep(1.0, pytest.approx(68 / 80))
     # A straggler's two intervals: a whole step, not more.
     two = round_size([arrival(f"l{k}", 9.0, tokens=100 * n, steps=n) for k, n in enumerate((20, 20, 20, 40))])
-    assert round_step(two, slow_clock, fleet=4, interval=20) == RoundStep(1.0, 1.0)
+    assert round_step(two, slow_clock, whole(4, 20), interval=20) == RoundStep(1.0, 1.0)
+
+
+def whole(learners: int, steps: int) -> dict[str, int]:
+    """A fleet of `learners` (l0, l1...) whose usual piece is `steps` each."""
+    return {f"l{k}": steps for k in range(learners)}
+
+
+def test_a_slow_learner_adds_its_progress_to_a_round_and_its_absence_costs_its_share() -> None:
+    """On the clock, a learner five times slower than the others sends H / 5 steps into each round:
+    that is its usual piece (`usual_pieces`, from the recent rounds), so a round of the whole fleet
+    is a whole step, where counting it as H steps made every round 0.8 of one (a slow learner made
+    the fleet worse than it was without it). A round it misses counts for the others' share of the
+    fleet's usual steps, by the scale of its update as by its step."""
+    h = 50
+    rounds = [[arrival(f"l{k}", float(k), tokens=100 * n, steps=n) for k, n in enumerate((50, 50, 50, 10))]] * 8
+    usual = usual_pieces([f"l{k}" for k in range(4)], rounds, h)
+    assert usual == {"l0": 50, "l1": 50, "l2": 50, "l3": 10}
+    recent = [round_size(r) for r in rounds]
+    assert round_step(round_size(rounds[0]), recent, usual, h) == RoundStep(1.0, 1.0)
+    assert round_step(round_size(rounds[0]), recent, whole(4, h), h) == RoundStep(1.0, pytest.approx(0.8))  # as H each
+    without = round_size(rounds[0][:3])
+    assert round_step(without, recent, usual, h) == RoundStep(pytest.approx(150 / 160), pytest.approx(150 / 160))
+    # Its piece missed a round and came with the next: the two add up within that round.
+    late = [[*r[:3], r[3], replace(r[3], contribution_id="again")] for r in rounds[:1]] + rounds[1:]
+    assert usual_pieces(["l3"], late, h) == {"l3": 10}
+    assert usual_pieces(["l3"], [[replace(rounds[0][3], steps=10)], [replace(rounds[0][3], steps=20)]] * 3, h) == \
+        {"l3": 15}
+    # A newcomer counts whole until its pieces show otherwise; no piece counts more than H.
+    assert usual_pieces(["new", "l0"], [[replace(rounds[0][0], steps=400)]], h) == {"new": h, "l0": h}
+    # With no fixed interval, learners count one each.
+    assert usual_pieces(["a", "b"], rounds, 0) == {"a": 1, "b": 1}

@@ -28,12 +28,14 @@ def test_verdict_holds_the_decoupled_arm_to_torchft_the_baseline_and_its_own_end
             "baseline": ArmCurve("baseline", curve(1.48), 5.0, x_unit="steps")}
     report = TaskReport("demo", 100, 10, 1.0, arms, {})
     assert report.ratio("decoupled", "torchft") == pytest.approx(1.505 / 1.49)
-    assert report.verdict() == {"to_torchft": False, "to_baseline": True, "to_waiting": None, "end_of_run": True}
+    assert report.verdict() == {"to_torchft": False, "to_baseline": True, "to_waiting": None, "end_of_run": True,
+                                "straggler": None}
     assert "NOT met" in report.verdict_line()
     rows = {row[1]: row for row in report.rows()}
     assert rows["decoupled"][7] == pytest.approx(0.505) and rows["decoupled"][8] == 3  # gap to floor, points
     partial = TaskReport("gpt2", 100, 10, None, {"decoupled": arms["decoupled"]}, {"torchft": "not installed"})
-    assert partial.verdict() == {"to_torchft": None, "to_baseline": None, "to_waiting": None, "end_of_run": True}
+    assert partial.verdict() == {"to_torchft": None, "to_baseline": None, "to_waiting": None, "end_of_run": True,
+                                 "straggler": None}
     text = table([report, partial], 4)
     assert "torchft skipped: not installed" in text and "floor unknown" in text
     assert report.to_json()["arms"]["decoupled"]["gap_to_floor"] == pytest.approx(0.505)
@@ -46,3 +48,19 @@ def test_never_waiting_is_held_to_the_same_run_with_waiting_learners() -> None:
     arms["decoupled"] = ArmCurve("decoupled", curve(2.0, 1.509), 10.0)
     report = TaskReport("fast", 100, 50, 1.0, arms, {})
     assert report.verdict()["to_waiting"] is False and "/ waiting 1.0060" in report.verdict_line()
+
+
+def test_a_straggler_is_held_to_the_better_fleet_without_it() -> None:
+    """The straggler arm's final against ours and torchft's fleets of the fast learners alone: the
+    worse of its two ratios must be <= 1 (adding a slow learner never leaves the model worse)."""
+    arms = {"straggler": ArmCurve("straggler", curve(2.0, 1.20), 10.0),
+            "without": ArmCurve("without", curve(2.0, 1.21), 10.0),
+            "torchft_without": ArmCurve("torchft_without", curve(2.0, 1.22), 10.0)}
+    report = TaskReport("fast", 100, 50, 1.0, arms, {})
+    assert report.straggler_ratio() == pytest.approx(1.20 / 1.21) and report.verdict()["straggler"] is True
+    assert "straggler / without it 0.9917 (<= 1.0: met)" in table([report], 4)
+    arms["torchft_without"] = ArmCurve("torchft_without", curve(2.0, 1.19), 10.0)
+    report = TaskReport("fast", 100, 50, 1.0, arms, {})
+    assert report.straggler_ratio() == pytest.approx(1.20 / 1.19) and report.verdict()["straggler"] is False
+    del arms["without"]
+    assert TaskReport("fast", 100, 50, 1.0, arms, {}).verdict()["straggler"] is None

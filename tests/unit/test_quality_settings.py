@@ -33,3 +33,21 @@ def test_one_h_given_runs_one_setting_and_unknown_settings_are_refused() -> None
         ("fast", 25)]
     with pytest.raises(SystemExit, match="unknown setting"):
         quality.budgets(args("--at", "own,fastest"), "fast", TASKS["fast"])
+
+
+def test_the_straggler_arm_adds_one_slow_learner_to_the_fleet_without_it_all_paced_alike() -> None:
+    """The straggler arm is the decoupled arm with its last learner 5x slower per step, training a
+    fifth of the steps (its schedule spans what it does in the others' time); `without` is the
+    others alone; both at the same pace, so both end together, whatever shares the cores."""
+    a = args("--learners", "4")
+    b = quality.Budget("fast@H50", 1000, 50)
+    decoupled = quality.our_arms(a, b)["decoupled"]
+    arms = quality.straggler_arms(a, b, decoupled, pace_s=0.2)
+    slow = arms["straggler"].learners[-1]
+    assert (slow.name, slow.slowdown, slow.steps, slow.data_seed) == ("learner-3", 5.0, 200, 3)
+    assert arms["straggler"].learners[:3] == arms["without"].learners == decoupled.learners[:3]
+    assert {t.step_time_s for t in arms.values()} == {0.2}
+    assert arms["straggler"].run_args == decoupled.run_args and arms["without"].coordinator_args == decoupled.coordinator_args
+    # The pace fits 3.2 learners' steps on the cores given, with headroom; never below one step.
+    task = TASKS["fast"].task
+    assert quality.pace(task, 4, cores=1, steps=2) > quality.pace(task, 4, cores=64, steps=2) > 0
