@@ -29,7 +29,12 @@ them ending together (equal wall time):
 - torchft_without: torchft's synchronous DiLoCo of the M-1 fast replicas: what torchft does with a
   straggler at best, leaving it out of every quorum (`min_replicas` M-1).
 
-The verdict holds straggler to <= both: adding a slow learner never leaves the model worse.
+- restarted: the decoupled arm, paced, with learner 1 SIGKILLed at RESTART_AT of the others' time
+  and back RESTART_DOWN_S later (a preempted spot instance): the new incarnation trains its whole
+  `steps` again, on a new data stream, and finishes last, training on alone.
+
+The verdict holds straggler to <= both: adding a slow learner never leaves the model worse; and the
+restarted arm to the end-of-run bound: a learner that finishes last, alone, does not undo the run.
 
 Our arms' learners are `diloco learner --task` processes (the public `Learner` API). Every arm's
 global model is evaluated after every committed version (outer step; every M x H steps for the
@@ -71,11 +76,15 @@ log = logging.getLogger(__name__)
 NAME = "quality"
 HELP = ("eval loss of decoupled DiLoCo, synchronous DiLoCo (ours, torchft's) and a single replica on the same "
         "token budget, per task")
-ARMS = ("decoupled", "waiting", "sync", "torchft", "baseline", "straggler", "without", "torchft_without")
+ARMS = ("decoupled", "waiting", "sync", "torchft", "baseline", "straggler", "without", "torchft_without", "restarted")
+PACED = ("straggler", "without", "torchft_without", "restarted")
 STRAGGLER_SLOWDOWN = 5.0
 """The straggler arm's slow learner takes this many times as long per step as the others."""
 HEADROOM = 1.5
 """The paced arms' step time: this x a step's compute time x the fleet's load per core."""
+RESTART_AT = 0.4
+"""The restarted arm's learner 1 is killed this far into the others' expected time."""
+RESTART_DOWN_S = 10.0
 SETTINGS = ("own", "defaults")
 MIN_ROUNDS = 20
 """At the run's defaults, a task's budget gives every fragment at least this many rounds of H steps."""
@@ -155,13 +164,17 @@ def our_arms(args: argparse.Namespace, b: Budget) -> dict[str, Trial]:
     }
 
 
-def straggler_arms(args: argparse.Namespace, b: Budget, decoupled: Trial, pace_s: float) -> dict[str, Trial]:
-    """The straggler arm and our M-1 fleet without it, paced at `pace_s` per step (see the module docstring)."""
+def paced_arms(args: argparse.Namespace, b: Budget, decoupled: Trial, pace_s: float) -> dict[str, Trial]:
+    """The straggler arm, our M-1 fleet without it and the restarted arm, paced at `pace_s` per step
+    (see the module docstring)."""
     slow = LearnerPlan(f"learner-{args.learners - 1}", slowdown=STRAGGLER_SLOWDOWN,
                        steps=max(1, round(b.steps / STRAGGLER_SLOWDOWN)), data_seed=args.learners - 1)
     fast = decoupled.learners[:-1]
+    outage = ((RESTART_AT * b.steps * pace_s, RESTART_DOWN_S),)
+    restarted = tuple(replace(p, outages=outage) if i == 1 else p for i, p in enumerate(decoupled.learners))
     return {"straggler": replace(decoupled, name="straggler", learners=(*fast, slow), step_time_s=pace_s),
-            "without": replace(decoupled, name="without", learners=fast, step_time_s=pace_s)}
+            "without": replace(decoupled, name="without", learners=fast, step_time_s=pace_s),
+            "restarted": replace(decoupled, name="restarted", learners=restarted, step_time_s=pace_s)}
 
 
 def pace(task: Task, learners: int, cores: int | None = None, steps: int = 8) -> float:
@@ -210,12 +223,12 @@ def run_task(b: Budget, bench: BenchTask, args: argparse.Namespace, wanted: list
     arms: dict[str, ArmCurve] = {}
     skipped: dict[str, str] = {}
     ours = our_arms(args, b)
-    paced = {"straggler", "without", "torchft_without"} & set(wanted)
+    paced = set(PACED) & set(wanted)
     pace_s = pace(task, args.learners) if paced else 0.0
     if paced:
         log.info("quality %s: straggler arms paced at %.3fs per step (the straggler x%g)", name, pace_s,
                  STRAGGLER_SLOWDOWN)
-        ours |= straggler_arms(args, b, ours["decoupled"], pace_s)
+        ours |= paced_arms(args, b, ours["decoupled"], pace_s)
     for arm, trial in ours.items():
         if arm in wanted:
             log.info("quality %s: arm %s ...", name, arm)

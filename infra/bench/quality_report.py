@@ -113,11 +113,13 @@ class TaskReport:
         to_waiting = self.ratio("decoupled", "waiting")
         damage = self.arms["decoupled"].end.damage_share if "decoupled" in self.arms else None
         with_straggler = self.straggler_ratio()
+        restarted = self.arms["restarted"].end.damage_share if "restarted" in self.arms else None
         return {"to_torchft": None if to_torchft is None else to_torchft <= MAX_TO_TORCHFT,
                 "to_baseline": None if to_baseline is None else to_baseline <= MAX_TO_BASELINE,
                 "to_waiting": None if to_waiting is None else to_waiting <= MAX_TO_WAITING,
                 "end_of_run": None if damage is None else damage <= MAX_DAMAGE,
-                "straggler": None if with_straggler is None else with_straggler <= MAX_WITH_STRAGGLER}
+                "straggler": None if with_straggler is None else with_straggler <= MAX_WITH_STRAGGLER,
+                "restarted_end": None if restarted is None else restarted <= MAX_DAMAGE}
 
     def straggler_ratio(self) -> float | None:
         """The straggler arm's final over the better of the fleets without it (None if any did not run)."""
@@ -132,12 +134,15 @@ class TaskReport:
         to_torchft, to_baseline = self.ratio("decoupled", "torchft"), self.ratio("decoupled", "baseline")
         to_waiting = self.ratio("decoupled", "waiting")
         damage = self.arms["decoupled"].end.damage_share if "decoupled" in self.arms else None
+        restarted = self.arms["restarted"].end.damage_share if "restarted" in self.arms else None
         return (f"{self.task}: decoupled / torchft {_fmt(to_torchft, '.4f')} (<= {MAX_TO_TORCHFT}: "
                 f"{said(v['to_torchft'])}), / baseline {_fmt(to_baseline, '.4f')} (<= {MAX_TO_BASELINE}: "
                 f"{said(v['to_baseline'])}), / waiting {_fmt(to_waiting, '.4f')} (<= {MAX_TO_WAITING}: "
                 f"{said(v['to_waiting'])}), end-of-run damage {_fmt(damage and 100 * damage, '.2f')}% "
                 f"(<= {100 * MAX_DAMAGE}%: {said(v['end_of_run'])}), straggler / without it "
-                f"{_fmt(self.straggler_ratio(), '.4f')} (<= {MAX_WITH_STRAGGLER}: {said(v['straggler'])})")
+                f"{_fmt(self.straggler_ratio(), '.4f')} (<= {MAX_WITH_STRAGGLER}: {said(v['straggler'])}), "
+                f"restarted learner last: damage {_fmt(restarted and 100 * restarted, '.2f')}% "
+                f"(<= {100 * MAX_DAMAGE}%: {said(v['restarted_end'])})")
 
     def to_json(self) -> dict:
         return {"task": self.wire, "steps_per_learner": self.steps, "sync_every": self.sync_every, "entropy_floor": self.floor,
@@ -160,7 +165,7 @@ def table(reports: Sequence[TaskReport], learners: int) -> str:
         floor = "unknown" if r.floor is None else f"{r.floor:.4f}"
         lines.append(f"{r.task}: {r.steps} steps per learner, H = {r.sync_every}, floor {floor}")
         lines.extend(f"  {arm} skipped: {why}" for arm, why in r.skipped.items())
-    lines.extend(r.verdict_line() for r in reports if {"decoupled", "straggler"} & set(r.arms))
+    lines.extend(r.verdict_line() for r in reports if {"decoupled", "straggler", "restarted"} & set(r.arms))
     return "\n".join(lines)
 
 

@@ -29,13 +29,13 @@ def test_verdict_holds_the_decoupled_arm_to_torchft_the_baseline_and_its_own_end
     report = TaskReport("demo", 100, 10, 1.0, arms, {})
     assert report.ratio("decoupled", "torchft") == pytest.approx(1.505 / 1.49)
     assert report.verdict() == {"to_torchft": False, "to_baseline": True, "to_waiting": None, "end_of_run": True,
-                                "straggler": None}
+                                "straggler": None, "restarted_end": None}
     assert "NOT met" in report.verdict_line()
     rows = {row[1]: row for row in report.rows()}
     assert rows["decoupled"][7] == pytest.approx(0.505) and rows["decoupled"][8] == 3  # gap to floor, points
     partial = TaskReport("gpt2", 100, 10, None, {"decoupled": arms["decoupled"]}, {"torchft": "not installed"})
     assert partial.verdict() == {"to_torchft": None, "to_baseline": None, "to_waiting": None, "end_of_run": True,
-                                 "straggler": None}
+                                 "straggler": None, "restarted_end": None}
     text = table([report, partial], 4)
     assert "torchft skipped: not installed" in text and "floor unknown" in text
     assert report.to_json()["arms"]["decoupled"]["gap_to_floor"] == pytest.approx(0.505)

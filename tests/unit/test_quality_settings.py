@@ -42,11 +42,13 @@ def test_the_straggler_arm_adds_one_slow_learner_to_the_fleet_without_it_all_pac
     a = args("--learners", "4")
     b = quality.Budget("fast@H50", 1000, 50)
     decoupled = quality.our_arms(a, b)["decoupled"]
-    arms = quality.straggler_arms(a, b, decoupled, pace_s=0.2)
+    arms = quality.paced_arms(a, b, decoupled, pace_s=0.2)
     slow = arms["straggler"].learners[-1]
     assert (slow.name, slow.slowdown, slow.steps, slow.data_seed) == ("learner-3", 5.0, 200, 3)
     assert arms["straggler"].learners[:3] == arms["without"].learners == decoupled.learners[:3]
     assert {t.step_time_s for t in arms.values()} == {0.2}
+    # The restarted arm: learner 1 killed 40% into the others' 200 s, back 10 s later.
+    assert [p.outages for p in arms["restarted"].learners] == [(), ((80.0, 10.0),), (), ()]
     assert arms["straggler"].run_args == decoupled.run_args and arms["without"].coordinator_args == decoupled.coordinator_args
     # The pace fits 3.2 learners' steps on the cores given, with headroom; never below one step.
     task = TASKS["fast"].task
