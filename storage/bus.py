@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import logging
 import ssl
 from collections.abc import Callable, Sequence
@@ -314,7 +315,7 @@ class Bus:
         self.r = connect(endpoints.redis_url)
         self._commit = self.r.register_script(_COMMIT_LUA)
         self._ack = self.r.register_script(_ACK_LUA)
-        self._warned: set[tuple] = set()
+        self._warned: set[bytes] = set()
         self._heartbeat = self.r.register_script(_HEARTBEAT_LUA)
         self._mark_applied = self.r.register_script(_MARK_APPLIED_LUA)
         self._fleet = self.r.register_script(_FLEET_LUA)
@@ -691,12 +692,18 @@ class Bus:
 
     def _warn_once(self, what: tuple, message: str, *args: object) -> None:
         """Log a warning about `what` (e.g. one bad record) the first time only: the record stays in
-        Redis, and is read again every second. At most 1000 are remembered."""
-        if what in self._warned:
+        Redis, and is read again every second. At most 1000 are remembered, each by a 16-byte digest
+        (a learner rewriting its stats with megabytes of junk must not grow this process)."""
+        digest = hashlib.blake2b(digest_size=16)
+        for part in what:
+            digest.update(part if isinstance(part, bytes) else repr(part).encode())
+            digest.update(b"\0")
+        key = digest.digest()
+        if key in self._warned:
             return
         if len(self._warned) >= 1000:
             self._warned.clear()
-        self._warned.add(what)
+        self._warned.add(key)
         log.warning(message, *args)
 
     # ---- counters ----------------------------------------------------------------------
