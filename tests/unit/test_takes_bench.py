@@ -1,0 +1,53 @@
+"""`diloco bench takes`: the in-process take rules do what the learner's do."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from diloco.infra.bench import takes
+from diloco.infra.bench.quality_tasks import TASKS
+from diloco.workers.tasks.base import train_step
+
+
+def args(**overrides: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    takes.add_arguments(parser)
+    parsed = parser.parse_args([])
+    for name, value in overrides.items():
+        setattr(parsed, name, value)
+    return parsed
+
+
+def trained(fleet: takes.Fleet, steps: int) -> None:
+    for _ in range(steps):
+        for i, model in enumerate(fleet.models):
+            train_step(fleet.task, model, fleet.optimizers[i], fleet.schedules[i], next(fleet.batches[i]))
+
+
+def snapshot(fleet: takes.Fleet, i: int, names: list[str]) -> dict[str, torch.Tensor]:
+    return {n: fleet.params[i][n].detach().clone() for n in names}
+
+
+def test_a_round_is_the_mean_piece_and_each_rule_folds_the_version_in_as_the_learner_does() -> None:
+    task = TASKS["fast"].task
+    a = args(learners=2, fragments=2, steps=10, outer_lr=1.0, outer_momentum=0.0)
+    for rule in ("rebase", "adopt", "mix"):
+        fleet = takes.Fleet(task, a, takes.Setting(rule, 3))
+        names = fleet.names[0]
+        trained(fleet, 4)
+        sent = [snapshot(fleet, i, names) for i in range(2)]
+        fleet.send(0, step=4)
+        # Outer lr 1, no momentum: the version is the mean of the replicas at the send.
+        for n in names:
+            torch.testing.assert_close(fleet.globals[n], (sent[0][n] + sent[1][n]) / 2)
+        assert fleet.takes == {7: [0]}
+        trained(fleet, 3)
+        before = snapshot(fleet, 0, names)
+        fleet.take(0)
+        for n in names:
+            g, p = fleet.globals[n], fleet.params[0][n]
+            expected = {"rebase": g + (before[n] - sent[0][n]), "adopt": g, "mix": 0.5 * before[n] + 0.5 * g}[rule]
+            torch.testing.assert_close(p, expected)
+            torch.testing.assert_close(fleet.anchors[0][n], g)  # the next piece is the progress from the version
