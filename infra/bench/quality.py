@@ -138,7 +138,9 @@ def budgets(args: argparse.Namespace, name: str, bench: BenchTask) -> list[Budge
     h = DEFAULTS.sync_every
     steps = args.steps or -(-max(bench.steps, MIN_ROUNDS * h) // h) * h
     at_defaults = own if own.sync_every == h else Budget(f"{name}@H{h}", steps, h)
-    return [own] * ("own" in wanted) + [at_defaults] * ("defaults" in wanted and at_defaults != own)
+    if at_defaults == own:  # the task's own H is the default: one setting, whichever was asked for
+        return [own]
+    return [own] * ("own" in wanted) + [at_defaults] * ("defaults" in wanted)
 
 
 def settings(names: str) -> list[str]:

@@ -26,6 +26,7 @@ def test_every_task_runs_at_its_own_h_and_at_the_run_default_over_twenty_rounds(
     assert [(b.label, b.steps) for b in at_defaults] == [("vision@H50", 1500)]  # 30 rounds already
     odd = BenchTask(fast.task, steps=1030, sync_every=50)  # a task whose own H is the default runs once
     assert [(b.label, b.steps) for b in quality.budgets(args(), "late", odd)] == [("late", 1030)]
+    assert [(b.label, b.steps) for b in quality.budgets(args("--at", "defaults"), "late", odd)] == [("late", 1030)]
 
 
 def test_one_h_given_runs_one_setting_and_unknown_settings_are_refused() -> None:
