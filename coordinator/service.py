@@ -739,7 +739,7 @@ class Coordinator:
                 norm = update_norm(update)
                 # H steps make a usual piece, unless the clock has a fixed period (`round_s`).
                 interval = self.spec.sync_every if self.config.round_s <= 0 else 0
-                usual = usual_pieces(sorted(fleet), frag.claims, interval)
+                usual = usual_pieces(fleet, frag.claims, interval)
                 step = round_step(round_size(ordered, norm), frag.recent, usual, interval)
                 merge = replace(merge, round_scale=step.scale, progress=step.progress, update_norm=norm)
                 settings |= merge.round_map()

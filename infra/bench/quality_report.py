@@ -111,15 +111,18 @@ class TaskReport:
         """Each target of the decoupled arm: met, not met, or None (an arm it needs did not run)."""
         to_torchft, to_baseline = self.ratio("decoupled", "torchft"), self.ratio("decoupled", "baseline")
         to_waiting = self.ratio("decoupled", "waiting")
-        damage = self.arms["decoupled"].end.damage_share if "decoupled" in self.arms else None
+        damage, restarted = self.damage("decoupled"), self.damage("restarted")
         with_straggler = self.straggler_ratio()
-        restarted = self.arms["restarted"].end.damage_share if "restarted" in self.arms else None
         return {"to_torchft": None if to_torchft is None else to_torchft <= MAX_TO_TORCHFT,
                 "to_baseline": None if to_baseline is None else to_baseline <= MAX_TO_BASELINE,
                 "to_waiting": None if to_waiting is None else to_waiting <= MAX_TO_WAITING,
                 "end_of_run": None if damage is None else damage <= MAX_DAMAGE,
                 "straggler": None if with_straggler is None else with_straggler <= MAX_WITH_STRAGGLER,
                 "restarted_end": None if restarted is None else restarted <= MAX_DAMAGE}
+
+    def damage(self, arm: str) -> float | None:
+        """The arm's end-of-run damage share (None if it did not run)."""
+        return self.arms[arm].end.damage_share if arm in self.arms else None
 
     def straggler_ratio(self) -> float | None:
         """The straggler arm's final over the better of the fleets without it (None if any did not run)."""
@@ -133,8 +136,7 @@ class TaskReport:
         v = self.verdict()
         to_torchft, to_baseline = self.ratio("decoupled", "torchft"), self.ratio("decoupled", "baseline")
         to_waiting = self.ratio("decoupled", "waiting")
-        damage = self.arms["decoupled"].end.damage_share if "decoupled" in self.arms else None
-        restarted = self.arms["restarted"].end.damage_share if "restarted" in self.arms else None
+        damage, restarted = self.damage("decoupled"), self.damage("restarted")
         return (f"{self.task}: decoupled / torchft {_fmt(to_torchft, '.4f')} (<= {MAX_TO_TORCHFT}: "
                 f"{said(v['to_torchft'])}), / baseline {_fmt(to_baseline, '.4f')} (<= {MAX_TO_BASELINE}: "
                 f"{said(v['to_baseline'])}), / waiting {_fmt(to_waiting, '.4f')} (<= {MAX_TO_WAITING}: "
