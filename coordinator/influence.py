@@ -94,15 +94,18 @@ def fastest_plausible(step_times: Sequence[float], ratio: float) -> float | None
     return max(min(times), statistics.median_high(times) / ratio)
 
 
-def usual_fleet(live: frozenset[str], *, arrived: frozenset[str], sent: Container[str], recent: frozenset[str],
+def usual_fleet(live: frozenset[str], *, arrived: frozenset[str], sent: Container[str], merged: frozenset[str],
                 finished: frozenset[str]) -> frozenset[str]:
     """The learners a round's usual round counts (`policy.round_step`'s `fleet`): the `live`
     ones that have `sent` pieces (ids that only heartbeat are not counted: a flood of made-up ids
     would make every round a sliver of a step), the round's own (`arrived`), and those that
-    `finished` with a piece in the fragment's `recent` rounds. A run winding down keeps the usual
-    round of the fleet that trained: the last learners' lone pieces stay their share of it, where
-    counted against the live learners alone the last one's would be whole outer steps."""
-    return frozenset({n for n in live if n in sent} | arrived | (recent & finished))
+    `finished` with pieces `merged` into the fragment. A run winding down keeps the usual round of
+    the fleet that trained, to its end: the last learners' lone pieces stay their share of it (a
+    learner restarted mid-run and training on alone after the others finished moves the model as
+    far per step as it did beside them), where counted against the live learners alone the last
+    one's would be whole outer steps of one learner's delta. A learner that leaves without
+    finishing (preempted, crashed) stops counting once it stops sending: the fleet follows it."""
+    return frozenset({n for n in live if n in sent} | arrived | (merged & finished))
 
 
 def waited_learners(live: frozenset[str], *, first_seen: Mapping[str, float], last_piece: Mapping[str, float],

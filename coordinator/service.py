@@ -111,6 +111,10 @@ class Fragment:
     """The last rounds merged here (`policy.round_step`'s usual round)."""
     claims: list[tuple[Claim, ...]] = field(default_factory=list)
     """What the pieces of the same rounds counted (`influence.count_claims` weighs a claim against them)."""
+    pieces: dict[str, int] = field(default_factory=dict)
+    """Each learner's usual piece (`policy.usual_pieces`) as of its last round in `claims`: a learner
+    that finished keeps its share of the usual round for the rest of the run, after its pieces have
+    left the recent rounds (`influence.usual_fleet`). Since this coordinator started."""
     merged_tokens: int | None = None
     """The tokens merged into the fragment up to its head (`Manifest.merged_tokens`); None: read from
     the head's manifest when needed (the head moved by another path than our own commit)."""
@@ -691,7 +695,8 @@ class Coordinator:
         crash_point("fetched")
         assert frag.params is not None and frag.state is not None
         senders = usual_fleet(self.live_names - gone, arrived=frozenset(arrived), sent=self.last_piece,
-                              recent=frozenset(c.learner for r in frag.claims for c in r), finished=self.finished)
+                              merged=frozenset(c.learner for r in frag.claims for c in r) | frag.pieces.keys(),
+                              finished=self.finished)
         while frag.round:
             started = time.monotonic()
             taking = sorted(frag.round, key=lambda c: (c.arrival.arrived_at, c.entry_id))[:cap]
@@ -739,7 +744,8 @@ class Coordinator:
                 norm = update_norm(update)
                 # H steps make a usual piece, unless the clock has a fixed period (`round_s`).
                 interval = self.spec.sync_every if self.config.round_s <= 0 else 0
-                usual = usual_pieces(fleet, frag.claims, interval)
+                usual = usual_pieces(fleet, frag.claims, interval, known=frag.pieces)
+                frag.pieces |= {c.learner: usual[c.learner] for r in frag.claims for c in r if c.learner in usual}
                 step = round_step(round_size(ordered, norm), frag.recent, usual, interval)
                 merge = replace(merge, round_scale=step.scale, progress=step.progress, update_norm=norm)
                 settings |= merge.round_map()

@@ -17,6 +17,7 @@ import dataclasses
 
 import pytest
 
+from diloco.coordinator.policy import RECENT_ROUNDS
 from diloco.storage.history import read_manifest
 from harness import TINY_RUN, join, make_coordinator, train
 
@@ -89,12 +90,13 @@ def test_rounds_that_each_hold_one_learner_stay_each_its_share_of_the_fleet(flee
 def test_the_last_learners_pieces_stay_their_share_when_the_others_have_finished(fleet):
     """At the end of a run learners finish one after another. Counted against the live learners
     alone, the last one's lone pieces would be whole outer steps of one learner's delta: the
-    fleet that trained is the usual round while the finished learners' pieces are recent."""
+    fleet that trained is the usual round to the run's end, also once the finished learners' pieces
+    have left the recent rounds (a learner restarted mid-run trains on alone for many rounds)."""
     for turn in range(6):
         fleet.round_of("ab"[turn % 2])
     fleet.learners["a"][0].finish()
     for _ in range(10):
         fleet.coord.step(block_ms=50)
     assert "a" in fleet.coord.finished
-    for _ in range(3):
-        assert fleet.round_of("b") == (40, 0.5, 0.5)
+    for turn in range(RECENT_ROUNDS + 2):
+        assert fleet.round_of("b") == (40, 0.5, 0.5), turn

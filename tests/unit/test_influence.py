@@ -137,16 +137,18 @@ def test_bounds_are_checked() -> None:
         RoundConfig(max_silent_rounds=0)
 
 
-def test_the_usual_fleet_counts_senders_the_rounds_own_and_the_lately_finished_not_heartbeats() -> None:
+def test_the_usual_fleet_counts_senders_the_rounds_own_and_the_finished_not_heartbeats() -> None:
     sent = {"a": 1.0, "b": 2.0, "old": 0.5}
     none: frozenset[str] = frozenset()
     # A thousand ids that only heartbeat count for nothing; live senders count.
     flood = frozenset({"a", "b"} | {f"x{i}" for i in range(1000)})
-    assert usual_fleet(flood, arrived=none, sent=sent, recent=none, finished=none) == {"a", "b"}
+    assert usual_fleet(flood, arrived=none, sent=sent, merged=none, finished=none) == {"a", "b"}
     # The round's own learners count, also one whose final piece is in it (no longer live).
-    assert usual_fleet(frozenset({"a"}), arrived=frozenset({"b"}), sent=sent, recent=none, finished=none) == {"a", "b"}
-    # Finished learners count while they have a piece in the recent rounds; crashed ones (neither live
-    # nor finished) and finished ones gone from the recent rounds do not.
-    recent = frozenset({"a", "b", "old", "crashed"})
-    assert usual_fleet(frozenset({"a"}), arrived=none, sent=sent, recent=recent,
-                       finished=frozenset({"b", "gone"})) == {"a", "b"}
+    assert usual_fleet(frozenset({"a"}), arrived=frozenset({"b"}), sent=sent, merged=none, finished=none) == {"a", "b"}
+    # Finished learners with pieces merged here count, to the run's end (a learner training on alone
+    # after them stays its share of the fleet that trained); crashed ones (neither live nor
+    # finished) do not, nor finished ids that never had a piece merged here (a flood of made-up ids
+    # that "finish").
+    merged = frozenset({"a", "b", "old", "crashed"})
+    finished = frozenset({"b", "old"} | {f"x{i}" for i in range(1000)})
+    assert usual_fleet(frozenset({"a"}), arrived=none, sent=sent, merged=merged, finished=finished) == {"a", "b", "old"}

@@ -444,5 +444,7 @@ def test_a_slow_learner_adds_its_progress_to_a_round_and_its_absence_costs_its_s
         {"l3": 15}
     # A newcomer counts whole until its pieces show otherwise; no piece counts more than H.
     assert usual_pieces(["new", "l0"], [[replace(rounds[0][0], steps=400)]], h) == {"new": h, "l0": h}
+    # A learner gone from the recent rounds (it finished) counts with the piece it had there, at most H.
+    assert usual_pieces(["l3", "l0"], rounds[:0], h, known={"l3": 10, "l0": 400}) == {"l3": 10, "l0": h}
     # With no fixed interval, learners count one each.
     assert usual_pieces(["a", "b"], rounds, 0) == {"a": 1, "b": 1}
