@@ -447,17 +447,20 @@ def round_size(pieces: Iterable[_Piece], norm: float | None = None) -> RoundSize
 
 
 def usual_pieces(fleet: Iterable[str], history: Iterable[Iterable[_Piece]], interval: int,
-                 known: Mapping[str, int] | None = None) -> dict[str, int]:
+                 finished: Mapping[str, int] | None = None) -> dict[str, int]:
     """Each learner of `fleet` with its usual piece (`round_step`), in inner steps: the median of the
     steps it carried into the recent rounds it was in (`history`: each round's pieces; a learner's
-    pieces in one round add up), at most `interval` (H); for a learner in none of them, its `known`
-    piece (what it was when it last had pieces there: a learner that finished) or else H, so a
-    newcomer counts whole until its pieces show otherwise. On the clock, a learner k times slower
-    than the fastest carries H / k steps into each round: that is its usual piece, and a round of
-    every learner's usual piece is a usual round. With no fixed interval (0) every learner counts 1:
-    the usual round is counted in learners."""
+    pieces in one round add up), at most `interval` (H); H for a learner in none of them, so a
+    newcomer counts whole until its pieces show otherwise. A learner that `finished` counts with
+    the usual piece it had before (the caller's record): the recent rounds hold less and less of it
+    as they move on, at last only its final piece, a sliver of the steps it trained since its last
+    send, which would make the fleet's usual round that much smaller. On the clock, a learner k
+    times slower than the fastest carries H / k steps into each round: that is its usual piece, and
+    a round of every learner's usual piece is a usual round. With no fixed interval (0) every
+    learner counts 1: the usual round is counted in learners."""
     if interval <= 0:
         return dict.fromkeys(fleet, 1)
+    finished = finished or {}
     carried: dict[str, list[int]] = {}
     for pieces in history:
         in_round: dict[str, int] = {}
@@ -465,9 +468,9 @@ def usual_pieces(fleet: Iterable[str], history: Iterable[Iterable[_Piece]], inte
             in_round[p.learner] = in_round.get(p.learner, 0) + p.steps
         for name, steps in in_round.items():
             carried.setdefault(name, []).append(steps)
-    known = known or {}
-    return {name: min(interval, max(1, round(statistics.median(carried[name])))) if carried.get(name)
-            else min(interval, known.get(name, interval)) for name in fleet}
+    return {name: min(interval, finished[name]) if name in finished
+            else min(interval, max(1, round(statistics.median(carried[name])))) if carried.get(name) else interval
+            for name in fleet}
 
 
 @dataclass(frozen=True, slots=True)

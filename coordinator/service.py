@@ -112,9 +112,9 @@ class Fragment:
     claims: list[tuple[Claim, ...]] = field(default_factory=list)
     """What the pieces of the same rounds counted (`influence.count_claims` weighs a claim against them)."""
     pieces: dict[str, int] = field(default_factory=dict)
-    """Each learner's usual piece (`policy.usual_pieces`) as of its last round in `claims`: a learner
-    that finished keeps its share of the usual round for the rest of the run, after its pieces have
-    left the recent rounds (`influence.usual_fleet`). Since this coordinator started."""
+    """Each learner's usual piece (`policy.usual_pieces`) as of its last round in `claims` before it
+    finished: a learner that finished keeps that share of the usual round for the rest of the run
+    (`influence.usual_fleet`), not its final sliver of a piece. Since this coordinator started."""
     merged_tokens: int | None = None
     """The tokens merged into the fragment up to its head (`Manifest.merged_tokens`); None: read from
     the head's manifest when needed (the head moved by another path than our own commit)."""
@@ -744,8 +744,10 @@ class Coordinator:
                 norm = update_norm(update)
                 # H steps make a usual piece, unless the clock has a fixed period (`round_s`).
                 interval = self.spec.sync_every if self.config.round_s <= 0 else 0
-                usual = usual_pieces(fleet, frag.claims, interval, known=frag.pieces)
-                frag.pieces |= {c.learner: usual[c.learner] for r in frag.claims for c in r if c.learner in usual}
+                finished = {n: p for n, p in frag.pieces.items() if n in self.finished}
+                usual = usual_pieces(fleet, frag.claims, interval, finished)
+                frag.pieces |= {c.learner: usual[c.learner] for r in frag.claims for c in r
+                                if c.learner in usual and c.learner not in self.finished}
                 step = round_step(round_size(ordered, norm), frag.recent, usual, interval)
                 merge = replace(merge, round_scale=step.scale, progress=step.progress, update_norm=norm)
                 settings |= merge.round_map()

@@ -91,9 +91,11 @@ def test_the_last_learners_pieces_stay_their_share_when_the_others_have_finished
     """At the end of a run learners finish one after another. Counted against the live learners
     alone, the last one's lone pieces would be whole outer steps of one learner's delta: the
     fleet that trained is the usual round to the run's end, also once the finished learners' pieces
-    have left the recent rounds (a learner restarted mid-run trains on alone for many rounds)."""
+    have left the recent rounds (a learner restarted mid-run trains on alone for many rounds), each
+    finished learner with the usual piece it had, not its final sliver."""
     for turn in range(6):
         fleet.round_of("ab"[turn % 2])
+    train(*fleet.learners["a"], 1)  # a's final piece: one step, a sliver of its usual four
     fleet.learners["a"][0].finish()
     for _ in range(10):
         fleet.coord.step(block_ms=50)

@@ -444,7 +444,11 @@ def test_a_slow_learner_adds_its_progress_to_a_round_and_its_absence_costs_its_s
         {"l3": 15}
     # A newcomer counts whole until its pieces show otherwise; no piece counts more than H.
     assert usual_pieces(["new", "l0"], [[replace(rounds[0][0], steps=400)]], h) == {"new": h, "l0": h}
-    # A learner gone from the recent rounds (it finished) counts with the piece it had there, at most H.
-    assert usual_pieces(["l3", "l0"], rounds[:0], h, known={"l3": 10, "l0": 400}) == {"l3": 10, "l0": h}
+    # A learner that finished counts with the usual piece it had before (at most H), not the final
+    # sliver that is all the recent rounds hold of it at last.
+    final = [[replace(rounds[0][3], steps=2)], *[[r[0]] for r in rounds[:7]]]
+    assert usual_pieces(["l3", "l0"], final, h) == {"l3": 2, "l0": h}
+    assert usual_pieces(["l3", "l0"], final, h, finished={"l3": 10}) == {"l3": 10, "l0": h}
+    assert usual_pieces(["l3"], final, h, finished={"l3": 400}) == {"l3": h}
     # With no fixed interval, learners count one each.
     assert usual_pieces(["a", "b"], rounds, 0) == {"a": 1, "b": 1}
