@@ -13,9 +13,11 @@ Pure functions, like `coordinator.policy`: no clock, no I/O.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
-from collections.abc import Container, Mapping, Sequence
+from collections import Counter
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from diloco.coordinator.policy import Arrival
@@ -29,56 +31,166 @@ class Claim:
     learner: str
     tokens: int
     steps: int
+    norm: float | None = None
+    """The L2 norm of its delta (None: not recorded)."""
 
 
-def count_claims(arrivals: Sequence[Arrival], history: Sequence[Claim], ratio: float) -> list[tuple[Arrival, str]]:
+def count_claims(arrivals: Sequence[Arrival], history: Sequence[Sequence[Claim]],
+                 ratio: float) -> list[tuple[Arrival, str]]:
     """Each arrival as its merge counts it, with a note saying what was cut ("" when nothing was).
 
-    A learner's piece is measured against the pieces of the *other* learners: those of the
-    fragment's recent rounds (`history`, as they were counted) and those in this round. Its tokens
-    count up to `ratio` x the others' median tokens, and its merge weight (tokens x tokens per step,
-    `policy.merge_weights`) up to `ratio` x the others' median weight: its steps are raised until
-    it fits. One learner then weighs at most `ratio` times the median learner, whatever it claims;
-    an honest fleet whose learners differ by less (speed, batch size) is counted as it claims.
+    The bound is per learner, not per piece: a learner's pieces in one round add up (as its merge
+    weight does, `policy.merge_weights`), and that total is measured against the *other* learners'
+    totals of a round: in the fragment's recent rounds (`history`, each round's pieces as they were
+    counted) and in this one. Its tokens count up to `ratio` x the others' median tokens per round,
+    and its merge weight (tokens x tokens per step) up to `ratio` x the others' median weight: its
+    steps are raised until it fits. The cut is shared by its pieces in proportion (tokens rounded
+    down, steps up), so however many pieces one learner sends into a round, it weighs at most
+    `ratio` times the median learner; an honest fleet whose learners differ by less (speed, batch
+    size) is counted as it claims, and a backlog (every learner's queued pieces merged at once
+    after the coordinator was down) cuts every learner alike, which leaves their weights as they were.
     When the others report no tokens (the merge then weighs by steps), its tokens count as none and
-    its steps up to `ratio` x the others' median. With no other learner to compare with, nothing is
-    cut: a learner alone moves only its own run.
-    """
+    its steps up to `ratio` x the others' median (each piece keeps at least one step). With no other
+    learner to compare with, nothing is cut: a learner alone moves only its own run.
+
+    O(n log n) in the pieces of the round and the history."""
+    rounds = [_totals(r) for r in history]
+    mine = _totals(arrivals)
+    entries = [(g, t, s) for r in [*rounds, mine] for g, (t, s) in r.items() if s > 0]
+    by_learner: dict[str, list[tuple[int, int]]] = {}
+    for g, t, s in entries:
+        by_learner.setdefault(g, []).append((t, s))
+    all_tokens = sorted(t for _, t, _ in entries)
+    all_weights = sorted(t * t / s for _, t, s in entries)
+    all_steps = sorted(s for _, _, s in entries)
+    pieces = Counter(a.learner for a in arrivals)
+    counted: dict[str, tuple[int, int, str]] = {}
+    for g, (tokens, steps) in mine.items():
+        own = by_learner.get(g, [])
+        others = len(entries) - len(own)
+        if not others or steps < 1:
+            counted[g] = (tokens, steps, "")
+            continue
+        median_tokens = _median_without(all_tokens, sorted(t for t, _ in own))
+        bound_tokens = min(tokens, math.floor(ratio * median_tokens))
+        if median_tokens > 0:
+            median_weight = _median_without(all_weights, sorted(t * t / s for t, s in own))
+            bound_steps = (max(steps, math.ceil(bound_tokens * bound_tokens / (ratio * median_weight)))
+                           if median_weight > 0 else steps)
+        else:
+            median_steps = _median_without(all_steps, sorted(s for _, s in own))
+            bound_steps = max(1, min(steps, math.floor(ratio * median_steps)))
+        note = "" if (bound_tokens, bound_steps) == (tokens, steps) else (
+            f"claimed {tokens} tokens in {steps} steps over {pieces[g]} piece(s), "
+            f"counted {bound_tokens} tokens in {bound_steps} steps: at most max_claim_ratio {ratio:g} x the median "
+            f"tokens and weight per round of other learners ({others} of their rounds)")
+        counted[g] = (bound_tokens, bound_steps, note)
     out = []
     for a in arrivals:
-        others = [c for c in history if c.learner != a.learner]
-        others += [Claim(b.learner, b.tokens, b.steps) for b in arrivals if b.learner != a.learner]
-        others = [c for c in others if c.steps > 0]
-        if not others or a.steps < 1:
+        tokens, steps = mine[a.learner]
+        bound_tokens, bound_steps, note = counted[a.learner]
+        if not note:
             out.append((a, ""))
             continue
-        median_tokens = statistics.median(c.tokens for c in others)
-        tokens = min(a.tokens, math.floor(ratio * median_tokens))
-        if median_tokens > 0:
-            median_weight = statistics.median(c.tokens * c.tokens / c.steps for c in others)
-            steps = max(a.steps, math.ceil(tokens * tokens / (ratio * median_weight))) if median_weight > 0 else a.steps
-        else:
-            steps = max(1, min(a.steps, math.floor(ratio * statistics.median(c.steps for c in others))))
-        if (tokens, steps) == (a.tokens, a.steps):
-            out.append((a, ""))
-            continue
-        note = (f"claimed {a.tokens} tokens in {a.steps} steps, counted {tokens} tokens in {steps} steps: at most "
-                f"max_claim_ratio {ratio:g} x the median tokens and weight of {len(others)} pieces of other learners")
-        out.append((replace(a, tokens=tokens, steps=steps), note))
+        # Each piece its share of the learner's counted total: tokens rounded down and raised steps
+        # rounded up, so the pieces together weigh no more than the total.
+        share_steps = -(-a.steps * bound_steps // steps) if bound_steps >= steps else a.steps * bound_steps // steps
+        out.append((replace(a, tokens=a.tokens * bound_tokens // tokens if tokens > 0 else 0,
+                            steps=max(1, share_steps)), note))
     return out
+
+
+def clip_norms(arrivals: Sequence[Arrival], history: Sequence[Sequence[Claim]],
+               ratio: float) -> dict[str, tuple[float, str]]:
+    """Each learner of the round with the factor its pieces are scaled by in the merge (1: none)
+    and a note saying why ("" when 1).
+
+    A learner's pieces in one round add up: they are consecutive parts of its progress, and each is
+    merged with its learner's whole share (`policy.merge_weights`). Their claims are bounded
+    together (`count_claims`); so is how far they move the model: the sum of their norms counts up
+    to `ratio` x the median of the other learners' sums per round (the fragment's recent rounds,
+    `history`, and this one; this round's alone when they sent more), and a learner over it has its
+    pieces scaled by bound / sum. Sixteen
+    copies of one delta, or one delta sixteen times too long, then move the model at most `ratio`
+    times as far as the median learner's round, at its bounded share. An honest fleet, whose
+    learners' progress per round differs by less, is merged as it sent. Pieces or rounds with no
+    measured norm are left out; with no other learner to compare with nothing is scaled."""
+    def sums(pieces: Iterable[Arrival | Claim]) -> dict[str, float]:
+        out: dict[str, list[float]] = {}
+        for p in pieces:
+            out.setdefault(p.learner, []).append(math.inf if p.norm is None else p.norm)
+        return {g: math.fsum(n) for g, n in out.items() if math.isfinite(math.fsum(n))}
+
+    mine = sums(arrivals)
+    entries = [(g, n) for r in history for g, n in sums(r).items()] + list(mine.items())
+    values = sorted(n for _, n in entries)
+    this_round = sorted(mine.values())
+    own: dict[str, list[float]] = {}
+    for g, n in entries:
+        own.setdefault(g, []).append(n)
+    out = {}
+    for g in {a.learner for a in arrivals}:
+        if g not in mine or len(entries) == len(own[g]):
+            out[g] = (1.0, "")
+            continue
+        # Against the others' recent rounds, or this round's others when they sent more: a backlog
+        # (every learner's queued pieces at once, after the coordinator was down) is not scaled
+        # (`policy.round_step` caps such a round as a whole).
+        here = _median_without(this_round, [mine[g]]) if len(mine) > 1 else 0.0
+        bound = ratio * max(_median_without(values, sorted(own[g])), here)
+        if mine[g] <= bound or bound <= 0:  # (others that moved nothing are no measure)
+            out[g] = (1.0, "")
+            continue
+        clip = bound / mine[g]
+        out[g] = (clip, f"its pieces' norms sum to {mine[g]:.4g}, over max_claim_ratio {ratio:g} x the median "
+                        f"per round of other learners ({len(entries) - len(own[g])} of their rounds): scaled by "
+                        f"{clip:.4g}")
+    return out
+
+
+def _totals(pieces: Iterable[Arrival | Claim]) -> dict[str, tuple[int, int]]:
+    """Each learner's tokens and steps summed over its pieces in one round."""
+    out: dict[str, tuple[int, int]] = {}
+    for p in pieces:
+        t, s = out.get(p.learner, (0, 0))
+        out[p.learner] = (t + p.tokens, s + p.steps)
+    return out
+
+
+def _median_without(values: list[float], remove: list[float]) -> float:
+    """The median of the sorted `values` once the sorted `remove` (a sub-multiset of them, a few)
+    are taken out, without copying `values`: O(len(remove) x log len(values))."""
+    positions: list[int] = []
+    for i, v in enumerate(remove):  # equal values are taken from consecutive places
+        positions.append(positions[-1] + 1 if i and remove[i - 1] == v else bisect.bisect_left(values, v))
+
+    def kept(m: int) -> float:
+        i = m
+        for p in positions:
+            if p > i:
+                break
+            i += 1
+        return values[i]
+
+    n = len(values) - len(remove)
+    return kept(n // 2) if n % 2 else (kept(n // 2 - 1) + kept(n // 2)) / 2
 
 
 def plausible_deadline(deadline: float, *, now: float, cadence: Cadence | None, fragment: int,
                        num_fragments: int, final: bool = False) -> float:
     """The clock deadline an arrival counts as sent for. A learner sends a fragment just before its
     deadline, on the clock the coordinator published: a deadline more than one period ahead of
-    `now` names no round that exists yet and would hold the fragment's rounds open until then, so
-    it counts as the fragment's next deadline. So does a piece sent on step counts (deadline 0) once
-    there is a clock, unless it is a learner's last (`final`): its learner had not read the clock
-    yet (a run's first pieces, sent H steps in, while the clock published a moment before reaches
-    the learners on their next heartbeat), and merged on its own it would split the round the other
-    learners send for the clock's deadline. Without a clock deadlines pass unchanged."""
-    if cadence is None or final or (0 < deadline <= now + cadence.period_s):
+    `now` names no round that exists yet and would hold the fragment's rounds open until then (and
+    once merged, make every later round look late), so it counts as the fragment's next deadline,
+    a learner's last piece (`final`) too. So does a piece sent on step counts (deadline 0) once
+    there is a clock, unless it is a learner's last: its learner had not read the clock yet (a
+    run's first pieces, sent H steps in, while the clock published a moment before reaches the
+    learners on their next heartbeat), and merged on its own it would split the round the other
+    learners send for the clock's deadline. Before there is a clock (or on the step cadence) no
+    round has a deadline: one in the future counts as none (0)."""
+    if cadence is None:
+        return deadline if deadline <= now else 0.0
+    if 0 < deadline <= now + cadence.period_s or (final and deadline == 0):
         return deadline
     return cadence.next_deadline(fragment, num_fragments, after=now)
 

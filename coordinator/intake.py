@@ -11,6 +11,8 @@ records it and the run goes on.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -85,14 +87,21 @@ def fetch_tensors(store: ObjectStore, a: Announcement, layout: Layout, max_bytes
 
 
 def fetch_checked(store: ObjectStore, a: Announcement, layout: Layout, max_bytes: int, *,
-                  codec: str, timed: Timed = untimed) -> bytes:
+                  codec: str, timed: Timed = untimed) -> tuple[bytes, float]:
     """`fetch_tensors`' read and every one of its checks, decoding included, but the object is what
-    is returned: a delta waits for its round in the few bytes it travelled in, not as a fragment's
-    worth of fp32 tensors, and is decoded again when the round merges (`decode_piece`)."""
+    is returned, with the L2 norm of its delta: a delta waits for its round in the few bytes it
+    travelled in, not as a fragment's worth of fp32 tensors, and is decoded again when the round
+    merges (`decode_piece`)."""
     blob = _read(store, a, max_bytes, timed)
     with timed("verify"):
-        _check_object(blob, a, layout, max_bytes, codec=codec)
-    return blob
+        tensors = _check_object(blob, a, layout, max_bytes, codec=codec)
+        return blob, l2_norm(tensors)
+
+
+def l2_norm(tensors: dict[str, torch.Tensor]) -> float:
+    """The L2 norm of a piece's tensors together, in float64."""
+    return math.sqrt(math.fsum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+                               for t in tensors.values()))
 
 
 def decode_piece(blob: bytes, layout: Layout, fragment: int, max_bytes: int) -> dict[str, torch.Tensor]:

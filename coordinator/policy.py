@@ -52,6 +52,8 @@ class Arrival:
     """The clock round (Cadence deadline, same clock as `arrived_at`) it was sent for; 0 if sent on a step count."""
     final: bool = False
     """The learner's last piece before it left the run (it finished, or was preempted)."""
+    norm: float | None = None
+    """L2 norm of its decoded delta, once the coordinator has read it (None: not measured)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,7 +77,10 @@ def recomputed_weights(inputs: Sequence[Contribution], parent_version: int, stal
     what-if), or some of them (what the coordinator would have merged without a learner).
     Raises ValueError as merge_weights does."""
     cfg = dataclasses.replace(RoundConfig(), staleness_discount=staleness_discount)
-    return merge_weights([_arrival(c) for c in inputs], parent_version, cfg)
+    # Each times the factor its learner's pieces were scaled by (`influence.clip_norms`, recorded):
+    # the very product the coordinator made.
+    return [w * c.clip for w, c in zip(merge_weights([_arrival(c) for c in inputs], parent_version, cfg), inputs,
+                                       strict=True)]
 
 
 def recorded_problems(manifest: Manifest) -> list[Problem]:

@@ -25,7 +25,7 @@ import redis
 import torch
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
-from diloco.coordinator.influence import (Claim, count_claims, fastest_plausible, plausible_deadline, usual_fleet,
+from diloco.coordinator.influence import (Claim, clip_norms, count_claims, fastest_plausible, plausible_deadline, usual_fleet,
                                           waited_learners)
 from diloco.coordinator.intake import (PendingDelta, check_announcement, decode_piece, fetch_checked, fetch_tensors,
                                       to_arrival)
@@ -561,13 +561,14 @@ class Coordinator:
             if a.kind == "genesis":
                 self._genesis(entry_id, a, fetched)
             else:
+                blob, norm = fetched
                 now = self.now()
                 arrival = to_arrival(a, now)
-                arrival = replace(arrival, deadline=plausible_deadline(
+                arrival = replace(arrival, norm=norm, deadline=plausible_deadline(
                     arrival.deadline, now=now, cadence=self.cadence, fragment=a.fragment,
                     num_fragments=self.spec.num_fragments, final=a.final))
                 self.last_piece[a.learner] = now
-                self.fragments[a.fragment].round.append(PendingDelta(entry_id, a, arrival, fetched))
+                self.fragments[a.fragment].round.append(PendingDelta(entry_id, a, arrival, blob))
             self.metrics.accepted(a)
 
     def _behind(self, a: Announcement) -> bool:
@@ -598,9 +599,9 @@ class Coordinator:
         head = None if frag is None or frag.head < 0 else frag.head
         check_announcement(a, spec=self.spec, keys=self.keys, head=head, cfg=self.round_cfg)
 
-    def _fetch(self, a: Announcement) -> dict[str, torch.Tensor] | bytes:
+    def _fetch(self, a: Announcement) -> dict[str, torch.Tensor] | tuple[bytes, float]:
         """A genesis proposal's tensors (published as it arrives), or a delta's checked object, which
-        waits in its round as it travelled (`PendingDelta.blob`)."""
+        waits in its round as it travelled (`PendingDelta.blob`), and its norm."""
         layout = self.layout
         if a.kind == "genesis" and layout is None:
             layout = self._adopt_layout(a.learner)
@@ -701,13 +702,19 @@ class Coordinator:
             started = time.monotonic()
             taking = sorted(frag.round, key=lambda c: (c.arrival.arrived_at, c.entry_id))[:cap]
             # Each piece as the merge counts it: one learner's claims bounded by the others' (`influence`).
-            counted = count_claims([c.arrival for c in taking], [c for r in frag.claims for c in r],
+            counted = count_claims([c.arrival for c in taking], frag.claims,
                                    self.round_cfg.max_claim_ratio)
             notes = {a.contribution_id: note for a, note in counted if note}
             ordered = merge_order(tuple(a for a, _ in counted))
             by_id = {c.announcement.contribution_id: c for c in taking}
             contributions = [by_id[a.contribution_id] for a in ordered]
-            weights = merge_weights(ordered, frag.head, self.round_cfg)
+            # ... and how far they move the model: one learner's pieces together by the others' norms.
+            clips = clip_norms(ordered, frag.claims, self.round_cfg.max_claim_ratio)
+            for a in ordered:
+                if clips[a.learner][1]:
+                    notes[a.contribution_id] = "; ".join(n for n in (notes.get(a.contribution_id), clips[a.learner][1]) if n)
+            weights = [w * clips[a.learner][0] for w, a in
+                       zip(merge_weights(ordered, frag.head, self.round_cfg), ordered, strict=True)]
             published, settings = self._step_round(fragment, frag, contributions, weights, ordered, senders)
             self.metrics.merged(fragment, time.monotonic() - started)
             if published is not None:
@@ -720,7 +727,7 @@ class Coordinator:
                 # params, momentum and residual are three fragments' worth of memory less.
                 frag.params = frag.state = None
                 self._publish(fragment, frag, contributions, weights, params, state, settings, ordered, notes,
-                              update=blob)
+                              update=blob, clips={g: c for g, (c, _) in clips.items()})
                 return
             self._refuse_overflow(fragment, frag, contributions)
 
@@ -830,7 +837,7 @@ class Coordinator:
                                                                                   frag.head)
         while manifest is not None and manifest.settings.get("kind") == "delta" and len(rounds) < RECENT_ROUNDS:
             rounds.append(round_size(manifest.inputs, _norm(manifest)))
-            claims.append(tuple(Claim(c.learner, c.tokens, c.steps) for c in manifest.inputs))
+            claims.append(tuple(Claim(c.learner, c.tokens, c.steps, c.norm) for c in manifest.inputs))
             for c in manifest.inputs:
                 self.last_piece[c.learner] = max(self.last_piece.get(c.learner, 0.0), manifest.committed_at)
             previous = manifest.version - 1
@@ -847,12 +854,14 @@ class Coordinator:
 
     def _publish(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
                  params: dict[str, torch.Tensor], state: NesterovState, settings: dict, counted: list[Arrival],
-                 notes: dict[str, str] | None = None, update: bytes | None = None) -> None:
+                 notes: dict[str, str] | None = None, update: bytes | None = None,
+                 clips: dict[str, float] | None = None) -> None:
         """Write and commit the next version of `fragment` from `contributions` (in merge order, each
-        with its weight and its `counted` arrival: the tokens and steps it weighed by)."""
+        with its weight and its `counted` arrival: the tokens and steps it weighed by, and its norm;
+        `clips`: what each learner's pieces were scaled by)."""
         t0 = time.monotonic()
         version = frag.head + 1
-        notes = notes or {}
+        notes, clips = notes or {}, clips or {}
         inputs = tuple(
             Contribution(contribution_id=c.announcement.contribution_id, learner=c.announcement.learner,
                   seq=c.announcement.seq, object_key=c.announcement.object_key, sha256=c.announcement.sha256,
@@ -860,7 +869,8 @@ class Coordinator:
                   staleness=staleness_verdict(c.announcement.base_version, frag.head, self.round_cfg)[1]
                   if c.announcement.kind == "delta" else 0,
                   tokens=n.tokens, steps=n.steps, weight=w, stream_id=c.entry_id,
-                  bounded=notes.get(c.announcement.contribution_id, ""))
+                  bounded=notes.get(c.announcement.contribution_id, ""), norm=n.norm,
+                  clip=clips.get(n.learner, 1.0))
             for c, w, n in zip(contributions, weights, counted, strict=True))
         refused = listed_refusals([*frag.refused, *self._unplaced], self.config.max_refusals_listed)
         merged_tokens = self._merged_tokens(fragment, frag) + sum(c.tokens for c in inputs)
@@ -899,7 +909,8 @@ class Coordinator:
         frag.merged_deadline = served_deadline(frag.merged_deadline, counted)
         if manifest.settings.get("kind") == "delta":
             frag.recent = [*frag.recent, round_size(counted, _norm(manifest))][-RECENT_ROUNDS:]
-            frag.claims = [*frag.claims, tuple(Claim(a.learner, a.tokens, a.steps) for a in counted)][-RECENT_ROUNDS:]
+            frag.claims = [*frag.claims, tuple(Claim(a.learner, a.tokens, a.steps, a.norm) for a in counted)
+                           ][-RECENT_ROUNDS:]
         frag.committed = [*frag.committed, frozenset(merged)][-(self.round_cfg.max_staleness + 1):]
         frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
         frag.merged_tokens = manifest.merged_tokens

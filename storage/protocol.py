@@ -340,7 +340,19 @@ class Contribution(Record):
     """Redis stream entry id the announcement arrived as (informational; S3 history never needs Redis)."""
     bounded: str = ""
     """When the merge counted fewer tokens or more steps than the learner claimed (`tokens` and `steps`
-    are what it counted, `coordinator.influence.count_claims`): what was claimed and why it was cut."""
+    are what it counted, `coordinator.influence.count_claims`), or scaled its pieces down (`clip`):
+    what was claimed and why it was cut."""
+    norm: float | None = None
+    """L2 norm of the piece's decoded delta, as the coordinator measured it when it read the piece;
+    None in versions made before norms were recorded."""
+    clip: float = 1.0
+    """In (0, 1]: the factor its learner's pieces in this round were scaled by, their summed norm
+    against the other learners' (`coordinator.influence.clip_norms`); `weight` includes it."""
+
+    def __post_init__(self) -> None:
+        _require(0.0 < self.clip <= 1.0, f"clip {self.clip!r} must be in (0, 1]")
+        _require(self.norm is None or (math.isfinite(self.norm) and self.norm >= 0),
+                 f"norm {self.norm!r} must be a finite number >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ CORRUPTIONS: dict[str, frozenset[str]] = {
 
 HOSTILE: dict[str, str] = {
     "lying_tokens": "a well-formed delta claiming 2**64-1 tokens in 1 step",
+    "many_pieces": "sixteen copies of one well-formed delta sent into one round, each an honest-looking piece",
     "lying_deadline": "a well-formed delta sent for the deadline 1e15 (31 million years away)",
     "lying_heartbeat": "heartbeats claiming 1e-9 s inner steps, and stats that do not decode",
     "oversize": "an announcement over max_object_bytes, and an object larger than announced",
@@ -59,7 +60,7 @@ HOSTILE: dict[str, str] = {
     "made_up_ids": "learner ids that join and heartbeat for a while and never contribute",
 }
 """Hostile variant -> what the hostile learner sends (infra/chaos/hostile.py says what must become of it)."""
-BOUNDED = frozenset({"lying_tokens", "lying_deadline", "lying_heartbeat", "made_up_ids"})
+BOUNDED = frozenset({"lying_tokens", "many_pieces", "lying_deadline", "lying_heartbeat", "made_up_ids"})
 """Hostile variants that are taken in, with their influence bounded, rather than refused."""
 
 VARIANTS: dict[str, tuple[str, ...]] = {"coordinator_kill": POINTS, "corrupt_object": tuple(CORRUPTIONS),

@@ -9,6 +9,10 @@ It holds the Redis and S3 credentials every honest learner has, and uses them as
   deadline honest learners send for) announced with tokens = 2**64-1 in 1 step. Refused, or
   applied once, weighing at most MAX_WEIGHT_RATIO x the median of the other learners' recent
   pieces (the bound `--max-claim-ratio` promises).
+- `many_pieces`: PIECES copies of one well-formed delta (larger than an honest one's), each stored
+  under its own key and announced with honest tokens and steps for the round deadline. Each is
+  refused, or applied with the others: its learner's pieces in a round weigh together at most
+  MAX_WEIGHT_RATIO x the median learner's round, and their norms as merged at most as much.
 - `lying_deadline`: a well-formed delta announced for the deadline 1e15. Refused, or applied once;
   the fragment's rounds keep merging (the suite checks that the heads advance after every hostile
   fault).
@@ -85,6 +89,8 @@ MAX_WEIGHT_RATIO = 1.5 * RoundConfig().max_claim_ratio
 the pieces of other learners the coordinator bounds it by (`max_claim_ratio` x that median,
 `coordinator.influence.count_claims`; the ledger reads the same pieces from the manifests, with a
 margin for a coordinator that took over and had fewer of them)."""
+PIECES = 16
+"""How many copies of one delta `many_pieces` sends into one round."""
 HONEST_STEPS = 10
 """The steps a hostile piece that does not lie about them claims (sync_every of the chaos run)."""
 
@@ -129,15 +135,19 @@ def _judge(h: HostileInput, led: Ledger) -> Verdict:
         return Verdict(h, "duplicated", "applied more than once", "applied more than once")
     expected = f"refused as one of {sorted(h.codes)}" if h.codes else "refused, or applied once"
     if cid in led.applied:
-        share, learners, ratio = led.round_share.get(cid, (math.nan, 0, math.nan))
+        share, learners, ratio, reach = led.round_share.get(cid, (math.nan, 0, math.nan, math.nan))
         outcome = (f"applied once; its learner took {share:.3g} of its round's weight, {learners} learner(s) in "
-                   f"it; it weighed {ratio:.3g} x the median of the other learners' recent pieces")
+                   f"it; its pieces there weighed {ratio:.3g} x the median of the other learners' recent rounds, "
+                   f"their norms {reach:.3g} x")
         if h.codes:
             return Verdict(h, "applied", outcome, f"applied; must be {expected}")
         if learners > 1 and not ratio <= MAX_WEIGHT_RATIO:
-            return Verdict(h, "applied", outcome, f"it weighed {ratio:.3g} x the median of the other learners' recent "
-                           f"pieces, over {MAX_WEIGHT_RATIO:g} (its learner took {share:.3g} of its round)",
+            return Verdict(h, "applied", outcome, f"its pieces weighed {ratio:.3g} x the median of the other learners' "
+                           f"recent rounds, over {MAX_WEIGHT_RATIO:g} (its learner took {share:.3g} of its round)",
                            unbounded=True)
+        if learners > 1 and reach > MAX_WEIGHT_RATIO:  # (nan: norms not recorded)
+            return Verdict(h, "applied", outcome, f"its pieces' norms as merged came to {reach:.3g} x the median of "
+                           f"the other learners' recent rounds, over {MAX_WEIGHT_RATIO:g}", unbounded=True)
         return Verdict(h, "applied", outcome)
     if cid in led.refused or cid in led.dropped:
         code = led.refusal_codes.get(cid, "")
@@ -153,10 +163,11 @@ def _judge(h: HostileInput, led: Ledger) -> Verdict:
 # ---- the bytes ------------------------------------------------------------------------------------
 
 def well_formed(shapes: Mapping[str, tuple[int, ...]], *, codec: str, compress: bool,
-                meta: Mapping[str, str | int | float], seed: int) -> bytes:
-    """A delta object that passes every check of the coordinator: small random values in `codec`."""
+                meta: Mapping[str, str | int | float], seed: int, scale: float = 1e-4) -> bytes:
+    """A delta object that passes every check of the coordinator: random values of `scale` (small
+    by default) in `codec`."""
     gen = torch.Generator().manual_seed(seed)
-    delta = {name: torch.randn(shape, generator=gen) * 1e-4 for name, shape in shapes.items()}
+    delta = {name: torch.randn(shape, generator=gen) * scale for name, shape in shapes.items()}
     return codecs.encode(delta, codec, compress=compress, meta=dict(meta))
 
 
@@ -199,7 +210,8 @@ class HostileLearner:
         fragment = self._sent % spec.num_fragments
         self._sent += 1
         ctx = _Context(spec, layout, fragment, heads[fragment])
-        acts = {"lying_tokens": self._lying_tokens, "lying_deadline": self._lying_deadline,
+        acts = {"lying_tokens": self._lying_tokens, "many_pieces": self._many_pieces,
+                "lying_deadline": self._lying_deadline,
                 "lying_heartbeat": self._lying_heartbeat, "oversize": self._oversize, "undecodable": self._undecodable,
                 "flood": self._flood, "sse_c": self._sse_c, "made_up_ids": self._made_up_ids}
         acts[variant](ctx, sink)
@@ -217,6 +229,14 @@ class HostileLearner:
         self._announce(ctx, key, blob, cid, tokens=LIE_TOKENS, steps=1, deadline=self._round_deadline(ctx))
         sink.append(HostileInput("lying_tokens", f"{key}: a well-formed delta announced with {LIE_TOKENS} tokens in "
                                  "1 step", cid))
+
+    def _many_pieces(self, ctx: _Context, sink: list[HostileInput]) -> None:
+        deadline = self._round_deadline(ctx)
+        for _ in range(PIECES):
+            key, blob, cid = self._store_delta(ctx, seed=ctx.head, scale=1e-2)  # the same tensors each time
+            self._announce(ctx, key, blob, cid, deadline=deadline)
+            sink.append(HostileInput("many_pieces", f"{key}: one of {PIECES} copies of a delta sent into one round",
+                                     cid))
 
     def _lying_deadline(self, ctx: _Context, sink: list[HostileInput]) -> None:
         key, blob, cid = self._store_delta(ctx)
@@ -317,10 +337,10 @@ class HostileLearner:
         return {"run": ctx.spec.run, "fragment": ctx.fragment, "learner": HOSTILE_ID, "kind": "delta",
                 "contribution_id": cid, "base_version": ctx.head}
 
-    def _store_delta(self, ctx: _Context) -> tuple[str, bytes, str]:
+    def _store_delta(self, ctx: _Context, *, seed: int | None = None, scale: float = 1e-4) -> tuple[str, bytes, str]:
         key, cid = self._next_key(ctx), uuid.uuid4().hex
         blob = well_formed(ctx.layout.shapes(ctx.fragment), codec=ctx.spec.codec, compress=ctx.spec.compress,
-                           meta=self._meta(ctx, cid), seed=self._seq)
+                           meta=self._meta(ctx, cid), seed=self._seq if seed is None else seed, scale=scale)
         self.store.put(key, blob)
         return key, blob, cid
 

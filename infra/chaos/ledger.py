@@ -68,10 +68,10 @@ class Ledger:
     """Applied ids that no announcement names (other than genesis): should be empty."""
     refusal_codes: dict[str, str] = field(default_factory=dict)
     """id -> the code of the refusal that decided its outcome (refused or dropped)."""
-    round_share: dict[str, tuple[float, int, float]] = field(default_factory=dict)
+    round_share: dict[str, tuple[float, int, float, float]] = field(default_factory=dict)
     """Applied id -> (the share of its round's weight that its learner's pieces took, the learners
-    in that round, its piece's counted weight over the median of the other learners' pieces it is
-    bounded by: `round_shares`)."""
+    in that round, its learner's counted weight and its pieces' norms in that round over the
+    median of the other learners' rounds they are bounded by: `round_shares`)."""
     versions_committed: int = 0
     problems: list[str] = field(default_factory=list)
     """Broken version chains: gaps, wrong parents, Redis heads that disagree with S3."""
@@ -103,30 +103,50 @@ def account(ev: Evidence) -> Ledger:
                   problems=chain_problems(ev))
 
 
-def round_shares(ev: Evidence) -> dict[str, tuple[float, int, float]]:
+def round_shares(ev: Evidence) -> dict[str, tuple[float, int, float, float]]:
     """For every input: the share of its version's weight its learner took (all of that learner's
-    pieces in the version), how many learners the version merged, and the merge weight its piece
-    counted (tokens x tokens per step, as recorded) over the median of the pieces of other learners
-    that the coordinator bounds it by (`coordinator.influence.count_claims`): those of the same
-    version and of the fragment's RECENT_ROUNDS merged versions before it (nan with none)."""
+    pieces in the version), how many learners the version merged, and what its learner's pieces in
+    that version counted together against the other learners' rounds that the coordinator bounds
+    them by (`coordinator.influence.count_claims` and `clip_norms`: those of the same version and of
+    the fragment's RECENT_ROUNDS merged versions before it): their merge weight (tokens x tokens per
+    step, summed) over the median of the others', and the sum of their norms as merged (x clip) over
+    the median of the others' sums (nan with no other learner, or no norms recorded)."""
     out = {}
     for ms in ev.manifests.values():
         deltas = sorted((m for m in ms if m.version > 0), key=lambda m: m.version)
+        rounds = [_per_learner(m.inputs) for m in deltas]
         for i, m in enumerate(deltas):
             total = math.fsum(c.weight for c in m.inputs)
             took = {learner: math.fsum(c.weight for c in m.inputs if c.learner == learner)
                     for learner in {c.learner for c in m.inputs}}
-            window = [c for earlier in deltas[max(0, i - RECENT_ROUNDS):i] for c in earlier.inputs] + list(m.inputs)
+            window = [e for r in rounds[max(0, i - RECENT_ROUNDS):i + 1] for e in r.items()]
             for c in m.inputs:
-                others = [_weight(o) for o in window if o.learner != c.learner and o.steps > 0]
-                median = statistics.median(others) if others else math.nan
-                ratio = math.nan if not others else (_weight(c) / median if median > 0 else math.inf)
-                out[c.contribution_id] = (took[c.learner] / total if total > 0 else 0.0, len(took), ratio)
+                weight, reach = rounds[i][c.learner]
+                others = [e for g, e in window if g != c.learner]
+                out[c.contribution_id] = (took[c.learner] / total if total > 0 else 0.0, len(took),
+                                          _ratio(weight, [w for w, _ in others]),
+                                          _ratio(reach, [n for _, n in others]))
     return out
 
 
-def _weight(c: Contribution) -> float:
-    return c.tokens * c.tokens / c.steps if c.steps > 0 else 0.0
+def _per_learner(inputs: tuple[Contribution, ...]) -> dict[str, tuple[float, float]]:
+    """Each learner of a version: its pieces' merge weight together, and their norms' sum as merged
+    (nan if a norm is not recorded)."""
+    out = {}
+    for learner in {c.learner for c in inputs}:
+        mine = [c for c in inputs if c.learner == learner]
+        tokens, steps = sum(c.tokens for c in mine), sum(c.steps for c in mine)
+        reach = math.fsum(math.nan if c.norm is None else c.clip * c.norm for c in mine)
+        out[learner] = (tokens * tokens / steps if steps > 0 else 0.0, reach)
+    return out
+
+
+def _ratio(value: float, others: list[float]) -> float:
+    others = [o for o in others if not math.isnan(o)]
+    if not others or math.isnan(value):
+        return math.nan
+    median = statistics.median(others)
+    return value / median if median > 0 else math.inf
 
 
 def chain_problems(ev: Evidence) -> list[str]:

@@ -175,16 +175,35 @@ def test_nan_or_inf_is_refused(make_rig, codec, value):
 
 def test_finite_delta_whose_merge_overflows_is_refused(make_rig):
     """Every value is finite, but so large (and so heavily weighted) that the outer step overflows
-    float32: refused, instead of a crash at publish that would come back after every restart."""
+    float32: refused, instead of a crash at publish that would come back after every restart. (Alone
+    in the run's first round: with another learner's piece to measure it by, its norm is bounded
+    first, `test_claims.py`.)"""
     rig = make_rig(codec="fp32")
     before = rig.before()
     cid = new_id()
     huge = {s.name: torch.full(s.shape, 3e38) for s in rig.layout.fragments[0]}
     eid, a = rig.forge(rig.delta_blob(cid, tensors=huge), cid=cid, tokens=10**6)
+    rig.coord.step()
     _, good = rig.send_good()
     rig.coord.step()
     rig.assert_refused(before, eid, code="non_finite", learner=BAD, cid=cid, good=good,
                        says=[a.object_key, "overflows float32", "3e+38"])
+
+
+def test_finite_delta_of_float32s_largest_values_beside_an_honest_piece_is_bounded(make_rig):
+    """The same delta in a round with an honest piece: its norm counts up to max_claim_ratio x the
+    honest piece's, so the merge does not overflow and the honest piece is not held back."""
+    rig = make_rig(codec="fp32")
+    head = rig.head()
+    cid = new_id()
+    huge = {s.name: torch.full(s.shape, 3e38) for s in rig.layout.fragments[0]}
+    rig.forge(rig.delta_blob(cid, tensors=huge), cid=cid, tokens=10**6)
+    _, good = rig.send_good()
+    rig.coord.step()
+    inputs = {c.learner: c for c in read_manifest(rig.store, rig.keys, 0, head + 1).inputs}
+    assert set(inputs) == {"good", BAD}
+    assert inputs[BAD].clip * inputs[BAD].norm == pytest.approx(4 * inputs["good"].norm)
+    assert "scaled by" in inputs[BAD].bounded
 
 
 # ---- object over the size limit ------------------------------------------------------------------

@@ -8,9 +8,12 @@ the bound recorded, the version still replays from its manifest, and nothing is 
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 
 import pytest
+import torch
 
 from diloco.coordinator.rederive import recorded_problems
 from diloco.storage.history import read_manifest
@@ -53,6 +56,42 @@ def test_a_piece_claiming_2_to_the_64_tokens_in_one_step_weighs_a_bounded_share(
     assert rig.bus.counters().get("contributions_refused", 0) == 0
 
 
+def test_sixteen_honest_looking_pieces_in_one_round_move_the_model_no_more_than_the_bound(rig: Rig):
+    """One learner sends sixteen pieces into one round, each as large as an honest one (its own
+    keys, its own announcements). Each piece merges with its learner's share (a learner's pieces in
+    a round are consecutive progress and add up): bounded one piece at a time, the sixteen outweighed
+    the honest learners 85 times and reversed the round. Its claims are bounded together, and its
+    pieces' norms together: at most max_claim_ratio x the median learner's, recorded, replayable."""
+    rig.advance(3)
+    head = rig.head()
+    rig.send_good("good")
+    rig.send_good("good2")
+    copy = {s.name: -0.01 * torch.randn(s.shape) for s in rig.layout.fragments[0]}  # against the round
+    ids = []
+    for _ in range(16):
+        cid = new_id()
+        rig.forge(rig.delta_blob(cid, tensors=copy), cid=cid)
+        ids.append(cid)
+    rig.coord.step()
+
+    assert rig.head() == head + 1 and pending(rig) == []
+    manifest = read_manifest(rig.store, rig.keys, 0, head + 1)
+    mine = [c for c in manifest.inputs if c.learner == BAD]
+    honest = [c for c in manifest.inputs if c.learner != BAD]
+    assert sorted(c.contribution_id for c in mine) == sorted(ids) and len(honest) == 2
+    # Its claims together: 640 tokens in 64 steps counted as 4x the median learner's round (160 in 16).
+    assert sum(c.tokens for c in mine) <= 160 and all("over 16 piece(s)" in c.bounded for c in mine)
+    # Its pieces together move the model at most 4x as far as the median learner's round (the
+    # honest pieces of this round and the three before), at a share at most 4x the median learner's.
+    norms = sorted(c.norm for m in range(head - 2, head + 2) for c in read_manifest(rig.store, rig.keys, 0, m).inputs
+                   if c.learner != BAD)
+    assert math.fsum(c.clip * c.norm for c in mine) <= 4 * statistics.median(norms) * (1 + 1e-9)
+    assert mine[0].weight / mine[0].clip <= 4 * statistics.median(c.weight for c in honest)
+    assert all(c.clip == mine[0].clip < 1 and "scaled by" in c.bounded for c in mine)
+    assert all(c.clip == 1.0 and not c.bounded for c in honest)
+    assert recorded_problems(manifest) == []  # replay recomputes weight x clip from the manifest
+
+
 def test_a_deadline_far_in_the_future_does_not_hold_the_fragments_rounds_open(make_rig):
     rig = make_rig(cadence="clock", round_s=1.0, max_grace_s=0.5)
     rig.coord.step()  # publishes the round clock
@@ -69,6 +108,24 @@ def test_a_deadline_far_in_the_future_does_not_hold_the_fragments_rounds_open(ma
     step_until(rig, lambda: rig.head() > head, timeout_s=6.0)
     inputs = read_manifest(rig.store, rig.keys, 0, head + 1).inputs
     assert {c.learner for c in inputs} == {"good", BAD} and pending(rig) == []
+
+
+@pytest.mark.parametrize("clocked", [True, False], ids=["clock", "before_the_clock"])
+def test_a_final_piece_for_a_far_deadline_does_not_make_every_later_round_late(make_rig, clocked: bool):
+    """A learner's last piece, or any piece before the fragment has a clock, sent for the deadline
+    1e15: merged, it set the fragment's merged deadline to 1e15 for the coordinator's life, and
+    every later round counted as late (waiting for every live learner)."""
+    rig = make_rig(cadence="clock", round_s=1.0, max_grace_s=0.5)
+    if clocked:
+        rig.coord.step()  # publishes the round clock
+    head = rig.head()
+    rig.send_good("good")
+    cid = new_id()
+    rig.forge(rig.delta_blob(cid), cid=cid, deadline=1e15, final=True)
+    step_until(rig, lambda: rig.head() > head, timeout_s=6.0)
+    assert BAD in {c.learner for c in read_manifest(rig.store, rig.keys, 0, head + 1).inputs}
+    period = rig.bus.cadence().period_s if rig.bus.cadence() else 1.0
+    assert rig.coord.fragments[0].merged_deadline <= time.time() + 2 * period
 
 
 def test_a_heartbeat_claiming_a_nanosecond_step_does_not_set_the_clock(make_rig):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -172,16 +173,19 @@ def _hostile_ledger() -> Ledger:
 def test_the_ledger_knows_each_applied_pieces_share_of_its_round():
     led = _hostile_ledger()
     # big: 38 / (1 + 1 + 38) of its round, learners l0 and hostile; it counted 38 tokens in 1 step, a
-    # weight of 38**2 / 1 against the median 1 of l0's pieces.
-    assert led.round_share["big"] == (0.95, 2, 1444.0)
-    assert led.round_share["small"] == (0.2, 2, 0.25)  # 1 token in 4 steps
-    assert led.round_share["alone"] == (1.0, 1, 1.0)  # against l0's pieces of the versions before
+    # weight of 38**2 / 1 against l0's round: two pieces of 1 token in 1 step, a weight of 2**2 / 2.
+    assert led.round_share["big"][:3] == (0.95, 2, 722.0)
+    # 1 token in 4 steps against l0's rounds (weights 2, and 1 in this one): median 1.5.
+    assert led.round_share["small"][:3] == (0.2, 2, 0.25 / 1.5)
+    assert led.round_share["alone"][:3] == (1.0, 1, 1 / 1.5)  # against l0's rounds of the versions before
+    assert math.isnan(led.round_share["big"][3])  # no norms recorded
     two = replace(_manifest(0, 1, ["x"]), inputs=tuple(
         replace(_manifest(0, 1, ["x"]).inputs[0], contribution_id=cid, learner=learner, weight=1.0)
         for cid, learner in (("p1", "hostile"), ("p2", "hostile"), ("h", "l0"))))
     shares = account(_evidence(announced={"p1", "p2", "h"}, manifests={0: [_manifest(0, 0, ["g0"]), two]},
                                s3_versions={0: [0, 1]}, redis_heads={0: 1}, refusals=[], pending=set())).round_share
-    assert shares["p1"] == shares["p2"] == (2 / 3, 2, 1.0)  # a learner's pieces in one round add up
+    # A learner's pieces in one round add up: twice the tokens in twice the steps, twice the weight.
+    assert shares["p1"][:3] == shares["p2"][:3] == (2 / 3, 2, 2.0)
 
 
 def test_each_hostile_input_is_judged_by_what_must_become_of_it():
@@ -194,7 +198,7 @@ def test_each_hostile_input_is_judged_by_what_must_become_of_it():
               HostileInput("sse_c", "h3 applied", "h3", frozenset({"unreadable_object"})),
               HostileInput("made_up_ids", "ghost-1")]
     verdicts = {v.input.what: v for v in judge(inputs, led)}
-    assert verdicts["big"].unbounded and "took 0.95" in verdicts["big"].problem and "1.44e+03 x" in verdicts["big"].problem
+    assert verdicts["big"].unbounded and "took 0.95" in verdicts["big"].problem and "722 x" in verdicts["big"].problem
     assert (verdicts["small"].kind, verdicts["small"].problem) == ("applied", "")
     assert verdicts["alone"].problem == ""  # alone in its round: it moves only itself
     assert (verdicts["tl"].kind, verdicts["tl"].problem) == ("refused", "")

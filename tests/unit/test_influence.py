@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import random
+import statistics
+from dataclasses import replace
+
 import pytest
 
-from diloco.coordinator.influence import (Claim, count_claims, fastest_plausible, plausible_deadline, usual_fleet,
+from diloco.coordinator.influence import (Claim, _median_without, clip_norms, count_claims, fastest_plausible, plausible_deadline, usual_fleet,
                                           waited_learners)
 from diloco.coordinator.policy import (Arrival, RoundConfig, RoundSize, RoundState, decide_round, merge_weights,
                                        round_size, round_step, slowest_plausible)
@@ -20,7 +25,7 @@ def piece(learner: str, tokens: int = 1000, steps: int = 10, **kw) -> Arrival:
 
 
 HONEST = [piece("a"), piece("b"), piece("c")]
-HISTORY = [Claim(n, 1000, 10) for n in "abc" for _ in range(4)]
+HISTORY = [[Claim(n, 1000, 10) for n in "abc"] for _ in range(4)]  # four rounds of three learners
 
 
 def test_a_lying_piece_weighs_at_most_ratio_times_the_median_learner() -> None:
@@ -42,6 +47,41 @@ def test_a_lying_piece_alone_in_its_round_is_bounded_by_the_history() -> None:
     assert (m.tokens, m.steps) == (4000, 40) and note
 
 
+def test_many_pieces_of_one_learner_in_a_round_weigh_together_at_most_ratio_times_the_median_learner() -> None:
+    """Sixteen honest-looking pieces from one learner in one round (each as large as the others'):
+    bounded one by one, each got the learner's whole share and together they outweighed the fleet
+    85 times. Their total is bounded: at most 4x the median learner's round."""
+    flood = [Arrival(f"m{i}", "mallory", HEAD, 1000, 10, 0.0, 0.1) for i in range(16)]
+    counted = count_claims([*HONEST, *flood], HISTORY, 4.0)
+    mine = [a for a, _ in counted if a.learner == "mallory"]
+    assert sum(a.tokens for a in mine) <= 4000 and sum(a.steps for a in mine) >= 40
+    assert all(note.startswith("claimed 16000 tokens in 160 steps over 16 piece(s)") for a, note in counted
+               if a.learner == "mallory")
+    # Its pieces add up (consecutive progress), each merged with its learner's share: that share is
+    # at most 4x the median learner's (4/7 beside three honest ones); how far the pieces together
+    # move the model is bounded by their norms (`clip_norms`).
+    weights = merge_weights([a for a, _ in counted], HEAD, RoundConfig())
+    assert all(w <= 4 / 7 + 1e-12 for (a, _), w in zip(counted, weights) if a.learner == "mallory")
+    # Two pieces of a learner that missed a round are within the bound: counted as they claim.
+    late = [piece("a"), replace(piece("a"), contribution_id="a-again"), piece("b"), piece("c")]
+    assert [note for _, note in count_claims(late, HISTORY, 4.0)] == ["", "", "", ""]
+    # A backlog (every learner's pieces of many rounds at once) cuts every learner alike.
+    backlog = [Arrival(f"{n}{i}", n, HEAD, 1000, 10, 0.0, 0.1) for n in "abc" for i in range(10)]
+    weights = merge_weights([a for a, _ in count_claims(backlog, HISTORY, 4.0)], HEAD, RoundConfig())
+    assert weights == pytest.approx([1 / 3] * 30)
+
+
+def test_the_median_without_a_learners_own_rounds_matches_the_plain_median() -> None:
+    rng = random.Random(0)
+    for _ in range(2000):
+        values = sorted(rng.choice([1, 2, 3, 5, 8]) for _ in range(rng.randint(2, 12)))
+        remove = sorted(rng.sample(values, rng.randint(0, len(values) - 1)))
+        kept = list(values)
+        for v in remove:
+            kept.remove(v)
+        assert _median_without(values, remove) == statistics.median(kept)
+
+
 def test_an_honest_fleet_within_the_ratio_is_counted_as_it_claims() -> None:
     # One learner 3x faster than the others (3x the tokens and steps), one with twice their batch.
     fleet = [piece("a"), piece("b"), piece("fast", tokens=3000, steps=30), piece("wide", tokens=2000, steps=10)]
@@ -50,7 +90,7 @@ def test_an_honest_fleet_within_the_ratio_is_counted_as_it_claims() -> None:
 
 def test_without_another_learner_nothing_is_cut() -> None:
     alone = piece("solo", tokens=10**9, steps=1)
-    assert count_claims([alone], [Claim("solo", 10, 1)], 4.0) == [(alone, "")]
+    assert count_claims([alone], [[Claim("solo", 10, 1)]], 4.0) == [(alone, "")]
 
 
 def test_when_the_others_report_no_tokens_a_claim_of_tokens_counts_none() -> None:
@@ -73,7 +113,11 @@ def test_a_deadline_far_ahead_counts_as_the_next_one() -> None:
     assert plausible_deadline(0.0, now=now, cadence=clock, fragment=1, num_fragments=4) == nxt
     assert plausible_deadline(0.0, now=now, cadence=clock, fragment=1, num_fragments=4, final=True) == 0.0
     assert plausible_deadline(0.0, now=now, cadence=None, fragment=1, num_fragments=4) == 0.0  # step cadence
-    assert plausible_deadline(1e15, now=now, cadence=None, fragment=1, num_fragments=4) == 1e15  # no clock yet
+    # Bounded also for a learner's last piece, and before the fragment has a clock (none: 0).
+    assert plausible_deadline(1e15, now=now, cadence=clock, fragment=1, num_fragments=4, final=True) == nxt
+    assert plausible_deadline(1e15, now=now, cadence=None, fragment=1, num_fragments=4) == 0.0
+    assert plausible_deadline(1e15, now=now, cadence=None, fragment=1, num_fragments=4, final=True) == 0.0
+    assert plausible_deadline(now - 1, now=now, cadence=None, fragment=1, num_fragments=4) == now - 1
 
 
 def test_the_round_clock_follows_no_step_time_far_below_the_others() -> None:
@@ -152,3 +196,34 @@ def test_the_usual_fleet_counts_senders_the_rounds_own_and_the_finished_not_hear
     merged = frozenset({"a", "b", "old", "crashed"})
     finished = frozenset({"b", "old"} | {f"x{i}" for i in range(1000)})
     assert usual_fleet(frozenset({"a"}), arrived=none, sent=sent, merged=merged, finished=finished) == {"a", "b", "old"}
+
+
+def normed(learner: str, norm: float, cid: str = "") -> Arrival:
+    return replace(piece(learner), contribution_id=cid or f"{learner}-{norm}", norm=norm)
+
+
+NORMED_HISTORY = [[Claim(n, 1000, 10, 1.0) for n in "abc"] for _ in range(4)]
+
+
+def test_a_learners_pieces_move_the_model_at_most_ratio_times_as_far_as_the_median_learners() -> None:
+    """Sixteen copies of one delta in one round (each an honest-looking piece): merged with the
+    learner's share each, they moved the model sixteen times as far as one; their norms together
+    are bounded by the other learners' per round, and so is one piece sixteen times too long."""
+    honest = [normed(n, 1.0) for n in "abc"]
+    copies = [normed("mallory", 1.0, f"m{i}") for i in range(16)]
+    clips = clip_norms([*honest, *copies], NORMED_HISTORY, 4.0)
+    assert clips["mallory"][0] == pytest.approx(4 / 16) and "sum to 16" in clips["mallory"][1]
+    assert all(clips[n] == (1.0, "") for n in "abc")
+    assert clip_norms([*honest, normed("mallory", 160.0)], NORMED_HISTORY, 4.0)["mallory"][0] == pytest.approx(4 / 160)
+    # Honest progress that differs by less than the ratio, two pieces of a late learner included,
+    # is merged as sent.
+    assert all(c == (1.0, "") for c in clip_norms([*honest[:2], normed("c", 2.0), normed("c", 1.5, "c2")],
+                                                     NORMED_HISTORY, 4.0).values())
+    # A backlog (every learner's pieces of ten rounds at once, after the coordinator was down) is
+    # not scaled: the round is capped as a whole (`policy.round_step`).
+    backlog = [normed(n, 1.0, f"{n}{i}") for n in "abc" for i in range(10)]
+    assert all(c == (1.0, "") for c in clip_norms(backlog, NORMED_HISTORY, 4.0).values())
+    assert clip_norms([*backlog, *copies], NORMED_HISTORY, 4.0)["mallory"] == (1.0, "")  # 16 against their 10
+    # Without norms (versions made before they were recorded) or another learner, nothing is scaled.
+    assert clip_norms([*HONEST, piece("mallory")], HISTORY, 4.0)["mallory"] == (1.0, "")
+    assert clip_norms([normed("solo", 1e9)], [[Claim("solo", 10, 1, 1.0)]], 4.0)["solo"] == (1.0, "")
