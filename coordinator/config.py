@@ -8,10 +8,11 @@ in every manifest they shaped.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from diloco.coordinator.policy import RoundConfig
 from diloco.storage.codecs import CODECS
@@ -119,8 +120,20 @@ class CoordinatorConfig:
     pip install 'diloco[metrics]'; docs/metrics.md lists the metrics."""
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number, got {value}")
         if not self.outer_lr > 0:
             raise ConfigError(f"outer_lr must be positive, got {self.outer_lr}")
+        if not self.round_s >= 0:
+            raise ConfigError(f"round_s must be >= 0 seconds (0: H steps of the fastest learner), got {self.round_s}")
+        if not self.min_round_s > 0:
+            raise ConfigError(f"min_round_s must be > 0 seconds, got {self.min_round_s}")
+        if not self.claim_idle_s > 0:
+            raise ConfigError(f"claim_idle_s must be > 0 seconds, got {self.claim_idle_s}")
+        if self.fetch_threads < 1:
+            raise ConfigError(f"fetch_threads must be at least 1, got {self.fetch_threads}")
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.max_refusals_listed < 1:

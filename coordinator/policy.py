@@ -86,6 +86,9 @@ class RoundConfig:
     and never contribute do not hold every round open."""
 
     def __post_init__(self) -> None:
+        for name in ("grace_gamma", "max_grace_s", "max_claim_ratio"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.min_quorum < 1:
             raise ConfigError(f"min_quorum must be at least 1, got {self.min_quorum}")
         if not 0.0 < self.grace_gamma < 1.0:

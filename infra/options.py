@@ -21,6 +21,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import os
 import textwrap
 import tomllib
@@ -74,6 +75,7 @@ def load_sources(command: str | None, argv: Sequence[str], env: Mapping[str, str
     `command`; the options added afterwards take their defaults from them. Raises ConfigError for a
     file that cannot be read or parsed."""
     global _sources
+    _origins.clear()
     env = dict(os.environ if env is None else env)
     path = _config_path(argv) or env.get(ENV_CONFIG) or None
     values: dict[str, Any] = {}
@@ -138,6 +140,8 @@ def convert(raw: Any, tp: type, choices: Sequence[str] | None, where: str, name:
             raise ValueError(f"expected {'an integer' if tp is int else 'a ' + tp.__name__}")
         else:
             value = tp(raw)
+            if tp is float and not math.isfinite(value):
+                raise ValueError("expected a finite number")
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {raw!r} is not a valid {tp.__name__}: {exc}") from None
     if choices is not None and value not in choices:
@@ -184,10 +188,11 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, 
             continue
         if given is not None:
             default, origin = given[0], f"from {given[1]}"
+            _origins[f.name] = given[1]
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             origin = f"{ENV_PREFIX}{f.name.upper()}"
-        kind: Any = tp
+        kind: Any = _finite if tp is float else tp
         shown = default
         if tp is int and f.name.endswith("_bytes"):  # sizes: read 512MB or 2GiB, shown readable
             kind, shown = parse_bytes, f"{human_bytes(default)}" if isinstance(default, int) else default
@@ -206,8 +211,28 @@ def _title(cls: type) -> str:
     return " ".join(words + ["settings"])
 
 
+def _finite(raw: str) -> float:
+    """argparse's type for a float option: a finite number (nan and inf are refused)."""
+    value = float(raw)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a finite number")
+    return value
+
+
+_origins: dict[str, str] = {}
+"""Field name -> where its default came from (a DILOCO_* variable or the config file), for errors."""
+
+
 def build(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
-    """An instance of `cls` from parsed options (fields without an option keep their default)."""
+    """An instance of `cls` from parsed options (fields without an option keep their default).
+    Raises ConfigError for a value the class refuses, naming where the value came from when it was
+    not the command line."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     values.update(overrides)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ConfigError as exc:
+        named = [n for n in values if str(exc).startswith(n) and n in _origins]
+        if named:
+            raise ConfigError(f"{_origins[named[0]]}: {exc}") from None
+        raise

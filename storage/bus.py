@@ -25,6 +25,7 @@ import enum
 import functools
 import hashlib
 import logging
+import math
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,6 +54,15 @@ COMMITS_KEPT = 1000
 """The commits hash keeps each fragment's last this many versions (a re-sent commit of one of them is
 ALREADY; an older one is refused by the head check anyway)."""
 LEARNERS_FORGOTTEN_S = 3600.0
+MAX_LEASE_S = 600.0
+"""A heartbeat keeps a learner live for at most this long (its ttl is capped in the script): a made-up
+id heartbeated once with a ttl of 1e9 s would otherwise stay live, and be read every loop, for good."""
+MAX_STATS_BYTES = 16 * 1024
+"""The most a heartbeat's stats record may be (LearnerStats is a few hundred bytes); the script
+writes nothing larger, so that no reader holds megabytes of one learner's junk."""
+MAX_LIVE_LEARNERS = 4096
+"""The most learner ids one run counts live at once: past it, a new id's heartbeat is refused
+(`fleet_full`) until leases lapse. Every loop of the coordinator reads the live set."""
 """A learner whose heartbeat lapsed this long ago leaves the live set's key and its stats are dropped
 (it stays in the joined set: a run waits for a learner that joined to finish, or for `diloco finish`)."""
 ANNOUNCEMENTS_KEPT = 10_000
@@ -234,17 +244,25 @@ return 1
 """
 
 _HEARTBEAT_LUA = """
--- KEYS: learners, learner_stats, joined; ARGV: learner, ttl_s, joined (1/0), forget_s, [stats]
+-- KEYS: learners, learner_stats, joined
+-- ARGV: learner, ttl_s, joined (1/0), forget_s, max_ttl_s, max_stats_bytes, max_live, [stats]
+-- Returns 1, or 0 with nothing written if the stats are over max_stats_bytes, -1 if max_live other
+-- learners are live already.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+if ARGV[8] and #ARGV[8] > tonumber(ARGV[6]) then return 0 end
 -- learners whose heartbeat lapsed more than forget_s ago are forgotten, a few per call (their stats too)
 for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[4]), 'LIMIT', 0, 16)) do
   redis.call('ZREM', KEYS[1], gone)
   redis.call('HDEL', KEYS[2], gone)
 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+local mine = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not (mine and tonumber(mine) >= now) and redis.call('ZCOUNT', KEYS[1], now, '+inf') >= tonumber(ARGV[7]) then
+  return -1
+end
+redis.call('ZADD', KEYS[1], now + math.min(tonumber(ARGV[2]), tonumber(ARGV[5])), ARGV[1])
 if ARGV[3] == '1' then redis.call('SADD', KEYS[3], ARGV[1]) end
-if ARGV[5] then redis.call('HSET', KEYS[2], ARGV[1], ARGV[5]) end
+if ARGV[8] then redis.call('HSET', KEYS[2], ARGV[1], ARGV[8]) end
 return 1
 """
 
@@ -607,9 +625,18 @@ class Bus:
                   joined: bool = False) -> None:
         """Live until `ttl_s` from now on the Redis server's clock (machines' clocks may disagree).
         `joined`: also (again, should Redis have lost it) a member of the joined set."""
-        args: list[Any] = [learner, ttl_s, int(joined), LEARNERS_FORGOTTEN_S] + ([] if stats is None
-                                                                                else [stats.to_wire()])
-        self._heartbeat(keys=[self.keys.learners, self.keys.learner_stats, self.keys.joined], args=args)
+        if not (math.isfinite(ttl_s) and ttl_s > 0):
+            raise ValueError(f"a heartbeat's ttl must be a finite number of seconds > 0, got {ttl_s!r}")
+        args: list[Any] = [learner, ttl_s, int(joined), LEARNERS_FORGOTTEN_S, MAX_LEASE_S, MAX_STATS_BYTES,
+                           MAX_LIVE_LEARNERS] + ([] if stats is None else [stats.to_wire()])
+        done = self._heartbeat(keys=[self.keys.learners, self.keys.learner_stats, self.keys.joined], args=args)
+        if done == 0:
+            raise Refused("too_large", f"learner {learner}'s stats are {len(args[-1])} bytes, over the "
+                          f"{MAX_STATS_BYTES} a heartbeat may carry: not written")
+        if done == -1:
+            raise Refused("fleet_full", f"run {self.keys.run!r} has {MAX_LIVE_LEARNERS} live learners, the most "
+                          f"one run takes: learner {learner} is not counted live (start fewer learners, or "
+                          "wait for leases to lapse)")
 
     @redis_retry
     def leave(self, learner: str) -> None:

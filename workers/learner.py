@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
-from diloco.storage.bus import Bus
+from diloco.storage.bus import MAX_LEASE_S, Bus
 from diloco.storage.errors import ConfigError, DilocoError, RunFinished, StorageUnavailable
 from diloco.storage.global_model import Which, read_global
 from diloco.storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec
@@ -100,8 +100,11 @@ class LearnerConfig:
     faster than their rounds commit would never move its base)."""
 
     def __post_init__(self) -> None:
-        if self.lease_s <= self.heartbeat_s:
-            raise ConfigError(f"lease_s ({self.lease_s}) must exceed heartbeat_s ({self.heartbeat_s})")
+        if not (math.isfinite(self.heartbeat_s) and self.heartbeat_s > 0):
+            raise ConfigError(f"heartbeat_s must be a finite number of seconds > 0, got {self.heartbeat_s!r}")
+        if self.lease_s <= self.heartbeat_s or not self.lease_s <= MAX_LEASE_S:
+            raise ConfigError(f"lease_s ({self.lease_s}) must exceed heartbeat_s ({self.heartbeat_s}) and be at "
+                              f"most {MAX_LEASE_S:g} s")
 
 
 @dataclass

@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 
 from diloco import __version__
+from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.policy import RoundConfig
 from diloco.infra.cli import build_parser, main
+from diloco.infra.options import build
 from diloco.storage.errors import ConfigError
 
 
@@ -53,6 +56,32 @@ def test_wrong_settings_are_refused_naming_where_they_came_from(tmp_path, monkey
         parse(["coordinator", "--run", "r", "--config", str(broken)], monkeypatch)
     assert main(["coordinator", "--run", "r", "--config", str(typo)]) == 2
     assert "min_qorum" in capsys.readouterr().err
+
+
+def test_settings_are_checked_as_data_naming_where_they_came_from(tmp_path, monkeypatch, capsys, caplog):
+    """NaN and negative seconds from DILOCO_* variables and TOML were taken as they came (round_s,
+    min_round_s); every float must be finite and every setting in range, wherever it is set."""
+    with pytest.raises(ConfigError, match="DILOCO_ROUND_S: 'nan' is not a valid float: expected a finite number"):
+        parse(["coordinator", "--run", "r"], monkeypatch, {"DILOCO_ROUND_S": "nan"})
+    config = tmp_path / "run.toml"
+    config.write_text("[coordinator]\nmin_round_s = inf\n")
+    with pytest.raises(ConfigError, match="min_round_s: inf is not a valid float: expected a finite number"):
+        parse(["coordinator", "--run", "r", "--config", str(config)], monkeypatch)
+    with pytest.raises(SystemExit):
+        parse(["coordinator", "--run", "r", "--max-grace-s", "nan"], monkeypatch)
+    assert "'nan' is not a finite number" in capsys.readouterr().err
+    # In range too: negative seconds are refused when the settings are built, naming the variable.
+    args = parse(["coordinator", "--run", "r"], monkeypatch, {"DILOCO_ROUND_S": "-1"})
+    with pytest.raises(ConfigError, match="DILOCO_ROUND_S: round_s must be >= 0 seconds"):
+        build(CoordinatorConfig, args, round=build(RoundConfig, args))
+    monkeypatch.delenv("DILOCO_ROUND_S")
+    assert main(["coordinator", "--run", "r", "--min-round-s", "-0.5"]) == 1  # before any connection
+    assert "min_round_s must be > 0 seconds, got -0.5" in caplog.text
+    for bad in ({"lease_s": float("inf")}, {"fetch_threads": 0}, {"claim_idle_s": -1.0}):
+        with pytest.raises(ConfigError):
+            CoordinatorConfig(**bad)
+    with pytest.raises(ConfigError, match="max_grace_s must be a finite number"):
+        RoundConfig(max_grace_s=float("inf"))
 
 
 def test_verbose_anywhere_and_the_version(monkeypatch, capsys):
