@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from diloco.infra.chaos.config import ChaosConfig
 from diloco.infra.chaos.faults import CORRUPTIONS, HOSTILE, labels
 from diloco.infra.chaos.suite import run_chaos
@@ -20,6 +22,7 @@ SECONDS = 45.0
 SEED = 5
 
 
+@pytest.mark.slow  # make test-slow (CI runs it after make test)
 def test_every_contribution_is_accounted_for_under_every_kind_of_fault(tmp_path):
     report = run_chaos(ChaosConfig(out=tmp_path, seconds=SECONDS, seed=SEED))
     print(report.line())

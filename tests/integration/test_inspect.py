@@ -163,6 +163,7 @@ def test_refusals_are_listed_with_their_reasons_and_counted_per_learner(history,
     assert "bad_framing x1" in out and f"run {keys.run}: 2 fragment(s), H=4" in out
 
 
+@pytest.mark.slow  # make test-slow (CI runs it after make test)
 def test_an_export_inspects_the_same_as_the_bucket_and_errors_say_what_to_do(history, capsys, tmp_path, stack,
                                                                             endpoints):
     store, keys = history

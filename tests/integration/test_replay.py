@@ -14,6 +14,7 @@ import json
 import socket
 import subprocess
 
+import pytest
 
 from diloco.infra.cli import build_parser
 from diloco.infra.history.replay import ReplayReport, replay_run
@@ -128,6 +129,7 @@ def test_tampering_is_reported_at_exactly_that_version_and_fails_the_command(end
                and v["fragment"] == 0)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it after make test)
 def test_replay_command_prints_progress_and_summary_without_redis(endpoints, run_id, tmp_path, stack):
     heads = make_history(endpoints, run_id, rounds=2)
     env = process_env({k: v for k, v in stack.env().items() if k.startswith("AWS_")} | endpoints.to_env())

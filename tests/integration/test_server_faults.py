@@ -105,6 +105,7 @@ def test_s3_down_for_a_while_training_goes_on_and_nothing_is_lost(own_stack, tmp
     assert_every_announcement_applied_once(stack.endpoints)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it after make test)
 def test_redis_restarted_then_emptied_both_sides_go_on(own_stack, tmp_path):
     stack, env, procs = own_stack
     coordinator = spawn_coordinator(RUN, env, tmp_path, "--lease-s", "2")

@@ -71,6 +71,7 @@ def test_a_lone_learners_round_steps_by_its_share_and_a_backlog_is_capped_also_a
     assert fleet.round_of("a", steps=16) == (160, 0.25, 1.0)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it after make test)
 def test_rounds_that_each_hold_one_learner_stay_each_its_share_of_the_fleet(fleet):
     """Quorum 1 on the step cadence, the learners' pieces merged one at a time: soon every recent
     round holds one learner. Against their median, each round would be a whole outer step of one
