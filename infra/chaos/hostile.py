@@ -13,12 +13,13 @@ It holds the Redis and S3 credentials every honest learner has, and uses them as
   under its own key and announced with honest tokens and steps for the round deadline. Each is
   refused, or applied with the others: its learner's pieces in a round weigh together at most
   MAX_WEIGHT_RATIO x the median learner's round, and their norms as merged at most as much.
-- `lying_deadline`: a well-formed delta announced for the deadline 1e15. Refused, or applied once;
+- `lying_deadline`: a well-formed delta announced for the deadline 1e15, and a learner's last piece
+  for the same deadline. Refused, or applied once;
   the fragment's rounds keep merging (the suite checks that the heads advance after every hostile
   fault).
 - `lying_heartbeat`: heartbeats for LIE_S claiming inner steps of 1e-9 s (the round clock follows
-  the fastest learner), and two live ids whose stats do not decode (step_time_s = "fast", and bytes
-  that are not msgpack). Nothing to account for: nothing may crash.
+  the fastest learner), and three live ids whose stats do not decode (step_time_s = "fast", bytes
+  that are not msgpack, and 8 MB of them written raw). Nothing to account for: nothing may crash.
 - `oversize`: an announcement whose size_bytes is over the run's max_object_bytes (too_large, the
   object never stored, so it was refused unread), and an object twice the size it is announced
   as (size_mismatch).
@@ -28,7 +29,8 @@ It holds the Redis and S3 credentials every honest learner has, and uses them as
 - `sse_c`: a well-formed delta stored with server-side encryption under a key of the sender's own
   (SSE-C), announced correctly (unreadable_object). Skipped, with the reason logged and listed,
   where the S3 server refuses such a PUT or ignores the key (a plain GET returns the object).
-- `made_up_ids`: GHOSTS learner ids that join and heartbeat for GHOST_S and never contribute.
+- `made_up_ids`: GHOSTS learner ids that join, heartbeat once with a ttl of 1e9 s (live for at most
+  MAX_LEASE_S: the script caps it) and for GHOST_S, and never contribute.
 
 The objects' headers name their run, fragment, learner, contribution id and base version, as the
 coordinator checks, but not their tokens and steps: like the chaos suite's corrupt objects, the
@@ -82,6 +84,10 @@ GHOST = "ghost"
 """The made-up learner ids start with this."""
 GHOST_S = 20.0
 """How long the made-up learner ids heartbeat."""
+GHOST_TTL_S = 1e9
+"""The ttl the made-up ids ask for once (the heartbeat script keeps them live for MAX_LEASE_S at most)."""
+JUNK_STATS = b"\xc1" * (8 << 20)
+"""An 8 MB stats record of junk, written raw under a live id: its reader warns once and keeps a digest."""
 HEARTBEAT_S = 1.0
 HEARTBEAT_TTL_S = 3.0
 MAX_WEIGHT_RATIO = 1.5 * RoundConfig().max_claim_ratio
@@ -239,10 +245,11 @@ class HostileLearner:
                                      cid))
 
     def _lying_deadline(self, ctx: _Context, sink: list[HostileInput]) -> None:
-        key, blob, cid = self._store_delta(ctx)
-        self._announce(ctx, key, blob, cid, deadline=LIE_DEADLINE)
-        sink.append(HostileInput("lying_deadline", f"{key}: a well-formed delta announced for the deadline "
-                                 f"{LIE_DEADLINE:g}", cid))
+        for final in (False, True):
+            key, blob, cid = self._store_delta(ctx)
+            self._announce(ctx, key, blob, cid, deadline=LIE_DEADLINE, final=final)
+            sink.append(HostileInput("lying_deadline", f"{key}: a well-formed {'last ' if final else ''}delta "
+                                     f"announced for the deadline {LIE_DEADLINE:g}", cid))
 
     def _lying_heartbeat(self, ctx: _Context, sink: list[HostileInput]) -> None:
         stats = LearnerStats(learner=HOSTILE_ID, step=1000, tokens=1000 * self.tokens_per_step,
@@ -250,8 +257,8 @@ class HostileLearner:
         self._keep_alive({HOSTILE_ID: stats}, LIE_S)
         sink.append(HostileInput("lying_heartbeat", f"heartbeats of {HOSTILE_ID} for {LIE_S:g}s claiming "
                                  f"{LIE_STEP_TIME_S:g}s per inner step"))
-        for name, raw in bad_stats(HOSTILE_ID):
-            self.bus.r.hset(self.keys.learner_stats, name, raw)
+        for name, raw in [*bad_stats(HOSTILE_ID), (f"{HOSTILE_ID}-junk", JUNK_STATS)]:
+            self.bus.r.hset(self.keys.learner_stats, name, raw)  # raw: the heartbeat script writes none of these
             self._keep_alive({name: None}, LIE_S)
             sink.append(HostileInput("lying_heartbeat", f"heartbeats of {name} for {LIE_S:g}s whose stats record "
                                      f"does not decode: {raw[:60]!r}"))
@@ -320,9 +327,10 @@ class HostileLearner:
         names = [f"{GHOST}-{self._sent:03d}-{i:02d}" for i in range(GHOSTS)]
         for name in names:
             self.bus.join(name)
+            self.bus.heartbeat(name, GHOST_TTL_S, joined=True)  # live for at most MAX_LEASE_S, not for good
         self._keep_alive(dict.fromkeys(names), GHOST_S)
-        sink.extend(HostileInput("made_up_ids", f"{name} joined and heartbeat for {GHOST_S:g}s, never contributing")
-                    for name in names)
+        sink.extend(HostileInput("made_up_ids", f"{name} joined, heartbeat once with a ttl of {GHOST_TTL_S:g}s and then "
+                                 f"for {GHOST_S:g}s, never contributing") for name in names)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _skip(self, sink: list[HostileInput], why: str) -> None:
@@ -353,13 +361,14 @@ class HostileLearner:
 
     def _announce(self, ctx: _Context, key: str, blob: bytes, cid: str, *, tokens: int | None = None,
                   steps: int = HONEST_STEPS, deadline: float = 0.0, size_bytes: int | None = None,
-                  sha256: str | None = None) -> None:
+                  sha256: str | None = None, final: bool = False) -> None:
         seq = int(key.rsplit("/", 1)[1])
         self.bus.announce(Announcement(
             kind="delta", run=ctx.spec.run, fragment=ctx.fragment, learner=HOSTILE_ID, seq=seq, contribution_id=cid,
             base_version=ctx.head, tokens=steps * self.tokens_per_step if tokens is None else tokens, steps=steps,
             step_time_s=0.1, object_key=key, size_bytes=len(blob) if size_bytes is None else size_bytes,
-            sha256=sha256_hex(blob) if sha256 is None else sha256, sent_at=time.time(), deadline=deadline))
+            sha256=sha256_hex(blob) if sha256 is None else sha256, sent_at=time.time(), deadline=deadline,
+            final=final))
 
     def _keep_alive(self, learners: Mapping[str, LearnerStats | None], for_s: float) -> None:
         """Heartbeat `learners` now, then every HEARTBEAT_S for `for_s` in the heartbeat thread."""

@@ -16,6 +16,7 @@ import pytest
 
 from diloco.storage import bus as bus_module
 from diloco.storage.bus import FIELD, Bus
+from diloco.storage.errors import Refused
 from diloco.storage.history import read_manifest
 from diloco.storage.protocol import Announcement, LearnerStats, Refusal, VersionEvent
 from rig import Rig
@@ -94,3 +95,38 @@ def test_a_round_flooded_with_pieces_merges_at_most_its_cap(make_rig):
     for k, a in enumerate(firsts):
         inputs = read_manifest(rig.store, rig.keys, 0, head + 1 + k).inputs
         assert [c.contribution_id for c in inputs] == [a.contribution_id]
+
+
+def test_a_heartbeat_is_bounded_in_size_ttl_and_live_ids(endpoints, run_id, monkeypatch: pytest.MonkeyPatch):
+    """What one learner's heartbeats may make the coordinator hold and read each loop: stats over
+    MAX_STATS_BYTES are refused unwritten; a ttl of 1e9 s keeps an id live for MAX_LEASE_S at most
+    (200k made-up ids heartbeated once stayed live for good, and the loop read them all twice a
+    step: 2.3 ms -> 3.8 s); past MAX_LIVE_LEARNERS live ids a new one is refused, a live one goes on."""
+    monkeypatch.setattr(bus_module, "MAX_LIVE_LEARNERS", 3)
+    bus = Bus(endpoints, run_id)
+    try:
+        # The script itself refuses oversize stats (a typed LearnerStats is a few hundred bytes; a
+        # learner calling the script with its own bytes gets nothing written).
+        keys = [bus.keys.learners, bus.keys.learner_stats, bus.keys.joined]
+        args = ["big", 30.0, 0, bus_module.LEARNERS_FORGOTTEN_S, bus_module.MAX_LEASE_S, bus_module.MAX_STATS_BYTES,
+                bus_module.MAX_LIVE_LEARNERS]
+        assert bus._heartbeat(keys=keys, args=[*args, b"x" * (8 << 20)]) == 0
+        assert bus.r.hget(bus.keys.learner_stats, "big") is None and "big" not in bus.fleet().live
+        assert bus._heartbeat(keys=keys, args=[*args, b"x" * 100]) == 1
+        bus.leave("big")
+        bus.heartbeat("forever", 1e9)
+        lapses = bus.r.zscore(bus.keys.learners, "forever") - bus.server_time()
+        assert 0 < lapses <= bus_module.MAX_LEASE_S
+        with pytest.raises(ValueError, match="finite"):
+            bus.heartbeat("nan", float("nan"))
+        bus.heartbeat("a", 30.0)
+        bus.heartbeat("b", 30.0)
+        with pytest.raises(Refused, match="has 3 live learners") as full:
+            bus.heartbeat("c", 30.0)
+        assert full.value.code == "fleet_full" and bus.fleet().live == {"forever", "a", "b"}
+        bus.heartbeat("a", 30.0, LearnerStats(learner="a", step=1))  # one already live goes on
+        bus.leave("b")
+        bus.heartbeat("c", 30.0)  # room again
+        assert bus.fleet().live == {"forever", "a", "c"}
+    finally:
+        bus.close()
