@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from pathlib import Path
 
-from diloco.infra.options import check_sources, load_sources, reset_sources
+from diloco.infra.options import check_sources, load_sources, recording_sources, reset_sources
 from diloco.storage.errors import DilocoError
 
 log = logging.getLogger("diloco")
@@ -78,7 +78,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     words = sys.argv[1:] if argv is None else argv
     chosen = _command(words)
     parser = argparse.ArgumentParser(prog="diloco", description="Decoupled DiLoCo over S3 and Redis.",
-                                     epilog="Every setting of a command can also be given as DILOCO_<SETTING> in the "
+                                     epilog="Every setting of a command can also be given as DILOCO_<FLAG> in the "
                                             "environment or in a TOML file (--config); see `diloco COMMAND --help`.")
     parser.add_argument("--version", action="version", version=f"diloco {_version()}")
     _add_common(parser, top=True)
@@ -90,11 +90,21 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             if name == chosen:
                 _add_common(sub, top=False)
                 command_function(name, room, "add")(sub)
-                check_sources()
+                check_sources([n for n, _, _ in COMMANDS])
             sub.set_defaults(handler=_run_later(name, room))
     finally:
         reset_sources()
     return parser
+
+
+def every_setting() -> set[str]:
+    """The setting names (field and flag spellings) of every command: each command's options
+    declared on a scratch parser with nothing set (this imports every room, seconds:
+    `options.KNOWN_SETTINGS` holds the result, checked against this by a unit test)."""
+    recording = recording_sources()
+    for name, room, _ in COMMANDS:
+        command_function(name, room, "add")(argparse.ArgumentParser(prog=name, add_help=False))
+    return recording.asked
 
 
 def _version() -> str:

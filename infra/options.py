@@ -7,11 +7,14 @@ types are skipped (the caller handles them).
 
 Every such setting can also come from the environment or a TOML file, for deployments where a
 command line is awkward (a Kubernetes manifest, a SkyPilot task). Precedence, highest first: the
-flag on the command line, `DILOCO_<FIELD>` in the environment (`--grace-gamma` is
-DILOCO_GRACE_GAMMA), the file given as `--config FILE` (or DILOCO_CONFIG), the field's default.
-The file holds `field = value` pairs (flag or field spelling) at its top, for any command that has
-the setting, and in a table per command (`[coordinator]`), which wins for that command. A key of
-the command's own table that is not one of its settings is an error naming it.
+flag on the command line, `DILOCO_<FLAG>` in the environment (`--grace-gamma` is
+DILOCO_GRACE_GAMMA; a flag that renames its field, `--fragments` for num_fragments, still reads the
+field's name, with a line saying it is the old one), the file given as `--config FILE` (or
+DILOCO_CONFIG), the field's default. The file holds `field = value` pairs (flag or field spelling)
+at its top, for any command that has the setting, and in a table per command (`[coordinator]`),
+which wins for that command. A key of the command's own table that is not one of its settings, and
+a DILOCO_* variable, a top-level key or a table that no command has, are errors naming the closest
+valid name (`check_sources`).
 """
 
 from __future__ import annotations
@@ -19,19 +22,23 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
+import logging
 import math
 import os
 import textwrap
 import tomllib
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from diloco.infra.output import human_bytes, parse_bytes
 from diloco.storage.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -51,16 +58,31 @@ class Sources:
     own: set[str] = dataclasses.field(default_factory=set)
     """Keys of the command's own table: each must be one of its settings."""
     used: set[str] = dataclasses.field(default_factory=set)
+    """Keys of the file an option took."""
+    asked: set[str] = dataclasses.field(default_factory=set)
+    """Setting names (field and flag spellings) the declared options looked up."""
+    top: set[str] = dataclasses.field(default_factory=set)
+    """The file's top-level keys: each must be a setting of some command."""
+    tables: set[str] = dataclasses.field(default_factory=set)
+    """The file's tables: each must be a command's."""
 
-    def value(self, name: str, tp: type, choices: Sequence[str] | None) -> tuple[Any, str] | None:
-        """The setting for field `name` from the environment or the file, converted, and where it came from."""
-        env_name = ENV_PREFIX + name.upper()
-        if env_name in self.env:
-            return convert(self.env[env_name], tp, choices, env_name, name), env_name
-        if name in self.file:
-            self.used.add(name)
-            where = f"{self.path}: {name}"
-            return convert(self.file[name], tp, choices, where, name), where
+    def value(self, name: str, tp: type, choices: Sequence[str] | None,
+              old: str | None = None) -> tuple[Any, str] | None:
+        """The setting `name` (its flag's spelling) from the environment or the file, converted, and
+        where it came from. `old`: the field's name where the flag renames it, still read (a line
+        says it is the old name) when `name` is not set."""
+        self.asked.update({name} | ({old} if old else set()))
+        for key in (name, old) if old else (name,):
+            env_name = ENV_PREFIX + key.upper()
+            if env_name in self.env:
+                if key == old:
+                    log.warning("%s is the old name of %s%s: use that", env_name, ENV_PREFIX, name.upper())
+                return convert(self.env[env_name], tp, choices, env_name, key), env_name
+        for key in (name, old) if old else (name,):
+            if key in self.file:
+                self.used.add(key)
+                where = f"{self.path}: {key}"
+                return convert(self.file[key], tp, choices, where, key), where
         return None
 
     def unknown(self) -> list[str]:
@@ -80,27 +102,84 @@ def load_sources(command: str | None, argv: Sequence[str], env: Mapping[str, str
     path = _config_path(argv) or env.get(ENV_CONFIG) or None
     values: dict[str, Any] = {}
     own: set[str] = set()
+    top: set[str] = set()
+    tables: set[str] = set()
     if path:
         try:
             data = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read the config file {path}: {exc}") from None
         values = {_field(k): v for k, v in data.items() if not isinstance(v, dict)}
+        top = set(values)
+        tables = {k for k, v in data.items() if isinstance(v, dict)}
         section = data.get(command or "", {})
         if isinstance(section, dict):
             own = {_field(k) for k in section}
             values.update({_field(k): v for k, v in section.items()})
-    _sources = Sources(env=env, file=values, path=Path(path) if path else None, own=own)
+    _sources = Sources(env=env, file=values, path=Path(path) if path else None, own=own, top=top, tables=tables)
     return _sources
 
 
-def check_sources() -> None:
+def check_sources(commands: Sequence[str]) -> None:
     """After the chosen command declared its options: a key of its own table in the config file
-    that none of them took is a mistake. Raises ConfigError naming it."""
+    that none of them took, a DILOCO_* variable, a top-level key or a table that no command has
+    (KNOWN_SETTINGS; `commands`: their names) is a mistake. Raises ConfigError naming it and the
+    closest valid name."""
     unknown = _sources.unknown()
     if unknown:
         raise ConfigError(f"{_sources.path}: unknown setting(s) {', '.join(unknown)} for this command "
-                          "(see its --help)")
+                          f"(see its --help){_closest(unknown[0], _sources.asked)}")
+    env = [k for k in _sources.env if k.startswith(ENV_PREFIX) and k not in ENV_OTHERS
+           and k[len(ENV_PREFIX):].lower() not in _sources.asked]
+    top = [k for k in _sources.top if k not in _sources.asked]
+    tables = [t for t in _sources.tables if t not in commands]
+    if tables:
+        raise ConfigError(f"{_sources.path}: [{tables[0]}] is not a diloco command{_closest(tables[0], commands)}")
+    if not env and not top:
+        return
+    known = KNOWN_SETTINGS
+    for name in env:
+        if name[len(ENV_PREFIX):].lower() not in known:
+            raise ConfigError(f"{name} is not a setting of any diloco command"
+                              f"{_closest(name, {ENV_PREFIX + k.upper() for k in known} | ENV_OTHERS)}")
+    for key in top:
+        if key not in known:
+            raise ConfigError(f"{_sources.path}: {key} is not a setting of any diloco command{_closest(key, known)}")
+
+
+KNOWN_SETTINGS = frozenset({
+    "alpha", "cadence", "checkpoint_every", "chips", "claim_idle_s", "close_timeout_s", "codec", "compress",
+    "consumer", "contributions", "data_seed", "downstream_codec", "drain_s", "error_feedback",
+    "fetch_threads", "fragment_mb", "fragments", "grace_gamma", "heartbeat_s", "hours", "join_timeout_s",
+    "kill_at", "learner_failure", "learners", "lease_s", "max_claim_ratio", "max_grace_s", "max_object_bytes",
+    "max_refusals_listed", "max_round_bytes", "max_silent_rounds", "max_staleness", "merge_rule", "merge_s",
+    "merge_wait_s", "metrics_port", "min_quorum", "min_round_s", "model_seed", "mtbi_years", "num_fragments",
+    "outer_lr", "outer_momentum", "overlap_steps", "own_version_wait", "radial_directional",
+    "read_batch_bytes", "repair_s", "repeats", "rescale_s", "restart_delay_s", "restart_s", "round_s", "run",
+    "scale_rounds", "seconds", "seed", "slice_chips", "slow_factor", "slowdown", "speed_cv",
+    "staleness_discount", "standby", "step_time_s", "steps", "sync_every", "tensors", "threads", "timeout_s",
+    "token_budget", "until", "upload_deadline_s", "upload_s", "wait_for_merge"
+})
+"""Every setting name (field and flag spellings) of every command: `cli.every_setting()` declares
+them all to find out, importing every room (seconds); a unit test holds this list to it."""
+
+ENV_OTHERS = frozenset({"DILOCO_CONFIG", "DILOCO_REDIS_URL", "DILOCO_S3_ENDPOINT", "DILOCO_S3_BUCKET",
+                        "DILOCO_S3_PREFIX", "DILOCO_S3_REGION", "DILOCO_LEARNER_ID", "DILOCO_CRASH_AT",
+                        "DILOCO_TEST_REQUIRE_TLS"})
+"""DILOCO_* variables read outside the commands' options (storage.settings, the learner's id, the
+test suite's crash points and TLS switch)."""
+
+
+def _closest(word: str, names: Iterable[str]) -> str:
+    near = difflib.get_close_matches(word, sorted(names), n=1, cutoff=0.6)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
+def recording_sources() -> Sources:
+    """Sources with nothing set, recording the names options ask for (`every_setting`)."""
+    global _sources
+    _sources = Sources()
+    return _sources
 
 
 def reset_sources() -> None:
@@ -182,7 +261,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, 
         allowed = (choices or {}).get(f.name)
         extra: dict[str, Any] = {"choices": list(allowed)} if allowed is not None else {}
         doc = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
-        given = _sources.value(f.name, tp, allowed)
+        named = flag.lstrip("-").replace("-", "_")
+        given = _sources.value(named, tp, allowed, old=f.name if named != f.name else None)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and given is None:
             group.add_argument(flag, dest=f.name, type=tp, required=True, help=f"{doc} (required)", **extra)
             continue
@@ -191,7 +271,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, 
             _origins[f.name] = given[1]
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            origin = f"{ENV_PREFIX}{f.name.upper()}"
+            origin = f"{ENV_PREFIX}{named.upper()}"
         kind: Any = _finite if tp is float else tp
         shown = default
         if tp is int and f.name.endswith("_bytes"):  # sizes: read 512MB or 2GiB, shown readable

@@ -90,7 +90,7 @@ def _start_coordinator(args: argparse.Namespace, config: CoordinatorConfig, stop
 def add_learner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="run id (the coordinator creates it)")
     own_id = os.environ.get(ENV_LEARNER_ID)
-    parser.add_argument("--id", dest="learner_id", required=own_id is None, default=own_id,
+    parser.add_argument("--learner-id", "--id", dest="learner_id", required=own_id is None, default=own_id,
                         help=f"learner id, unique in the run (default: {ENV_LEARNER_ID}; required without it)")
     parser.add_argument("--task", type=Path, help="JSON of the task to train (its `kind`: demo, gpt2, vision; "
                         "model, data, inner optimizer and schedule), as the benchmarks and `diloco demo` write it; "

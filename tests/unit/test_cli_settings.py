@@ -12,8 +12,8 @@ import pytest
 from diloco import __version__
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.policy import RoundConfig
-from diloco.infra.cli import build_parser, main
-from diloco.infra.options import build
+from diloco.infra.cli import build_parser, every_setting, main
+from diloco.infra.options import KNOWN_SETTINGS, build
 from diloco.storage.errors import ConfigError
 
 
@@ -91,3 +91,33 @@ def test_verbose_anywhere_and_the_version(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exited:
         parse(["--version"], monkeypatch)
     assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"diloco {__version__}"
+
+
+def test_one_name_per_setting_and_unknown_names_are_errors_naming_the_closest(tmp_path, monkeypatch, caplog):
+    """--fragments is DILOCO_FRAGMENTS (DILOCO_NUM_FRAGMENTS still works, with a line saying it is
+    the old name); a DILOCO_* variable, a top-level key or a table no command has is an error naming
+    the closest valid one (they were dropped without a word)."""
+    assert parse(["coordinator", "--run", "r"], monkeypatch, {"DILOCO_FRAGMENTS": "2"}).num_fragments == 2
+    with caplog.at_level("WARNING"):
+        assert parse(["coordinator", "--run", "r"], monkeypatch, {"DILOCO_NUM_FRAGMENTS": "3"}).num_fragments == 3
+    assert "DILOCO_NUM_FRAGMENTS is the old name of DILOCO_FRAGMENTS" in caplog.text
+    config = tmp_path / "run.toml"
+    config.write_text("[coordinator]\nfragments = 5\n")
+    assert parse(["coordinator", "--run", "r", "--config", str(config)], monkeypatch).num_fragments == 5
+    with pytest.raises(ConfigError, match="DILOCO_MIN_QORUM is not a setting of any diloco command "
+                                          r"\(did you mean DILOCO_MIN_QUORUM\?\)"):
+        parse(["coordinator", "--run", "r"], monkeypatch, {"DILOCO_MIN_QORUM": "2"})
+    # Another command's setting is no mistake: one environment may serve several commands.
+    assert parse(["coordinator", "--run", "r"], monkeypatch, {"DILOCO_STEPS": "10"}).run == "r"
+    config.write_text("outer_lrr = 0.5\n")
+    with pytest.raises(ConfigError, match=r"outer_lrr is not a setting of any diloco command \(did you mean outer_lr\?\)"):
+        parse(["coordinator", "--run", "r", "--config", str(config)], monkeypatch)
+    config.write_text("[coordinater]\nmin_quorum = 2\n")
+    with pytest.raises(ConfigError, match=r"\[coordinater\] is not a diloco command \(did you mean coordinator\?\)"):
+        parse(["coordinator", "--run", "r", "--config", str(config)], monkeypatch)
+
+
+def test_the_known_settings_are_every_commands_settings():
+    """`options.KNOWN_SETTINGS` (what an unknown DILOCO_* variable or config key is checked against
+    without importing every command) is what the commands declare: add a setting, add it there."""
+    assert every_setting() == KNOWN_SETTINGS
