@@ -142,7 +142,7 @@ def clip_norms(arrivals: Sequence[Arrival], history: Sequence[Sequence[Claim]],
             out[g] = (1.0, "")
             continue
         clip = bound / mine[g]
-        out[g] = (clip, f"its pieces' norms sum to {mine[g]:.4g}, over max_claim_ratio {ratio:g} x the median "
+        out[g] = (clip, f"its pieces' norms sum to {mine[g]:.4g}, over max_norm_ratio {ratio:g} x the median "
                         f"per round of other learners ({len(entries) - len(own[g])} of their rounds): scaled by "
                         f"{clip:.4g}")
     return out

@@ -77,16 +77,22 @@ class RoundConfig:
     """Scale the weight of an accepted stale contribution by 1/(1+staleness)."""
     max_claim_ratio: float = 4.0
     """How far one learner's claims may stray from the other learners' median (`coordinator.influence`):
-    a piece counts at most this many times their median tokens and merge weight, and the step time
-    a grace window or the round clock follows is at most this far from theirs. Raise it for a fleet
-    whose honest learners differ by more (e.g. one island with 8x the batch of the others)."""
+    a learner's pieces in a round count at most this many times their median tokens and merge
+    weight per round, and the step time a grace window or the round clock follows is at most this
+    far from theirs. Raise it for a fleet whose honest learners differ by more (e.g. one island with
+    8x the batch of the others)."""
+    max_norm_ratio: float = 4.0
+    """How far one learner's pieces in a round may move the model against the other learners': the
+    sum of their norms counts up to this many times the others' median per round, and a learner
+    over it has its pieces scaled down (`influence.clip_norms`, recorded per input as `clip`). Raise
+    it for a fleet whose honest learners' progress per round differs by more."""
     max_silent_rounds: int = 4
     """Clock cadence: a live learner that has sent nothing for this many round periods (since it was
     first seen, for a new one) is not waited for until it sends again: learner ids that heartbeat
     and never contribute do not hold every round open."""
 
     def __post_init__(self) -> None:
-        for name in ("grace_gamma", "max_grace_s", "max_claim_ratio"):
+        for name in ("grace_gamma", "max_grace_s", "max_claim_ratio", "max_norm_ratio"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.min_quorum < 1:
@@ -101,6 +107,8 @@ class RoundConfig:
             raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if not self.max_claim_ratio >= 1.0:
             raise ConfigError(f"max_claim_ratio must be at least 1, got {self.max_claim_ratio}")
+        if not self.max_norm_ratio >= 1.0:
+            raise ConfigError(f"max_norm_ratio must be at least 1, got {self.max_norm_ratio}")
         if self.max_silent_rounds < 1:
             raise ConfigError(f"max_silent_rounds must be at least 1, got {self.max_silent_rounds}")
 

@@ -13,6 +13,8 @@ read right now, the entry stays pending and is retried.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import threading
 import time
@@ -127,10 +129,14 @@ class Fragment:
 class Coordinator:
     def __init__(self, endpoints: Endpoints, run: str, *, settings: RunSettings | None = None,
                  config: CoordinatorConfig | None = None, stop: threading.Event | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, resume: bool = False) -> None:
         """Create or load the run, take the coordinator lease (waiting for it if another coordinator
         holds it; `stop` ends the wait) and bring Redis up to date with the manifests in S3. Metrics
-        go to `metrics`, or to a server of this coordinator's own on `config.metrics_port` (0: none)."""
+        go to `metrics`, or to a server of this coordinator's own on `config.metrics_port` (0: none).
+
+        `settings` create the run; for a run that exists they must be its stored settings (a
+        ConfigError prints both), unless `resume` (or `settings` is None): then the stored ones
+        are run. The run is created only once both Redis and S3 have answered."""
         self.config = config or CoordinatorConfig()
         self._own_metrics = metrics is None
         self.metrics = metrics if metrics is not None else Metrics.start(self.config.metrics_port, run)
@@ -139,7 +145,8 @@ class Coordinator:
         self.keys = self.bus.keys
         self.store = self.metrics.counting(self.store, self.keys)
         self.store.ensure_bucket()
-        self.spec = self._load_or_create(settings or RunSettings())
+        self.bus.ping()  # both servers answer before the run's settings are written
+        self.spec = self._load_or_create(settings, resume=resume or settings is None)
         # The grace window reasons about the learners' overlap: take tau from the run itself.
         self.round_cfg = replace(self.config.round, overlap_steps=self.spec.overlap_steps)
         self._keep_applied = self.round_cfg.max_staleness + 1
@@ -192,19 +199,26 @@ class Coordinator:
         log.info("coordinator %s of run %s: epoch %d, %d fragments, heads %s", self.leadership.holder, run,
                  self.epoch, self.spec.num_fragments, {f: s.head for f, s in self.fragments.items()})
 
-    def _load_or_create(self, settings: RunSettings) -> RunSpec:
+    def _load_or_create(self, settings: RunSettings | None, *, resume: bool) -> RunSpec:
         spec = read_run_spec(self.store, self.keys)
-        if spec is not None:
-            return spec
-        spec = settings.spec(self.keys.run)
-        try:
-            self.store.put(self.keys.run_spec(), spec.to_wire(), create_only=True)
-            log.info("created run %s: %s", spec.run, spec)
-            return spec
-        except Conflict:
-            stored = read_run_spec(self.store, self.keys)
-            assert stored is not None
-            return stored
+        if spec is None:
+            spec = (settings or RunSettings()).spec(self.keys.run)
+            try:
+                self.store.put(self.keys.run_spec(), spec.to_wire(), create_only=True)
+                log.info("created run %s: %s", spec.run, spec)
+                return spec
+            except Conflict:  # another coordinator created it a moment ago
+                spec = read_run_spec(self.store, self.keys)
+                assert spec is not None
+        differ = settings_differ(spec, settings) if settings is not None else {}
+        if differ and not resume:
+            raise ConfigError(f"run {spec.run!r} exists with other settings than these: "
+                              + ", ".join(f"{k} {stored!r} (given {given!r})" for k, (stored, given) in differ.items())
+                              + ". Give the stored ones, or --resume to run it as it is stored")
+        if differ:
+            log.warning("run %s resumed as stored: %s", spec.run,
+                        ", ".join(f"{k} {stored!r} (given {given!r}, not used)" for k, (stored, given) in differ.items()))
+        return spec
 
     # ---- the loop ----------------------------------------------------------------------------
     def serve(self, stop: threading.Event) -> None:
@@ -709,7 +723,7 @@ class Coordinator:
             by_id = {c.announcement.contribution_id: c for c in taking}
             contributions = [by_id[a.contribution_id] for a in ordered]
             # ... and how far they move the model: one learner's pieces together by the others' norms.
-            clips = clip_norms(ordered, frag.claims, self.round_cfg.max_claim_ratio)
+            clips = clip_norms(ordered, frag.claims, self.round_cfg.max_norm_ratio)
             for a in ordered:
                 if clips[a.learner][1]:
                     notes[a.contribution_id] = "; ".join(n for n in (notes.get(a.contribution_id), clips[a.learner][1]) if n)
@@ -919,6 +933,13 @@ class Coordinator:
         log.info("committed fragment %d version %d from %d contribution(s) in %.3fs", fragment, version,
                  len(contributions), elapsed)
         self.metrics.published(manifest, elapsed)
+
+
+def settings_differ(spec: RunSpec, settings: RunSettings) -> dict[str, tuple[object, object]]:
+    """The run settings `settings` gives otherwise than the stored `spec`: name -> (stored, given)."""
+    given = settings.spec(spec.run)
+    return {f.name: (getattr(spec, f.name), getattr(given, f.name)) for f in dataclasses.fields(RunSettings)
+            if getattr(spec, f.name) != getattr(given, f.name)}
 
 
 def _norm(manifest: Manifest) -> float | None:

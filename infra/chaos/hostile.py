@@ -12,7 +12,7 @@ It holds the Redis and S3 credentials every honest learner has, and uses them as
 - `many_pieces`: PIECES copies of one well-formed delta (larger than an honest one's), each stored
   under its own key and announced with honest tokens and steps for the round deadline. Each is
   refused, or applied with the others: its learner's pieces in a round weigh together at most
-  MAX_WEIGHT_RATIO x the median learner's round, and their norms as merged at most as much.
+  MAX_WEIGHT_RATIO x the median learner's round, and their norms as merged at most MAX_REACH_RATIO x.
 - `lying_deadline`: a well-formed delta announced for the deadline 1e15, and a learner's last piece
   for the same deadline. Refused, or applied once;
   the fragment's rounds keep merging (the suite checks that the heads advance after every hostile
@@ -90,6 +90,8 @@ JUNK_STATS = b"\xc1" * (8 << 20)
 """An 8 MB stats record of junk, written raw under a live id: its reader warns once and keeps a digest."""
 HEARTBEAT_S = 1.0
 HEARTBEAT_TTL_S = 3.0
+MAX_REACH_RATIO = 1.5 * RoundConfig().max_norm_ratio
+"""Likewise for the norms of a learner's pieces in a round as merged (`influence.clip_norms`)."""
 MAX_WEIGHT_RATIO = 1.5 * RoundConfig().max_claim_ratio
 """A lying piece applied: the merge weight it counted may be at most this many times the median of
 the pieces of other learners the coordinator bounds it by (`max_claim_ratio` x that median,
@@ -151,9 +153,9 @@ def _judge(h: HostileInput, led: Ledger) -> Verdict:
             return Verdict(h, "applied", outcome, f"its pieces weighed {ratio:.3g} x the median of the other learners' "
                            f"recent rounds, over {MAX_WEIGHT_RATIO:g} (its learner took {share:.3g} of its round)",
                            unbounded=True)
-        if learners > 1 and reach > MAX_WEIGHT_RATIO:  # (nan: norms not recorded)
+        if learners > 1 and reach > MAX_REACH_RATIO:  # (nan: norms not recorded)
             return Verdict(h, "applied", outcome, f"its pieces' norms as merged came to {reach:.3g} x the median of "
-                           f"the other learners' recent rounds, over {MAX_WEIGHT_RATIO:g}", unbounded=True)
+                           f"the other learners' recent rounds, over {MAX_REACH_RATIO:g}", unbounded=True)
         return Verdict(h, "applied", outcome)
     if cid in led.refused or cid in led.dropped:
         code = led.refusal_codes.get(cid, "")

@@ -45,6 +45,9 @@ log = logging.getLogger("diloco")
 
 def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="run id (created with the settings below if it does not exist)")
+    parser.add_argument("--resume", action="store_true",
+                        help="run a run that exists with its stored settings, whatever run settings are given (without "
+                             "it, run settings other than the stored ones are an error that shows both)")
     add_options(parser, RunSettings, flags={"num_fragments": "--fragments"}, title="run settings (fixed when the run "
                 "is created)", choices={"codec": CODECS, "merge_rule": MERGE_RULES, "cadence": CADENCES})
     add_options(parser, CoordinatorConfig, choices={"downstream_codec": ("run", *CODECS)})
@@ -75,7 +78,7 @@ def _start_coordinator(args: argparse.Namespace, config: CoordinatorConfig, stop
     while True:
         try:
             return Coordinator(Endpoints.from_env(), args.run, settings=build(RunSettings, args), config=config,
-                               stop=stop, metrics=metrics)
+                               stop=stop, metrics=metrics, resume=args.resume)
         except Stopped:
             return None
         except (StorageUnavailable, redis.RedisError) as exc:
