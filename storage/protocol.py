@@ -14,6 +14,7 @@ PROTOCOL.md documents the fields; this module is the source of truth.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -148,13 +149,10 @@ class Record:
     def _from_map(cls: type[T], body: Any, where: str) -> T:
         if not isinstance(body, dict):
             raise Refused("bad_message", f"{where}: expected a map, got {type(body).__name__}")
-        hints = typing.get_type_hints(cls)
-        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        hints, names, required = _schema(cls)
         unknown = sorted(set(body) - set(names))
         if unknown:
             raise Refused("bad_message", f"{where}: unknown fields {unknown}")
-        required = [f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         missing = [n for n in required if n not in body]
         if missing:
             raise Refused("bad_message", f"{where}: missing fields {missing}")
@@ -165,6 +163,17 @@ class Record:
             raise
         except (ValueError, TypeError) as exc:
             raise Refused("bad_message", f"{where}: {exc}") from None
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[dict[str, Any], tuple[str, ...], tuple[str, ...]]:
+    """A record class's field types, field names and required fields, worked out once per class
+    (`typing.get_type_hints` evaluates every annotation anew: 1.6 ms per LearnerStats record, which
+    made reading 4096 learners' stats take 7 s)."""
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    return (typing.get_type_hints(cls), tuple(f.name for f in fields),
+            tuple(f.name for f in fields if f.default is dataclasses.MISSING
+                  and f.default_factory is dataclasses.MISSING))
 
 
 def _require(cond: bool, message: str) -> None:
