@@ -110,7 +110,8 @@ def round_shares(ev: Evidence) -> dict[str, tuple[float, int, float, float]]:
     them by (`coordinator.influence.count_claims` and `clip_norms`: those of the same version and of
     the fragment's RECENT_ROUNDS merged versions before it): their merge weight (tokens x tokens per
     step, summed) over the median of the others', and the sum of their norms as merged (x clip) over
-    the median of the others' sums (nan with no other learner, or no norms recorded)."""
+    the median of the others' sums, or of this version's other learners' when larger (a backlog: the
+    bound `clip_norms` applies) (nan with no other learner, or no norms recorded)."""
     out = {}
     for ms in ev.manifests.values():
         deltas = sorted((m for m in ms if m.version > 0), key=lambda m: m.version)
@@ -123,9 +124,13 @@ def round_shares(ev: Evidence) -> dict[str, tuple[float, int, float, float]]:
             for c in m.inputs:
                 weight, reach = rounds[i][c.learner]
                 others = [e for g, e in window if g != c.learner]
+                here = [n for g, (_, n) in rounds[i].items() if g != c.learner and not math.isnan(n)]
+                # Norms against the others' recent rounds, or this round's others when they sent more
+                # (a backlog), as `clip_norms` bounds them.
+                floor = statistics.median(here) if here else 0.0
                 out[c.contribution_id] = (took[c.learner] / total if total > 0 else 0.0, len(took),
                                           _ratio(weight, [w for w, _ in others]),
-                                          _ratio(reach, [n for _, n in others]))
+                                          _ratio(reach, [n for _, n in others], floor))
     return out
 
 
@@ -141,11 +146,12 @@ def _per_learner(inputs: tuple[Contribution, ...]) -> dict[str, tuple[float, flo
     return out
 
 
-def _ratio(value: float, others: list[float]) -> float:
+def _ratio(value: float, others: list[float], floor: float = 0.0) -> float:
+    """`value` over the median of `others` (or `floor` when larger); nan without others."""
     others = [o for o in others if not math.isnan(o)]
     if not others or math.isnan(value):
         return math.nan
-    median = statistics.median(others)
+    median = max(statistics.median(others), floor)
     return value / median if median > 0 else math.inf
 
 
