@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -496,9 +497,13 @@ class Coordinator:
         self._clock_offset_s = self.bus.server_time() - time.time()
         period = self.config.round_s
         if period <= 0:
+            # The live learners that send pieces (all live ones until some do, at a run's start; at most
+            # CLOCK_SAMPLE, the earliest seen): ids that only heartbeat do not set the clock, and a
+            # flood of them costs no more than CLOCK_SAMPLE stats records a second.
             live = set(self.bus.live_learners())
-            steps = [s.step_time_s for name, s in self.bus.learner_stats().items()
-                     if name in live and s.step_time_s > 0]
+            names = (live & self.last_piece.keys()) or live
+            names = sorted(names, key=lambda n: (self.first_seen.get(n, math.inf), n))[:CLOCK_SAMPLE]
+            steps = [s.step_time_s for s in self.bus.learner_stats(names).values() if s.step_time_s > 0]
             if not steps:
                 return
             fastest = fastest_plausible(steps, self.round_cfg.max_claim_ratio)
@@ -933,6 +938,10 @@ class Coordinator:
         log.info("committed fragment %d version %d from %d contribution(s) in %.3fs", fragment, version,
                  len(contributions), elapsed)
         self.metrics.published(manifest, elapsed)
+
+
+CLOCK_SAMPLE = 256
+"""The most live learners whose stats the round clock reads each second (`Coordinator._tend_cadence`)."""
 
 
 def settings_differ(spec: RunSpec, settings: RunSettings) -> dict[str, tuple[object, object]]:

@@ -699,11 +699,18 @@ class Bus:
         return [m.decode() for m in self.r.zrangebyscore(self.keys.learners, self.server_time(), "+inf")]
 
     @redis_retry
-    def learner_stats(self) -> dict[str, LearnerStats]:
-        """Each learner's last reported stats; a record that does not decode, or that names another
-        learner than its key, is skipped with a warning (a learner's heartbeat cannot break its reader)."""
+    def learner_stats(self, names: Sequence[str] | None = None) -> dict[str, LearnerStats]:
+        """Each learner's last reported stats (of `names` only, when given); a record that does not
+        decode, or that names another learner than its key, is skipped with a warning (a learner's
+        heartbeat cannot break its reader)."""
         out = {}
-        for k, v in self.r.hgetall(self.keys.learner_stats).items():
+        if names is None:
+            records = self.r.hgetall(self.keys.learner_stats).items()
+        else:
+            names = list(names)
+            records = [(n.encode(), v) for n, v in zip(names, self.r.hmget(self.keys.learner_stats, names) if names
+                                                       else [], strict=True) if v is not None]
+        for k, v in records:
             name = k.decode(errors="replace")
             try:
                 stats = LearnerStats.from_wire(v)
