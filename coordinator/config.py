@@ -55,6 +55,13 @@ class RunSettings:
                        created_at=time.time(), cadence=self.cadence)
 
 
+def settings_differ(spec: RunSpec, settings: RunSettings) -> dict[str, tuple[object, object]]:
+    """The run settings `settings` gives otherwise than the stored `spec`: name -> (stored, given)."""
+    given = settings.spec(spec.run)
+    return {f.name: (getattr(spec, f.name), getattr(given, f.name)) for f in fields(RunSettings)
+            if getattr(spec, f.name) != getattr(given, f.name)}
+
+
 @dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     outer_lr: float = 0.7

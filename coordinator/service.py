@@ -13,8 +13,6 @@ read right now, the entry stays pending and is retried.
 
 from __future__ import annotations
 
-import dataclasses
-
 import logging
 import math
 import threading
@@ -27,7 +25,7 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
-from diloco.coordinator.config import CoordinatorConfig, RunSettings
+from diloco.coordinator.config import CoordinatorConfig, RunSettings, settings_differ
 from diloco.coordinator.influence import (Claim, clip_norms, count_claims, fastest_plausible, plausible_deadline, usual_fleet,
                                           waited_learners)
 from diloco.coordinator.intake import (PendingDelta, check_announcement, decode_piece, fetch_checked, fetch_tensors,
@@ -942,13 +940,6 @@ class Coordinator:
 
 CLOCK_SAMPLE = 256
 """The most live learners whose stats the round clock reads each second (`Coordinator._tend_cadence`)."""
-
-
-def settings_differ(spec: RunSpec, settings: RunSettings) -> dict[str, tuple[object, object]]:
-    """The run settings `settings` gives otherwise than the stored `spec`: name -> (stored, given)."""
-    given = settings.spec(spec.run)
-    return {f.name: (getattr(spec, f.name), getattr(given, f.name)) for f in dataclasses.fields(RunSettings)
-            if getattr(spec, f.name) != getattr(given, f.name)}
 
 
 def _norm(manifest: Manifest) -> float | None:
