@@ -24,7 +24,8 @@ from diloco.storage.errors import ConfigError, Refused
 from diloco.storage.history import latest_version, read_layout, read_manifest, read_params, read_run_end
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, Store
-from diloco.storage.protocol import Layout, plain_name
+from diloco.storage.names import run_parameters
+from diloco.storage.protocol import Layout
 from diloco.storage.settings import Endpoints
 
 Which = str | int | Sequence[int]
@@ -134,9 +135,10 @@ def load_global(run: str, model: torch.nn.Module, *, endpoints: Endpoints | None
 
 
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy `state` into the model's trainable parameters in place (names compared without
-    torch.compile's prefix). Raises ValueError naming the first parameters that do not match."""
-    params = {plain_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+    """Copy `state` into the model's trainable parameters in place (names compared without the
+    prefixes of DDP, torch.compile and other wrappers). Raises ValueError naming the first
+    parameters that do not match."""
+    params = run_parameters(model)
     missing = sorted(set(params) - set(state))
     extra = sorted(set(state) - set(params))
     if missing or extra:

@@ -225,16 +225,6 @@ MERGE_RULES = ("adopt", "rebase", "mix")
 CADENCES = ("clock", "steps")
 """When learners send (RunSpec.cadence)."""
 
-COMPILED_PREFIX = "_orig_mod."
-"""What `torch.compile` puts before every parameter name of the module it wraps."""
-
-
-def plain_name(name: str) -> str:
-    """A parameter's name in a run: without torch.compile's `_orig_mod.` wrapper prefix (a compiled and
-    an uncompiled learner train the same parameters), every other name as the model gives it."""
-    return name.removeprefix(COMPILED_PREFIX)
-
-
 @dataclass(frozen=True, slots=True)
 class ParamSpec(Record):
     name: str

@@ -24,7 +24,8 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from diloco.storage.protocol import Cadence, Layout, ParamSpec, plain_name
+from diloco.storage.names import run_parameters
+from diloco.storage.protocol import Cadence, Layout, ParamSpec
 
 if TYPE_CHECKING:  # only for a type hint: the schedules are imported where torch is not (the goodput simulator)
     import torch
@@ -63,9 +64,8 @@ def plan_layout(params: Iterable[tuple[str, tuple[int, ...], str]], num_fragment
 
 def model_params(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of every trainable parameter, in model order (shared tensors once), named as
-    in a run (`plain_name`: a torch.compile'd model's names without its wrapper prefix)."""
-    return [(plain_name(n), tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()
-            if p.requires_grad]
+    in a run (`names.run_parameters`: without the prefixes of DDP, torch.compile and other wrappers)."""
+    return [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in run_parameters(model).items()]
 
 
 def layout_mismatch(expected: Layout, actual: Layout) -> str | None:

@@ -54,8 +54,9 @@ from diloco.storage.errors import ConfigError, DilocoError, RunFinished, Storage
 from diloco.storage.global_model import Which, read_global
 from diloco.storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec
 from diloco.storage.keys import RunKeys
+from diloco.storage.names import model_names, run_parameters
 from diloco.storage.objects import ObjectStore
-from diloco.storage.protocol import Layout, LearnerFinished, LearnerStats, RunEnd, check_id, plain_name
+from diloco.storage.protocol import Layout, LearnerFinished, LearnerStats, RunEnd, check_id
 from diloco.storage.settings import Endpoints
 from diloco.workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout
 from diloco.workers.hostcopy import Snapshot
@@ -189,8 +190,9 @@ class Learner:
         self.dropped_stale = 0
         """Pieces not sent because the coordinator would have refused them as stale (`_send`)."""
         self.stats = TransferStats()
-        # Names without torch.compile's wrapper prefix: a compiled and an uncompiled model train the same run.
-        self.replica = Replica({plain_name(n): p for n, p in model.named_parameters() if p.requires_grad})
+        # Names without the prefixes of DDP, torch.compile and other wrappers: a DDP island, a compiled
+        # learner and a plain one train the same run.
+        self.replica = Replica(run_parameters(model))
         self.is_leader = self.replica.is_leader
         self.fragments: list[FragmentState] = []
         """Per fragment (index = fragment), set when joining."""
@@ -251,7 +253,7 @@ class Learner:
         every rank of an island and after the learner has left; the endpoints are the learner's."""
         endpoints = self._endpoints or Endpoints.from_env(redis=False)
         loaded = read_global(ObjectStore(endpoints), RunKeys(endpoints.prefix, self.run), version)
-        names = {plain_name(n): n for n, p in self.model.named_parameters() if p.requires_grad}
+        names = model_names(self.model)
         unknown = sorted(set(loaded.state) - set(names))
         if unknown:
             raise DilocoError(f"run {self.run!r} has parameters this model lacks: {unknown[:3]}")
