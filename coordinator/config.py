@@ -15,6 +15,7 @@ import torch
 from dataclasses import dataclass, field, fields
 
 from diloco.coordinator.policy import RoundConfig
+from diloco.storage.bus import LEARNERS_FORGOTTEN_S
 from diloco.storage.codecs import CODECS
 from diloco.storage.errors import ConfigError
 from diloco.storage.protocol import RunSpec
@@ -115,6 +116,12 @@ class CoordinatorConfig:
     budget; the run ends when its learners finish). Learners see the run end and stop; a fast
     learner trains on while a slow one lags, so the fleet, not each learner, spends the budget.
     The count survives a restart: each manifest records its fragment's merged tokens so far."""
+    gone_after_s: float = 1800.0
+    """A learner that joined and has sent no heartbeat for this long is gone: the run no longer waits
+    for it to finish (it ends once the others have), so that an id no machine will take again (a
+    slot scaled away, a learner restarted under another id) cannot hold a run open. Keep it longer
+    than a preempted learner takes to come back under its id. At most 3600 s (heartbeats older
+    than that are forgotten)."""
     claim_idle_s: float = 60.0
     """Entries pending on another consumer for longer than this are claimed."""
     lease_s: float = 10.0
@@ -137,6 +144,8 @@ class CoordinatorConfig:
             raise ConfigError(f"round_s must be >= 0 seconds (0: H steps of the fastest learner), got {self.round_s}")
         if not self.min_round_s > 0:
             raise ConfigError(f"min_round_s must be > 0 seconds, got {self.min_round_s}")
+        if not 0 < self.gone_after_s <= LEARNERS_FORGOTTEN_S:
+            raise ConfigError(f"gone_after_s must be in (0, {LEARNERS_FORGOTTEN_S:g}] seconds, got {self.gone_after_s}")
         if not self.claim_idle_s > 0:
             raise ConfigError(f"claim_idle_s must be > 0 seconds, got {self.claim_idle_s}")
         if self.fetch_threads < 1:

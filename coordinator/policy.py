@@ -281,23 +281,31 @@ def _clock_round(now: float, deadline: float, period_s: float, cfg: RoundConfig,
 
 
 def run_end(*, joined: frozenset[str], live: frozenset[str], finished: frozenset[str], asked_by: str | None,
-            pending: int) -> tuple[str, str] | None:
+            pending: int, gone: frozenset[str] = frozenset()) -> tuple[str, str] | None:
     """(by, reason) once the run is over, None while it is not (`by`: 'operator' or 'learners').
 
     Nothing may be pending: no open round, no announcement unread or not yet fetched. Then the run
     is over if an operator asked to finish it (`asked_by` says who), or once every learner that
-    joined has finished and no live learner is left unfinished. A learner that joined and died
-    without finishing holds the run open, as it may be restarted; `diloco finish` ends such a run.
+    joined has finished or is `gone` (no heartbeat for longer than the coordinator's
+    `gone_after_s`), at least one has finished, and no live learner is left unfinished. A learner
+    that joined and died without finishing holds the run open until it is gone, as it may be
+    restarted under its id; `diloco finish` ends such a run at once.
     """
     if pending:
         return None
     if asked_by is not None:
         return "operator", f"an operator asked to finish it ({asked_by})"
-    if not finished or not joined <= finished or not live <= finished:
+    if not finished or not joined - gone <= finished or not live <= finished:
         return None
-    names = sorted(finished)
-    who = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return "learners", f"every learner that joined has finished ({who})"
+    reason = f"every learner that joined has finished ({_some(finished)})"
+    if left := gone - finished:
+        reason += f"; gone without finishing: {_some(left)}"
+    return "learners", reason
+
+
+def _some(names: frozenset[str]) -> str:
+    ordered = sorted(names)
+    return ", ".join(ordered[:5]) + (f" and {len(ordered) - 5} more" if len(ordered) > 5 else "")
 
 
 def budget_spent(merged_tokens: Mapping[int, int], budget: int) -> str | None:

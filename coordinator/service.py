@@ -377,7 +377,7 @@ class Coordinator:
         with self.timing("read"):
             # The learners before the read: one seen finished here announced its final pieces before,
             # so a read that takes in everything up to now has them all.
-            fleet = self.bus.fleet()
+            fleet = self.bus.fleet(self.config.gone_after_s)
             count = self._read_count()
             if self._read_pending:
                 entries = self.bus.read_announcements(self.config.consumer, pending=True, count=count)
@@ -390,7 +390,7 @@ class Coordinator:
         retry, self._retry = self._retry, []
         self._intake(list(entries) + retry)
         complete = complete and not self._retry
-        self._see_fleet(fleet, complete, self.bus.fleet())
+        self._see_fleet(fleet, complete, self.bus.fleet(self.config.gone_after_s))
         with self.timing("read"):
             if self.spec.cadence == "clock" and time.monotonic() - self._last_cadence_check > 1.0:
                 self._tend_cadence()
@@ -439,7 +439,7 @@ class Coordinator:
         pending = sum(len(f.round) for f in self.fragments.values()) + len(self._retry) + int(not complete)
         asked = fleet.finish_request
         over = run_end(joined=fleet.joined, live=fleet.live, finished=fleet.finished,
-                       asked_by=asked.by if asked else None, pending=pending)
+                       asked_by=asked.by if asked else None, pending=pending, gone=fleet.gone)
         if over is not None and self.bus.pending_count() == 0:
             self._end(*over)
 

@@ -267,11 +267,19 @@ return 1
 """
 
 _FLEET_LUA = """
--- KEYS: learners, joined, finished_learners, finish_request
+-- KEYS: learners, joined, finished_learners, finish_request; ARGV: gone_after_s
+-- Returns live, joined, finished, the finish request and the joined learners whose heartbeat lapsed
+-- more than gone_after_s ago (or so long ago that it is forgotten).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-return {redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%.6f', now), '+inf'), redis.call('SMEMBERS', KEYS[2]),
-        redis.call('HKEYS', KEYS[3]), redis.call('GET', KEYS[4]) or ''}
+local joined = redis.call('SMEMBERS', KEYS[2])
+local gone = {}
+for _, name in ipairs(joined) do
+  local expires = redis.call('ZSCORE', KEYS[1], name)
+  if not expires or tonumber(expires) < now - tonumber(ARGV[1]) then gone[#gone + 1] = name end
+end
+return {redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%.6f', now), '+inf'), joined,
+        redis.call('HKEYS', KEYS[3]), redis.call('GET', KEYS[4]) or '', gone}
 """
 
 _SET_FINISHED_LUA = """
@@ -318,6 +326,9 @@ class Fleet:
     """Finished (`Bus.finish`) and not joined again since."""
     finish_request: FinishRequest | None
     """An operator's `diloco finish`, if one asked (None also if the request does not decode)."""
+    gone: frozenset[str] = frozenset()
+    """Joined, and no heartbeat for longer than the read's `gone_after_s`: a learner that is not coming
+    back under this id (a preempted machine replaced under another id, a slot scaled away)."""
 
 
 class Bus:
@@ -640,7 +651,9 @@ class Bus:
 
     @redis_retry
     def leave(self, learner: str) -> None:
-        self.r.zrem(self.keys.learners, learner)
+        """`learner` is no longer live from now on (its lease ends now, on the Redis server's clock).
+        It stays in the live set's history: how long ago it left says when it is gone (`fleet`)."""
+        self.r.zadd(self.keys.learners, {learner: self.server_time()}, xx=True)
 
     @redis_retry
     def join(self, learner: str) -> None:
@@ -665,17 +678,19 @@ class Bus:
         return {k.decode(): LearnerFinished.from_wire(v) for k, v in raw.items()}
 
     @redis_retry
-    def fleet(self) -> Fleet:
-        """Live, joined and finished learners and the finish request, in one consistent read."""
-        live, joined, finished, request = self._fleet(keys=[self.keys.learners, self.keys.joined,
-                                                             self.keys.finished_learners, self.keys.finish_request])
+    def fleet(self, gone_after_s: float = LEARNERS_FORGOTTEN_S) -> Fleet:
+        """Live, joined, finished and gone learners and the finish request, in one consistent read."""
+        live, joined, finished, request, gone = self._fleet(
+            keys=[self.keys.learners, self.keys.joined, self.keys.finished_learners, self.keys.finish_request],
+            args=[gone_after_s])
         try:
             asked = FinishRequest.from_wire(request) if request else None
         except Refused as exc:
             log.warning("ignoring an unreadable finish request: %s", exc.reason)
             asked = None
         return Fleet(live=frozenset(m.decode() for m in live), joined=frozenset(m.decode() for m in joined),
-                     finished=frozenset(m.decode() for m in finished), finish_request=asked)
+                     finished=frozenset(m.decode() for m in finished), finish_request=asked,
+                     gone=frozenset(m.decode() for m in gone))
 
     # ---- the end of a run ----------------------------------------------------------------
     @redis_retry

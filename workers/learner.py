@@ -39,11 +39,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import signal
-import socket
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import redis
@@ -159,10 +160,29 @@ class Preempted(SystemExit):
 ENV_LEARNER_ID = "DILOCO_LEARNER_ID"
 
 
-def default_learner_id() -> str:
-    """DILOCO_LEARNER_ID if set (a stable id a deployment gives each learner slot, so that a
-    replacement resumes as the same learner), else hostname-pid."""
-    return os.environ.get(ENV_LEARNER_ID) or f"{socket.gethostname().split('.')[0][:40]}-{os.getpid()}"
+def stable_learner_id(env: Mapping[str, str] = os.environ) -> str | None:
+    """The id a deployment gives this learner's slot, the same after a preemption, so that the
+    replacement resumes as the same learner (its state, its place in the run): DILOCO_LEARNER_ID,
+    else a Kubernetes Indexed Job's JOB_COMPLETION_INDEX (`learner-<index>`), else a SkyPilot
+    managed job's SKYPILOT_TASK_ID and node rank (`learner-<job id>-<rank>`). None without any."""
+    if own := env.get(ENV_LEARNER_ID):
+        return own
+    if (index := env.get("JOB_COMPLETION_INDEX")) is not None:
+        return f"learner-{index}"
+    if task := env.get("SKYPILOT_TASK_ID"):  # ends with the managed job's id, kept across recoveries
+        job = re.sub(r"[^A-Za-z0-9_.-]", "-", task.rsplit("_", 1)[-1])[:40]
+        return f"learner-{job}-{env.get('SKYPILOT_NODE_RANK', '0')}"
+    return None
+
+
+def _learner_id(given: str | None) -> str:
+    learner_id = given or stable_learner_id()
+    if learner_id is None:
+        raise ConfigError(f"no learner id: pass learner_id= to the Learner or set {ENV_LEARNER_ID} (on Kubernetes "
+                          "Indexed Jobs and SkyPilot managed jobs it is found by itself). Give each learner slot its "
+                          "own id and keep it across restarts: a restarted learner resumes under its id, and a run "
+                          "waits for every id that joined to finish")
+    return check_id("learner", learner_id)
 
 
 class Learner:
@@ -176,7 +196,7 @@ class Learner:
         self.model = model
         self.optimizer = optimizer
         self.run = check_id("run", run)
-        self.learner_id = check_id("learner", learner_id or default_learner_id())
+        self.learner_id = _learner_id(learner_id)
         self.tokens_per_step = tokens_per_step
         self.config = config or LearnerConfig()
         self._endpoints = endpoints

@@ -35,7 +35,7 @@ from diloco.storage.protocol import CADENCES, MERGE_RULES, FinishRequest, RunEnd
 from diloco.storage.settings import Endpoints
 from diloco.workers.demo.run import DemoLearnerArgs, train_demo_learner
 from diloco.workers.demo.task import DemoTask
-from diloco.workers.learner import ENV_LEARNER_ID, PREEMPTED_EXIT, LearnerConfig
+from diloco.workers.learner import ENV_LEARNER_ID, PREEMPTED_EXIT, LearnerConfig, stable_learner_id
 from diloco.workers.tasks.kinds import load_task
 
 log = logging.getLogger("diloco")
@@ -92,9 +92,10 @@ def _start_coordinator(args: argparse.Namespace, config: CoordinatorConfig, stop
 
 def add_learner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="run id (the coordinator creates it)")
-    own_id = os.environ.get(ENV_LEARNER_ID)
+    own_id = stable_learner_id()
     parser.add_argument("--learner-id", "--id", dest="learner_id", required=own_id is None, default=own_id,
-                        help=f"learner id, unique in the run (default: {ENV_LEARNER_ID}; required without it)")
+                        help=f"learner id, unique in the run and kept across restarts (default: {ENV_LEARNER_ID}, "
+                             "else the Kubernetes job index or SkyPilot job id; required without them)")
     parser.add_argument("--task", type=Path, help="JSON of the task to train (its `kind`: demo, gpt2, vision; "
                         "model, data, inner optimizer and schedule), as the benchmarks and `diloco demo` write it; "
                         "default: the demo task on its synthetic language")

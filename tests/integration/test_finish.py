@@ -216,3 +216,25 @@ def test_a_token_budget_ends_the_run_once_every_fragment_merged_it_also_after_a_
         for learner in (a, b):
             learner.close()
         coord.close()
+
+
+def test_a_learner_gone_for_longer_than_gone_after_s_no_longer_holds_the_run_open(endpoints, run_id):
+    coord = Coordinator(endpoints, run_id, settings=STEPS_RUN,
+                        config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0), gone_after_s=2.0))
+    (a, opt_a), (b, opt_b) = (join(endpoints, run_id, coord, name) for name in "ab")
+    try:
+        train(a, opt_a, 5)
+        a.finish(preempted=True)  # left on SIGTERM: it may come back under its id
+        train(b, opt_b, 5)
+        b.finish()
+        step_until(coord, "b's finish seen", lambda: "b" in coord.finished)
+        left_at = time.monotonic()
+        step_until(coord, "the run's end", lambda: coord.ended is not None, steps=400)
+        assert time.monotonic() - left_at > 1.0  # a held the run open while it could still come back ...
+    finally:
+        a.close()
+        b.close()
+        coord.close()
+    # ... and once it was gone for 2 s, the run ended without it, saying so.
+    assert coord.ended.by == "learners"
+    assert coord.ended.reason.endswith("has finished (b); gone without finishing: a"), coord.ended.reason

@@ -452,3 +452,13 @@ def test_a_slow_learner_adds_its_progress_to_a_round_and_its_absence_costs_its_s
     assert usual_pieces(["l3"], final, h, finished={"l3": 400}) == {"l3": h}
     # With no fixed interval, learners count one each.
     assert usual_pieces(["a", "b"], rounds, 0) == {"a": 1, "b": 1}
+
+
+def test_a_learner_gone_without_finishing_does_not_hold_the_run_open():
+    ab, a = frozenset("ab"), frozenset("a")
+    assert run_end(joined=ab, live=frozenset(), finished=a, asked_by=None, pending=0) is None
+    by, reason = run_end(joined=ab, live=frozenset(), finished=a, asked_by=None, pending=0, gone=frozenset("b"))
+    assert by == "learners" and reason.endswith("gone without finishing: b")
+    # Gone but live again (it came back): the run waits for it; nobody finished: the run goes on.
+    assert run_end(joined=ab, live=frozenset("b"), finished=a, asked_by=None, pending=0, gone=frozenset("b")) is None
+    assert run_end(joined=ab, live=frozenset(), finished=frozenset(), asked_by=None, pending=0, gone=ab) is None
