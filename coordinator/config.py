@@ -129,6 +129,10 @@ class CoordinatorConfig:
     standby: bool = False
     """Wait as a hot standby while another coordinator holds the run, and take over when its lease lapses.
     Without it, a coordinator that finds the lease held and renewed exits."""
+    keep_serving: bool = False
+    """Once the run is finished, keep running (refusing what learners still send, serving metrics)
+    instead of returning from `serve`: `diloco coordinator` exits 0 then, so that a Kubernetes Job or
+    a SkyPilot job completes with the run."""
     metrics_port: int = 0
     """Serve Prometheus metrics on this port at /metrics, also while standing by (0: off). Needs
     pip install 'diloco[metrics]'; docs/metrics.md lists the metrics."""

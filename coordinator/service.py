@@ -221,7 +221,8 @@ class Coordinator:
 
     # ---- the loop ----------------------------------------------------------------------------
     def serve(self, stop: threading.Event) -> None:
-        """Run until `stop` is set, then hand the lease over. Raises Fenced if another coordinator takes over."""
+        """Run until `stop` is set or the run is finished (unless `keep_serving`), then hand the lease
+        over. Raises Fenced if another coordinator takes over."""
         try:
             self._serve(stop)
         except Fenced:
@@ -252,6 +253,10 @@ class Coordinator:
                                                     min_idle_ms=int(self.config.claim_idle_s * 1000)))
                     last_claim = now
                 self.step(block_ms=self._block_ms())
+                if self.ended is not None and not self.config.keep_serving:
+                    log.info("run %s is finished (%s): the coordinator's work is done", self.spec.run,
+                             self.ended.reason)
+                    return
                 if now - last_restart_check > 1.0:
                     self._notice_restart()
                     self.metrics.sample(self.bus, self.now())

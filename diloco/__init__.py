@@ -5,6 +5,7 @@ The public API is what a training loop needs:
     from diloco import Learner, LearnerConfig, Endpoints
     from diloco import load_global          # a run's global model into a model of the same shape
     from diloco import Preempted            # raised out of optimizer.step() after SIGTERM (handle_sigterm=True)
+    from diloco import RunFinished          # raised on joining a run that is finished
 
 Everything else lives in the layers, each a subpackage: `diloco.storage` (records, keys, codecs,
 S3 and Redis adapters), `diloco.workers` (the learner), `diloco.coordinator` (the merge loop) and
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from diloco.storage.global_model import load_global
+    from diloco.storage.errors import RunFinished
     from diloco.storage.settings import Endpoints
     from diloco.workers.learner import Learner, LearnerConfig, Preempted
 
@@ -32,10 +34,11 @@ _PUBLIC = {
     "LearnerConfig": "diloco.workers.learner",
     "Preempted": "diloco.workers.learner",
     "Endpoints": "diloco.storage.settings",
+    "RunFinished": "diloco.storage.errors",
     "load_global": "diloco.storage.global_model",
 }
 
-__all__ = ["Endpoints", "Learner", "LearnerConfig", "Preempted", "__version__", "load_global"]
+__all__ = ["Endpoints", "Learner", "LearnerConfig", "Preempted", "RunFinished", "__version__", "load_global"]
 
 
 def __getattr__(name: str) -> Any:

@@ -140,6 +140,9 @@ FLAG_LEAVE = 2
 """Bits of the flags rank 0 shares with its plan each step."""
 
 
+WAIT_LOG_S = 5.0
+"""While joining, how often a learner says what it is waiting for."""
+
 PREEMPTED_EXIT = 143
 """The exit code of a learner that left on SIGTERM: 128 + 15, as a process SIGTERM killed."""
 
@@ -238,6 +241,7 @@ class Learner:
         """SIGTERM arrived (with `handle_sigterm`): the learner leaves at the end of the step in progress."""
         self._metrics: LearnerMetrics | None = None
         self._sigterm_previous = None
+        self._joining = False  # rank 0 in `_join`: SIGTERM raises Preempted at once
         if handle_sigterm:
             self._install_sigterm_handler()
 
@@ -266,7 +270,8 @@ class Learner:
         return {f: state.base_version for f, state in enumerate(self.fragments)}
 
     def global_state_dict(self, version: Which = "latest") -> dict[str, torch.Tensor]:
-        """The run's global model (each fragment's newest version by default; see
+        """The run's global model as it stands now: each fragment's newest version by default (the
+        final model only once the run is finished: `final_state_dict` waits for that; see
         `diloco.storage.global_model.read_global` for `version`), read from S3 and checked against the
         manifests, as a state dict of this learner's trainable parameters (named as the model names
         them: `model.load_state_dict(sd, strict=False)` loads it; buffers are not part of it). Works on
@@ -278,6 +283,21 @@ class Learner:
         if unknown:
             raise DilocoError(f"run {self.run!r} has parameters this model lacks: {unknown[:3]}")
         return {names[n]: t for n, t in loaded.state.items()}
+
+    def final_state_dict(self, timeout_s: float = 600.0) -> dict[str, torch.Tensor]:
+        """The run's final model: wait (up to `timeout_s`) until the run is finished, then return
+        its final versions (the ones its end record names) as `global_state_dict` does. A learner
+        that finishes before the others gets the model they end with, not the one of the moment it
+        left. Raises DilocoError if the run is not finished in time."""
+        endpoints = self._endpoints or Endpoints.from_env(redis=False)
+        store, keys = ObjectStore(endpoints), RunKeys(endpoints.prefix, self.run)
+        deadline = time.monotonic() + timeout_s
+        while read_run_end(store, keys) is None:
+            if time.monotonic() > deadline:
+                raise DilocoError(f"run {self.run!r} is not finished after {timeout_s:.0f}s: its final model does "
+                                  "not exist yet (global_state_dict() gives the latest versions)")
+            time.sleep(1.0)
+        return self.global_state_dict("final")
 
     def start(self) -> None:
         """Join the run: wait for its spec, propose version 0 if none exists, adopt the latest versions.
@@ -292,15 +312,23 @@ class Learner:
         initial = self.replica.read(self.replica.params)  # collective; rank 0 may propose these as version 0
         if self.is_leader:
             try:
+                self._joining = True
+                if self.preempted:  # SIGTERM came before start
+                    raise Preempted(f"learner {self.learner_id} left run {self.run!r} on SIGTERM before joining it")
                 values, heads = self._join(initial)
             except BaseException as exc:  # noqa: BLE001 (re-raised below, after telling the other ranks)
+                self._joining = False
                 failure = exc
                 self._abandon()
+            finally:
+                self._joining = False
         status = self.replica.share(None if not self.is_leader else
                                     [int(failure is not None), 0 if failure else len(self.layout.fragments),
                                      int(not failure and self.spec.merge_rule == "rebase")], 3)
         self._merges_first = bool(status[2])  # every rank runs a step's sends and merges in the same order
         if failure is not None:
+            if isinstance(failure, Preempted):
+                log.warning("%s", failure)
             raise failure
         if status[0]:
             raise DilocoError(f"rank 0 of learner {self.learner_id} could not join run {self.run!r}: see its log")
@@ -454,9 +482,11 @@ class Learner:
             return
 
         def on_sigterm(signum: int, _frame: object) -> None:
-            if not self.preempted:
+            first, self.preempted = not self.preempted, True
+            if self._joining:  # nothing to send yet: leave now, from wherever joining waits
+                raise Preempted(f"learner {self.learner_id} left run {self.run!r} on SIGTERM while joining it")
+            if first:
                 log.warning("SIGTERM: learner %s leaves at the end of the step in progress", self.learner_id)
-            self.preempted = True
 
         self._sigterm_previous = signal.signal(signal.SIGTERM, on_sigterm)
 
@@ -528,7 +558,7 @@ class Learner:
         """Call `probe` until it returns a value (`found=False`: until it returns at all). S3 or
         Redis being unreachable meanwhile is waited out as well: a learner may start during an
         outage, and joins once it is over (within `join_timeout_s`)."""
-        delay = 0.05
+        delay, started, said = 0.05, time.monotonic(), 0.0
         while True:
             error = None
             try:
@@ -538,6 +568,10 @@ class Learner:
             except (StorageUnavailable, redis.RedisError) as exc:
                 error = exc
                 log.warning("waiting for %s: storage unreachable, retrying: %s", what, exc)
+            if error is None and time.monotonic() - started - said >= WAIT_LOG_S:
+                said = time.monotonic() - started
+                log.info("learner %s waiting for %s (%.0fs of join_timeout_s %.0fs)", self.learner_id, what, said,
+                         self.config.join_timeout_s)
             if time.monotonic() > deadline:
                 raise DilocoError(f"gave up waiting for {what} after {self.config.join_timeout_s:.0f}s: " +
                                   (f"last error: {error}" if error else "is `diloco coordinator` running against "

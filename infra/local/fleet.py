@@ -8,7 +8,7 @@ are the coordinators, learners and replicas below.
 `Fleet` is the named processes of one run, as the demo, the benchmarks and the chaos run start
 them. A member is started, then watched every tick: `watch()` reaps the processes that exited and
 judges each exit by what we sent it (SIGKILL: expected; SIGTERM: must exit 0, or 143 for a learner that left on it; nothing: a service
-such as the coordinator must not exit at all, a learner with a number of steps must exit 0), and
+such as the coordinator must not fail (it exits 0 once its run is finished), a learner with a number of steps must exit 0), and
 starts the incarnations that are due. `kill(name, back_in_s=...)` is an outage: SIGKILL now, the
 next incarnation that much later; `schedule(name, outages)` plans outages ahead, carried out by
 `watch()` at their time (as torchft's EventInjector plans failures for a step). `stop()` ends them all; `wait_until` polls a condition of the run
@@ -409,6 +409,6 @@ def _judge(m: Member, rc: int) -> str | None:
         return None
     if m.sent == signal.SIGTERM:  # a service stops with 0; a learner that left on it exits 143 (restart me)
         return None if rc in (0, 143) else f"{m.name} exited {rc} after SIGTERM, not 0 or 143"
-    if m.service:
-        return f"{m.name} exited {rc} on its own"
+    if m.service:  # exit 0 on its own: done (a coordinator whose run is finished)
+        return None if rc == 0 else f"{m.name} exited {rc} on its own"
     return None if rc == 0 else f"{m.name} failed ({rc})"

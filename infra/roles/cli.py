@@ -26,7 +26,7 @@ from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.service import Coordinator
 from diloco.infra.options import add_options, build
 from diloco.storage.bus import Bus
-from diloco.storage.errors import DilocoError, StorageUnavailable
+from diloco.storage.errors import DilocoError, RunFinished, StorageUnavailable
 from diloco.storage.history import read_run_end, require_run_spec
 from diloco.storage.lease import Lease
 from diloco.storage.objects import ObjectStore
@@ -109,7 +109,12 @@ def run_learner(args: argparse.Namespace) -> int:
         task = load_task(args.task)
     else:
         task = DemoTask(text_path=args.text) if args.text else DemoTask()
-    learner = train_demo_learner(task, build(DemoLearnerArgs, args), Endpoints.from_env(), build(LearnerConfig, args))
+    try:
+        learner = train_demo_learner(task, build(DemoLearnerArgs, args), Endpoints.from_env(),
+                                     build(LearnerConfig, args))
+    except RunFinished as exc:  # started after the end (a restart, a late slot): nothing left to do
+        log.info("%s", exc)
+        return 0
     log.info("learner %s done: %s", args.learner_id, learner.progress())
     # Left on SIGTERM: exit as a process SIGTERM killed (143), which Kubernetes Jobs and SkyPilot's
     # recovery read as "run me again", not as a learner whose training is done.

@@ -110,7 +110,8 @@ def test_standby_takes_over_within_the_lease_when_the_coordinator_is_killed(endp
     while bus.pending_count():  # the standby drains what the learners announced last
         assert time.monotonic() < deadline, bus.pending_count()
         time.sleep(0.2)
-    assert standby.terminate() == 0
+    assert standby.wait(30) == 0, standby.tail()  # the learners finished: the run ends, its coordinator exits
+    assert bus.run_end() is not None
     assert bus.r.get(bus.keys.lease) is None  # handed over at once on a clean stop
 
     heads = bus.heads()

@@ -105,6 +105,10 @@ def test_learners_ending_at_staggered_times_each_send_final_pieces_merged_once_a
     assert end.by == "learners" and "every learner that joined has finished (a, b, c)" in end.reason
     assert end.versions == tuple(coord.bus.heads()[f] for f in range(2))
 
+    # The first to finish gets the run's final model, not the one of the moment it left.
+    final = a.final_state_dict(timeout_s=5)
+    assert all(torch.equal(t, b.global_state_dict(list(end.versions))[n]) for n, t in final.items())
+
     late, _ = tiny_learner(endpoints, run_id, "late")
     with pytest.raises(RunFinished, match="is finished"):
         late.start()
@@ -129,7 +133,7 @@ def test_diloco_finish_merges_what_is_pending_ends_the_run_and_refuses_what_come
         endpoints, run_id, monkeypatch, capsys):
     for name, value in endpoints.to_env().items():
         monkeypatch.setenv(name, value)
-    coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
+    coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN, keep_serving=True)  # refuses what comes later
     learners = [join(endpoints, run_id, coord, name) for name in ("a", "b")]
     failures: list[BaseException] = []
     threads = [threading.Thread(target=train_until_the_run_is_finished, args=(*lo, failures)) for lo in learners]

@@ -24,8 +24,7 @@ def test_three_learners_train_the_global_model(endpoints, run_id, tmp_path, flee
     learners = [spawn_learner(run_id, env, tmp_path, f"l{i}", steps=300, seed=i, slowdown=3.0) for i in range(3)]
     procs.extend(learners)
     wait_all(learners)
-    time.sleep(1.0)
-    coordinator.terminate()
+    assert coordinator.wait(30) == 0, coordinator.tail()  # every learner finished: the run ends, and its coordinator
     bus = Bus(endpoints, run_id)
     heads, counters = bus.heads(), bus.counters()
     assert set(heads) == {0, 1} and min(heads.values()) >= 3, heads

@@ -56,9 +56,12 @@ def test_exits_are_judged_by_what_the_process_was_sent(tmp_path):
         fleet.add("fails", _sh("exit 3"))
         (failed,) = _exits(fleet)
         assert failed.problem.startswith("fails failed (3)")
-        fleet.add("coordinator", _sh("exit 0"), service=True)  # a service must not exit at all
+        fleet.add("coordinator", _sh("exit 1"), service=True)  # a service must not fail ...
         (gone,) = _exits(fleet)
-        assert gone.problem.startswith("coordinator exited 0 on its own")
+        assert gone.problem.startswith("coordinator exited 1 on its own")
+        fleet.add("done", _sh("exit 0"), service=True)  # ... and exits 0 once its work is done (its run finished)
+        (done,) = _exits(fleet)
+        assert done.problem is None
         fleet.add("killed", RUNS)
         fleet.kill("killed")
         (killed,) = _exits(fleet)
