@@ -625,8 +625,8 @@ def test_the_learner_wrapper_hands_sigterm_to_the_learner_and_its_exit_code_back
     (home / "diloco-venv" / "bin" / "activate").write_text("")  # the SkyPilot run sources it
     log.write_text("")
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(home), "STUB_LOG": str(log),
-           "STUB_TICKS": str(ticks), "STUB_RC": str(rc), "JOB_COMPLETION_INDEX": "2", "RUN_ID": "r", "STEPS": "9", "LEARNER": "2",
-           "SKYPILOT_TASK_ID": "sky-managed-2026-01-31-12-00-00-123456_diloco-learner-2_7-0", "SKYPILOT_NODE_RANK": "0"}
+           "STUB_TICKS": str(ticks), "STUB_RC": str(rc), "JOB_COMPLETION_INDEX": "2", "RUN_ID": "r", "STEPS": "9",
+           "LEARNER": "2"}
     proc = subprocess.Popen(argv, env=env)
     try:
         deadline = time.monotonic() + 10
