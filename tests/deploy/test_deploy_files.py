@@ -5,15 +5,17 @@
 - every `diloco ...` command they run (and every one in the shell code blocks of
   docs/deployment.md and the READMEs) is accepted by the real CLI parser, flag for flag (no
   abbreviations), with `$(VAR)` / `${VAR}` / `$VAR` replaced by a dummy value;
-- the learner ids they build are valid and distinct, the coordinator and the learners name the
-  same run, the environment they set is what `diloco.storage.settings` reads, and every variable a
-  script uses is declared;
-- a learner's grace period is above its close timeout, the exit code the platforms restart on is
-  `diloco.Preempted`'s, and the SIGTERM wrapper around the demo learner exits 143 (restart me) on
-  SIGTERM and passes the learner's own exit code through otherwise;
-- infra/deploy/Dockerfile: entrypoint `diloco`, torch from the CPU index at the Makefile's pin, a
-  non-root user, hadolint-clean (when the `hadolint` binary is there), and its build context
-  (Dockerfile.dockerignore) holds everything `pip install .` needs: a wheel is built from it.
+- each learner slot (a Job index, a SkyPilot job's LEARNER) gets an id and a data seed of its own,
+  the same after a restart; the coordinator and the learners name the same run, the environment
+  they set is what `diloco.storage.settings` reads, and every variable a script uses is declared;
+- a learner's close timeout and step fit in the grace a spot node gives (GKE Spot: 15 s for a pod),
+  the exit code the platforms restart on is `diloco.Preempted`'s, and the SIGTERM wrapper around
+  the demo learner exits 143 (restart me) on SIGTERM and passes the learner's own exit code through
+  otherwise;
+- infra/deploy/Dockerfile: entrypoint `diloco`, torch from the CPU index at the Makefile's pin, then
+  the package with the `deploy` extra, a non-root user, hadolint-clean (when the `hadolint` binary is
+  there), and its build context (Dockerfile.dockerignore) holds everything the install needs: a wheel
+  is built from it. tests/deploy/test_image_install.py (slow) runs that install and the files' commands.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ SKYPILOT_PROVIDED = {"SKYPILOT_TASK_ID", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IP
                      "SKYPILOT_NUM_GPUS_PER_NODE", "SKYPILOT_SETUP_NODE_RANK", "SKYPILOT_SETUP_NODE_IPS", "HOME",
                      "PATH"}
 K8S_VERSIONS = ("1.31",)  # the oldest with podFailurePolicy GA and backoffLimitPerIndex beta (on by default)
+# What a preempted spot node gives a learner: GKE Spot gives ordinary pods 15 s of its 30 s notice, and a
+# terminationGracePeriodSeconds above that has no effect (cloud.google.com/kubernetes-engine/docs/concepts/
+# spot-vms, .../how-to/preemptible-vms); a GCP spot VM under SkyPilot is stopped 30 s after its notice.
+GKE_SPOT_POD_GRACE_S = 15
+GCP_SPOT_NOTICE_S = 30
 
 
 # -- reading the files --------------------------------------------------------------------------
@@ -233,18 +240,22 @@ def deployed_env(path: Path) -> dict[str, str]:
         env |= next(doc for _p, doc in k8s_docs() if doc["kind"] == "Secret")["stringData"]
         for p, _doc, _spec, container in k8s_containers():
             if p == path:
-                env |= {e["name"]: str(e.get("value", "")) for e in container.get("env", [])}
+                env |= {e["name"]: substitute(str(e["value"])) for e in container.get("env", []) if "value" in e}
     return {k: v for k, v in env.items() if k.startswith("DILOCO_")}
 
 
 def option_strings(argv: list[str]) -> set[str]:
-    """Every option string the chosen subcommand (and the top-level parser) declares."""
+    """Every option string the chosen subcommand (`model export`: both levels) and the top-level parser
+    declare."""
     from diloco.infra.cli import build_parser
     parser = build_parser(argv)
     strings = set(parser._option_string_actions)
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and argv[0] in action.choices:
-            strings |= set(action.choices[argv[0]]._option_string_actions)
+    for word in argv:
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction) and word in a.choices]
+        if not subparsers:
+            break
+        parser = subparsers[0].choices[word]
+        strings |= set(parser._option_string_actions)
     return strings
 
 
@@ -309,8 +320,8 @@ def test_skypilot_tasks_pass_the_skypilot_schema():
 def test_skypilot_tasks_have_what_a_spot_fleet_needs():
     tasks = {path.name: task for path, task in sky_tasks()}
     for name, task in tasks.items():
-        for key, value in (task.get("envs") or {}).items():  # SkyPilot takes strings only
-            assert isinstance(value, str), f"{name}: envs.{key} must be a string, got {value!r}"
+        for key, value in (task.get("envs") or {}).items():  # SkyPilot takes strings; null: required (--env)
+            assert value is None or isinstance(value, str), f"{name}: envs.{key} must be a string, got {value!r}"
         for key, value in (task.get("secrets") or {}).items():
             assert value is None, f"{name}: secrets.{key} holds a value; leave it null and pass --secret {key}"
     learner = tasks["learner.yaml"]["resources"]
@@ -411,31 +422,57 @@ def _bash_expand(word: str, env: dict[str, str]) -> str:
     return out.stdout
 
 
+def k8s_env(container: dict[str, Any], index: int) -> dict[str, str]:
+    """A container's environment in pod `index` of an indexed Job, as the kubelet builds it: the
+    completion index (from the pod's annotation, or the variable the Job controller adds), then each
+    `env` entry in order, `$(NAME)` expanded from the entries before it."""
+    env = {"JOB_COMPLETION_INDEX": str(index)}
+    for entry in container.get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                                        lambda m: env.get(m[1], m[0]), str(entry["value"]))
+        elif "job-completion-index" in str(entry.get("valueFrom")):
+            env[entry["name"]] = str(index)
+    return env
+
+
+def k8s_slot(container: dict[str, Any], index: int) -> tuple[str, int]:
+    """(learner id, data seed) of the demo learner in pod `index`: its flags, else DILOCO_* (the CLI's
+    defaults)."""
+    env = k8s_env(container, index)
+    argv = container_argv(container)
+    learner_id = option(argv, "--id") or option(argv, "--learner-id") or env.get("DILOCO_LEARNER_ID")
+    seed = option(argv, "--data-seed") or env.get("DILOCO_DATA_SEED")
+    assert learner_id and seed is not None, f"pod {index}: no learner id or data seed ({argv}, {env})"
+    return learner_id, int(seed)
+
+
+def sky_slot(task: dict[str, Any], slot: str, job_id: int, rank: int = 0) -> tuple[str, int]:
+    """(learner id, data seed) of the SkyPilot learner launched with `--env LEARNER=slot` as managed job
+    `job_id` (a recovery keeps the envs; SKYPILOT_TASK_ID: ..._<name>_<job id>-<task id>)."""
+    env = {k: v for k, v in (task.get("envs") or {}).items() if v is not None} | {
+        "LEARNER": slot, "SKYPILOT_NODE_RANK": str(rank),
+        "SKYPILOT_TASK_ID": f"sky-managed-2026-01-31-12-00-00-123456_diloco-learner_{job_id}-0"}
+    learner_id = _bash_expand(raw_option(task["run"], "--id"), env)
+    return learner_id, int(_bash_expand(raw_option(task["run"], "--data-seed"), env))
+
+
 @needs_yaml
-def test_learner_ids_are_valid_distinct_per_learner_and_stable_across_restarts():
+def test_each_learner_slot_has_its_own_id_and_data_seed_and_keeps_them_across_restarts():
     from diloco.storage.protocol import check_id
     (job,) = [doc for _p, doc in k8s_docs() if doc["kind"] == "Job"]
-    script = shell_script(container_argv(pod_spec(job)["containers"][0]))
-    word = raw_option(script, "--id")
-    ids = [_bash_expand(word, {"JOB_COMPLETION_INDEX": str(i)}) for i in range(job["spec"]["completions"])]
-    assert len(set(ids)) == len(ids), ids
-    for learner_id in ids:
-        check_id("learner", learner_id)
-
+    container = pod_spec(job)["containers"][0]
+    k8s = [k8s_slot(container, i) for i in range(job["spec"]["completions"])]  # a restarted pod: the same index
     task = yaml.safe_load((SKYPILOT / "learner.yaml").read_text())
-    word = raw_option(task["run"], "--id")
-
-    def sky_id(job_id: int, rank: int) -> str:  # SKYPILOT_TASK_ID of a managed job: ..._<name>_<job id>-<task id>
-        task_id = f"sky-managed-2026-01-31-12-00-00-123456_diloco-learner-{job_id}_{job_id + 40}-0"
-        return _bash_expand(word, {"SKYPILOT_TASK_ID": task_id, "SKYPILOT_NODE_RANK": str(rank)})
-
-    ids = [sky_id(job, rank) for job in range(3) for rank in range(2)]
-    assert len(set(ids)) == len(ids), ids
-    for learner_id in ids:
-        check_id("learner", learner_id)
-    long_name = "x" * 200  # the job's name is not part of the id: it stays short
-    task_id = f"sky-managed-2026-01-31-12-00-00-123456_{long_name}_123456-0"
-    check_id("learner", _bash_expand(word, {"SKYPILOT_TASK_ID": task_id, "SKYPILOT_NODE_RANK": "7"}))
+    assert "LEARNER" in task["envs"] and task["envs"]["LEARNER"] is None, "LEARNER must be required (--env)"
+    sky = [sky_slot(task, str(i), job_id=40 + i) for i in range(4)]
+    for i, slot in enumerate(sky):  # recovered as another job id, on another node rank: the same learner
+        assert sky_slot(task, str(i), job_id=90 + i, rank=1) == slot
+    for name, slots in (("k8s", k8s), ("skypilot", sky)):
+        ids, seeds = [s[0] for s in slots], [s[1] for s in slots]
+        assert len(set(ids)) == len(ids) and len(set(seeds)) == len(seeds), f"{name}: {slots}"
+        for learner_id in ids:
+            check_id("learner", learner_id)
 
 
 # -- environment --------------------------------------------------------------------------------
@@ -477,6 +514,11 @@ def test_scripts_use_only_variables_that_are_declared_or_provided():
         words = script if script is not None else " ".join(argv)
         used = referenced_names(words) - _assigned(words)
         assert used <= declared, f"{path.name}: {container['name']} uses undeclared {sorted(used - declared)}"
+        before: set[str] = set()  # Kubernetes expands $(NAME) in an env value only from the entries above it
+        for entry in container.get("env", []):
+            refs = set(re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", str(entry.get("value", ""))))
+            assert refs <= before, f"{path.name}: env {entry['name']} uses {sorted(refs - before)} before it is set"
+            before.add(entry["name"])
     for path, task in sky_tasks():
         declared = set(task.get("envs") or {}) | set(task.get("secrets") or {}) | SKYPILOT_PROVIDED
         for section in ("setup", "run"):
@@ -492,18 +534,24 @@ def _assigned(script: str) -> set[str]:
 # -- preemption: grace period and the SIGTERM wrapper ----------------------------------------------
 
 @needs_yaml
-def test_learner_grace_period_is_above_its_close_timeout():
+def test_a_learner_leaves_within_the_grace_a_spot_node_gives():
     from diloco.workers.learner import LearnerConfig
     default = LearnerConfig().close_timeout_s
-    pods = [(path, doc, spec, c) for path, doc, spec, c in k8s_containers()
+    pods = [(path, spec, c) for path, _doc, spec, c in k8s_containers()
             if any(argv and argv[0] == "learner" for argv in _diloco_argvs(c))]
     assert pods, "no learner pod found"
-    for path, doc, spec, container in pods:
+    for path, spec, container in pods:
         grace = spec.get("terminationGracePeriodSeconds", 30)  # Kubernetes' default is 30 s
+        assert grace <= GKE_SPOT_POD_GRACE_S, f"{path.name}: a GKE Spot node gives a pod {GKE_SPOT_POD_GRACE_S} s, " \
+                                              f"not terminationGracePeriodSeconds {grace}"
+        env = k8s_env(container, 0)
         for argv in _diloco_argvs(container):
-            close = float(option(argv, "--close-timeout-s") or default)
-            assert grace > close and grace > default, \
-                f"{path.name}: terminationGracePeriodSeconds {grace} must exceed the close timeout {close}"
+            close = float(option(argv, "--close-timeout-s") or env.get("DILOCO_CLOSE_TIMEOUT_S") or default)
+            assert close + 1 <= grace, f"{path.name}: the close timeout {close} s and a step must fit in {grace} s"
+    task = yaml.safe_load((SKYPILOT / "learner.yaml").read_text())
+    for argv in diloco_commands_in_script(task["run"]):
+        close = float(option(argv, "--close-timeout-s") or default)
+        assert close + 1 <= GCP_SPOT_NOTICE_S, f"skypilot: a close timeout of {close} s outlasts a GCP spot VM"
 
 
 def _diloco_argvs(container: dict[str, Any]) -> list[list[str]]:
@@ -550,8 +598,16 @@ def _wrappers() -> list[tuple[str, list[str]]]:
         return []
     (job,) = [doc for _p, doc in k8s_docs() if doc["kind"] == "Job"]
     task = yaml.safe_load((SKYPILOT / "learner.yaml").read_text())
-    return [("k8s", container_argv(pod_spec(job)["containers"][0])),
-            ("skypilot", ["bash", "-c", task["run"]])]  # SkyPilot runs `run` with bash
+    k8s = container_argv(pod_spec(job)["containers"][0])
+    return [("k8s", k8s)] * (shell_script(k8s) is not None) + [
+        ("skypilot", ["bash", "-c", task["run"]])]  # SkyPilot runs `run` with bash
+
+
+@needs_yaml
+def test_the_learner_pod_runs_diloco_itself_or_through_a_tested_wrapper():
+    (job,) = [doc for _p, doc in k8s_docs() if doc["kind"] == "Job"]
+    argv = container_argv(pod_spec(job)["containers"][0])
+    assert argv[0] == "diloco" or shell_script(argv) is not None, argv  # a wrapper is run by the test below
 
 
 @needs_yaml
@@ -570,7 +626,7 @@ def test_the_learner_wrapper_hands_sigterm_to_the_learner_and_its_exit_code_back
     log.write_text("")
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(home), "STUB_LOG": str(log),
            "STUB_TICKS": str(ticks), "STUB_RC": str(rc), "JOB_COMPLETION_INDEX": "2", "RUN_ID": "r", "STEPS": "9",
-           "SKYPILOT_TASK_ID": "sky-managed-2026-01-31-12-00-00-123456_diloco-learner-2_7-0", "SKYPILOT_NODE_RANK": "0"}
+           "LEARNER": "2"}
     proc = subprocess.Popen(argv, env=env)
     try:
         deadline = time.monotonic() + 10
@@ -629,7 +685,14 @@ def test_dockerfile_runs_diloco_as_a_non_root_user_on_python_slim():
     assert k8s_uids <= {int(users[-1].split(":")[0])}, "the manifests run another uid than the image's"
 
 
-def test_dockerfile_installs_cpu_torch_at_the_makefiles_pin_then_the_package_without_extras():
+def package_install(installs: list[list[str]]) -> tuple[list[str], set[str]]:
+    """The `pip install` of the package (the build context, `.` or `./`) and the extras it asks for."""
+    (words,) = [w for w in installs if any(re.fullmatch(r"\./?(\[.*\])?", x) for x in w)]
+    extras = next(re.fullmatch(r"\./?(?:\[(.*)\])?", x)[1] or "" for x in words if re.fullmatch(r"\./?(\[.*\])?", x))
+    return words, {e.strip() for e in extras.split(",") if e.strip()}
+
+
+def test_dockerfile_installs_cpu_torch_at_the_makefiles_pin_then_the_package_with_the_deploy_extra():
     installs = pip_installs()
     assert installs, "no pip install in the Dockerfile"
     for words in installs:
@@ -639,10 +702,22 @@ def test_dockerfile_installs_cpu_torch_at_the_makefiles_pin_then_the_package_wit
     assert option(torch[0], "--index-url") == "https://download.pytorch.org/whl/cpu", \
         "torch must come from the CPU wheel index: no CUDA wheels in the coordinator's image"
     assert f"torch=={makefile_torch_pin()}" in torch[0]
-    package = [w for w in installs if "." in w]
-    assert len(package) == 1 and installs.index(package[0]) > installs.index(torch[0]), \
-        "torch first, then `pip install .` (which then finds torch satisfied)"
-    assert not any(w.startswith(".[") for w in package[0]), "core dependencies only: no extras in the image"
+    package, extras = package_install(installs)
+    assert installs.index(package) > installs.index(torch[0]), \
+        "torch first, then the package (which then finds torch satisfied)"
+    assert extras == {"deploy"}, f"the image installs the deploy extra, the one list of what the files need: {extras}"
+
+
+@needs_yaml
+def test_the_deploy_extra_covers_what_the_files_commands_need():
+    """The image's extra and the SkyPilot coordinator's install name the same extras; they cover
+    --metrics-port (metrics), `diloco plot` (plot) and `model export --format hf` (hf)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["deploy"] == ["diloco[metrics,plot,hf]"], extras["deploy"]
+    setup = yaml.safe_load((SKYPILOT / "coordinator.yaml").read_text())["setup"]
+    assert '".[deploy]"' in setup.split(), "the SkyPilot coordinator should install what the image does"
+    coordinators = [argv for _l, _p, argv in invocations() if argv and argv[0] == "coordinator"]
+    assert any("--metrics-port" in argv for argv in coordinators)
 
 
 def _hadolint() -> str | None:
