@@ -38,8 +38,8 @@ from tenacity import retry, retry_if_exception, stop_after_delay, wait_random_ex
 
 from diloco.storage.errors import ConfigError, Refused
 from diloco.storage.keys import RunKeys
-from diloco.storage.protocol import (Announcement, Cadence, FinishRequest, LearnerFinished, LearnerStats, Refusal,
-                                     RunEnd, VersionEvent)
+from diloco.storage.protocol import (Announcement, Cadence, FinishRequest, LearnerFinished, LearnerLeft, LearnerStats,
+                                     Refusal, RunEnd, VersionEvent)
 from diloco.storage.settings import ENV_REDIS_URL, Endpoints, redact_url
 
 log = logging.getLogger(__name__)
@@ -650,10 +650,28 @@ class Bus:
                           "wait for leases to lapse)")
 
     @redis_retry
-    def leave(self, learner: str) -> None:
-        """`learner` is no longer live from now on (its lease ends now, on the Redis server's clock).
-        It stays in the live set's history: how long ago it left says when it is gone (`fleet`)."""
-        self.r.zadd(self.keys.learners, {learner: self.server_time()}, xx=True)
+    def leave(self, learner: str, record: LearnerLeft | None = None) -> None:
+        """`learner` is no longer live from now on (its lease ends now, on the Redis server's clock;
+        it stays in the live set's history: how long ago it left says when it is gone, `fleet`);
+        with `record`, noted as having left without finishing (`diloco status` shows it preempted or
+        failed rather than unknown), in the same transaction."""
+        now = self.server_time()
+        pipe = self.r.pipeline(transaction=True)
+        pipe.zadd(self.keys.learners, {learner: now}, xx=True)
+        if record is not None:
+            pipe.hset(self.keys.left, learner, record.to_wire())
+        pipe.execute()
+
+    @redis_retry
+    def left_learners(self) -> dict[str, LearnerLeft]:
+        """Learners that left without finishing and have not joined since; one that does not decode is skipped."""
+        out = {}
+        for name, raw in self.r.hgetall(self.keys.left).items():
+            try:
+                out[name.decode()] = LearnerLeft.from_wire(raw)
+            except Refused as exc:
+                self._warn_once(("left", name, raw), "skipping the leaving record of %r: %s", name, exc.reason)
+        return out
 
     @redis_retry
     def join(self, learner: str) -> None:
@@ -661,6 +679,7 @@ class Bus:
         pipe = self.r.pipeline(transaction=True)
         pipe.sadd(self.keys.joined, learner)
         pipe.hdel(self.keys.finished_learners, learner)
+        pipe.hdel(self.keys.left, learner)
         pipe.execute()
 
     @redis_retry
@@ -670,6 +689,7 @@ class Bus:
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.finished_learners, record.learner, record.to_wire())
         pipe.zrem(self.keys.learners, record.learner)
+        pipe.hdel(self.keys.left, record.learner)
         pipe.execute()
 
     @redis_retry

@@ -14,6 +14,7 @@ Integers are zero-padded so that lexicographic listing order is numeric order
     versions/{fragment}/{version}/manifest             the commit record (Manifest): names the two above
     collections/{n}                               a Collection: what a gc pass removed (or where a what-if run starts)
     finished.msgpack                              RunEnd: the run is finished, with each fragment's final version
+    losses/{learner}/{seq}                        LossLog: a learner's reported losses (workers/losses.py)
 
 Version objects carry the writer's fencing epoch, so a deposed coordinator racing the current one
 never overwrites the objects that a committed manifest points to.
@@ -233,3 +234,24 @@ class RunKeys:
 
     GROUP = "coordinator"
     """Consumer group on the announcements stream."""
+
+    # ---- a learner's losses (S3) and leaving without finishing (Redis) -----------------------
+    def loss_log(self, learner: str, seq: int) -> str:
+        """A LossLog: some of a learner's reported losses; seq is unique per learner, rising in time."""
+        return f"{self.root}losses/{check_id('learner', learner)}/{_num(seq, SEQ_DIGITS)}"
+
+    def losses_prefix(self, learner: str | None = None) -> str:
+        return f"{self.root}losses/" + ("" if learner is None else f"{check_id('learner', learner)}/")
+
+    def parse_loss_key(self, key: str) -> tuple[str, int] | None:
+        """Inverse of loss_log: (learner, seq) or None."""
+        parts = key.removeprefix(self.losses_prefix()).split("/")
+        if not key.startswith(self.losses_prefix()) or len(parts) != 2 or not parts[1].isdigit():
+            return None
+        return parts[0], int(parts[1])
+
+    @property
+    def left(self) -> str:
+        """Hash: learner -> msgpack LearnerLeft, for learners that left without finishing (preempted or
+        failed; removed when one joins again or finishes)."""
+        return self._r + "left"

@@ -488,6 +488,54 @@ class LearnerFinished(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class LearnerLeft(Record):
+    """A learner that left the run without finishing (`left` hash): preempted (SIGTERM, its progress
+    sent; it may come back) or failed (its training loop raised; nothing sent)."""
+
+    learner: str
+    left_at: float
+    """Redis server time (unix seconds)."""
+    steps: int
+    """Inner steps it trained in that incarnation."""
+    preempted: bool
+
+    def __post_init__(self) -> None:
+        check_id("learner", self.learner)
+        _require(self.steps >= 0, f"steps must be >= 0, got {self.steps}")
+
+
+MAX_LOSS_SAMPLES = 4096
+"""A LossLog holds at most this many samples (the learner writes far fewer, `workers/losses.py`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LossLog(Record):
+    """Some of a learner's reported losses (`losses/{learner}/{seq}`, create-only): parallel arrays,
+    one sample per entry, in time order."""
+
+    learner: str
+    incarnation: str
+    """`LearnerStats.incarnation` of the process that wrote it."""
+    steps: tuple[int, ...]
+    """Inner steps of that incarnation at the sample."""
+    tokens: tuple[int, ...]
+    """Tokens of those steps."""
+    losses: tuple[float, ...]
+    """The last loss given to `Learner.report` (finite)."""
+    times: tuple[float, ...]
+    """Redis server time of the sample (unix seconds)."""
+
+    def __post_init__(self) -> None:
+        check_id("learner", self.learner)
+        n = len(self.steps)
+        _require(n <= MAX_LOSS_SAMPLES, f"{n} samples, over {MAX_LOSS_SAMPLES}")
+        _require(len(self.tokens) == len(self.losses) == len(self.times) == n, "arrays of different lengths")
+        _require(all(s >= 0 for s in self.steps) and all(t >= 0 for t in self.tokens), "negative step or tokens")
+        _require(all(map(math.isfinite, self.losses)) and all(map(math.isfinite, self.times)), "non-finite value")
+        _require(len(self.incarnation) <= 64, "incarnation longer than 64 characters")
+
+
+@dataclass(frozen=True, slots=True)
 class LearnerStats(Record):
     """A learner's progress, sent with every heartbeat (`learner_stats` hash). The coordinator sets
     the round clock from `step_time_s`; `diloco demo`, the benchmarks and the tests read the rest.

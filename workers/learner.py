@@ -57,11 +57,12 @@ from diloco.storage.history import read_layout, read_manifest, read_params, read
 from diloco.storage.keys import RunKeys
 from diloco.storage.names import model_names, run_parameters
 from diloco.storage.objects import ObjectStore
-from diloco.storage.protocol import Layout, LearnerFinished, LearnerStats, RunEnd, check_id
+from diloco.storage.protocol import Layout, LearnerFinished, LearnerLeft, LearnerStats, RunEnd, check_id
 from diloco.storage.settings import Endpoints
 from diloco.workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout
 from diloco.workers.hostcopy import Snapshot
 from diloco.workers.island import Replica
+from diloco.workers.losses import LossRecorder
 from diloco.workers.metrics import LearnerMetrics
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
@@ -360,6 +361,7 @@ class Learner:
         if self._hook is None:
             return  # never joined (refused, or failed to start), or left already
         final = self._send_progress(final=True)
+        self.preempted |= preempted  # recorded as such on leaving (LearnerLeft)
         finished = None if preempted or self._run_end is not None else final
         self._leave_run(finished)
 
@@ -413,7 +415,7 @@ class Learner:
         self.fetcher.close()
         # Join before the interpreter tears down: a daemon thread inside a torch op at exit aborts the
         # process. A thread stuck on an unreachable server is abandoned at the deadline.
-        for thread in (self.uploader, self.fetcher, self._heartbeat_thread):
+        for thread in (self.uploader, self.fetcher, self._heartbeat_thread, self._losses):
             thread.join(timeout=max(0.5, deadline - time.monotonic()))
         # Leaving is best effort (the lease expires anyway) and must not outlast the deadline
         # while Redis is unreachable: it runs in a thread that is abandoned then.
@@ -428,7 +430,8 @@ class Learner:
         try:
             self._heartbeat()
             if finished is None:
-                self.bus.leave(self.learner_id)
+                left = LearnerLeft(self.learner_id, time.time() + self._clock_offset_s, self.step, self.preempted)
+                self.bus.leave(self.learner_id, left if self._joined else None)
                 return
             self.bus.finish(LearnerFinished(learner=self.learner_id, finished_at=time.time() + self._clock_offset_s,
                                             steps=self.step, final=tuple(finished)))
@@ -442,7 +445,7 @@ class Learner:
         The learner never joined, so it neither sends nor finishes anything."""
         self._stop.set()
         self._restore_sigterm_handler()
-        threads = [t for t in (getattr(self, n, None) for n in ("uploader", "fetcher", "_heartbeat_thread"))
+        threads = [t for t in (getattr(self, n, None) for n in ("uploader", "fetcher", "_heartbeat_thread", "_losses"))
                    if t is not None]
         for thread in threads:
             if hasattr(thread, "close"):
@@ -518,6 +521,10 @@ class Learner:
         self._heartbeat()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._heartbeat_thread.start()
+        self._losses = LossRecorder(self.store, keys, self.learner_id, self.progress,  # workers/losses.py
+                                    lambda: time.time() + self._clock_offset_s, self._stop,
+                                    base_s=self.config.heartbeat_s)
+        self._losses.start()
         if layout is None:
             self._propose_genesis(mine, initial)
             layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout")

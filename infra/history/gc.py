@@ -1,8 +1,8 @@
 """`diloco gc --keep-last N`: delete the objects a run no longer needs, and keep its whole record.
 
 What stays, per fragment whose latest listed manifest is version H:
-- every manifest (the run's record), the run spec, the layouts, the epoch claims and the
-  Collection records;
+- every manifest (the run's record), the run spec, the layouts, the epoch claims, the
+  Collection records and the learners' loss logs (`losses/`, bounded per learner: `workers/losses.py`);
 - everything replaying versions H-N+1..H needs: their inputs (and any object their manifests
   name), the params and outer state of their parent H-N, and their own (learners and a restarted
   coordinator load the head's);
@@ -171,7 +171,7 @@ class _Planner:
             if 0 not in self.committed.get(genesis[1], ()):
                 return None  # no version 0 yet: the proposal may still be taken
             return "old_inputs" if item.key in self.old_inputs else "unchosen_genesis"
-        return None  # run spec, layouts, epoch claims, Collection records
+        return None  # run spec, layouts, epoch claims, Collection records, loss logs
 
     def _version_object(self, fragment: int, version: int, leaf: str) -> str | None:
         if leaf == "manifest":

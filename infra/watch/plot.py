@@ -7,9 +7,11 @@ What a run's durable history holds, and so what can be plotted after the fact:
 - the contribution objects themselves, whose sizes one listing gives (until `diloco gc` deletes them);
 - every version's params, from which the global model at any moment is assembled and evaluated.
 
-The learners' reported losses are not in it: they travel in heartbeats, and Redis keeps only each
-learner's last one. So the loss plot is the global model's eval loss when a task is given (`--task`),
-and says so when none is.
+- the learners' reported losses (`losses/{learner}/...`, `workers/losses.py`): what each learner gave
+  `Learner.report(loss=...)`, sampled with its step, tokens and time, for any model.
+
+The loss plots draw those per learner, against time (`loss.png`) and against steps and tokens
+(`loss_by_step.png`); with a task (`--task`) `loss.png` also shows the global model's eval loss.
 
 Failures are read from the same history: a coordinator takeover is a change of manifest epoch; a
 learner's restart is a new run of sequence numbers (each process numbers its objects from its start
@@ -32,6 +34,7 @@ from diloco.storage.errors import ConfigError, Refused
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, Store
 from diloco.storage.protocol import Contribution, Refusal, RunSpec
+from diloco.workers.losses import LossSeries
 
 log = logging.getLogger(__name__)
 
@@ -333,17 +336,37 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def _colours(series: list[LossSeries]) -> dict[str, Any]:
+    """One colour per learner (its incarnations share it)."""
+    names = sorted({s.learner for s in series})
+    palette = [f"C{i % 10}" for i in range(len(names))]
+    return dict(zip(names, palette, strict=True))
+
+
+def _learner_lines(ax: Any, series: list[LossSeries], xs: Callable[[LossSeries], list[float]]) -> None:
+    """Each incarnation of each learner as a line, a learner's in one colour, labelled once."""
+    colours, labelled = _colours(series), set()
+    for s in series:
+        label = None if s.learner in labelled else f"{s.learner} (reported)"
+        labelled.add(s.learner)
+        ax.plot(xs(s), s.losses, "-", lw=1, alpha=0.8, color=colours[s.learner], label=label)
+
+
 def plot_loss(history: History, x: TimeAxis, path: Path, losses: list[LossPoint] | None,
-              floor: float | None = None, note: str = "") -> Path:
+              floor: float | None = None, note: str = "", reported: list[LossSeries] | None = None) -> Path:
     fig = _figure_class()(figsize=(11, 4.5))
     ax = fig.add_subplot()
+    if reported:
+        _learner_lines(ax, reported, lambda s: [x(t) for t in s.times])
     if losses:
-        ax.plot([x(p.t) for p in losses], [p.loss for p in losses], "o-", ms=3, color="tab:blue",
+        ax.plot([x(p.t) for p in losses], [p.loss for p in losses], "o-", ms=3, color="black",
                 label=f"global model eval loss ({len(losses)} evaluated)")
         if floor is not None:
             ax.axhline(floor, color="black", ls="--", lw=1, label=f"entropy floor {floor:.3f}")
-        ax.set_ylabel("eval loss (nats)")
-        title = "global eval loss"
+    if losses or reported:
+        ax.set_ylabel("loss")
+        title = " and ".join(what for what, shown in (("learners' reported loss", reported),
+                                                       ("global eval loss", losses)) if shown)
     else:
         ax.text(0.5, 0.8, note or "no loss to plot", transform=ax.transAxes, ha="center", va="center",
                 fontsize=9, wrap=True, zorder=5, bbox={"facecolor": "white", "alpha": 0.9, "edgecolor": "none"})
@@ -428,20 +451,39 @@ def plot_bytes_per_token(history: History, x: TimeAxis, path: Path) -> Path:
     return _save(fig, path)
 
 
-NO_LOSS = ("No loss is recorded in the run's history: learners report their loss in their Redis heartbeats, "
-           "which keep only the last value.\nPass --task TASK.json (the task the run trained, e.g. OUT/task.json "
-           "of `diloco demo`) to plot the global model's eval loss.")
+def plot_loss_by_step(history: History, path: Path, reported: list[LossSeries]) -> Path:
+    """The learners' reported losses against their steps and their tokens (each incarnation counts from
+    its own start, as the learner reported them)."""
+    fig = _figure_class()(figsize=(11, 7))
+    by_step, by_tokens = fig.subplots(2, 1)
+    _learner_lines(by_step, reported, lambda s: s.steps)
+    _learner_lines(by_tokens, reported, lambda s: s.tokens)
+    by_step.set_xlabel("inner steps (of the learner's process)")
+    by_tokens.set_xlabel("tokens (of the learner's process)")
+    for ax in (by_step, by_tokens):
+        ax.set_ylabel("reported loss")
+    by_step.set_title(f"run {history.run}: learners' reported loss")
+    _legend(by_step)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+NO_LOSS = ("No loss is recorded in the run's history: no learner gave Learner.report(loss=...) a loss.\n"
+           "Pass --task TASK.json (the task the run trained, e.g. OUT/task.json of `diloco demo`) to plot the "
+           "global model's eval loss.")
 
 
 def write_plots(history: History, out: Path, *, losses: list[LossPoint] | None = None, floor: float | None = None,
-                note: str = NO_LOSS) -> list[Path]:
-    """loss.png, versions.png, staleness.png and bytes_per_token.png under `out` (made if needed)."""
+                note: str = NO_LOSS, reported: list[LossSeries] | None = None) -> list[Path]:
+    """loss.png, versions.png, staleness.png and bytes_per_token.png under `out` (made if needed), and
+    loss_by_step.png when learners reported losses."""
     check_matplotlib()  # the clear error first
     if not history.commits:
         raise Refused("missing_object", f"run {history.run!r} has no committed version to plot yet")
     out.mkdir(parents=True, exist_ok=True)
     x = TimeAxis.of(history)
-    return [plot_loss(history, x, out / "loss.png", losses, floor, note),
+    return [plot_loss(history, x, out / "loss.png", losses, floor, note, reported),
             plot_versions(history, x, out / "versions.png"),
             plot_staleness(history, x, out / "staleness.png"),
-            plot_bytes_per_token(history, x, out / "bytes_per_token.png")]
+            plot_bytes_per_token(history, x, out / "bytes_per_token.png")] + \
+        ([plot_loss_by_step(history, out / "loss_by_step.png", reported)] if reported else [])

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from diloco.infra.output import human_bytes, table
-from diloco.infra.watch.status import LearnerStatus, RunStatus
+from diloco.infra.watch.status import LEARNER_STATES, LearnerStatus, RunStatus
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -155,7 +155,8 @@ def learner_row(r: LearnerStatus) -> list[str]:
         stale += " (" + " ".join(f"f{f}:{v}" for f, v in r.staleness_by_fragment.items()) + ")"
     step_time = "-" if not r.step_time_s else f"{r.step_time_s * 1000:.0f} ms" if r.step_time_s < 1 else \
         duration(r.step_time_s)
-    return [r.learner, r.state, lease(r.lease_left_s), count(r.step), count(r.tokens), number(r.loss, ".4f"),
+    held = lease(r.lease_left_s) if r.left_age_s is None else f"left {ago(r.left_age_s)}"
+    return [r.learner, r.state, held, count(r.step), count(r.tokens), number(r.loss, ".4f"),
             step_time, stale, ago(r.last_sent_age_s), count(r.adopted), count(r.uploaded), count(r.upload_failed),
             size(r.bytes_up), size(r.bytes_down)]
 
@@ -181,9 +182,10 @@ def refusals_title(s: RunStatus) -> str:
 
 
 def learners_title(s: RunStatus) -> str:
-    live = len(s.live)
-    others = len(s.learners) - live
-    return f"learners: {live} live" + (f", {others} lapsed (joined, not finished)" if others else "") + \
+    """'learners: 2 live, 1 lapsed, 1 preempted (joined, not finished), 1 finished'."""
+    counts = {state: sum(r.state == state for r in s.learners) for state in LEARNER_STATES if state != "live"}
+    others = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
+    return f"learners: {len(s.live)} live" + (f", {others} (joined, not finished)" if others else "") + \
         f", {len(s.finished_learners)} finished"
 
 

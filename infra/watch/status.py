@@ -39,6 +39,17 @@ VERSIONS_SCANNED = 512
 """Head ages come from the last this many entries of the versions stream (else from the manifest)."""
 
 
+LEARNER_STATES = {
+    "live": "its lease is running: it heartbeats",
+    "lapsed": "its lease expired without it leaving (killed, hung or cut off from Redis); it may come back",
+    "preempted": "it left on SIGTERM (a preemption) with its progress sent, and may come back: the run waits for it",
+    "left": "it left without finishing (its training loop raised, or it called close()); the run still counts on it",
+    "unknown": "it joined and did not finish, but Redis holds no lease or leaving record of it (forgotten an hour "
+               "after its lease lapsed, or Redis lost its data)",
+}
+"""The states `diloco status` shows a learner in (finished learners are listed apart), for `--help` and docs."""
+
+
 class RunMissing(DilocoError):
     """Neither S3 nor Redis knows the run."""
 
@@ -94,7 +105,7 @@ class CoordinatorStatus:
 class LearnerStatus:
     learner: str
     state: str
-    """'live' (lease running), 'lapsed' (joined, not finished, lease expired) or 'unknown' (forgotten by Redis)."""
+    """One of LEARNER_STATES."""
     lease_left_s: float | None
     """Seconds until the lease expires; negative: since it lapsed. Each heartbeat renews it."""
     step: int | None
@@ -115,6 +126,8 @@ class LearnerStatus:
     """Seconds since its newest announcement (among the last ANNOUNCEMENTS_SCANNED)."""
     incarnation: str = ""
     pid: int | None = None
+    left_age_s: float | None = None
+    """'preempted' and 'left': seconds since it left."""
 
 
 @dataclass
@@ -337,12 +350,15 @@ def _learners(bus: Bus, heads: dict[int, int], now: float,
             notes.append(f"the finish record of learner {name.decode(errors='replace')!r} does not decode: "
                          f"{exc.reason}")
     sends = _latest_sends(bus)
+    left_run = bus.left_learners()
     names = sorted(set(fleet.live) | (set(fleet.joined) - set(finished)))
     rows = []
     for name in names:
         s = stats.get(name)
         left = expiry[name] - now if name in expiry else None
-        state = "live" if name in fleet.live else ("lapsed" if left is not None else "unknown")
+        gone = left_run.get(name)
+        state = "live" if name in fleet.live else ("preempted" if gone.preempted else "left") if gone is not None \
+            else "lapsed" if left is not None else "unknown"
         when, bases = sends.get(name, (None, {}))
         stale = {str(f): heads[f] - base for f, base in sorted(bases.items()) if f in heads}
         rows.append(LearnerStatus(
@@ -354,7 +370,8 @@ def _learners(bus: Bus, heads: dict[int, int], now: float,
             wall_s=s.wall_s if s else None,
             staleness=max(stale.values()) if stale else None, staleness_by_fragment=stale,
             last_sent_age_s=None if when is None else max(0.0, now - when),
-            incarnation=s.incarnation if s else "", pid=s.pid if s else None))
+            incarnation=s.incarnation if s else "", pid=s.pid if s else None,
+            left_age_s=None if gone is None or state == "live" else max(0.0, now - gone.left_at)))
     rows.sort(key=lambda r: (r.state != "live", r.learner))
     done = [FinishedLearner(name, max(0.0, now - f.finished_at), f.steps, len(f.final))
             for name, f in sorted(finished.items())]

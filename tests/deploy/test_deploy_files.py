@@ -83,6 +83,12 @@ def sky_tasks() -> list[tuple[Path, dict[str, Any]]]:
     return [(path, yaml.safe_load(path.read_text())) for path in sorted(SKYPILOT.glob("*.yaml"))]
 
 
+def workload(name: str) -> dict[str, Any]:
+    """The Kubernetes object named `name` in infra/k8s."""
+    (doc,) = [doc for _p, doc in k8s_docs() if doc.get("metadata", {}).get("name") == name and pod_spec(doc)]
+    return doc
+
+
 def pod_spec(doc: dict[str, Any]) -> dict[str, Any] | None:
     if doc.get("kind") in ("Deployment", "StatefulSet", "Job", "DaemonSet", "ReplicaSet"):
         return doc["spec"]["template"]["spec"]
@@ -264,7 +270,7 @@ def option_strings(argv: list[str]) -> set[str]:
 @needs_yaml
 def test_every_deployment_yaml_parses_and_there_is_one_of_each_kind():
     kinds = {doc["kind"] for _path, doc in k8s_docs()}
-    assert {"Secret", "Deployment", "Job"} <= kinds, kinds
+    assert {"Secret", "Job", "PodDisruptionBudget"} <= kinds, kinds
     assert {p.name for p, _ in sky_tasks()} == {"learner.yaml", "coordinator.yaml"}
     for path, task in sky_tasks():
         assert isinstance(task, dict) and task.get("run"), f"{path}: no run section"
@@ -276,7 +282,7 @@ def test_k8s_objects_have_the_fields_kubernetes_needs():
         where = f"{path.name}: {doc.get('kind')}"
         assert doc.get("apiVersion") and doc.get("kind"), where
         assert doc.get("metadata", {}).get("name"), f"{where}: no metadata.name"
-        if doc["kind"] in ("Deployment", "StatefulSet", "PodDisruptionBudget"):
+        if doc["kind"] in ("Deployment", "StatefulSet", "PodDisruptionBudget"):  # a Job's selector is its own
             selector = doc["spec"]["selector"]["matchLabels"]
             if doc["kind"] != "PodDisruptionBudget":
                 labels = doc["spec"]["template"]["metadata"]["labels"]
@@ -373,11 +379,15 @@ def test_the_docs_show_diloco_commands():
 
 
 @needs_yaml
-def test_the_coordinator_deployment_runs_a_leader_and_a_standby():
-    (deployment,) = [doc for _p, doc in k8s_docs() if doc["kind"] == "Deployment"]
-    assert deployment["spec"]["replicas"] == 2
+def test_the_coordinator_job_runs_a_leader_and_a_standby_and_completes_with_the_run():
+    job = workload("diloco-coordinator")
+    # Two pods at once, done when one succeeds: the coordinator exits 0 once the run is finished.
+    assert job["kind"] == "Job" and job["spec"]["parallelism"] == 2 and "completions" not in job["spec"]
+    assert pod_spec(job)["restartPolicy"] == "OnFailure"
+    (pdb,) = [doc for _p, doc in k8s_docs() if doc["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
     for _path, doc, _spec, container in k8s_containers():
-        if doc is deployment:
+        if doc is job:
             argv = container_argv(container)
             assert argv[:2] == ["diloco", "coordinator"]
             assert "--standby" in argv, "without --standby the second replica exits while the first holds the lease"
@@ -460,7 +470,7 @@ def sky_slot(task: dict[str, Any], slot: str, job_id: int, rank: int = 0) -> tup
 @needs_yaml
 def test_each_learner_slot_has_its_own_id_and_data_seed_and_keeps_them_across_restarts():
     from diloco.storage.protocol import check_id
-    (job,) = [doc for _p, doc in k8s_docs() if doc["kind"] == "Job"]
+    job = workload("diloco-learners")
     container = pod_spec(job)["containers"][0]
     k8s = [k8s_slot(container, i) for i in range(job["spec"]["completions"])]  # a restarted pod: the same index
     task = yaml.safe_load((SKYPILOT / "learner.yaml").read_text())
@@ -564,7 +574,7 @@ def _diloco_argvs(container: dict[str, Any]) -> list[list[str]]:
 
 @needs_yaml
 def test_the_learners_job_restarts_a_preempted_learner_and_never_runs_one_id_twice():
-    (job,) = [doc for _p, doc in k8s_docs() if doc["kind"] == "Job"]
+    job = workload("diloco-learners")
     spec = job["spec"]
     assert spec["completionMode"] == "Indexed" and spec["parallelism"] == spec["completions"]
     assert spec["podReplacementPolicy"] == "Failed"
@@ -596,7 +606,7 @@ def _wrappers() -> list[tuple[str, list[str]]]:
     """(label, argv) of each learner launch that wraps `diloco learner` in a shell."""
     if yaml is None:
         return []
-    (job,) = [doc for _p, doc in k8s_docs() if doc["kind"] == "Job"]
+    job = workload("diloco-learners")
     task = yaml.safe_load((SKYPILOT / "learner.yaml").read_text())
     k8s = container_argv(pod_spec(job)["containers"][0])
     return [("k8s", k8s)] * (shell_script(k8s) is not None) + [
@@ -605,7 +615,7 @@ def _wrappers() -> list[tuple[str, list[str]]]:
 
 @needs_yaml
 def test_the_learner_pod_runs_diloco_itself_or_through_a_tested_wrapper():
-    (job,) = [doc for _p, doc in k8s_docs() if doc["kind"] == "Job"]
+    job = workload("diloco-learners")
     argv = container_argv(pod_spec(job)["containers"][0])
     assert argv[0] == "diloco" or shell_script(argv) is not None, argv  # a wrapper is run by the test below
 

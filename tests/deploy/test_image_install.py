@@ -34,7 +34,7 @@ from diloco.storage.settings import Endpoints
 from harness import fresh_endpoints, merged_ids, wait_for
 from test_deploy_files import (GCP_SPOT_NOTICE_S, K8S, SKYPILOT, build_context, container_argv, doc_invocations,
                                dockerfile_instructions, dockerignore_rules, k8s_docs, k8s_env, option, pip_installs,
-                               pod_spec, yaml)
+                               pod_spec, workload, yaml)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(yaml is None, reason="pyyaml is not installed"),
               pytest.mark.timeout(1500)]
@@ -107,9 +107,8 @@ def on_stack(image: Path, stack: LocalStack, monkeypatch: pytest.MonkeyPatch,
 def k8s_launches(metrics_port: int) -> tuple[list[str], dict[str, str], int, Any]:
     """(coordinator argv, its env, the learners' grace s, learner i -> (argv, env)) from infra/k8s. The
     coordinator's --metrics-port becomes a free port (two runs may share this machine)."""
-    (deployment,) = [d for _p, d in k8s_docs() if d["kind"] == "Deployment"]
-    (job,) = [d for _p, d in k8s_docs() if d["kind"] == "Job"]
-    coordinator = pod_spec(deployment)["containers"][0]
+    job = workload("diloco-learners")
+    coordinator = pod_spec(workload("diloco-coordinator"))["containers"][0]
     argv = container_argv(coordinator)
     if "--metrics-port" in argv:
         argv[argv.index("--metrics-port") + 1] = str(metrics_port)
@@ -196,8 +195,9 @@ def test_the_files_run_a_coordinator_and_learners_that_leave_on_sigterm(
         rc = p.wait(grace_s)
         assert rc == 143, f"{p.name} exited {rc} within {grace_s} s of SIGTERM (143: restart me):\n{p.tail(30)}"
     if platform == "k8s":
-        run_the_docs_tools(env, tmp_path)
-    coordinator.send(signal.SIGTERM)
+        run_the_docs_tools(env, tmp_path)  # `diloco finish` among them: the run ends, its coordinator exits 0
+    else:
+        coordinator.send(signal.SIGTERM)
     assert coordinator.wait(60) == 0, coordinator.tail(30)
 
 

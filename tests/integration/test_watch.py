@@ -5,7 +5,7 @@ task's model (random gradients: the history is what matters here, not the learni
 session's Redis and S3. One learner finishes, the other stays live; a forged contribution is refused.
 `diloco status --json` must then show the coordinator's heads, epoch and lease holder, the live and the
 finished learner with their heartbeat figures, the refusal, and nothing pending; `diloco plot` must
-write four PNGs from S3 alone; a run that does not exist is exit 1 with a message.
+write five PNGs from S3 alone (the learners reported losses); a run that does not exist is exit 1 with a message.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def test_status_shows_what_the_run_did_and_plot_draws_it(env, run_id, tmp_path, 
     assert main(["plot", "--run", run_id, "--out", str(tmp_path / "plots"), "--task", str(task_path),
                  "--evals", "5"]) == 0
     written = capsys.readouterr().out.split()
-    names = ["loss.png", "versions.png", "staleness.png", "bytes_per_token.png"]
+    names = ["loss.png", "versions.png", "staleness.png", "bytes_per_token.png", "loss_by_step.png"]
     assert [Path(p).name for p in written] == names
     for p in written:
         blob = Path(p).read_bytes()
