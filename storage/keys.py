@@ -15,6 +15,7 @@ Integers are zero-padded so that lexicographic listing order is numeric order
     collections/{n}                               a Collection: what a gc pass removed (or where a what-if run starts)
     finished.msgpack                              RunEnd: the run is finished, with each fragment's final version
     losses/{learner}/{seq}                        LossLog: a learner's reported losses (workers/losses.py)
+    learners/{learner}/state/{seq}                a learner's own state across preemption (workers/state.py)
 
 Version objects carry the writer's fencing epoch, so a deposed coordinator racing the current one
 never overwrites the objects that a committed manifest points to.
@@ -249,6 +250,22 @@ class RunKeys:
         if not key.startswith(self.losses_prefix()) or len(parts) != 2 or not parts[1].isdigit():
             return None
         return parts[0], int(parts[1])
+
+    # ---- a learner's own state across preemption (S3) -----------------------------------------
+    def learner_state(self, learner: str, seq: int) -> str:
+        """A learner's saved state (optimizer, schedule, step, the user's own); seq rises per learner."""
+        return f"{self.learner_states_prefix(learner)}{_num(seq, SEQ_DIGITS)}"
+
+    def learner_states_prefix(self, learner: str | None = None) -> str:
+        return f"{self.root}learners/" + ("" if learner is None else f"{check_id('learner', learner)}/state/")
+
+    def parse_learner_state_key(self, key: str) -> tuple[str, int] | None:
+        """Inverse of learner_state: (learner, seq) or None."""
+        parts = key.removeprefix(self.learner_states_prefix()).split("/")
+        if (not key.startswith(self.learner_states_prefix()) or len(parts) != 3 or parts[1] != "state"
+                or not parts[2].isdigit()):
+            return None
+        return parts[0], int(parts[2])
 
     @property
     def left(self) -> str:

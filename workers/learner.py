@@ -64,6 +64,7 @@ from diloco.workers.hostcopy import Snapshot
 from diloco.workers.island import Replica
 from diloco.workers.losses import LossRecorder
 from diloco.workers.metrics import LearnerMetrics
+from diloco.workers.state import LearnerState, Stateful, StateSaver, latest_key, misfit, optimizer_params, to_host
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,14 @@ class LearnerConfig:
     error_feedback: bool = True
     """With a lossy codec (int8, int4, bf16): what the codec loses of a fragment's delta is added to
     the fragment's next send, so that no progress is lost to quantization over the run."""
+    save_state: bool = True
+    """Save this learner's own state (inner optimizer, LR schedule and the objects passed as `state=`,
+    step and tokens) to the bucket under its id, every `state_every` sends of fragment 0 and when it
+    leaves on SIGTERM, and restore it when a learner of the same id rejoins (`workers/state.py`). Off:
+    a restarted learner starts its optimizer, schedule and data afresh. Single-process learners only
+    (an island's optimizer state lives on every rank; not saved yet)."""
+    state_every: int = 10
+    """With `save_state`: save every this many sends of fragment 0 (about rounds); 0: only on SIGTERM."""
     own_version_wait: float = 0.5
     """After `overlap_steps`, keep training up to this fraction of H more steps while the version that
     merged this learner's own contribution is not committed or not downloaded yet, rather than take an
@@ -105,6 +114,9 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.heartbeat_s) and self.heartbeat_s > 0):
             raise ConfigError(f"heartbeat_s must be a finite number of seconds > 0, got {self.heartbeat_s!r}")
+        if self.state_every < 0:
+            raise ConfigError(f"state_every must be >= 0 sends (0: save the state on SIGTERM only), got "
+                              f"{self.state_every}")
         if self.lease_s <= self.heartbeat_s or not self.lease_s <= MAX_LEASE_S:
             raise ConfigError(f"lease_s ({self.lease_s}) must exceed heartbeat_s ({self.heartbeat_s}) and be at "
                               f"most {MAX_LEASE_S:g} s")
@@ -193,12 +205,19 @@ class Learner:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, run: str,
                  endpoints: Endpoints | None = None, learner_id: str | None = None,
                  tokens_per_step: int | None = None, config: LearnerConfig | None = None,
-                 handle_sigterm: bool = False) -> None:
+                 handle_sigterm: bool = False, state: Mapping[str, Stateful] | None = None) -> None:
         if tokens_per_step is not None and (isinstance(tokens_per_step, bool) or int(tokens_per_step) <= 0):
             raise ConfigError(f"tokens_per_step must be a positive number of tokens (or samples) per step, got "
                               f"{tokens_per_step!r}: it weighs this learner's contributions")
         self.model = model
         self.optimizer = optimizer
+        self.user_state = dict(state or {})
+        """Objects saved and restored with the learner's own state (`LearnerConfig.save_state`): an LR
+        scheduler, a data position, anything with `state_dict()` and `load_state_dict()`."""
+        bad = [k for k, v in self.user_state.items() if not (callable(getattr(v, "state_dict", None))
+                                                             and callable(getattr(v, "load_state_dict", None)))]
+        if bad:
+            raise ConfigError(f"state= objects need state_dict() and load_state_dict(): {bad} lack them")
         self.run = check_id("run", run)
         self.learner_id = _learner_id(learner_id)
         self.tokens_per_step = tokens_per_step
@@ -241,6 +260,10 @@ class Learner:
         self.preempted = False
         """SIGTERM arrived (with `handle_sigterm`): the learner leaves at the end of the step in progress."""
         self._metrics: LearnerMetrics | None = None
+        self._saver: StateSaver | None = None  # rank 0 of a single-process learner with save_state
+        self._sends_of_0 = 0
+        self.restored_from: str | None = None
+        """The saved state this learner resumed from when it joined (its key), None if it started afresh."""
         self._sigterm_previous = None
         self._joining = False  # rank 0 in `_join`: SIGTERM raises Preempted at once
         if handle_sigterm:
@@ -361,6 +384,8 @@ class Learner:
         if self._hook is None:
             return  # never joined (refused, or failed to start), or left already
         final = self._send_progress(final=True)
+        if preempted and self._saver is not None and self._run_end is None:
+            self._save_state()  # it may come back: it resumes from here
         self.preempted |= preempted  # recorded as such on leaving (LearnerLeft)
         finished = None if preempted or self._run_end is not None else final
         self._leave_run(finished)
@@ -410,13 +435,19 @@ class Learner:
         if not self.uploader.flush(self.config.close_timeout_s):
             log.warning("leaving with %d contribution(s) not uploaded after %.0fs: abandoned", self.uploader.pending(),
                         self.config.close_timeout_s)
+        if self._saver is not None and not self._saver.flush(max(0.0, deadline - time.monotonic())):
+            log.warning("leaving without the learner's state saved after %.0fs: a restart starts afresh",
+                        self.config.close_timeout_s)
         self._stop.set()
         self.uploader.close()
         self.fetcher.close()
+        if self._saver is not None:
+            self._saver.close()
         # Join before the interpreter tears down: a daemon thread inside a torch op at exit aborts the
         # process. A thread stuck on an unreachable server is abandoned at the deadline.
-        for thread in (self.uploader, self.fetcher, self._heartbeat_thread, self._losses):
-            thread.join(timeout=max(0.5, deadline - time.monotonic()))
+        for thread in (self.uploader, self.fetcher, self._heartbeat_thread, self._losses, self._saver):
+            if thread is not None:
+                thread.join(timeout=max(0.5, deadline - time.monotonic()))
         # Leaving is best effort (the lease expires anyway) and must not outlast the deadline
         # while Redis is unreachable: it runs in a thread that is abandoned then.
         leaving = threading.Thread(target=self._leave, args=(finished,), name="leave", daemon=True)
@@ -445,8 +476,8 @@ class Learner:
         The learner never joined, so it neither sends nor finishes anything."""
         self._stop.set()
         self._restore_sigterm_handler()
-        threads = [t for t in (getattr(self, n, None) for n in ("uploader", "fetcher", "_heartbeat_thread", "_losses"))
-                   if t is not None]
+        threads = [t for t in (getattr(self, n, None) for n in ("uploader", "fetcher", "_heartbeat_thread", "_losses",
+                                                                  "_saver")) if t is not None]
         for thread in threads:
             if hasattr(thread, "close"):
                 thread.close()
@@ -543,6 +574,8 @@ class Learner:
             self.fetcher.hold(fragment, version, params)  # the next versions come as updates of these
             values.update(params)
         self.stats.bytes_joined = self.store.bytes_read
+        if self.config.save_state and not self.replica.island:
+            self._restore_state(heads, self.fetcher.max_staleness)
         self.fetcher.start()
         self.bus.join(self.learner_id)
         self._joined = True
@@ -641,6 +674,10 @@ class Learner:
             self._send(f, due.get(f, 0.0), based_on=based_on.get(f))
         for f in () if self._merges_first else to_merge:
             self._merge(f, ready.get(f))
+        if 0 in to_send and self._saver is not None:
+            self._sends_of_0 += 1
+            if self.config.state_every and self._sends_of_0 % self.config.state_every == 0:
+                self._save_state()
 
     def _due(self) -> dict[int, float]:
         """Rank 0: fragments to send after this step -> the clock deadline they serve (0 on the step
@@ -752,6 +789,48 @@ class Learner:
             self.steps_through += self.step - state.since_step
             state.since_step = self.step
         self.replica.blend(values, names, keep=keep, add=add)
+
+    # ---- the learner's own state across preemption (workers/state.py) -----------------------------
+    def _optimizer_params(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        return optimizer_params(self.optimizer, {id(p): n for n, p in self.replica.params.items()})
+
+    def _save_state(self) -> None:
+        """Rank 0, at a step boundary: copy the state to the host now, upload it in the background."""
+        state = LearnerState(learner=self.learner_id, step=self.step, tokens=self.tokens,
+                             versions=tuple(s.base_version for s in self.fragments), params=self._optimizer_params(),
+                             optimizer=to_host(self.optimizer.state_dict()),
+                             user={k: to_host(v.state_dict()) for k, v in self.user_state.items()},
+                             saved_at=time.time() + self._clock_offset_s)
+        self._saver.submit(state)
+
+    def _restore_state(self, heads: dict[int, int], max_staleness: int | None) -> None:
+        """Rank 0, joining: resume from this learner's newest saved state if it fits (`state.misfit`),
+        and start the saver after it."""
+        keys = self.bus.keys
+        key = latest_key(self.store, keys, self.learner_id)
+        seq = 0 if key is None else keys.parse_learner_state_key(key)[1] + 1
+        self._saver = StateSaver(self.store, keys, self.learner_id, next_seq=seq)
+        self._saver.start()
+        if key is None:
+            return
+        limit = 4 * sum(p.numel() * p.element_size() for p in self.replica.params.values()) + (64 << 20)
+        try:
+            saved = LearnerState.from_bytes(self.store.get(key, max_bytes=limit))
+            why = misfit(saved, self._optimizer_params(), heads, max_staleness)
+        except (ValueError, DilocoError) as exc:
+            saved, why = None, str(exc)
+        if why is not None:
+            log.warning("learner %s starts afresh: its saved state %s is not restored: %s", self.learner_id, key, why)
+            return
+        missing = sorted(set(self.user_state) - set(saved.user))
+        self.optimizer.load_state_dict(saved.optimizer)
+        for name, obj in self.user_state.items():
+            if name in saved.user:
+                obj.load_state_dict(saved.user[name])
+        self.step, self.tokens, self.restored_from = saved.step, saved.tokens, key
+        log.info("learner %s resumes from its state at step %d (%s; saved at versions %s)%s", self.learner_id,
+                 saved.step, key, list(saved.versions),
+                 f"; not in it, left as they are: {missing}" if missing else "")
 
     # ---- heartbeats --------------------------------------------------------------------------
     def progress(self) -> LearnerStats:

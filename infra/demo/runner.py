@@ -58,10 +58,16 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _learner_argv(cfg: DemoConfig, index: int, steps: int, incarnation: int, task_path: Path) -> list[str]:
+STATE_EVERY = 2
+"""The demo's learners save their own state every 2 sends of fragment 0 (60 steps at H = 30): the
+restarted learner resumes from the last one, retraining at most that many steps."""
+
+
+def _learner_argv(cfg: DemoConfig, index: int, task_path: Path) -> list[str]:
+    """Learner `index`'s command, the same for its restarts: it resumes from its saved state."""
     slowdown = cfg.slow_factor if index == cfg.learners - 1 else 1.0
-    return learner_argv(cfg.run, f"learner-{index}", task_path, steps=steps, slowdown=slowdown,
-                        data_seed=1000 * index + incarnation)
+    return learner_argv(cfg.run, f"learner-{index}", task_path, steps=cfg.steps, slowdown=slowdown,
+                        data_seed=1000 * index, extra=("--state-every", str(STATE_EVERY)))
 
 
 def run_demo(cfg: DemoConfig) -> dict:
@@ -87,7 +93,7 @@ def run_demo(cfg: DemoConfig) -> dict:
                 str(s.sync_every), "--overlap-steps", str(s.overlap_steps), "--codec", s.codec, "--min-quorum",
                 str(cfg.min_quorum)), service=True)
             for i in range(cfg.learners):
-                fleet.add(f"learner-{i}", _learner_argv(cfg, i, cfg.steps, 0, task_path))
+                fleet.add(f"learner-{i}", _learner_argv(cfg, i, task_path))
             _watch(cfg, endpoints, fleet, task_path)
             fleet.stop(["coordinator"])
         store = ObjectStore(endpoints)
@@ -152,10 +158,9 @@ def _watch(cfg: DemoConfig, endpoints: Endpoints, fleet: Fleet, task_path: Path)
         stats = bus.learner_stats()
         if not killed and victim_name in stats and stats[victim_name].step >= cfg.kill_at * cfg.steps:
             done = stats[victim_name].step
-            fleet.kill(victim_name, back_in_s=1.0,
-                       argv=_learner_argv(cfg, victim, cfg.steps - done, 1, task_path))
-            say(f"!! SIGKILL {victim_name} at step {done}; restarting it for the remaining "
-                f"{cfg.steps - done} steps")
+            fleet.kill(victim_name, back_in_s=1.0, argv=_learner_argv(cfg, victim, task_path))
+            say(f"!! SIGKILL {victim_name} at step {done}; restarting it: it resumes from its last saved "
+                "state (optimizer, schedule, data position, step)")
             killed = True
         if time.monotonic() - last_print > 3.0:
             last_print = time.monotonic()

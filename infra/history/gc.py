@@ -1,6 +1,8 @@
 """`diloco gc --keep-last N`: delete the objects a run no longer needs, and keep its whole record.
 
 What stays, per fragment whose latest listed manifest is version H:
+- each learner's newest saved state (`learners/{id}/state/`: what a restart resumes from), none once the
+  run is finished;
 - every manifest (the run's record), the run spec, the layouts, the epoch claims, the
   Collection records and the learners' loss logs (`losses/`, bounded per learner: `workers/losses.py`);
 - everything replaying versions H-N+1..H needs: their inputs (and any object their manifests
@@ -59,6 +61,7 @@ DELETED = {
     "unchosen_genesis": "genesis proposals that version 0 did not take",
     "stale_contributions": "contributions no manifest merged, too stale to be merged any more",
     "unreadable_contributions": "objects under fragments/ whose header does not describe a contribution",
+    "old_learner_states": "learners' saved states older than each learner's newest, or all of them once the run is finished",
 }
 """What gc deletes, by kind."""
 
@@ -149,6 +152,8 @@ class _Planner:
     """Named by a kept manifest: all a kept version names (refusals too), the parent's params and outer state."""
     old_inputs: set[str] = field(default_factory=set)
     """Merged into a version older than the kept range."""
+    newest_states: dict[str, int] = field(default_factory=dict)
+    """Per learner, the seq of its newest saved state (what it resumes from); empty once the run is finished."""
 
     def __post_init__(self) -> None:
         for (f, v), m in self.manifests.items():
@@ -167,6 +172,8 @@ class _Planner:
             return self._version_object(*version_key)
         if (delta := self.keys.parse_delta_key(item.key)) is not None:
             return self._contribution(item, delta[0])
+        if (state := self.keys.parse_learner_state_key(item.key)) is not None:
+            return None if self.newest_states.get(state[0]) == state[1] else "old_learner_states"
         if (genesis := self.keys.parse_genesis_key(item.key)) is not None:
             if 0 not in self.committed.get(genesis[1], ()):
                 return None  # no version 0 yet: the proposal may still be taken
@@ -217,6 +224,10 @@ def plan_gc(keys: RunKeys, listed: list[Listed], committed: Mapping[int, set[int
     is called only for unmerged contributions old enough to be deleted."""
     target = kept_from(committed, previous, keep_last)
     planner = _Planner(keys, committed, target, manifests, min_age_s, base_version_of)
+    if not any(item.key == keys.finished_record() for item in listed):  # a finished run resumes nobody
+        for item in listed:
+            if (state := keys.parse_learner_state_key(item.key)) is not None:
+                planner.newest_states[state[0]] = max(state[1], planner.newest_states.get(state[0], -1))
     plan = GcPlan(heads={f: max(vs) for f, vs in committed.items()}, first_replayable={})
     for item in listed:
         what = planner.label(item)

@@ -33,7 +33,8 @@ BASES = {K.delta(0, "l2", 7): 1,  # unmerged, too stale: 1 < 5 - 2 - 1 (one vers
 
 def listing(young: set[str] = frozenset()) -> list[Listed]:
     keys = [K.run_spec(), K.layout(), K.epoch_claim(1), K.epoch_claim(2), K.genesis_layout("l0"),
-            K.genesis_params("l0", 0), K.genesis_params("l1", 0), K.genesis_params("l1", 1), REFUSED, *BASES]
+            K.genesis_params("l0", 0), K.genesis_params("l1", 0), K.genesis_params("l1", 1), REFUSED, *BASES,
+            K.learner_state("l0", 3), K.learner_state("l0", 4), K.learner_state("l1", 1)]
     for v in range(HEAD + 1):
         keys += [K.manifest(0, v), K.params(0, v, 1), K.outer_state(0, v, 1)]
         keys += [K.delta(0, "l0", v), K.update(0, v, 1)] if v else []
@@ -69,6 +70,7 @@ def test_keeps_the_last_n_versions_their_parent_and_every_manifest_and_deletes_t
         "unchosen_genesis": {K.genesis_params("l1", 0)},
         "stale_contributions": {K.delta(0, "l2", 7)},
         "unreadable_contributions": {K.delta(0, "l2", 9)},
+        "old_learner_states": {K.learner_state("l0", 3)},  # each learner's newest stays: what a restart resumes from
     }
     assert p.kept == {"may_merge": [K.delta(0, "l2", 8)], "young": [], "uncommitted_version": [K.params(0, 6, 2)]}
     gone = {d.key for d in p.deletions}
@@ -77,8 +79,14 @@ def test_keeps_the_last_n_versions_their_parent_and_every_manifest_and_deletes_t
     must_stay |= {K.manifest(0, v) for v in range(HEAD + 1)}
     must_stay |= {key for v in (3, 4, 5) for key in (K.params(0, v, 1), K.outer_state(0, v, 1), K.update(0, v, 1))}
     must_stay |= {K.delta(0, "l0", v) for v in (4, 5)}
+    must_stay |= {K.learner_state("l0", 4), K.learner_state("l1", 1)}
     assert not gone & must_stay
     assert sorted(asked) == sorted(BASES)  # headers read only for unmerged contributions
+
+
+def test_once_the_run_is_finished_no_learner_state_is_kept():
+    p, _ = plan(listing() + [Listed(K.finished_record(), 100, OLD)])
+    assert kinds(p)["old_learner_states"] == {K.learner_state("l0", s) for s in (3, 4)} | {K.learner_state("l1", 1)}
 
 
 def test_young_objects_are_kept_and_the_versions_they_leave_replayable_are_recorded_as_such():

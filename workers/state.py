@@ -1,0 +1,240 @@
+"""A learner's own state across preemption: what the global model does not hold.
+
+A learner that rejoins takes the latest global versions of the parameters, but its inner optimizer
+(AdamW's moments and step count), its learning-rate schedule, its step and token counts and its
+place in its data live only in its process. They are saved to the bucket under the learner's id,
+`learners/{id}/state/{seq}` (create-only, seq rising), every `LearnerConfig.state_every` sends of
+fragment 0 and when the learner leaves on SIGTERM, and read back when a learner of the same id
+joins again. At most `KEEP` are kept per learner (the learner deletes older ones; `diloco gc`
+deletes all but the newest, and all of them once the run is finished).
+
+A saved state is restored only if it fits: the same parameters (names and shapes, in the
+optimizer's order) and, for every fragment, a base version at most the coordinator's
+`max_staleness` behind the head the learner joins at (a state the run would not accept a delta
+from). Otherwise the learner says why and starts afresh. The optimizer's state is kept as saved:
+AdamW's moments are statistics of the gradients, which change little between the model the
+state was saved from and the global version a few rounds later, and its step count keeps the bias
+correction where it was (a fresh optimizer would warm its moments up again from zero).
+
+What is saved: `optimizer.state_dict()` and each of the user's objects' `state_dict()` (an LR
+scheduler, a data position: anything with `state_dict`/`load_state_dict`), copied to host memory
+on the training thread at a step boundary (the training goes on changing the live tensors), then
+serialized and uploaded on a thread of its own. The object is a length-prefixed msgpack tree of
+plain values (dicts, lists, tuples, numbers, strings) whose tensors are references into a
+safetensors blob that follows it: read back, it is parsed, never unpickled.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import safetensors.torch
+import torch
+
+from diloco.storage.errors import Refused
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import Store
+from diloco.storage.protocol import pack, unpack
+
+log = logging.getLogger(__name__)
+
+KEEP = 2
+"""Saved states kept per learner: the newest, and the one before it while the newest is written."""
+FORMAT = 1
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerState:
+    """What a learner saves of itself (see the module docstring)."""
+
+    learner: str
+    step: int
+    tokens: int
+    versions: tuple[int, ...]
+    """Per fragment, the global version the learner's values descended from when it was saved."""
+    params: tuple[tuple[str, tuple[int, ...]], ...]
+    """The parameters' run names and shapes, in the optimizer's order: what the optimizer state fits."""
+    optimizer: dict[str, Any]
+    user: dict[str, dict[str, Any]]
+    saved_at: float
+
+    def to_bytes(self) -> bytes:
+        """Raises ValueError if a state dict holds something other than tensors and plain values."""
+        tensors: dict[str, torch.Tensor] = {}
+        tree = _flatten({"format": FORMAT, "learner": self.learner, "step": self.step, "tokens": self.tokens,
+                         "versions": list(self.versions), "params": [[n, list(s)] for n, s in self.params],
+                         "optimizer": self.optimizer, "user": self.user, "saved_at": self.saved_at}, tensors, "state")
+        head = pack(tree)
+        return struct.pack("<Q", len(head)) + head + safetensors.torch.save(tensors)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> LearnerState:
+        """Raises ValueError (with the reason) for anything but a state this module wrote."""
+        try:
+            (size,) = struct.unpack_from("<Q", data)
+            if size > len(data) - 8:
+                raise ValueError(f"a header of {size} bytes in an object of {len(data)}")
+            tensors = safetensors.torch.load(bytes(data[8 + size:]))
+            d = _unflatten(unpack(data[8:8 + size], max_bytes=size), tensors)
+        except (struct.error, ValueError, Refused, KeyError, TypeError, IndexError,
+                safetensors.SafetensorError) as exc:
+            raise ValueError(f"not a readable learner state: {exc}") from exc
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"not a learner state of format {FORMAT}")
+        try:
+            return cls(learner=str(d["learner"]), step=int(d["step"]), tokens=int(d["tokens"]),
+                       versions=tuple(int(v) for v in d["versions"]),
+                       params=tuple((str(n), tuple(int(x) for x in s)) for n, s in d["params"]),
+                       optimizer=dict(d["optimizer"]), user={str(k): dict(v) for k, v in d["user"].items()},
+                       saved_at=float(d["saved_at"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"a learner state with a missing or malformed field: {exc!r}") from exc
+
+
+def _flatten(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
+    """`value` as a msgpack tree: every container tagged ({"d": items}, {"l": ...}, {"u": ...}), every
+    tensor a reference {"t": name} into `tensors`."""
+    if isinstance(value, torch.Tensor):
+        name = str(len(tensors))
+        tensors[name] = value.detach().cpu().contiguous()
+        return {"t": name}
+    if isinstance(value, dict):
+        if not all(isinstance(k, str | int) for k in value):
+            raise ValueError(f"{where}: a dict with keys other than str and int")
+        return {"d": [[k, _flatten(v, tensors, f"{where}.{k}")] for k, v in value.items()]}
+    if isinstance(value, list | tuple):
+        return {"l" if isinstance(value, list) else "u": [_flatten(v, tensors, f"{where}[]") for v in value]}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise ValueError(f"{where} is a {type(value).__name__}: a saved state holds tensors and plain values only")
+
+
+def _unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(tree, dict):
+        ((tag, body),) = tree.items()
+        if tag == "t":
+            return tensors[body]
+        if tag == "d":
+            return {k: _unflatten(v, tensors) for k, v in body}
+        if tag in ("l", "u"):
+            items = [_unflatten(v, tensors) for v in body]
+            return items if tag == "l" else tuple(items)
+        raise ValueError(f"unknown tag {tag!r}")
+    return tree
+
+
+def to_host(value: Any) -> Any:
+    """A copy of a state dict whose tensors are host copies: the live ones go on changing."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: to_host(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_host(v) for v in value)
+    return value
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(run name, shape) of the optimizer's parameters in its own order ('?' for one outside the model)."""
+    return tuple((names.get(id(p), "?"), tuple(p.shape)) for group in optimizer.param_groups for p in group["params"])
+
+
+def misfit(saved: LearnerState, params: tuple[tuple[str, tuple[int, ...]], ...], heads: Mapping[int, int],
+           max_staleness: int | None) -> str | None:
+    """Why `saved` cannot be restored into a learner whose optimizer holds `params` and that joins
+    at `heads` (None: it fits)."""
+    if saved.params != params:
+        return "it was saved for other parameters (the model or the optimizer's groups changed)"
+    if len(saved.versions) != len(heads):
+        return f"it was saved with {len(saved.versions)} fragments, the run has {len(heads)}"
+    if max_staleness is not None:
+        behind = {f: heads[f] - v for f, v in enumerate(saved.versions)}
+        late = {f: b for f, b in behind.items() if b > max_staleness}
+        if late:
+            f, b = max(late.items(), key=lambda kv: kv[1])
+            return (f"it is based on version {saved.versions[f]} of fragment {f}, {b} behind the head: more than "
+                    f"max_staleness ({max_staleness}), a base the run no longer accepts")
+    return None
+
+
+def latest_key(store: Store, keys: RunKeys, learner: str) -> str | None:
+    listed = [k for k in store.list(keys.learner_states_prefix(learner)) if keys.parse_learner_state_key(k)]
+    return listed[-1] if listed else None
+
+
+class StateSaver(threading.Thread):
+    """Uploads a learner's saved states in the background, the newest only: a state taken while
+    the previous one is still uploading replaces any that waits. Deletes all but the last KEEP."""
+
+    def __init__(self, store: Store, keys: RunKeys, learner: str, next_seq: int) -> None:
+        super().__init__(name="state-saver", daemon=True)
+        self.store, self.keys, self.learner = store, keys, learner
+        self._seq = next_seq
+        self._cond = threading.Condition()
+        self._waiting: LearnerState | None = None
+        self._busy = False
+        self._closed = False
+        self.saved = 0
+        self.failed = 0
+        self.last_key: str | None = None
+
+    def submit(self, state: LearnerState) -> None:
+        with self._cond:
+            self._waiting = state
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until nothing waits or uploads (True), at most `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._waiting is not None or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def run(self) -> None:
+        while True:
+            with self._cond:
+                while self._waiting is None and not self._closed:
+                    self._cond.wait()
+                if self._waiting is None:
+                    return
+                state, self._waiting, self._busy = self._waiting, None, True
+            try:
+                self._save(state)
+            except Exception as exc:  # noqa: BLE001 (a state not saved costs a cold restart, never the run)
+                self.failed += 1
+                log.warning("learner %s: state at step %d not saved: %s", self.learner, state.step, exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _save(self, state: LearnerState) -> None:
+        data = state.to_bytes()
+        key = self.keys.learner_state(self.learner, self._seq)
+        self._seq += 1
+        self.store.put(key, data, create_only=True)
+        self.saved, self.last_key = self.saved + 1, key
+        log.info("learner %s: state at step %d saved (%.1f MB)", self.learner, state.step, len(data) / 1e6)
+        older = list(self.store.list(self.keys.learner_states_prefix(self.learner)))[:-KEEP]
+        if older:
+            self.store.delete([k for k in older if k != key])
