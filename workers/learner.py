@@ -80,8 +80,9 @@ class LearnerConfig:
     """A learner whose last heartbeat is older than this is not counted as live."""
     close_timeout_s: float = 20.0
     """On leaving (finished, preempted or failed): how long to wait for queued uploads, final pieces
-    included, before abandoning them and leaving. Leaving takes at most about this long: keep it below
-    the grace period a preemption gives (Kubernetes' terminationGracePeriodSeconds, 30 s by default)."""
+    included, and for the learner's state (`save_state`), before abandoning them and leaving. Leaving
+    takes at most about this long: keep it below the grace a preemption really gives (GKE Spot gives
+    pods 15 s whatever terminationGracePeriodSeconds asks; a GCP spot VM stops 30 s after its notice)."""
     upload_deadline_s: float = 120.0
     """A contribution that cannot be stored and announced for this long (S3 or Redis down) is dropped and counted."""
     wait_for_merge: bool = False
@@ -104,6 +105,9 @@ class LearnerConfig:
     (an island's optimizer state lives on every rank; not saved yet)."""
     state_every: int = 10
     """With `save_state`: save every this many sends of fragment 0 (about rounds); 0: only on SIGTERM."""
+    state_max_age_s: float = 1800.0
+    """With `save_state`: a saved state older than this (the coordinator's default `--gone-after-s`)
+    is not restored; the learner starts afresh."""
     own_version_wait: float = 0.5
     """After `overlap_steps`, keep training up to this fraction of H more steps while the version that
     merged this learner's own contribution is not committed or not downloaded yet, rather than take an
@@ -575,7 +579,7 @@ class Learner:
             values.update(params)
         self.stats.bytes_joined = self.store.bytes_read
         if self.config.save_state and not self.replica.island:
-            self._restore_state(heads, self.fetcher.max_staleness)
+            self._restore_state(heads)
         self.fetcher.start()
         self.bus.join(self.learner_id)
         self._joined = True
@@ -803,7 +807,7 @@ class Learner:
                              saved_at=time.time() + self._clock_offset_s)
         self._saver.submit(state)
 
-    def _restore_state(self, heads: dict[int, int], max_staleness: int | None) -> None:
+    def _restore_state(self, heads: dict[int, int]) -> None:
         """Rank 0, joining: resume from this learner's newest saved state if it fits (`state.misfit`),
         and start the saver after it."""
         keys = self.bus.keys
@@ -816,7 +820,8 @@ class Learner:
         limit = 4 * sum(p.numel() * p.element_size() for p in self.replica.params.values()) + (64 << 20)
         try:
             saved = LearnerState.from_bytes(self.store.get(key, max_bytes=limit))
-            why = misfit(saved, self._optimizer_params(), heads, max_staleness)
+            now = self.bus.server_time()
+            why = misfit(saved, self._optimizer_params(), heads, now, self.config.state_max_age_s)
         except (ValueError, DilocoError) as exc:
             saved, why = None, str(exc)
         if why is not None:
@@ -828,9 +833,9 @@ class Learner:
             if name in saved.user:
                 obj.load_state_dict(saved.user[name])
         self.step, self.tokens, self.restored_from = saved.step, saved.tokens, key
-        log.info("learner %s resumes from its state at step %d (%s; saved at versions %s)%s", self.learner_id,
-                 saved.step, key, list(saved.versions),
-                 f"; not in it, left as they are: {missing}" if missing else "")
+        log.info("learner %s resumes from its state at step %d (%s, saved %.0fs ago at versions %s, now %s)%s",
+                 self.learner_id, saved.step, key, now - saved.saved_at, list(saved.versions),
+                 [heads[f] for f in sorted(heads)], f"; not in it, left as they are: {missing}" if missing else "")
 
     # ---- heartbeats --------------------------------------------------------------------------
     def progress(self) -> LearnerStats:

@@ -9,12 +9,14 @@ joins again. At most `KEEP` are kept per learner (the learner deletes older ones
 deletes all but the newest, and all of them once the run is finished).
 
 A saved state is restored only if it fits: the same parameters (names and shapes, in the
-optimizer's order) and, for every fragment, a base version at most the coordinator's
-`max_staleness` behind the head the learner joins at (a state the run would not accept a delta
-from). Otherwise the learner says why and starts afresh. The optimizer's state is kept as saved:
-AdamW's moments are statistics of the gradients, which change little between the model the
-state was saved from and the global version a few rounds later, and its step count keeps the bias
-correction where it was (a fresh optimizer would warm its moments up again from zero).
+optimizer's order) and the same fragments, saved at most `LearnerConfig.state_max_age_s` (30 min,
+the coordinator's default `--gone-after-s`: a learner away longer is gone for the run) before the
+learner rejoins. Otherwise the learner says why and starts afresh. The optimizer's state is kept
+as saved, however many versions the run moved on meanwhile: AdamW's moments are statistics of the
+gradients, which change far less between the model the state was saved from and the global
+version a few minutes later than they do from zero, and its step count keeps the bias correction
+where it was (a fresh optimizer warms its moments up again from zero, under a schedule whose
+warmup starts again too). The schedule, the data position and the step do not depend on the model.
 
 What is saved: `optimizer.state_dict()` and each of the user's objects' `state_dict()` (an LR
 scheduler, a data position: anything with `state_dict`/`load_state_dict`), copied to host memory
@@ -151,20 +153,16 @@ def optimizer_params(optimizer: torch.optim.Optimizer, names: Mapping[int, str])
 
 
 def misfit(saved: LearnerState, params: tuple[tuple[str, tuple[int, ...]], ...], heads: Mapping[int, int],
-           max_staleness: int | None) -> str | None:
+           now: float, max_age_s: float) -> str | None:
     """Why `saved` cannot be restored into a learner whose optimizer holds `params` and that joins
-    at `heads` (None: it fits)."""
+    at `heads` at time `now` (None: it fits)."""
     if saved.params != params:
         return "it was saved for other parameters (the model or the optimizer's groups changed)"
     if len(saved.versions) != len(heads):
         return f"it was saved with {len(saved.versions)} fragments, the run has {len(heads)}"
-    if max_staleness is not None:
-        behind = {f: heads[f] - v for f, v in enumerate(saved.versions)}
-        late = {f: b for f, b in behind.items() if b > max_staleness}
-        if late:
-            f, b = max(late.items(), key=lambda kv: kv[1])
-            return (f"it is based on version {saved.versions[f]} of fragment {f}, {b} behind the head: more than "
-                    f"max_staleness ({max_staleness}), a base the run no longer accepts")
+    if now - saved.saved_at > max_age_s:
+        return (f"it was saved {now - saved.saved_at:.0f}s ago, more than state_max_age_s ({max_age_s:g}s): "
+                "the run has moved on too far for its optimizer state")
     return None
 
 

@@ -313,12 +313,6 @@ class Fetcher(threading.Thread):
         self._last_id = "$"
         self._max_staleness: int | None = None  # as the newest manifest read records it
 
-    @property
-    def max_staleness(self) -> int | None:
-        """The coordinator's `max_staleness` as the newest manifest read records it (None: unknown)."""
-        with self._lock:
-            return self._max_staleness
-
     def too_stale(self, fragment: int, base_version: int) -> bool:
         """A piece based on `base_version` would be refused as stale: the fragment's head, as the
         versions stream last said, is more than the coordinator's `max_staleness` (as the newest

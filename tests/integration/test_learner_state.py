@@ -106,7 +106,7 @@ def test_a_state_the_run_no_longer_accepts_or_cannot_read_is_not_restored_and_sa
     coord.close()
 
 
-def test_a_state_based_on_versions_beyond_max_staleness_is_not_restored(endpoints, run_id, caplog):
+def test_a_state_too_old_is_not_restored_however_many_versions_the_run_moved_on_it_is(endpoints, run_id, caplog):
     coord = Coordinator(endpoints, run_id, settings=TINY_RUN,
                         config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0, max_staleness=1)))
     learner, opt, schedule, position = make(endpoints, run_id)
@@ -115,16 +115,20 @@ def test_a_state_based_on_versions_beyond_max_staleness_is_not_restored(endpoint
     start_beside(coord, other)
     steps(learner, opt, schedule, position, 4)
     learner.finish(preempted=True)
-    for _ in range(4):  # b moves every fragment's head well past a's base
+    for _ in range(4):  # b moves every fragment's head well past a's base (max_staleness 1)
         steps(other, opt_b, schedule_b, position_b, 6)
         for _ in range(20):
             coord.step(block_ms=20)
+    again, *_ = make(endpoints, run_id)
+    start_beside(coord, again)
+    assert again.restored_from is not None and again.step == 4  # the versions moved on: the moments still help
+    again.close()
     with caplog.at_level(logging.WARNING, logger="diloco.workers.learner"):
-        again, *_ = make(endpoints, run_id)
-        start_beside(coord, again)
-    assert again.restored_from is None and again.step == 0
-    assert "more than max_staleness (1)" in caplog.text
-    for x in (again, other):
+        late, *_ = make(endpoints, run_id, state_max_age_s=0.001)  # away longer than state_max_age_s
+        start_beside(coord, late)
+    assert late.restored_from is None and late.step == 0
+    assert "more than state_max_age_s" in caplog.text
+    for x in (late, other):
         x.close()
     coord.close()
 
