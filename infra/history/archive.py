@@ -2,7 +2,7 @@
 
 An export copies every object under the run's root (`{prefix}/{run}/`: run spec, layout, epoch
 claims, genesis proposals, every contribution object, every version's params, outer state and
-manifest) to `DIR/{prefix}/{run}/...`, the same keys as files, and records the run in
+manifest; not the learners' saved states) to `DIR/{prefix}/{run}/...`, the same keys as files, and records the run in
 `DIR/diloco-export.json`. Manifests name their objects by full key, so the keys (prefix included)
 are kept as they are: an export is read with `DirStore(DIR)` and the recorded prefix, and an
 import puts the objects back under that same prefix. Exports are incremental (objects are
@@ -63,7 +63,8 @@ def copy_run(source: Store, dest: Store, keys: RunKeys,
     t0 = time.monotonic()
     limit = object_limit(source, keys)
     present = dict(dest.list_sizes(keys.root))
-    listed = list(source.list_sizes(keys.root))
+    # Learners' saved states are not the run's history (a restart's, collected once the run ends).
+    listed = [(key, size) for key, size in source.list_sizes(keys.root) if keys.parse_learner_state_key(key) is None]
     copied = total = 0
     for i, (key, size) in enumerate(listed):
         if present.get(key) == size:

@@ -14,6 +14,7 @@ import torch
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.service import Coordinator
+from diloco.infra.history.archive import export_run
 from diloco.infra.history.gc import collect
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
@@ -133,7 +134,8 @@ def test_a_state_too_old_is_not_restored_however_many_versions_the_run_moved_on_
     coord.close()
 
 
-def test_without_save_state_nothing_is_saved_and_gc_keeps_only_the_newest_state(endpoints, run_id):
+def test_without_save_state_nothing_is_saved_export_skips_states_and_gc_keeps_only_the_newest(endpoints, run_id,
+                                                                                               tmp_path):
     coord = make_coordinator(endpoints, run_id)
     off, opt, schedule, position = make(endpoints, run_id, name="off", save_state=False, state_every=1)
     on, opt_b, schedule_b, position_b = make(endpoints, run_id, name="on", state_every=1)
@@ -146,6 +148,9 @@ def test_without_save_state_nothing_is_saved_and_gc_keeps_only_the_newest_state(
     assert states(endpoints, run_id, "off") == []
     assert 1 <= len(states(endpoints, run_id, "on")) <= KEEP
     store, keys = ObjectStore(endpoints), RunKeys(endpoints.prefix, run_id)
+    export_run(store, keys, tmp_path / "export")  # the run's history, not a restart's state
+    exported = [p for p in (tmp_path / "export").rglob("*") if p.is_file()]
+    assert exported and not [p for p in exported if "/learners/" in p.as_posix()]
     collect(store, keys, keep_last=1, min_age_s=0.0)
     assert len(states(endpoints, run_id, "on")) == 1  # the newest: what a restart resumes from
     coord.close()
