@@ -133,6 +133,10 @@ class CoordinatorConfig:
     """Once the run is finished, keep running (refusing what learners still send, serving metrics)
     instead of returning from `serve`: `diloco coordinator` exits 0 then, so that a Kubernetes Job or
     a SkyPilot job completes with the run."""
+    reach_timeout_s: float = 10.0
+    """At start, how long to wait for Redis and S3 to answer before exiting with a line that names the
+    setting to check (a wrong password, key, secret or bucket exits at once). Raise it to start the
+    coordinator before its servers."""
     metrics_port: int = 0
     """Serve Prometheus metrics on this port at /metrics, also while standing by (0: off). Needs
     pip install 'diloco[metrics]'; docs/metrics.md lists the metrics."""
@@ -146,6 +150,8 @@ class CoordinatorConfig:
             raise ConfigError(f"outer_lr must be positive, got {self.outer_lr}")
         if not self.round_s >= 0:
             raise ConfigError(f"round_s must be >= 0 seconds (0: H steps of the fastest learner), got {self.round_s}")
+        if not self.reach_timeout_s >= 0:
+            raise ConfigError(f"reach_timeout_s must be >= 0 seconds, got {self.reach_timeout_s}")
         if not self.min_round_s > 0:
             raise ConfigError(f"min_round_s must be > 0 seconds, got {self.min_round_s}")
         if not 0 < self.gone_after_s <= LEARNERS_FORGOTTEN_S:

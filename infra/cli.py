@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return args.handler(args)
-    except DilocoError as exc:  # a refusal or a setting a person can fix: the message says what
-        log.error("%s", exc)
+    except DilocoError as exc:  # a refusal or a setting a person can fix: the message says what (-v: and where)
+        log.error("%s", exc, exc_info=args.verbose)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -154,7 +154,7 @@ KNOWN_SETTINGS = frozenset({
     "keep_serving", "kill_at", "learner_failure", "learners", "lease_s", "max_claim_ratio", "max_norm_ratio", "max_grace_s", "max_object_bytes",
     "max_refusals_listed", "max_round_bytes", "max_silent_rounds", "max_staleness", "merge_rule", "merge_s",
     "merge_wait_s", "metrics_port", "min_quorum", "min_round_s", "model_seed", "mtbi_years", "num_fragments",
-    "outer_lr", "outer_momentum", "overlap_steps", "own_version_wait", "radial_directional",
+    "outer_lr", "outer_momentum", "overlap_steps", "own_version_wait", "radial_directional", "reach_timeout_s",
     "read_batch_bytes", "repair_s", "repeats", "rescale_s", "restart_delay_s", "restart_s", "round_s", "run",
     "save_state", "scale_rounds", "seconds", "seed", "slice_chips", "slow_factor", "slowdown", "speed_cv",
     "staleness_discount", "standby", "state_every", "state_max_age_s", "step_time_s", "steps", "sync_every", "tensors", "threads", "timeout_s",

@@ -72,7 +72,7 @@ read the stream), beside every entry still pending or not yet delivered (what re
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
-def _access_refused(exc: BaseException) -> str | None:
+def access_refused(exc: BaseException) -> str | None:
     """What went wrong and what to fix when the server refused this client or the client refused
     the server's certificate; None for anything else."""
     if isinstance(exc, redis.exceptions.AuthenticationError):
@@ -86,7 +86,7 @@ def _access_refused(exc: BaseException) -> str | None:
 
 
 def _transient(exc: BaseException) -> bool:
-    return isinstance(exc, _TRANSIENT) and _access_refused(exc) is None
+    return isinstance(exc, _TRANSIENT) and access_refused(exc) is None
 
 
 _retry_transient = retry(
@@ -109,7 +109,7 @@ def redis_retry(method: F) -> F:
         try:
             return retried(self, *args, **kwargs)
         except redis.RedisError as exc:
-            if (what := _access_refused(exc)) is not None:
+            if (what := access_refused(exc)) is not None:
                 raise ConfigError(f"Redis at {self.url} {what}") from exc
             if (isinstance(exc.__context__, ConnectionResetError) and self.url.startswith("redis://")
                     and not getattr(exc, "__notes__", None)):
@@ -302,12 +302,12 @@ def _block(block_ms: int) -> int | None:
     return min(block_ms, MAX_BLOCK_MS) if block_ms > 0 else None
 
 
-def connect(url: str) -> redis.Redis:
+def connect(url: str, timeout_s: float = SOCKET_TIMEOUT_S) -> redis.Redis:
     """A client that does not retry by itself (we retry, bounded, in one place). Over TLS
     (`rediss://`) it checks the server certificate's hostname, whatever the installed redis-py's
     default (older releases did not); the URL's own `ssl_check_hostname=` query still decides."""
     tls = {"ssl_check_hostname": True} if url.startswith("rediss://") else {}
-    return redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5.0,
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=min(timeout_s, 5.0),
                                 retry=Retry(NoBackoff(), 0), health_check_interval=30, **tls)
 
 

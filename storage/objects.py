@@ -95,7 +95,7 @@ _TRANSIENT_CODES = {"500", "502", "503", "504", "SlowDown", "InternalError", "Se
                     "RequestTimeout", "RequestTimeTooSkewed", "Throttling"}
 
 
-def _transient(exc: BaseException) -> bool:
+def transient(exc: BaseException) -> bool:
     if isinstance(exc, (bexc.EndpointConnectionError, bexc.ConnectionClosedError, bexc.ReadTimeoutError,
                         bexc.ConnectTimeoutError, bexc.ResponseStreamingError)):
         return True
@@ -127,7 +127,7 @@ still its own (see `ObjectStore._put_multipart`)."""
 
 
 _retry = retry(
-    retry=retry_if_exception(_transient),
+    retry=retry_if_exception(transient),
     wait=wait_random_exponential(multiplier=0.2, max=5.0),
     stop=stop_after_attempt(8),
     reraise=True,
@@ -135,7 +135,7 @@ _retry = retry(
 
 # Cleaning up after a failure: a few quick tries only, never delaying the original error for long.
 _retry_cleanup = retry(
-    retry=retry_if_exception(_transient),
+    retry=retry_if_exception(transient),
     wait=wait_random_exponential(multiplier=0.2, max=1.0),
     stop=stop_after_attempt(3),
     reraise=True,
@@ -283,7 +283,7 @@ class ObjectStore:
         try:
             yield
         except bexc.ClientError as exc:
-            if _transient(exc):
+            if transient(exc):
                 raise self._unavailable(op, key, exc) from exc
             raise
         except bexc.BotoCoreError as exc:
@@ -456,7 +456,7 @@ class ObjectStore:
             except bexc.ClientError as exc:
                 if _code(exc) in _MISSING_CODES:
                     raise ObjectMissing(f"s3://{self.bucket}/{key} does not exist") from None
-                if not _transient(exc):
+                if not transient(exc):
                     message = str(exc.response.get("Error", {}).get("Message", ""))[:200]
                     raise ObjectUnreadable(f"s3://{self.bucket}/{key}: S3 refuses to return it "
                                            f"({_code(exc)}: {message})") from None

@@ -58,6 +58,7 @@ from diloco.storage.keys import RunKeys
 from diloco.storage.names import model_names, run_parameters
 from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import Layout, LearnerFinished, LearnerLeft, LearnerStats, RunEnd, check_id
+from diloco.storage.reach import check_servers
 from diloco.storage.settings import Endpoints
 from diloco.workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout
 from diloco.workers.hostcopy import Snapshot
@@ -74,6 +75,10 @@ log = logging.getLogger(__name__)
 class LearnerConfig:
     join_timeout_s: float = 300.0
     """How long to wait for the coordinator to create the run and commit version 0."""
+    reach_timeout_s: float = 10.0
+    """When joining, how long to wait for Redis and S3 to answer before giving up with a ConfigError that
+    names the setting to check (a wrong password, key, secret or bucket gives up at once). Raise it to
+    start learners before their servers."""
     heartbeat_s: float = 1.0
     """Seconds between heartbeats (which carry steps, tokens, loss, step time)."""
     lease_s: float = 10.0
@@ -538,6 +543,7 @@ class Learner:
         """Rank 0: join the run; return the latest global values of every parameter and the version
         of each fragment they come from."""
         endpoints = self._endpoints or Endpoints.from_env()
+        check_servers(endpoints, timeout_s=self.config.reach_timeout_s)  # a wrong setting ends here, named
         self.store = ObjectStore(endpoints)
         self.bus = Bus(endpoints, self.run)
         keys = self.bus.keys

@@ -208,7 +208,9 @@ class Chaos:
         # For decisions taken every tick: answers fast or fails fast while Redis is down.
         self.quick = redis.Redis.from_url(stack.endpoints.redis_url, socket_timeout=2.0, socket_connect_timeout=1.0)
         self.tally = Tally()
-        self.fleet = ChaosFleet(cfg, process_env(stack.env()), self.quick, self.bus.keys.lease,
+        # Processes restarted during a server's outage wait it out (its restart included), however slow the machine.
+        env = process_env(stack.env() | {"DILOCO_REACH_TIMEOUT_S": "120"})
+        self.fleet = ChaosFleet(cfg, env, self.quick, self.bus.keys.lease,
                                 cfg.out / "task.json", self.tally)
         self.forged: dict[str, str] = {}
         self.hostile = HostileLearner(self.bus, self.store, stack.endpoints, tokens_per_step=TASK.tokens_per_step())

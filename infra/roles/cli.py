@@ -32,6 +32,7 @@ from diloco.storage.lease import Lease
 from diloco.storage.objects import ObjectStore
 from diloco.storage.codecs import CODECS
 from diloco.storage.protocol import CADENCES, MERGE_RULES, FinishRequest, RunEnd
+from diloco.storage.reach import check_servers
 from diloco.storage.settings import Endpoints
 from diloco.workers.demo.run import DemoLearnerArgs, train_demo_learner
 from diloco.workers.demo.task import DemoTask
@@ -54,13 +55,31 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, RoundConfig, skip=("overlap_steps",))  # tau is a run setting
 
 
+class _Interrupted(BaseException):
+    """SIGTERM or SIGINT while starting: leaves whatever start-up waits on (an adapter's retries
+    included) at once. A BaseException, so that no `except Exception` on the way swallows it."""
+
+
 def run_coordinator(args: argparse.Namespace) -> int:
     config = build(CoordinatorConfig, args, round=build(RoundConfig, args, overlap_steps=args.overlap_steps))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop, starting = threading.Event(), threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+        if starting.is_set():  # nothing to finish yet: a start-up ended by a signal is retried by whoever sent it
+            starting.clear()
+            raise _Interrupted
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     metrics = Metrics.start(config.metrics_port, args.run)  # served while standing by too
-    coordinator = _start_coordinator(args, config, stop, metrics)
+    starting.set()
+    try:
+        coordinator = _start_coordinator(args, config, stop, metrics)
+    except _Interrupted:
+        coordinator = None
+    finally:
+        starting.clear()
     if coordinator is None:
         log.info("stopped before taking over run %s", args.run)
         return 0
@@ -71,13 +90,18 @@ def run_coordinator(args: argparse.Namespace) -> int:
 
 def _start_coordinator(args: argparse.Namespace, config: CoordinatorConfig, stop: threading.Event,
                        metrics: Metrics) -> Coordinator | None:
-    """The run's coordinator once it holds the lease; None if stopped first. S3 or Redis being
-    unreachable meanwhile is waited out, so that a coordinator or standby started during an outage
-    is there when it ends. Attempts after a failed one wait for the lease like a standby: the
-    failed one may have taken the lease, which then lapses (it is renewed only once start-up is done)."""
+    """The run's coordinator once it holds the lease; None if stopped first. Both servers must answer
+    within `reach_timeout_s` (`check_servers`: else a ConfigError names the setting to check). S3 or
+    Redis becoming unreachable after that is waited out, so that a coordinator or standby started
+    during an outage is there when it ends. Attempts after a failed one wait for the lease like a
+    standby: the failed one may have taken the lease, which then lapses (it is renewed only once
+    start-up is done)."""
+    endpoints = Endpoints.from_env()
+    if not check_servers(endpoints, timeout_s=config.reach_timeout_s, stop=stop, bucket_may_be_missing=True):
+        return None
     while True:
         try:
-            return Coordinator(Endpoints.from_env(), args.run, settings=build(RunSettings, args), config=config,
+            return Coordinator(endpoints, args.run, settings=build(RunSettings, args), config=config,
                                stop=stop, metrics=metrics, resume=args.resume)
         except Stopped:
             return None

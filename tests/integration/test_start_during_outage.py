@@ -37,11 +37,14 @@ def test_standbys_and_a_learner_ride_out_an_s3_outage_and_take_over_after_it(own
     wait_for("the standby to stand by", lambda: "standing by" in waiting.tail(100), procs)
 
     stack.stop_s3()
-    started = spawn_coordinator(RUN, env, tmp_path / "started", *lease, "--standby")  # its start-up reads S3
-    late = spawn_learner(RUN, env, tmp_path, "late", steps=100_000, slowdown=3.0, seed=1)
+    # Started during the outage, they wait for S3 up to --reach-timeout-s (10 s by default, then they
+    # exit naming the setting to check): the outage lasts longer than that.
+    patient = env | {"DILOCO_REACH_TIMEOUT_S": "600"}
+    started = spawn_coordinator(RUN, patient, tmp_path / "started", *lease, "--standby")  # its start-up reads S3
+    late = spawn_learner(RUN, patient, tmp_path, "late", steps=100_000, slowdown=3.0, seed=1)
     procs.extend([started, late])
-    # Both start-ups give up on S3 at least once (the adapter's retries last about 10 s) and stay
-    # alive. The waiting standby only reads the lease in Redis while it is held, and stays alive too.
+    # Both start-ups find S3 unreachable and stay alive. The waiting standby only reads the lease in
+    # Redis while it is held, and stays alive too.
     wait_for("both start-ups to find S3 unreachable",
              lambda: all("storage unreachable" in p.tail(100) for p in (started, late)), procs)
     stack.start_s3()
