@@ -37,6 +37,7 @@ class Copying(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
+@pytest.mark.slow  # transformers' import and a Trainer's start-up: `make test-slow`
 def test_a_trainer_trains_as_a_learner_of_a_run(endpoints, run_id, tmp_path):
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=32, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)

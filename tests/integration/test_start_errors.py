@@ -103,8 +103,10 @@ CASES: dict[str, tuple[Callable[[Servers], dict[str, str]], str, bool]] = {
                         "unknown host 'no-such-host.invalid': check DILOCO_S3_ENDPOINT", True),
 }
 SLOW = {"redis unknown host", "rediss to a plaintext redis", "untrusted redis certificate", "redis url names the s3 port",
-        "s3 unknown access key", "http to a TLS server", "s3 refused", "s3 unknown host"}
-"""Kinds that add little to the others (`make test-all` runs them): the file stays under a minute without them."""
+        "s3 unknown access key", "http to a TLS server", "s3 refused", "s3 unknown host", "redis wrong password",
+        "redis to a TLS-only redis", "https to an http s3"}
+"""Kinds that add little to the others (`make test-all` runs them): `make test` keeps one retried kind
+(redis refused) and two at once (s3 wrong secret, s3 missing bucket)."""
 
 
 def role_argv(role: str, *extra: str) -> list[str]:
@@ -161,6 +163,7 @@ def test_a_wrong_setting_ends_both_roles_with_one_line_naming_it(servers, case):
             assert servers.tls.redis_password not in ended.stderr
 
 
+@pytest.mark.slow  # 10 s of retries per role
 def test_default_deadline_is_about_ten_seconds(servers):
     env = servers.env | {"DILOCO_REDIS_URL": f"redis://127.0.0.1:{_closed_port()}/0"}
     for ended in run_roles(env, ("learner", "coordinator")):
