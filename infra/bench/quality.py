@@ -31,7 +31,8 @@ them ending together (equal wall time):
 
 - restarted: the decoupled arm, paced, with learner 1 SIGKILLed at RESTART_AT of the others' time
   and back RESTART_DOWN_S later (a preempted spot instance): the new incarnation trains its whole
-  `steps` again, on a new data stream, and finishes last, training on alone.
+  `steps` again, on a new data stream, and finishes last, training on alone (SIGKILL saves no state,
+  and the first periodic save, after 10 sends of fragment 0, comes later than the kill at the defaults).
 
 A preempted learner that rejoins (issue 30), all paced alike:
 

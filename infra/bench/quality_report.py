@@ -196,7 +196,7 @@ class TaskReport:
 
     def rejoins(self) -> dict[str, Rejoin]:
         """Each preempted arm that ran against the paced arm (none without it); the arms' details
-        carry `restart_s` and `others_end_s` (`infra.bench.quality`)."""
+        carry `preempt_s`, `restart_s` and `others_end_s` (`infra.bench.quality`)."""
         if "paced" not in self.arms:
             return {}
         paced = self.arms["paced"]
@@ -224,8 +224,10 @@ class TaskReport:
         r, restored = self.rejoins(), self.recovered()
         said = "n/a" if restored is None else "met" if restored >= MIN_RECOVERED else "NOT met"
         costs = ", ".join(f"{name} {c.cost:+.4f}" for name, c in r.items())
-        return (f"{self.task}: a preempted learner's rejoin costs at the others' end ({costs}); the state restore "
-                f"recovers {_fmt(restored, '.2f')} of the cold cost (>= {MIN_RECOVERED}: {said})")
+        saves = r["preempted_cold"].at_others_end - r["preempted"].at_others_end if set(PREEMPTED) <= set(r) else None
+        return (f"{self.task}: a preempted learner's rejoin costs at the others' end ({costs}; cold - warm "
+                f"{_fmt(saves, '+.4f')}); the state restore recovers {_fmt(restored, '.2f')} of the cold cost "
+                f"(>= {MIN_RECOVERED}: {said})")
 
     def damage(self, arm: str) -> float | None:
         """The arm's end-of-run damage share (None if it did not run)."""

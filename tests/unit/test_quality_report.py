@@ -98,7 +98,7 @@ def test_the_state_restore_must_recover_half_of_what_a_cold_rejoin_loses() -> No
     assert cold.cost == pytest.approx(0.04) and cold.final_cost == pytest.approx(-0.01) and cold.bump == pytest.approx(0.1)
     assert report.recovered() == pytest.approx(0.75) and report.verdict()["restore_recovers"] is True
     text = table([report], 4)
-    assert "recovers 0.75 of the cold cost (>= 0.5: met)" in text and "preempted_cold" in text
+    assert "cold - warm +0.0300); the state restore recovers 0.75 of the cold cost (>= 0.5: met)" in text
     assert report.to_json()["recovered"] == pytest.approx(0.75)
     arms["preempted"] = arm("preempted", [(0.0, 4.0), (10.0, 1.5), (20.0, 1.23)], restart_s=5.0)
     assert TaskReport("demo@H50", 1000, 50, 1.0, arms, {}).verdict()["restore_recovers"] is False
