@@ -31,10 +31,24 @@ them ending together (equal wall time):
 
 - restarted: the decoupled arm, paced, with learner 1 SIGKILLed at RESTART_AT of the others' time
   and back RESTART_DOWN_S later (a preempted spot instance): the new incarnation trains its whole
-  `steps` again, on a new data stream, and finishes last, training on alone.
+  `steps` again, on a new data stream, and finishes last, training on alone (SIGKILL saves no state,
+  and the first periodic save, after 10 sends of fragment 0, comes later than the kill at the defaults).
+
+A preempted learner that rejoins (issue 30), all paced alike:
+
+- paced: the decoupled arm, paced, no outage: the reference;
+- preempted: learner 1 sent SIGTERM at RESTART_AT of the others' time (a spot preemption: it sends its
+  progress, saves its state and exits 143) and started again RESTART_DOWN_S later with the same
+  command: it resumes from its saved state (inner optimizer, LR schedule, data position, step);
+- preempted_cold: the same with `--no-save-state` for learner 1: it starts its optimizer, schedule
+  and data afresh and trains its whole `steps` again (on a new data stream, as the restarted arm's:
+  it repeats none of the batches it trained, so what it loses is the optimizer's and schedule's state
+  alone; the recovered share errs low if anything).
 
 The verdict holds straggler to <= both: adding a slow learner never leaves the model worse; and the
-restarted arm to the end-of-run bound: a learner that finishes last, alone, does not undo the run.
+restarted arm to the end-of-run bound: a learner that finishes last, alone, does not undo the run;
+and the state restore to recovering at least half of what a cold rejoin costs at the others' end
+(`quality_report.rejoin`).
 
 Our arms' learners are `diloco learner --task` processes (the public `Learner` API). Every arm's
 global model is evaluated after every committed version (outer step; every M x H steps for the
@@ -54,6 +68,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -62,10 +77,11 @@ import torch
 
 from diloco.coordinator.config import RunSettings
 from diloco.infra.bench.peer import run_torchft, torchft_missing
-from diloco.infra.bench.quality_report import ArmCurve, TaskReport, table
+from diloco.infra.bench.quality_report import PREEMPTED, ArmCurve, TaskReport, table
 from diloco.infra.bench.quality_tasks import TASKS, BenchTask, pick
 from diloco.infra.bench.trial import (SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial,
                                       sync_trial)
+from diloco.infra.local.fleet import Outage
 from diloco.infra.local.stack import LocalStack
 from diloco.infra.output import Progress
 from diloco.storage.codecs import CODECS
@@ -76,15 +92,19 @@ log = logging.getLogger(__name__)
 NAME = "quality"
 HELP = ("eval loss of decoupled DiLoCo, synchronous DiLoCo (ours, torchft's) and a single replica on the same "
         "token budget, per task")
-ARMS = ("decoupled", "waiting", "sync", "torchft", "baseline", "straggler", "without", "torchft_without", "restarted")
-PACED = ("straggler", "without", "torchft_without", "restarted")
+ARMS = ("decoupled", "waiting", "sync", "torchft", "baseline", "straggler", "without", "torchft_without", "restarted",
+        "paced", "preempted", "preempted_cold")
+PACED = ("straggler", "without", "torchft_without", "restarted", "paced", "preempted", "preempted_cold")
 STRAGGLER_SLOWDOWN = 5.0
 """The straggler arm's slow learner takes this many times as long per step as the others."""
 HEADROOM = 1.5
 """The paced arms' step time: this x a step's compute time x the fleet's load per core."""
 RESTART_AT = 0.4
-"""The restarted arm's learner 1 is killed this far into the others' expected time."""
+"""The restarted and preempted arms' learner 1 is killed (preempted) this far into the others' expected time."""
 RESTART_DOWN_S = 10.0
+"""...and started again this long after the signal."""
+REJOINS = 1
+"""The learner that the restarted and preempted arms take down (its index)."""
 SETTINGS = ("own", "defaults")
 MIN_ROUNDS = 20
 """At the run's defaults, a task's budget gives every fragment at least this many rounds of H steps."""
@@ -167,16 +187,25 @@ def our_arms(args: argparse.Namespace, b: Budget) -> dict[str, Trial]:
 
 
 def paced_arms(args: argparse.Namespace, b: Budget, decoupled: Trial, pace_s: float) -> dict[str, Trial]:
-    """The straggler arm, our M-1 fleet without it and the restarted arm, paced at `pace_s` per step
-    (see the module docstring)."""
+    """The straggler arm, our M-1 fleet without it, the restarted arm and the preempted arms with
+    their reference, all paced at `pace_s` per step (see the module docstring)."""
     slow = LearnerPlan(f"learner-{args.learners - 1}", slowdown=STRAGGLER_SLOWDOWN,
                        steps=max(1, round(b.steps / STRAGGLER_SLOWDOWN)), data_seed=args.learners - 1)
     fast = decoupled.learners[:-1]
-    outage = ((RESTART_AT * b.steps * pace_s, RESTART_DOWN_S),)
-    restarted = tuple(replace(p, outages=outage) if i == 1 else p for i, p in enumerate(decoupled.learners))
+    at_s = RESTART_AT * b.steps * pace_s
+
+    def down(outage: Outage | tuple[float, float], args: tuple[str, ...] = ()) -> tuple[LearnerPlan, ...]:
+        return tuple(replace(p, outages=(outage,), args=args) if i == REJOINS else p
+                     for i, p in enumerate(decoupled.learners))
+
+    paced = replace(decoupled, name="paced", step_time_s=pace_s)
+    preemption = Outage(at_s, RESTART_DOWN_S, signal.SIGTERM)
     return {"straggler": replace(decoupled, name="straggler", learners=(*fast, slow), step_time_s=pace_s),
             "without": replace(decoupled, name="without", learners=fast, step_time_s=pace_s),
-            "restarted": replace(decoupled, name="restarted", learners=restarted, step_time_s=pace_s)}
+            "restarted": replace(paced, name="restarted", learners=down((at_s, RESTART_DOWN_S))),
+            "paced": paced,
+            "preempted": replace(paced, name="preempted", learners=down(preemption)),
+            "preempted_cold": replace(paced, name="preempted_cold", learners=down(preemption, ("--no-save-state",)))}
 
 
 def pace(task: Task, learners: int, cores: int | None = None, steps: int = 8) -> float:
@@ -209,6 +238,20 @@ class QualityResult:
         return {"bench": NAME, "learners": self.learners, "tasks": {r.task: r.to_json() for r in self.reports}}
 
 
+def rejoin_details(trial: Trial, t: TrialResult) -> dict:
+    """What the rejoin figures need (`quality_report.rejoin`): when the learners other than the one
+    the arm takes down had their last pieces merged, and when that one was started again."""
+    if trial.name not in ("paced", *PREEMPTED):
+        return {}
+    down = trial.learners[REJOINS]
+    others = [s for name, s in t.last_merged_s.items() if name != down.name]
+    details = {"others_end_s": max(others), "last_merged_s": t.last_merged_s}
+    if down.outages:
+        at_s, down_s, *_ = down.outages[0]
+        details["preempt_s"], details["restart_s"] = at_s, at_s + down_s
+    return details
+
+
 def trial_curve(t: TrialResult) -> ArmCurve:
     details = {"run": t.run, "curve_versions": [list(v) for v in t.curve_versions], "counters": t.counters,
                "heads": {str(k): v for k, v in t.heads.items()}, "merged_tokens": t.merged_tokens,
@@ -238,6 +281,7 @@ def run_task(b: Budget, bench: BenchTask, args: argparse.Namespace, wanted: list
             arms[arm] = trial_curve(result)
             if trial.step_time_s:
                 arms[arm].details["pace_s"] = trial.step_time_s
+            arms[arm].details |= rejoin_details(trial, result)
             log.info("quality %s: arm %s: eval %.4f in %.0fs", name, arm, result.eval_loss, result.wall_s)
     for arm, replicas, step_s in (("torchft", args.learners, 0.0), ("torchft_without", args.learners - 1, pace_s)):
         if arm not in wanted:

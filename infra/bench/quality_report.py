@@ -7,10 +7,27 @@ End of the run: the best eval loss over the last 10% of an arm's curve points (c
 i.e. committed versions for our arms, outer steps for torchft, evaluations every M x H steps for the
 baseline; the genesis point not counted, the final point included), and the final loss minus that
 best: the damage the end of the run did (0 if the final model is the best of them).
+
+A preempted learner's rejoin (issue 30), each preempted arm against `paced` (the same fleet without
+the outage), on curves of seconds since each arm started:
+
+- at the others' end: the eval loss once the last piece of the learners that were never preempted
+  had merged (the arms' learners have then computed for the same time: the preempted one lost its
+  downtime in both arms, and a cold one has trained as many steps as a warm one, from step 0 again);
+- cost: that minus the paced arm's at its own others' end; final cost: the same of the final losses
+  (a cold learner trains its whole budget again, alone at the end: its final is on more tokens);
+- bump: the worst excess of the arm's curve over the paced arm's at the same progress, from the
+  restart to the others' end; mean excess: the mean over the same points. Progress: the time from
+  the genesis to the others' end as a share of it, in each arm (on shared cores a paced fleet does
+  not keep its pace exactly, and arms differ by seconds, which early in a run is a lot of loss);
+  bump before: the same worst excess before the preemption, where the two arms are the same fleet
+  (the noise of the measure);
+- recovered: 1 - warm cost / cold cost (None when a cold rejoin cost nothing).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +48,11 @@ MAX_WITH_STRAGGLER = 1.0
 and torchft's, at equal wall time): a slow learner never leaves the model worse."""
 MAX_DAMAGE = 0.005
 """Target: decoupled final <= (1 + this) x the best of the last LAST_SHARE of the run."""
+MIN_RECOVERED = 0.5
+"""Target: a preempted learner's state restore recovers at least this share of what a cold rejoin
+loses at the others' end (issue 30)."""
+PREEMPTED = ("preempted", "preempted_cold")
+"""The arms whose learner rejoins after a preemption: with its state restored, and cold (`--no-save-state`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +78,56 @@ def end_of_run(losses: Sequence[float], share: float = LAST_SHARE) -> EndOfRun:
         raise ValueError("an empty curve has no end")
     n = max(1, math.ceil(share * len(losses)))
     return EndOfRun(final=losses[-1], best_last=min(losses[-n:]), points=n)
+
+
+def loss_at(curve: Sequence[tuple[float, float]], t: float) -> float:
+    """The model's eval loss at time `t`: that of the curve's last point at or before it, to the
+    hundredth of a second the JSON keeps (its first point's if none is)."""
+    before = [loss for x, loss in curve if x <= t + 0.01]
+    return before[-1] if before else curve[0][1]
+
+
+@dataclass(frozen=True, slots=True)
+class Rejoin:
+    """A preempted arm's figures against the paced arm (see the module docstring)."""
+
+    at_others_end: float
+    cost: float
+    final: float
+    final_cost: float
+    bump: float
+    """The worst excess over the paced arm's curve from the restart to the others' end (nan: no point there)."""
+    mean_excess: float
+    bump_before: float
+    """The worst excess before the preemption: the measure's noise."""
+
+
+def progress(curve: Sequence[tuple[float, float]], others_end_s: float) -> list[tuple[float, float]]:
+    """The curve against progress: 0 at its first point (the genesis), 1 at the others' end."""
+    t0 = curve[0][0]
+    return [((x - t0) / (others_end_s - t0), loss) for x, loss in curve]
+
+
+def rejoin(curve: Sequence[tuple[float, float]], paced: Sequence[tuple[float, float]], *, preempt_s: float,
+           restart_s: float, others_end_s: float, paced_others_end_s: float) -> Rejoin:
+    """A preempted arm's `curve` against the `paced` one: its learner preempted `preempt_s` into the
+    arm and restarted at `restart_s`, the others' last pieces merged at `others_end_s`
+    (`paced_others_end_s` in the paced arm)."""
+    at_end = loss_at(curve, others_end_s)
+    mine, theirs = progress(curve, others_end_s), progress(paced, paced_others_end_s)
+    t0, span = curve[0][0], others_end_s - curve[0][0]
+    preempt, restart = (preempt_s - t0) / span, (restart_s - t0) / span
+    excess = [(x, loss - loss_at(theirs, x)) for x, loss in mine[1:]]
+    after = [e for x, e in excess if restart <= x <= 1 + 1e-6]
+    return Rejoin(at_others_end=at_end, cost=at_end - loss_at(paced, paced_others_end_s), final=curve[-1][1],
+                  final_cost=curve[-1][1] - paced[-1][1], bump=max(after, default=math.nan),
+                  mean_excess=sum(after) / len(after) if after else math.nan,
+                  bump_before=max((e for x, e in excess if x < preempt), default=math.nan))
+
+
+def recovered(warm_cost: float, cold_cost: float) -> float | None:
+    """The share of a cold rejoin's cost that the state restore recovers (None if cold cost nothing)."""
+    return None if cold_cost <= 0 else 1 - warm_cost / cold_cost
 
 
 @dataclass
@@ -113,12 +185,49 @@ class TaskReport:
         to_waiting = self.ratio("decoupled", "waiting")
         damage, restarted = self.damage("decoupled"), self.damage("restarted")
         with_straggler = self.straggler_ratio()
+        restored = self.recovered()
         return {"to_torchft": None if to_torchft is None else to_torchft <= MAX_TO_TORCHFT,
                 "to_baseline": None if to_baseline is None else to_baseline <= MAX_TO_BASELINE,
                 "to_waiting": None if to_waiting is None else to_waiting <= MAX_TO_WAITING,
                 "end_of_run": None if damage is None else damage <= MAX_DAMAGE,
                 "straggler": None if with_straggler is None else with_straggler <= MAX_WITH_STRAGGLER,
-                "restarted_end": None if restarted is None else restarted <= MAX_DAMAGE}
+                "restarted_end": None if restarted is None else restarted <= MAX_DAMAGE,
+                "restore_recovers": None if restored is None else restored >= MIN_RECOVERED}
+
+    def rejoins(self) -> dict[str, Rejoin]:
+        """Each preempted arm that ran against the paced arm (none without it); the arms' details
+        carry `preempt_s`, `restart_s` and `others_end_s` (`infra.bench.quality`)."""
+        if "paced" not in self.arms:
+            return {}
+        paced = self.arms["paced"]
+        return {name: rejoin(arm.curve, paced.curve, preempt_s=arm.details["preempt_s"],
+                             restart_s=arm.details["restart_s"],
+                             others_end_s=arm.details["others_end_s"],
+                             paced_others_end_s=paced.details["others_end_s"])
+                for name in PREEMPTED if (arm := self.arms.get(name)) is not None}
+
+    def recovered(self) -> float | None:
+        """What the state restore recovers of a cold rejoin's cost at the others' end (None: an arm
+        did not run, or the cold rejoin cost nothing)."""
+        r = self.rejoins()
+        return recovered(r["preempted"].cost, r["preempted_cold"].cost) if set(PREEMPTED) <= set(r) else None
+
+    def rejoin_rows(self) -> list[list]:
+        paced = self.arms["paced"]
+        rows = [[self.task, "paced", loss_at(paced.curve, paced.details["others_end_s"]), 0.0, paced.curve[-1][1], 0.0,
+                 None, None, None]]
+        return rows + [[self.task, name, c.at_others_end, c.cost, c.final, c.final_cost, c.bump, c.mean_excess,
+                        c.bump_before]
+                       for name, c in self.rejoins().items()]
+
+    def rejoin_line(self) -> str:
+        r, restored = self.rejoins(), self.recovered()
+        said = "n/a" if restored is None else "met" if restored >= MIN_RECOVERED else "NOT met"
+        costs = ", ".join(f"{name} {c.cost:+.4f}" for name, c in r.items())
+        saves = r["preempted_cold"].at_others_end - r["preempted"].at_others_end if set(PREEMPTED) <= set(r) else None
+        return (f"{self.task}: a preempted learner's rejoin costs at the others' end ({costs}; cold - warm "
+                f"{_fmt(saves, '+.4f')}); the state restore recovers {_fmt(restored, '.2f')} of the cold cost "
+                f"(>= {MIN_RECOVERED}: {said})")
 
     def damage(self, arm: str) -> float | None:
         """The arm's end-of-run damage share (None if it did not run)."""
@@ -152,9 +261,13 @@ class TaskReport:
                                 "ratio_to_baseline": self.ratio(name, "baseline"),
                                 "gap_to_floor": None if self.floor is None else arm.end.final - self.floor}
                          for name, arm in self.arms.items()},
-                "skipped": self.skipped, "verdict": self.verdict()}
+                "skipped": self.skipped, "verdict": self.verdict(),
+                **({"rejoin": {name: dataclasses.asdict(c) for name, c in rejoins.items()}, "recovered": self.recovered()}
+                   if (rejoins := self.rejoins()) else {})}
 
 
+REJOIN_HEADERS = ["task", "arm", "at others' end", "cost", "final", "final cost", "bump", "mean excess",
+                  "bump before"]
 HEADERS = ["task", "arm", "final", "best last 10%", "damage %", "/ torchft", "/ baseline", "- floor", "points",
            "wall s"]
 
@@ -168,6 +281,15 @@ def table(reports: Sequence[TaskReport], learners: int) -> str:
         lines.append(f"{r.task}: {r.steps} steps per learner, H = {r.sync_every}, floor {floor}")
         lines.extend(f"  {arm} skipped: {why}" for arm, why in r.skipped.items())
     lines.extend(r.verdict_line() for r in reports if {"decoupled", "straggler", "restarted"} & set(r.arms))
+    rejoins = [r for r in reports if r.rejoins()]
+    if rejoins:
+        lines.append("a preempted learner (SIGTERM, back after its downtime) against the paced arm without the "
+                     "outage: at the others' end = once the last pieces of the learners never preempted merged; "
+                     "bump, mean excess = over the paced arm's curve at the same progress (time from the genesis as a "
+                     "share of the others' end's) from the restart to then; bump before = the same before the "
+                     "preemption (noise)")
+        lines.append(figures_table(REJOIN_HEADERS, [row for r in rejoins for row in r.rejoin_rows()]))
+        lines.extend(r.rejoin_line() for r in rejoins)
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.infra.history.task_model import load_version
-from diloco.infra.local.fleet import Fleet, diloco_command, learner_argv, process_env, wait_until
+from diloco.infra.local.fleet import Fleet, Outage, diloco_command, learner_argv, process_env, wait_until
 from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.storage.bus import Bus
 from diloco.storage.history import list_versions, read_layout, read_manifest
@@ -56,9 +57,12 @@ class LearnerPlan:
     steps: int = 10**9
     """Inner steps; the trial's wall-clock budget usually ends the learner first."""
     data_seed: int = 0
-    outages: tuple[tuple[float, float], ...] = ()
-    """(at_s, down_s), in time order: SIGKILL the learner at_s seconds into the trial and start it
-    again down_s later (a replacement machine booting, a preempted spot instance coming back)."""
+    outages: tuple[Outage | tuple[float, float], ...] = ()
+    """(at_s, down_s[, signal]), in time order: SIGKILL (or SIGTERM: a preemption notice) the learner
+    at_s seconds into the trial and start it again down_s later (a replacement machine booting, a
+    preempted spot instance coming back)."""
+    args: tuple[str, ...] = ()
+    """Options of this learner only, after the trial's `learner_args` (`--no-save-state`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +103,8 @@ class TrialResult:
     rounds: RoundStats | None = None
     learners_done_s: float = 0.0
     """When the last learner exited, since the trial started."""
+    last_merged_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Learner -> when its last piece reached the model (`last_merged_s`), since the trial started."""
 
     def total(self, key: str) -> float:
         return sum(float(s.get(key, 0) or 0) for s in self.learners.values())
@@ -111,7 +117,8 @@ class TrialResult:
                 "heads": {str(k): v for k, v in self.heads.items()}, "learners": self.learners,
                 "restarts": self.restarts, "merged_tokens": self.merged_tokens,
                 "rounds": None if self.rounds is None else self.rounds.to_json(),
-                "learners_done_s": round(self.learners_done_s, 2)}
+                "learners_done_s": round(self.learners_done_s, 2),
+                "last_merged_s": {k: round(v, 2) for k, v in self.last_merged_s.items()}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +143,16 @@ class RoundStats:
                 "learners_per_version": round(self.learners_per_version, 3), "stale_share": round(self.stale_share, 4),
                 "mean_staleness": round(self.mean_staleness, 4), "weight_sum": round(self.weight_sum, 4),
                 "per_learner": self.per_learner}
+
+
+def last_merged_s(manifests: dict[int, list[Manifest]], started_unix: float) -> dict[str, float]:
+    """Learner -> when the last version holding a piece of its committed (the latest over fragments),
+    in seconds since `started_unix`: when the last of its work reached the model."""
+    last: dict[str, float] = {}
+    for m in (m for history in manifests.values() for m in history):
+        for c in m.inputs:
+            last[c.learner] = max(last.get(c.learner, -math.inf), m.committed_at - started_unix)
+    return last
 
 
 def round_stats(manifests: dict[int, list[Manifest]]) -> RoundStats:
@@ -170,7 +187,7 @@ def _learner_argv(trial: Trial, plan: LearnerPlan, run: str, task_path: Path, un
                   incarnation: int) -> list[str]:
     return learner_argv(run, plan.name, task_path, steps=plan.steps, until=until, slowdown=plan.slowdown,
                         step_time_s=trial.step_time_s, data_seed=plan.data_seed + 1000 * incarnation,
-                        extra=trial.learner_args)
+                        extra=(*trial.learner_args, *plan.args))
 
 
 def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: str | None = None,
@@ -226,7 +243,7 @@ def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: st
     merged = sum(c.tokens for history in manifests.values() for m in history[1:] for c in m.inputs) // len(manifests)
     return TrialResult(trial.name, run, wall_s, curve[-1][1], curve, curve_versions, counters, heads,
                        {k: dataclasses.asdict(v) for k, v in learners.items()}, fleet.restarts, merged, round_stats(manifests),
-                       learners_done_s)
+                       learners_done_s, last_merged_s(manifests, started_unix))
 
 
 def _supervise(trial: Trial, fleet: Fleet, plans: dict[str, LearnerPlan], started: float) -> None:

@@ -10,7 +10,8 @@ them. A member is started, then watched every tick: `watch()` reaps the processe
 judges each exit by what we sent it (SIGKILL: expected; SIGTERM: must exit 0, or 143 for a learner that left on it; nothing: a service
 such as the coordinator must not fail (it exits 0 once its run is finished), a learner with a number of steps must exit 0), and
 starts the incarnations that are due. `kill(name, back_in_s=...)` is an outage: SIGKILL now, the
-next incarnation that much later; `schedule(name, outages)` plans outages ahead, carried out by
+next incarnation that much later (`term(name, back_in_s=...)`: a preemption, SIGTERM instead);
+`schedule(name, outages)` plans outages ahead (`Outage`: SIGKILL unless it says SIGTERM), carried out by
 `watch()` at their time (as torchft's EventInjector plans failures for a step). `stop()` ends them all; `wait_until` polls a condition of the run
 (nothing pending, the run's end) with a deadline.
 
@@ -30,11 +31,24 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
 KILL_WAIT_S = 10.0
 """How long a SIGKILLed group may take to be gone before that is an error."""
+
+
+class Outage(NamedTuple):
+    """A planned outage of a fleet member (`Fleet.schedule`); a plain (at_s, down_s) is one with SIGKILL."""
+
+    at_s: float
+    """Seconds after the fleet started."""
+    down_s: float | None
+    """The next incarnation starts this long after the signal (None: never)."""
+    sig: signal.Signals = signal.SIGKILL
+    """SIGKILL (a machine that vanished) or SIGTERM (a preemption notice: a learner sends its progress,
+    saves its state and exits 143)."""
 
 
 class ProcessError(RuntimeError):
@@ -251,8 +265,8 @@ class Member:
     sent_at: float = 0.0
     back_at: float | None = None
     """When its next incarnation is due (None: not coming back)."""
-    outages: list[tuple[float, float | None]] = field(default_factory=list)
-    """Planned outages not carried out yet, in time order: (at_s, down_s) since the fleet started."""
+    outages: list[Outage] = field(default_factory=list)
+    """Planned outages not carried out yet, in time order (`at_s` since the fleet started)."""
     next_argv: list[str] | None = None
     """The next incarnation's command line, when it is not `argv`'s."""
 
@@ -319,17 +333,21 @@ class Fleet:
         if back_in_s is not None:
             m.back_at, m.next_argv = time.monotonic() + back_in_s, argv
 
-    def schedule(self, name: str, outages: Iterable[tuple[float, float | None]]) -> None:
-        """Plan outages of the member: SIGKILL at each `at_s` seconds after the fleet started and
-        start it again `down_s` later (None: never). An outage falls due only once the member is
+    def schedule(self, name: str, outages: Iterable[Outage | tuple[float, float | None]]) -> None:
+        """Plan outages of the member: its signal (SIGKILL unless the `Outage` says SIGTERM) at each
+        `at_s` seconds after the fleet started, and start it again `down_s` after the signal (None:
+        never; after SIGTERM, not before it has exited). An outage falls due only once the member is
         back from the one before; one due while the member has exited on its own is dropped."""
-        self.members[name].outages.extend(sorted(outages, key=lambda o: o[0]))
+        self.members[name].outages.extend(sorted((Outage(*o) for o in outages), key=lambda o: o.at_s))
 
-    def term(self, name: str) -> None:
-        """SIGTERM the member without waiting (a preemption): it must exit 0."""
+    def term(self, name: str, *, back_in_s: float | None = None) -> None:
+        """SIGTERM the member without waiting (a preemption): it must exit 0 (143 for a learner that
+        left on it). With `back_in_s`, its next incarnation starts that much later, once it has exited."""
         m = self.members[name]
         if m.proc is not None and m.proc.send(signal.SIGTERM):
             m.sent, m.sent_at = signal.SIGTERM, time.monotonic()
+        if back_in_s is not None:
+            m.back_at = time.monotonic() + back_in_s
 
     def watch(self, *, restart: bool = True) -> list[Exit]:
         """One tick: carry out the outages due, reap and judge every member's process that exited,
@@ -338,11 +356,11 @@ class Fleet:
         exits, now = [], time.monotonic()
         for m in self.members.values():
             if m.outages and m.back_at is None and now - self.started >= m.outages[0][0]:
-                _, down_s = m.outages.pop(0)
+                _, down_s, sig = m.outages.pop(0)
                 if m.proc is not None and m.proc.alive():
-                    log.info("outage: SIGKILL %s at %.1fs%s", m.name, now - self.started,
+                    log.info("outage: %s %s at %.1fs%s", sig.name, m.name, now - self.started,
                              "" if down_s is None else f", back in {down_s:.1f}s")
-                    self.kill(m.name, back_in_s=down_s)
+                    (self.kill if sig == signal.SIGKILL else self.term)(m.name, back_in_s=down_s)
             if m.proc is not None and m.proc.returncode() is None and self._overdue(m, now):
                 m.proc.kill()
                 exits.append(self._reap(m, now, f"{m.name} still running {self.term_timeout_s:.0f}s after SIGTERM"))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from diloco.infra.cli import build_parser
-from diloco.infra.local.fleet import Exit, Fleet, ProcessError, learner_argv, process_env, wait_until
+from diloco.infra.local.fleet import Exit, Fleet, Outage, ProcessError, learner_argv, process_env, wait_until
 from diloco.workers.demo.run import DemoLearnerArgs
 
 
@@ -144,3 +144,17 @@ def test_an_outage_due_while_the_member_has_finished_is_dropped(tmp_path):
         assert wait_until(lambda: not fleet.busy(["l0"]) and not fleet.members["l0"].outages, 5.0, tick_s=0.02,
                           between=fleet.watch)
         assert fleet.restarts == 0
+
+
+def test_a_sigterm_outage_is_a_preemption_the_member_leaves_with_143_and_comes_back_after_its_exit(tmp_path):
+    """A learner preempted on SIGTERM sends its progress and saves its state before it exits 143: the
+    exit is no failure, and the next incarnation starts `down_s` after the signal, never before the exit."""
+    leaves_slowly = _sh("echo incarnation; trap 'sleep 0.3; exit 143' TERM; while :; do sleep 0.05; done")
+    with Fleet(process_env({}), tmp_path) as fleet:
+        fleet.add("l0", leaves_slowly)
+        fleet.schedule("l0", [Outage(0.2, 0.1, signal.SIGTERM)])
+        seen: list[Exit] = []
+        assert wait_until(lambda: fleet.members["l0"].starts == 2, 5.0, tick_s=0.02,
+                          between=lambda: seen.extend(fleet.watch()))
+        assert [(e.sent, e.returncode, e.problem) for e in seen] == [(signal.SIGTERM, 143, None)]
+        assert time.monotonic() - fleet.started >= 0.5  # the signal at 0.2 s, the exit 0.3 s later

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import signal
+from types import SimpleNamespace
 
 import pytest
 
-from diloco.infra.bench import quality
+from diloco.infra.bench import quality, trial
 from diloco.infra.bench.quality_tasks import TASKS, BenchTask
 
 
@@ -50,7 +52,23 @@ def test_the_straggler_arm_adds_one_slow_learner_to_the_fleet_without_it_all_pac
     assert {t.step_time_s for t in arms.values()} == {0.2}
     # The restarted arm: learner 1 killed 40% into the others' 200 s, back 10 s later.
     assert [p.outages for p in arms["restarted"].learners] == [(), ((80.0, 10.0),), (), ()]
+    # The preempted arms: learner 1 preempted (SIGTERM) at the same time, without and with its state
+    # saved; their reference is the same fleet paced, without the outage.
+    assert arms["paced"].learners == decoupled.learners and arms["paced"].step_time_s == 0.2
+    for name, own_args in (("preempted", ()), ("preempted_cold", ("--no-save-state",))):
+        plans = arms[name].learners
+        assert [p.outages for p in plans] == [(), ((80.0, 10.0, signal.SIGTERM),), (), ()]
+        assert [p.args for p in plans] == [(), own_args, (), ()]
     assert arms["straggler"].run_args == decoupled.run_args and arms["without"].coordinator_args == decoupled.coordinator_args
     # The pace fits 3.2 learners' steps on the cores given, with headroom; never below one step.
     task = TASKS["fast"].task
     assert quality.pace(task, 4, cores=1, steps=2) > quality.pace(task, 4, cores=64, steps=2) > 0
+
+
+def test_a_learners_work_reached_the_model_when_the_last_version_holding_a_piece_of_it_committed() -> None:
+    def manifest(at: float, *learners: str) -> SimpleNamespace:
+        return SimpleNamespace(committed_at=at, inputs=[SimpleNamespace(learner=name) for name in learners])
+
+    manifests = {0: [manifest(100.0), manifest(105.0, "a", "b"), manifest(112.0, "a")],
+                 1: [manifest(100.0), manifest(108.0, "b"), manifest(111.0, "a")]}
+    assert trial.last_merged_s(manifests, 100.0) == {"a": 12.0, "b": 8.0}
