@@ -36,7 +36,7 @@ from diloco.storage.reach import check_servers
 from diloco.storage.settings import Endpoints
 from diloco.workers.demo.run import DemoLearnerArgs, train_demo_learner
 from diloco.workers.demo.task import DemoTask
-from diloco.workers.learner import ENV_LEARNER_ID, PREEMPTED_EXIT, LearnerConfig, stable_learner_id
+from diloco.workers.learner import ENV_LEARNER_ID, PREEMPTED_EXIT, LearnerConfig, Preempted, stable_learner_id
 from diloco.workers.tasks.kinds import load_task
 
 log = logging.getLogger("diloco")
@@ -129,6 +129,10 @@ def add_learner_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_learner(args: argparse.Namespace) -> int:
+    def preempted_early(*_: object) -> None:  # before the Learner installs its own handler
+        raise Preempted(f"learner {args.learner_id} left on SIGTERM before joining run {args.run!r}")
+
+    signal.signal(signal.SIGTERM, preempted_early)
     if args.task:
         task = load_task(args.task)
     else:
@@ -139,6 +143,9 @@ def run_learner(args: argparse.Namespace) -> int:
     except RunFinished as exc:  # started after the end (a restart, a late slot): nothing left to do
         log.info("%s", exc)
         return 0
+    except Preempted as exc:
+        log.warning("%s", exc)
+        return PREEMPTED_EXIT
     log.info("learner %s done: %s", args.learner_id, learner.progress())
     # Left on SIGTERM: exit as a process SIGTERM killed (143), which Kubernetes Jobs and SkyPilot's
     # recovery read as "run me again", not as a learner whose training is done.
