@@ -7,6 +7,8 @@ fragments is taken a few at a time. Nothing is lost or refused on the way.
 
 from __future__ import annotations
 
+import pytest
+
 import dataclasses
 
 from diloco.storage.history import read_manifest
@@ -14,6 +16,7 @@ from diloco.workers.fragments import model_params, plan_layout
 from harness import TINY_RUN, Tiny, announcements, join, make_coordinator, train
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_a_backlog_is_read_two_fragments_worth_at_a_time_and_all_merged(endpoints, run_id):
     layout = plan_layout(model_params(Tiny()), TINY_RUN.num_fragments)
     largest = max(layout.fragment_bytes(f) for f in range(len(layout.fragments)))

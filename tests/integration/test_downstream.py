@@ -8,6 +8,8 @@ costs the learner a download of the params, nothing else.
 
 from __future__ import annotations
 
+import pytest
+
 import dataclasses
 
 import torch
@@ -72,6 +74,7 @@ def test_learners_take_updates_and_hold_the_committed_params_bit_for_bit(endpoin
     assert report.ok and all(c.bit_exact for c in report.checks), report.summary()
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_a_damaged_update_costs_a_download_of_the_params(endpoints, run_id):
     coord, learners = trained_run(endpoints, run_id, rounds=3)
     for learner in learners:

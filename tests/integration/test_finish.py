@@ -129,6 +129,7 @@ def train_until_the_run_is_finished(learner, opt, failures: list) -> None:  # no
         failures.append(exc)
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_diloco_finish_merges_what_is_pending_ends_the_run_and_refuses_what_comes_later(
         endpoints, run_id, monkeypatch, capsys):
     for name, value in endpoints.to_env().items():

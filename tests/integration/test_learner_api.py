@@ -48,6 +48,7 @@ def test_tokens_per_step_is_required_or_reported_never_a_silent_zero(endpoints, 
     coord.close()
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_a_compiled_model_trains_in_the_same_run_as_an_uncompiled_one(endpoints, run_id):
     coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
     plain, plain_opt = join(endpoints, run_id, coord, "plain")

@@ -7,6 +7,8 @@ Real Redis and S3; the coordinator steps in this process.
 
 from __future__ import annotations
 
+import pytest
+
 import logging
 
 import torch
@@ -107,6 +109,7 @@ def test_a_state_the_run_no_longer_accepts_or_cannot_read_is_not_restored_and_sa
     coord.close()
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_a_state_too_old_is_not_restored_however_many_versions_the_run_moved_on_it_is(endpoints, run_id, caplog):
     coord = Coordinator(endpoints, run_id, settings=TINY_RUN,
                         config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0, max_staleness=1)))

@@ -56,6 +56,7 @@ def train(coord, learner: Learner, opt: torch.optim.Optimizer, steps: int) -> No
         time.sleep(0.01)
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_reported_losses_are_stored_plotted_and_written_for_tensorboard(env, run_id, tmp_path, capsys, monkeypatch):
     coord = make_coordinator(env, run_id)
     l0, opt0 = joined(env, run_id, coord, "l0")

@@ -37,6 +37,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for n, ls, v in samples if n == name and labels.items() <= ls.items())
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_the_scraped_metrics_agree_with_the_heads_the_manifests_and_the_refusals(endpoints, run_id):
     port, again_port, learner_port = free_ports(3)
     # As `diloco coordinator` does it: a server of the caller's own, which outlives the coordinator.

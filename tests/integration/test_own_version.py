@@ -68,6 +68,7 @@ def run(endpoints, run_id, own_version_wait: float) -> tuple[int, int]:  # noqa:
         coord.close()
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_a_learner_waits_for_the_version_with_its_own_contribution(endpoints, run_id):
     assert LearnerConfig().own_version_wait > 0
     assert run(endpoints, run_id, LearnerConfig().own_version_wait) == (2, 0)

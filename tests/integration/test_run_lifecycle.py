@@ -4,6 +4,8 @@ the end exits 0 saying so. Real `diloco` processes, real Redis and S3."""
 
 from __future__ import annotations
 
+import pytest
+
 import signal
 import time
 
@@ -12,6 +14,7 @@ from diloco.workers.learner import PREEMPTED_EXIT
 from harness import spawn_coordinator, spawn_learner, wait_all, wait_for
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_a_learner_waiting_to_join_says_so_and_leaves_on_sigterm_at_once(endpoints, run_id, tmp_path, fleet_env):
     env, procs = fleet_env
     learner = spawn_learner(run_id, env, tmp_path, "early", steps=10)  # no coordinator: the run never appears

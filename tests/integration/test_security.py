@@ -144,6 +144,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(diloco_command(*args), capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_stack_up_with_auth_and_tls_exports_a_working_url_and_logs_no_password(tmp_path):
     _require_tls_redis()
     d = tmp_path / "stack"

@@ -59,6 +59,7 @@ def test_heartbeats_expire_on_the_redis_clock(endpoints, run_id):
     assert bus.live_learners() == ["long"]
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_sigterm_learner_finishes_its_uploads_leaves_and_exits_143(endpoints, run_id, tmp_path, fleet_env):
     env, procs = fleet_env
     procs.append(spawn_coordinator(run_id, env, tmp_path))
@@ -136,6 +137,7 @@ def test_redis_restarted_then_emptied_both_sides_go_on(own_stack, tmp_path):
     assert_every_announcement_applied_once(stack.endpoints)
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_announcements_lost_with_redis_are_found_in_s3_and_merged_once(own_stack):
     stack, _env, _procs = own_stack
     endpoints = stack.endpoints

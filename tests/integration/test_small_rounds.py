@@ -88,6 +88,7 @@ def test_rounds_that_each_hold_one_learner_stay_each_its_share_of_the_fleet(flee
     assert fleet.round_of("a") == (40, 0.5, 0.5)
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_the_last_learners_pieces_stay_their_share_when_the_others_have_finished(fleet):
     """At the end of a run learners finish one after another. Counted against the live learners
     alone, the last one's lone pieces would be whole outer steps of one learner's delta: the

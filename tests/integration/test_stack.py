@@ -95,6 +95,7 @@ def _exports(stdout: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_cli_stack_up_prints_exports_and_down_stops_everything(tmp_path):
     d = tmp_path / "stack"
     up = _cli("stack", "up", "--dir", str(d))

@@ -180,6 +180,7 @@ def test_verbose_shows_the_traceback(servers):
         assert "check AWS_SECRET_ACCESS_KEY" in ended.stderr
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_sigterm_while_waiting_for_the_servers_leaves_at_once(servers):
     env = process_env(servers.env | {"DILOCO_REDIS_URL": f"redis://127.0.0.1:{_closed_port()}/0",
                                      "DILOCO_REACH_TIMEOUT_S": "120"})

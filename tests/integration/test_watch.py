@@ -96,6 +96,7 @@ def status_json(tmp_path: Path, run_id: str) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_status_shows_what_the_run_did_and_plot_draws_it(env, run_id, tmp_path, capsys, caplog, monkeypatch):
     endpoints = env
     caplog.set_level(logging.INFO, logger="diloco")
