@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from diloco.hf import DilocoCallback  # noqa: E402
 from diloco.workers.learner import LearnerConfig  # noqa: E402
 from diloco.workers.losses import read_losses  # noqa: E402
-from harness import make_coordinator, serving  # noqa: E402
+from harness import make_coordinator, serving, wait_for  # noqa: E402
 
 SEQ = 16
 STEPS = 24
@@ -53,6 +53,8 @@ def test_a_trainer_trains_as_a_learner_of_a_run(endpoints, run_id, tmp_path):
     try:
         with serving(coord):
             trainer.train()
+            # The learner finished: the coordinator merges its final pieces, then ends the run.
+            wait_for("the run's end", lambda: coord.ended is not None, timeout_s=60)
             heads = coord.bus.heads()
             finished = coord.bus.finished_learners()
     finally:
