@@ -43,6 +43,15 @@ def _frag(fragment: int) -> str:
     return f"{fragment:0{FRAGMENT_DIGITS}d}"
 
 
+def _learner_seq(key: str, prefix: str, middle: str) -> tuple[str, int] | None:
+    """(learner, seq) of a key `{prefix}{learner}/{middle}{seq}`, or None."""
+    learner, _, rest = key.removeprefix(prefix).partition("/")
+    seq = rest.removeprefix(middle)
+    if not key.startswith(prefix) or not learner or not rest.startswith(middle) or not seq.isdigit():
+        return None
+    return learner, int(seq)
+
+
 def _num(value: int, digits: int) -> str:
     if not 0 <= value < 10**digits:
         raise ValueError(f"{value} out of range for {digits} digits")
@@ -246,10 +255,7 @@ class RunKeys:
 
     def parse_loss_key(self, key: str) -> tuple[str, int] | None:
         """Inverse of loss_log: (learner, seq) or None."""
-        parts = key.removeprefix(self.losses_prefix()).split("/")
-        if not key.startswith(self.losses_prefix()) or len(parts) != 2 or not parts[1].isdigit():
-            return None
-        return parts[0], int(parts[1])
+        return _learner_seq(key, self.losses_prefix(), "")
 
     # ---- a learner's own state across preemption (S3) -----------------------------------------
     def learner_state(self, learner: str, seq: int) -> str:
@@ -261,11 +267,7 @@ class RunKeys:
 
     def parse_learner_state_key(self, key: str) -> tuple[str, int] | None:
         """Inverse of learner_state: (learner, seq) or None."""
-        parts = key.removeprefix(self.learner_states_prefix()).split("/")
-        if (not key.startswith(self.learner_states_prefix()) or len(parts) != 3 or parts[1] != "state"
-                or not parts[2].isdigit()):
-            return None
-        return parts[0], int(parts[2])
+        return _learner_seq(key, self.learner_states_prefix(), "state/")
 
     @property
     def left(self) -> str:
