@@ -139,6 +139,21 @@ class HostCopies:
             return torch.empty(shape, dtype=torch.float32)
         return self.streams.host_empty(shape)
 
+    def for_thread(self) -> Streams | None:
+        """Streams for copies made on another thread (`workers.staging`): on a device, a side stream of
+        its own, so that its copies never queue behind the snapshots'."""
+        if isinstance(self.streams, DeviceStreams):
+            return DeviceStreams(self.device)
+        return self.streams
+
+    def on_compute(self, value: torch.Tensor) -> torch.Tensor:
+        """`value`, already on the device (made on another stream and waited for: `workers.staging`),
+        used by the compute stream: its memory is not handed out again before what is queued there
+        now is done."""
+        if self.streams is not None:
+            self.streams.keep_alive(value, self.streams.current())
+        return value
+
     def to_device(self, value: torch.Tensor) -> torch.Tensor:
         """`value` (a host tensor, best from `host_empty`) on the device, queued on the compute
         stream without waiting: what is queued after it there sees it."""

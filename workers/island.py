@@ -95,12 +95,12 @@ class Replica:
 
     @torch.no_grad()
     def blend(self, values: dict[str, torch.Tensor] | None, names: Sequence[str], *, keep: float = 1.0,
-              add: float = 1.0) -> None:
+              add: float = 1.0, staged: bool = False) -> None:
         """`p = keep * p + add * value` on every rank, for `names`, with the leader's host fp32 `values`
         (ignored on other ranks), in place on the device: the parameters are never read back. The
         value goes to the device without waiting (`HostCopies.to_device`), is broadcast on an island,
         and each rank of a sharded parameter adds its own shard of it. `keep` and `add` are the
-        leader's too."""
+        leader's too. `staged`: the leader's values are on the device already (`workers.staging`)."""
         if self.island:
             box = torch.tensor([keep, add], dtype=torch.float64)  # on the host, over gloo
             dist.broadcast(box, src=0, group=self._control)
@@ -108,7 +108,8 @@ class Replica:
         for name in names:
             p = self.params[name]
             if self.is_leader:
-                full = self.copies.to_device(values[name])  # type: ignore[index]
+                value = values[name]  # type: ignore[index]
+                full = self.copies.on_compute(value) if staged else self.copies.to_device(value)
             else:
                 full = torch.empty(p.shape, dtype=torch.float32, device=self.device)
             if self.island:

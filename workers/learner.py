@@ -66,6 +66,7 @@ from diloco.workers.island import Replica
 from diloco.workers.losses import LossRecorder
 from diloco.workers.metrics import LearnerMetrics
 from diloco.workers.state import LearnerState, Stateful, StateSaver, latest_key, misfit, optimizer_params, to_host
+from diloco.workers.staging import Staged, Stager
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
 log = logging.getLogger(__name__)
@@ -240,6 +241,9 @@ class Learner:
         """Inner steps trained between a send (or take) and the take after it (LearnerStats.steps_through):
         with the adopt rule, the steps dropped."""
         self.dropped_stale = 0
+        self.taken_staged = 0
+        """Of `adopted`, versions taken with what the fetcher's thread had made ready (`_stage`): the
+        others' arithmetic ran in the step hook."""
         """Pieces not sent because the coordinator would have refused them as stale (`_send`)."""
         self.stats = TransferStats()
         # Names without the prefixes of DDP, torch.compile and other wrappers: a DDP island, a compiled
@@ -574,7 +578,8 @@ class Learner:
             raise ConfigError(f"this model does not fit run {self.run!r}: {problem}")
         self.layout = layout
         heads = self._wait(lambda: self._all_heads(layout), deadline, "version 0 of every fragment")
-        self.fetcher = Fetcher(self.store, self.bus, layout, self.stats)
+        self._stager = Stager(self.replica.copies)
+        self.fetcher = Fetcher(self.store, self.bus, layout, self.stats, stage=self._stage)
         values: dict[str, torch.Tensor] = {}
         for fragment, version in heads.items():
             what = f"version {version} of fragment {fragment}"
@@ -726,9 +731,11 @@ class Learner:
             if fetched is None:
                 continue
             if fetched.version <= state.base_version:
+                fetched.release()
                 self.fetcher.want(fragment, state.base_version)
                 continue
             if mine is not None and fetched.version < mine and patient:
+                fetched.release()
                 self.fetcher.want(fragment, mine - 1)  # ours is committed, an older version was parked: fetch ours
                 continue
             state.awaiting = None
@@ -775,30 +782,57 @@ class Learner:
         state.awaiting, state.since_step = self.step, self.step
         self.fetcher.want(fragment, state.base_version)
 
+    def _stage(self, fragment: int, version: int, params: dict[str, torch.Tensor]) -> Staged | None:
+        """The fetcher's thread, a version just downloaded: what taking it will blend, computed now
+        against the fragment's anchor of the moment (`workers.staging`; `_merge` uses it only if the
+        anchor is still the same)."""
+        if fragment >= len(self.fragments):
+            return None  # not joined yet
+        state = self.fragments[fragment]
+        if version <= state.base_version:
+            return None  # not taken
+        anchor = state.anchor if self.spec.merge_rule == "rebase" else None
+        if self.spec.merge_rule == "rebase" and anchor is None:
+            return None
+        return self._stager.stage(fragment, version, params, state.names, anchor)
+
     @torch.no_grad()
     def _merge(self, fragment: int, fetched: Fetched | None) -> None:
         """Take version G of the fragment (see the module docstring): the parameters are updated in
-        place on the device and never read back."""
+        place on the device and never read back. What is added was computed on the fetcher's
+        thread (`_stage`) unless the anchor changed since."""
         state = self.fragments[fragment]
         names = state.names
         values, keep, add = None, 1.0, 1.0
+        staged = fetched.staged if fetched is not None else None
+        rebase = self.spec.merge_rule == "rebase"
+        if staged is not None and staged.anchor is not (state.anchor if rebase else None):
+            staged.release()
+            staged = None
         if self.is_leader and fetched is not None:
             g = fetched.params
-            if self.spec.merge_rule == "rebase":
+            if staged is not None:
+                values = staged.values
+                self.taken_staged += 1
+            elif rebase:
                 anchor = state.anchor.wait()  # landed long ago: at least overlap_steps since the send
                 values = {n: torch.sub(g[n], anchor[n], out=self.replica.host_empty(tuple(g[n].shape)))
                           for n in names}
-            elif self.spec.merge_rule == "adopt":
-                # Steps computed from a model G replaced: dropped, so the next piece neither carries nor counts them.
-                values, keep, add = g, 0.0, 1.0
-                state.tokens, state.steps = 0, 0
             else:
-                values, keep, add = g, self.spec.alpha, 1.0 - self.spec.alpha
+                values = g
+            if self.spec.merge_rule == "adopt":
+                # Steps computed from a model G replaced: dropped, so the next piece neither carries nor counts them.
+                keep, add = 0.0, 1.0
+                state.tokens, state.steps = 0, 0
+            elif not rebase:
+                keep, add = self.spec.alpha, 1.0 - self.spec.alpha
             state.anchor, state.base_version = Snapshot(g), fetched.version
             self.adopted += 1
             self.steps_through += self.step - state.since_step
             state.since_step = self.step
-        self.replica.blend(values, names, keep=keep, add=add)
+        self.replica.blend(values, names, keep=keep, add=add, staged=staged is not None)
+        if staged is not None:
+            staged.release()
 
     # ---- the learner's own state across preemption (workers/state.py) -----------------------------
     def _optimizer_params(self) -> tuple[tuple[str, tuple[int, ...]], ...]:

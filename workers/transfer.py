@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,7 @@ from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, Layout, Manifest, RunSpec, VersionEvent
 from diloco.storage.updates import apply_update, chain_worth_it, encode_carrying, params_body
 from diloco.workers.hostcopy import Snapshot
+from diloco.workers.staging import Staged
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,8 @@ class TransferStats:
     fetch_failed: int = 0
     upload_s: float = 0.0
     fetch_s: float = 0.0
+    stage_s: float = 0.0
+    """Of `fetch_s`, making fetched versions ready to blend (`workers.staging`): work the training loop does not do."""
     cpu_s: float = 0.0
     """CPU seconds of the uploader's and the fetcher's own threads (encode, error feedback, hash,
     compress, PUT; GET, decompress, decode, apply, verify); torch's intra-op pool threads they use
@@ -289,6 +293,13 @@ class Uploader(threading.Thread):
 class Fetched:
     version: int
     params: dict[str, torch.Tensor]
+    staged: Staged | None = None
+    """What the learner blends to take this version, made ready on the fetcher's thread (`workers.staging`)."""
+
+    def release(self) -> None:
+        """Not taken after all: a staged buffer goes back for reuse."""
+        if self.staged is not None:
+            self.staged.release()
 
 
 @dataclass
@@ -298,9 +309,13 @@ class _Want:
 
 
 class Fetcher(threading.Thread):
-    def __init__(self, store: ObjectStore, bus: Bus, layout: Layout, stats: TransferStats) -> None:
+    def __init__(self, store: ObjectStore, bus: Bus, layout: Layout, stats: TransferStats, *,
+                 stage: Callable[[int, int, dict[str, torch.Tensor]], Staged | None] | None = None) -> None:
         super().__init__(name="fetcher", daemon=True)
         self.store, self.bus, self.layout, self.stats = store, bus, layout, stats
+        self._stage = stage
+        """(fragment, version, params) -> what taking it will blend, computed here (the learner's
+        `_stage`), or None."""
         self._wants: dict[int, _Want] = {}
         self._ready: dict[int, Fetched] = {}
         self._heads: dict[int, int] = {}
@@ -430,12 +445,25 @@ class Fetcher(threading.Thread):
             log.error("version %d of fragment %d cannot be taken (%s): waiting for a newer one", version, fragment,
                       exc.reason if isinstance(exc, Refused) else exc)
             return
+        staged = None
+        if self._stage is not None:
+            t1 = time.monotonic()
+            try:
+                staged = self._stage(fragment, version, params)
+            except Exception as exc:  # noqa: BLE001 (the step hook computes it instead)
+                log.warning("fragment %d: version %d could not be made ready here (%s): the training loop will "
+                            "compute it", fragment, version, exc)
+            self.stats.stage_s += time.monotonic() - t1
         with self._lock:
             want = self._wants.get(fragment)
             if want is not None and version > want.newer_than:
                 del self._wants[fragment]
-            self._ready[fragment] = self._held[fragment] = Fetched(version, params)
+            replaced = self._ready.get(fragment)
+            self._ready[fragment] = Fetched(version, params, staged)
+            self._held[fragment] = Fetched(version, params)
             self._arrived.notify_all()
+        if replaced is not None:
+            replaced.release()
         self.stats.fetched += 1
         self.stats.fetch_s += time.monotonic() - t0
 

@@ -75,16 +75,18 @@ def test_the_training_thread_never_waits_for_a_fresh_copy_and_sends_and_merges_a
     learner.replica.copies = HostCopies(torch.device("cpu"), streams=streams)
     before, anchors, after, versions, _ = record_steps(coord, learner, opt)
 
-    # Every send's snapshot was first waited for by the uploader; the training thread waited only
-    # for snapshots of earlier steps (a merge's anchor, sent at least overlap_steps before). Joining
-    # (step 0) reads the parameters and waits: once.
-    sends = [event for event in streams.events if event.step > 0]
-    assert len(sends) >= 8
-    for event in sends:
-        assert event.waits, "a send's snapshot was never read"
-        assert event.waits[0][0].startswith("uploader-"), event
+    # Every send's snapshot was first waited for by a background thread (the uploader, to compute the
+    # delta, or the fetcher, to stage a version against it); the training thread waited for none.
+    # The fetcher's own copies to the device (staging) were waited for by the fetcher alone.
+    # Joining (step 0) reads the parameters and waits: once.
+    events = [event for event in streams.events if event.step > 0]
+    assert len(events) >= 8
+    for event in events:
+        assert event.waits, "a copy was never waited for"
         for thread, step in event.waits:
-            assert thread.startswith("uploader-") or step > event.step, event
+            assert thread.startswith("uploader-") or thread == "fetcher", event
+    # Each take added what the fetcher had computed: the training thread did no arithmetic of its own.
+    assert learner.adopted >= 4 and learner.taken_staged == learner.adopted
 
     # Each contribution is anchor - the parameters at its step (fp32: exactly; none was coalesced,
     # so the steps they count add up to the step each was sent at).

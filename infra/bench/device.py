@@ -1,0 +1,259 @@
+"""`diloco bench device`: what the Learner's step hook costs a training loop, on whatever device torch has.
+
+One process trains a GPT-2-small-shaped model (`transformers.GPT2LMHeadModel`, 12 blocks of width
+768, the 50257-token vocabulary: 124M parameters; random init and random tokens, AdamW, bf16
+autocast on a GPU) twice from the same initial weights: as a plain loop, then through a `Learner`
+of a run served by a coordinator process on a local stack (or the stack the environment names, as
+every other command reads it: DILOCO_REDIS_URL, DILOCO_S3_BUCKET...). The run has every default
+(P, H, tau, codec, cadence) unless a flag changes it; one learner, so the coordinator's quorum is 1.
+
+Each arm runs `--warmup` steps, then `--steps` timed steps, each ended by waiting for the device
+(`torch.cuda.synchronize()`, as a loop that logs `loss.item()` every step does: every host-side
+stall in the hook shows); on a GPU it then runs `--steps` more without that wait, timed as a block
+(a loop that never waits for the device hides the hook behind the device's queue). Printed per arm:
+mean, median, p90 and max step, the worst step over the median, the steps over 1.5x the median, and
+for the Learner the hook's own time, the versions taken in the timed window (and how many came
+ready from the fetcher's thread), and the transfer threads' CPU per step. The verdict holds the
+Learner's synchronized mean to within 5% of the plain loop's on the CPU and 2% on a GPU, and no
+step over 1.5x the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diloco.coordinator.config import RunSettings
+from diloco.infra.output import figures_table
+from diloco.storage.errors import ConfigError
+from diloco.storage.settings import ENV_REDIS_URL, Endpoints
+
+log = logging.getLogger(__name__)
+
+NAME = "device"
+HELP = "the step hook's cost to a training loop (124M GPT-2 shape) on a GPU or the CPU, against a plain loop"
+
+SPIKE = 1.5
+"""A step longer than this many medians is a stall."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = RunSettings()
+    parser.add_argument("--out", type=Path, default=Path("out/bench/device"), help="stack data and logs")
+    parser.add_argument("--device", default="auto", help="torch device: auto (cuda if available, else cpu), cuda, cpu...")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per arm (default: 130 on a GPU, 40 on the CPU)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 20 on a GPU, 3 on the CPU)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: 16 on a GPU, 2 on the CPU)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256 on a GPU, 128 on the CPU)")
+    parser.add_argument("--n-layer", type=int, default=12, help="blocks (default: %(default)s, GPT-2 small)")
+    parser.add_argument("--fragments", type=int, default=defaults.num_fragments, help="P (default: the run's, %(default)s)")
+    parser.add_argument("--sync-every", type=int, default=defaults.sync_every, help="H (default: the run's, %(default)s)")
+    parser.add_argument("--codec", default=defaults.codec, help="the run's codec (default: the run's, %(default)s)")
+
+
+@dataclass
+class Arm:
+    name: str
+    steps_s: list[float]
+    unsynced_s: float | None = None
+    """Mean step of the block run without waiting for the device (GPU only)."""
+    hook_s: float = 0.0
+    taken: int = 0
+    taken_ready: int = 0
+    transfer_cpu_s: float = 0.0
+    process_cpu_s: float = 0.0
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.steps_s)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.steps_s)
+
+    @property
+    def p90(self) -> float:
+        return statistics.quantiles(self.steps_s, n=10)[-1] if len(self.steps_s) > 1 else self.steps_s[0]
+
+    @property
+    def spikes(self) -> int:
+        return sum(1 for s in self.steps_s if s > SPIKE * self.median)
+
+
+@dataclass
+class DeviceResult:
+    device: str
+    device_name: str
+    params: int
+    settings: dict
+    arms: list[Arm] = field(default_factory=list)
+
+    def table(self) -> str:
+        plain = self.arms[0]
+        rows = []
+        for arm in self.arms:
+            n = len(arm.steps_s)
+            rows.append([arm.name, 1e3 * arm.mean, 1e3 * arm.median, 1e3 * arm.p90, 1e3 * max(arm.steps_s),
+                         max(arm.steps_s) / arm.median, arm.spikes, arm.mean / plain.mean,
+                         None if arm.unsynced_s is None else 1e3 * arm.unsynced_s,
+                         None if arm.unsynced_s is None or plain.unsynced_s is None else arm.unsynced_s / plain.unsynced_s,
+                         1e3 * arm.hook_s / n if arm.name != "plain" else None,
+                         f"{arm.taken_ready}/{arm.taken}" if arm.name != "plain" else None,
+                         1e3 * arm.transfer_cpu_s / n if arm.name != "plain" else None])
+        head = (f"{self.device_name}: {self.params / 1e6:.1f}M parameters, "
+                + ", ".join(f"{k} {v}" for k, v in self.settings.items()))
+        table = figures_table(["arm", "mean ms", "median ms", "p90 ms", "max ms", "max/median",
+                               f"steps > {SPIKE}x median", "mean ratio", "unsynced ms", "unsynced ratio",
+                               "hook ms/step", "taken (ready)", "transfer CPU ms/step"], rows)
+        learner = self.arms[-1]
+        goal = 0.02 if self.device != "cpu" else 0.05
+        ratio = learner.mean / plain.mean
+        worst = max(learner.steps_s) / learner.median
+        verdict = (f"mean {100 * (ratio - 1):+.1f}% against the plain loop (goal within {100 * goal:.0f}%: "
+                   f"{'met' if ratio <= 1 + goal else 'NOT met'}); worst step {worst:.2f}x the median "
+                   f"(goal <= {SPIKE}: {'met' if worst <= SPIKE else 'NOT met'})")
+        return f"{head}\n{table}\n{verdict}"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _pick_device(name: str):  # noqa: ANN202 (torch.device)
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cpu":
+        module = torch.get_device_module(device)
+        if not module.is_available():
+            raise ConfigError(f"--device {name}: torch sees no such device here (torch {torch.__version__})")
+    return device
+
+
+def _model(n_layer: int, seq_len: int, device):  # noqa: ANN001, ANN202
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=50257, n_positions=seq_len, n_embd=768, n_layer=n_layer, n_head=12)
+    return GPT2LMHeadModel(config).to(device)
+
+
+class Loop:
+    """The training loop both arms run: random tokens, AdamW, bf16 autocast on a GPU."""
+
+    def __init__(self, args: argparse.Namespace, device) -> None:  # noqa: ANN001
+        import torch
+
+        self.device, self.args = device, args
+        self.model = _model(args.n_layer, args.seq_len, device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.1)
+        self.generator = torch.Generator(device=device).manual_seed(1)
+        self.sync = torch.get_device_module(device).synchronize if device.type != "cpu" else (lambda: None)
+
+    def step(self) -> None:
+        import torch
+
+        tokens = torch.randint(0, 50257, (self.args.batch_size, self.args.seq_len), device=self.device,
+                               generator=self.generator)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type != "cpu"):
+            loss = self.model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def timed(self, steps: int) -> list[float]:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self.step()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def unsynced(self, steps: int) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        self.sync()
+        return (time.perf_counter() - t0) / steps
+
+
+def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm:  # noqa: ANN001
+    for _ in range(args.warmup):
+        loop.step()
+    loop.sync()
+    hook0 = learner.sync_s if learner else 0.0
+    taken0 = (learner.adopted, getattr(learner, "taken_staged", 0)) if learner else (0, 0)
+    cpu0, transfer0 = time.process_time(), learner.stats.cpu_s if learner else 0.0
+    steps = loop.timed(args.steps)
+    arm = Arm(name, steps, process_cpu_s=time.process_time() - cpu0)
+    if learner is not None:
+        arm.hook_s = learner.sync_s - hook0
+        arm.taken, arm.taken_ready = learner.adopted - taken0[0], getattr(learner, "taken_staged", 0) - taken0[1]
+        arm.transfer_cpu_s = learner.stats.cpu_s - transfer0
+    if loop.device.type != "cpu":
+        arm.unsynced_s = loop.unsynced(args.steps)
+    return arm
+
+
+def run(args: argparse.Namespace) -> DeviceResult:
+    import torch
+
+    from diloco.infra.bench.trial import bench_stack
+    from diloco.infra.local.fleet import Fleet, diloco_command, process_env, wait_until
+    from diloco.storage.bus import Bus
+    from diloco.workers.learner import Learner
+
+    device = _pick_device(args.device)
+    gpu = device.type != "cpu"
+    args.steps = args.steps or (130 if gpu else 40)
+    args.warmup = args.warmup if args.warmup is not None else (20 if gpu else 3)
+    args.batch_size = args.batch_size or (16 if gpu else 2)
+    args.seq_len = args.seq_len or (256 if gpu else 128)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} ({torch.get_num_threads()} threads)"
+    settings = {"P": args.fragments, "H": args.sync_every, "codec": args.codec, "batch": args.batch_size,
+                "seq": args.seq_len, "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__}
+
+    loop = Loop(args, device)
+    params = sum(p.numel() for p in loop.model.parameters())
+    result = DeviceResult(device.type, name, params, settings)
+    log.info("device: %s, %s parameters; the plain loop first", name, f"{params:,}")
+    result.arms.append(_arm("plain", loop, args))
+    del loop
+    if gpu:
+        torch.get_device_module(device).empty_cache()
+
+    run_id = f"device-{int(time.time())}"
+    with ExitStack() as stack:
+        if os.environ.get(ENV_REDIS_URL):
+            endpoints = Endpoints.from_env()
+        else:
+            endpoints = stack.enter_context(bench_stack(args.out)).endpoints
+        fleet = stack.enter_context(Fleet(process_env(endpoints.to_env() | _credentials()), args.out / "logs"))
+        fleet.add("coordinator", diloco_command(
+            "coordinator", "--run", run_id, "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
+            "--codec", args.codec, "--min-quorum", "1"), service=True)
+        loop = Loop(args, device)
+        learner = Learner(loop.model, loop.optimizer, run=run_id, endpoints=endpoints, learner_id="device",
+                          tokens_per_step=args.batch_size * args.seq_len)
+        with learner:
+            result.arms.append(_arm("learner", loop, args, learner))
+        bus = Bus(endpoints, run_id)
+        wait_until(lambda: bus.run_end() is not None, 60.0)
+        fleet.stop(["coordinator"])
+    return result
+
+
+def _credentials() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("AWS_")}

@@ -1,0 +1,61 @@
+"""Versions made ready to blend on the fetcher's thread (`workers.staging`): the values, the chunked
+copies through two reused pinned buffers (checked on the CPU through the recording seam), and the
+CPU's reuse of a fragment's buffer from one take to the next."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from diloco.workers.hostcopy import HostCopies, Snapshot
+from diloco.workers.staging import Staged, Stager
+from hoststreams import RecordingStreams
+
+
+def test_on_a_device_the_difference_goes_through_two_reused_chunks_and_is_there_before_it_is_handed_over():
+    streams = RecordingStreams()
+    stager = Stager(HostCopies(torch.device("cpu"), streams=streams), chunk_elems=4)
+    g = {"w": torch.arange(10.0).reshape(2, 5), "b": torch.tensor([1.5, -2.0])}
+    anchor = Snapshot({"w": torch.full((2, 5), 0.25), "b": torch.tensor([0.5, 0.5])})
+    staged = stager.stage(0, 7, g, ["w", "b"], anchor)
+    assert staged.version == 7 and staged.anchor is anchor
+    assert torch.equal(staged.values["w"], g["w"] - 0.25) and torch.equal(staged.values["b"], g["b"] - 0.5)
+    # Two pinned buffers of one chunk each, allocated once, whatever the number of chunks (10 + 2 elements: 4).
+    assert [entry for entry in streams.log if entry[0] == "host_empty"] == [("host_empty", (4,), "compute")] * 2
+    assert len(streams.events) == 4  # one per chunk copied, all on the side stream
+    assert all(e.stream == "side" for e in streams.events)
+    # A buffer is reused only once its last copy is done, and every copy is done before `stage`
+    # returns: all waited for, by this thread (the fetcher's, in a learner), none twice.
+    me = threading.current_thread().name
+    assert all(len(e.waits) == 1 and e.waits[0][0] == me for e in streams.events)
+    again = stager.stage(0, 8, g, ["w", "b"], None)  # adopt and mix: the values themselves, copied over
+    assert torch.equal(again.values["w"], g["w"]) and again.anchor is None
+    assert [entry for entry in streams.log if entry[0] == "host_empty"] == [("host_empty", (4,), "compute")] * 2
+
+
+def test_a_staged_value_is_used_on_the_compute_stream_without_a_copy_and_kept_alive_there():
+    streams = RecordingStreams()
+    copies = HostCopies(torch.device("cpu"), streams=streams)
+    value = torch.ones(3)
+    assert copies.on_compute(value) is value
+    assert streams.log[-1] == ("keep_alive", (3,), "compute", "compute")
+
+
+def test_on_the_cpu_a_fragments_buffer_is_reused_once_released_and_never_while_held():
+    stager = Stager(HostCopies(torch.device("cpu")))
+    g = {"w": torch.randn(64)}
+    first = stager.stage(2, 1, g, ["w"], Snapshot({"w": torch.ones(64)}))
+    assert torch.equal(first.values["w"], g["w"] - 1)
+    held = stager.stage(2, 2, g, ["w"], Snapshot({"w": torch.zeros(64)}))  # the first not released: a new buffer
+    assert held.values["w"].data_ptr() != first.values["w"].data_ptr()
+    first_ptr = first.values["w"].data_ptr()
+    first.release()
+    first.release()  # once only
+    third = stager.stage(2, 3, g, ["w"], Snapshot({"w": torch.full((64,), 2.0)}))
+    assert third.values["w"].data_ptr() == first_ptr and torch.equal(third.values["w"], g["w"] - 2)
+    assert torch.equal(held.values["w"], g["w"])  # untouched by the reuse
+    other = stager.stage(3, 1, g, ["w"], Snapshot({"w": torch.ones(64)}))  # another fragment: its own buffers
+    assert other.values["w"].data_ptr() not in (first_ptr, held.values["w"].data_ptr())
+    plain = stager.stage(2, 4, g, ["w"], None)
+    assert plain.values["w"] is g["w"] and isinstance(plain, Staged)
