@@ -266,6 +266,8 @@ class Learner:
         self._run_finished = False  # every rank: as rank 0 last shared it
         self._stop = threading.Event()
         self.sync_s = 0.0
+        self.hook_phases: dict[str, list[float]] = {}
+        """Where the step hook's time goes: phase (decide, merge, send, save) -> [total s, longest s]."""
         """Time the training loop spent in this learner's step hook: snapshots, deltas, merges and,
         with `wait_for_merge`, waiting for versions. Uploads and downloads run beside the loop."""
         self.started_at: float | None = None
@@ -375,6 +377,7 @@ class Learner:
             layout = self.layout
         self.fragments = [FragmentState([s.name for s in specs]) for specs in layout.fragments]
         if values is not None:  # rank 0
+            self.replica.copies.reserve([tuple(p.shape) for p in self.replica.params.values()])
             for f, state in enumerate(self.fragments):
                 state.anchor = Snapshot({n: values[n] for n in state.names})  # shared with the fetcher
                 state.base_version = heads[f]
@@ -663,6 +666,7 @@ class Learner:
         self.tokens += tokens
         due: dict[int, float] = {}
         ready: dict[int, Fetched] = {}
+        mark = time.perf_counter()
         if self.is_leader:
             for state in self.fragments:
                 state.tokens += tokens
@@ -683,16 +687,29 @@ class Learner:
         # step's own snapshot to reach the host. Adopting or mixing first would drop or blend the round's progress
         # before it is sent, and neither reads the anchor: they come after the send.
         based_on = {f: self.fragments[f].base_version for f in to_merge} if self._merges_first else {}
+        mark = self._phase("decide", mark)
         for f in to_merge if self._merges_first else ():
             self._merge(f, ready.get(f))
+        mark = self._phase("merge", mark) if to_merge and self._merges_first else mark
         for f in to_send:
             self._send(f, due.get(f, 0.0), based_on=based_on.get(f))
+        mark = self._phase("send", mark) if to_send else mark
         for f in () if self._merges_first else to_merge:
             self._merge(f, ready.get(f))
+        mark = self._phase("merge", mark) if to_merge and not self._merges_first else mark
         if 0 in to_send and self._saver is not None:
             self._sends_of_0 += 1
             if self.config.state_every and self._sends_of_0 % self.config.state_every == 0:
                 self._save_state()
+                self._phase("save", mark)
+
+    def _phase(self, name: str, since: float) -> float:
+        """Count the time since `since` to the hook's phase `name`; return now."""
+        now = time.perf_counter()
+        total = self.hook_phases.setdefault(name, [0.0, 0.0])
+        total[0] += now - since
+        total[1] = max(total[1], now - since)
+        return now
 
     def _due(self) -> dict[int, float]:
         """Rank 0: fragments to send after this step -> the clock deadline they serve (0 on the step
@@ -757,7 +774,7 @@ class Learner:
             return self._drop_stale(fragment, snapshot)
         # The uploader computes the delta, once the snapshot has landed on the host.
         job = UploadJob(fragment, {}, base, state.tokens, state.steps, self._step_time_s,
-                        deadline=deadline, final=final, pending=(state.anchor, snapshot))
+                        deadline=deadline, final=final, pending=[(state.anchor, snapshot)])
         state.anchor, state.tokens, state.steps = snapshot, 0, 0
         state.sent_id = self.uploader.submit(job)
         state.since_step = self.step

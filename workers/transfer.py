@@ -70,31 +70,44 @@ class UploadJob:
     this one is stored."""
     seq: int = 0
     attempts: int = 0
-    pending: tuple[Snapshot, Snapshot] | None = None
-    """(anchor, local) of a send whose delta, anchor - local, is not computed yet: `local` may still
-    be on its way from the device. The uploader's thread computes it (`settle`), so the training
-    loop neither waits for the copy nor spends the subtraction."""
+    pending: list[tuple[Snapshot, Snapshot]] = field(default_factory=list)
+    """(anchor, local) pairs of sends whose deltas, anchor - local, are not computed yet: `local` may
+    still be on its way from the device. The uploader's thread computes them (`settle`), so the
+    training loop neither waits for the copies nor spends the subtractions."""
+
+    MAX_PENDING = 4
+    """Pairs a job holds unsettled (each two host copies of the fragment): an uploader that falls
+    further behind has the oldest settled by the send that absorbs one more."""
 
     def settle(self) -> dict[str, torch.Tensor]:
-        """Add the pending delta into `delta` (waiting for its snapshots) and return `delta`."""
-        if self.pending is not None:
-            anchor, local = (s.wait() for s in self.pending)
-            for name, value in local.items():
-                if name in self.delta:
-                    self.delta[name].add_(anchor[name]).sub_(value)
-                else:
-                    self.delta[name] = anchor[name] - value
-            self.pending = None
+        """Add the pending deltas into `delta` (waiting for their snapshots) and return `delta`."""
+        while self.pending:
+            self._settle_one()
         return self.delta
 
+    def _settle_one(self) -> None:
+        anchor, local = (s.wait() for s in self.pending.pop(0))
+        for name, value in local.items():
+            if name in self.delta:
+                self.delta[name].add_(anchor[name]).sub_(value)
+            else:
+                self.delta[name] = anchor[name] - value
+
     def absorb(self, newer: UploadJob) -> None:
-        """Take in a newer job of the same fragment. Settles this job's own pending delta (its snapshot
-        is at least one send old: landed) and keeps the newer one pending, so a job holds one delta
-        and at most one pending pair however many sends it absorbs."""
-        self.settle()
+        """Take in a newer job of the same fragment, on the training thread (`Uploader.submit`), so
+        without arithmetic: the newer pairs queue behind this job's. A pair that continues the last
+        one (its anchor is that pair's local snapshot: no version was taken between the two sends)
+        joins it, as the deltas telescope: (a - s1) + (s1 - s2) = a - s2. Else the pairs add up,
+        at most `MAX_PENDING` of them."""
+        for pair in newer.pending:
+            if self.pending and pair[0] is self.pending[-1][1]:
+                self.pending[-1] = (self.pending[-1][0], pair[1])
+            else:
+                self.pending.append(pair)
+        while len(self.pending) > self.MAX_PENDING:
+            self._settle_one()
         for name, t in newer.delta.items():
             self.delta[name] = self.delta[name].add_(t) if name in self.delta else t.clone()
-        self.pending = newer.pending
         self.tokens += newer.tokens
         self.steps += newer.steps
         self.step_time_s = newer.step_time_s
@@ -102,7 +115,6 @@ class UploadJob:
         self.final = self.final or newer.final
 
 
-@dataclass
 class TransferStats:
     uploaded: int = 0
     coalesced: int = 0

@@ -66,10 +66,17 @@ class Arm:
     unsynced_s: float | None = None
     """Mean step of the block run without waiting for the device (GPU only)."""
     hook_s: float = 0.0
+    hook_steps_s: list[float] = field(default_factory=list)
+    """The Learner's step hook's share of each timed step."""
+    phases: dict = field(default_factory=dict)
+    """The hook's phases (`Learner.hook_phases`): name -> [total s, longest s], over the whole arm."""
     taken: int = 0
     taken_ready: int = 0
     transfer_cpu_s: float = 0.0
     process_cpu_s: float = 0.0
+    sent: int = 0
+    coalesced: int = 0
+    """Sends in the timed window that found the fragment's previous piece not yet uploaded (absorbed into it)."""
 
     @property
     def mean(self) -> float:
@@ -114,6 +121,14 @@ class DeviceResult:
                                f"steps > {SPIKE}x median", "mean ratio", "unsynced ms", "unsynced ratio",
                                "hook ms/step", "taken (ready)", "transfer CPU ms/step"], rows)
         learner = self.arms[-1]
+        slow = [(s, h) for s, h in zip(learner.steps_s, learner.hook_steps_s) if s > SPIKE * learner.median]
+        if slow:
+            table += ("\nslow steps (ms, of which in the hook): "
+                      + ", ".join(f"{1e3 * s:.0f} ({1e3 * h:.0f})" for s, h in slow))
+        table += f"\nlearner: {learner.sent} pieces uploaded in the timed window, {learner.coalesced} sends absorbed into a queued one"
+        if learner.phases:
+            table += ("\nhook phases over the arm (total / longest ms): "
+                      + ", ".join(f"{k} {1e3 * v[0]:.0f} / {1e3 * v[1]:.0f}" for k, v in sorted(learner.phases.items())))
         goal = 0.02 if self.device != "cpu" else 0.05
         ratio = learner.mean / plain.mean
         worst = max(learner.steps_s) / learner.median
@@ -171,14 +186,17 @@ class Loop:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def timed(self, steps: int) -> list[float]:
-        times = []
+    def timed(self, steps: int, learner=None) -> tuple[list[float], list[float]]:  # noqa: ANN001
+        """Each step's time, and the Learner's hook's part of it."""
+        times, hooks = [], []
         for _ in range(steps):
+            hook0 = learner.sync_s if learner is not None else 0.0
             t0 = time.perf_counter()
             self.step()
             self.sync()
             times.append(time.perf_counter() - t0)
-        return times
+            hooks.append(learner.sync_s - hook0 if learner is not None else 0.0)
+        return times, hooks
 
     def unsynced(self, steps: int) -> float:
         self.sync()
@@ -196,14 +214,18 @@ def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm: 
     hook0 = learner.sync_s if learner else 0.0
     taken0 = (learner.adopted, getattr(learner, "taken_staged", 0)) if learner else (0, 0)
     cpu0, transfer0 = time.process_time(), learner.stats.cpu_s if learner else 0.0
-    steps = loop.timed(args.steps)
-    arm = Arm(name, steps, process_cpu_s=time.process_time() - cpu0)
+    sent0 = (learner.stats.uploaded, learner.stats.coalesced) if learner else (0, 0)
+    steps, hooks = loop.timed(args.steps, learner)
+    arm = Arm(name, steps, process_cpu_s=time.process_time() - cpu0, hook_steps_s=hooks)
     if learner is not None:
         arm.hook_s = learner.sync_s - hook0
         arm.taken, arm.taken_ready = learner.adopted - taken0[0], getattr(learner, "taken_staged", 0) - taken0[1]
         arm.transfer_cpu_s = learner.stats.cpu_s - transfer0
+        arm.sent, arm.coalesced = learner.stats.uploaded - sent0[0], learner.stats.coalesced - sent0[1]
     if loop.device.type != "cpu":
         arm.unsynced_s = loop.unsynced(args.steps)
+    if learner is not None:
+        arm.phases = {k: list(v) for k, v in getattr(learner, "hook_phases", {}).items()}
     return arm
 
 

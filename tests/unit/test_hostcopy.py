@@ -58,17 +58,32 @@ def test_a_replica_snapshot_keeps_the_values_of_its_step_and_blend_updates_in_pl
     assert torch.equal(w.detach(), torch.tensor([5.75, 6.25, 6.75]))
 
 
-def test_an_upload_job_computes_its_delta_when_settled_and_holds_one_pending_pair_however_many_it_absorbs():
+def test_an_upload_job_computes_its_delta_when_settled_and_absorbing_does_no_arithmetic():
     anchor = Snapshot({"w": torch.tensor([4.0, 4.0])})
     first = Snapshot({"w": torch.tensor([3.0, 5.0])})
-    job = UploadJob(0, {}, base_version=1, tokens=10, steps=1, step_time_s=0.1, pending=(anchor, first))
+    job = UploadJob(0, {}, base_version=1, tokens=10, steps=1, step_time_s=0.1, pending=[(anchor, first)])
     assert job.delta == {}  # nothing computed on the training thread
     for i, local in enumerate([torch.tensor([2.0, 5.0]), torch.tensor([2.0, 7.0])], start=1):
-        previous = job.pending[1] if job.pending else None
         newer = UploadJob(0, {}, base_version=2, tokens=10, steps=1, step_time_s=0.1,
-                          pending=(previous, Snapshot({"w": local})))
+                          pending=[(job.pending[-1][1], Snapshot({"w": local}))])
         job.absorb(newer)
-        assert job.pending is newer.pending and job.tokens == 10 * (i + 1)
+        # Consecutive sends telescope into one pair: (anchor, the newest local); still nothing computed.
+        assert job.delta == {} and len(job.pending) == 1 and job.pending[0][0] is anchor
+        assert job.pending[0][1] is newer.pending[0][1] and job.tokens == 10 * (i + 1)
     assert job.base_version == 1
     # The sum of the three deltas: (4-3, 4-5) + (3-2, 5-5) + (2-2, 5-7) = anchor - the last local.
-    assert torch.equal(job.settle()["w"], torch.tensor([2.0, -3.0])) and job.pending is None
+    assert torch.equal(job.settle()["w"], torch.tensor([2.0, -3.0])) and job.pending == []
+
+
+def test_a_version_taken_between_two_sends_keeps_their_pairs_apart_and_their_number_bounded():
+    job = UploadJob(0, {}, base_version=1, tokens=1, steps=1, step_time_s=0.1,
+                    pending=[(Snapshot({"w": torch.tensor([1.0])}), Snapshot({"w": torch.tensor([0.0])}))])
+    expected = torch.tensor([1.0])
+    for k in range(1, 7):  # each send after a take: its anchor is the taken version, not the last local
+        g, local = torch.tensor([10.0 * k]), torch.tensor([10.0 * k - k])
+        job.absorb(UploadJob(0, {}, base_version=1 + k, tokens=1, steps=1, step_time_s=0.1,
+                             pending=[(Snapshot({"w": g}), Snapshot({"w": local}))]))
+        expected = expected + (g - local)
+        assert 1 <= len(job.pending) <= UploadJob.MAX_PENDING
+    assert len(job.delta) == 1  # the oldest pairs were settled into the delta once past the bound
+    assert torch.equal(job.settle()["w"], expected) and job.tokens == 7
