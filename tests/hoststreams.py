@@ -70,6 +70,9 @@ class RecordingStreams:
     def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
         self.log.append(("keep_alive", tuple(tensor.shape), stream.name, self._on))
 
-    def host_empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         self.log.append(("host_empty", shape, self._on))
-        return torch.empty(shape, dtype=torch.float32)
+        return torch.empty(shape, dtype=dtype)
+
+    def wait(self, stream: Stream, event: Event) -> None:
+        self.log.append(("wait_event", stream.name, event.stream))

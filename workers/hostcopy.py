@@ -51,8 +51,11 @@ class Streams(Protocol):
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
         """`tensor`, allocated on another stream, is in use by `stream` until its queued work is done."""
 
-    def host_empty(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """An fp32 host buffer the device copies to and from without staging: pinned memory."""
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A host buffer the device copies to and from without staging: pinned memory."""
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Work queued on `stream` from now on waits for `event` (the device waits, not the host)."""
 
 
 class DeviceStreams:
@@ -78,13 +81,17 @@ class DeviceStreams:
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)
 
-    def host_empty(self, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.empty(shape, dtype=torch.float32, pin_memory=True)
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
 
 
 class Snapshot:
-    """Host fp32 copies of some parameters, possibly still on their way from the device. Read them
-    with `wait()` (from any thread); never changed in place once taken."""
+    """Host fp32 copies of some parameters (or a state tree's tensors: `HostCopies.tree_to_host`),
+    possibly still on their way from the device. Read them with `wait()` (from any thread); never
+    changed in place once taken."""
 
     __slots__ = ("_values", "_event")
 
@@ -98,6 +105,12 @@ class Snapshot:
         if event is not None:
             event.synchronize()
             self._event = None
+        return self._values
+
+    @property
+    def unwaited(self) -> Any:
+        """The values without waiting: their contents are undefined until `wait()` returns (to hand
+        them to the thread that waits)."""
         return self._values
 
     @property
@@ -132,6 +145,37 @@ class HostCopies:
                 host[name] = buffer
             event = streams.record(side)
         return Snapshot(host, event)
+
+    def tree_to_host(self, tree: Any) -> Snapshot:
+        """A host copy of every tensor in `tree` (dicts, lists and tuples of tensors and plain values:
+        a state dict), same dtypes, without waiting: on a device the copies go to pinned memory on
+        the side stream, behind what the compute stream has queued. The live tensors must not change
+        until the copies are done: call `before_write(snapshot)` before the work that changes them
+        (the next optimizer step) is queued. On the CPU the copies are made now."""
+        streams = self.streams
+        if streams is None:
+            return Snapshot(_map_tensors(tree, lambda t: t.detach().clone()))
+        side = streams.side()
+        side.wait_stream(streams.current())
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type != self.device.type:  # kept on the host by its optimizer (AdamW's step count)
+                return t.detach().clone()
+            buffer = streams.host_empty(tuple(t.shape), t.dtype)
+            buffer.copy_(t.detach(), non_blocking=True)
+            return buffer
+
+        with streams.using(side):
+            host = _map_tensors(tree, copy)
+            event = streams.record(side)
+        return Snapshot(host, event)
+
+    def before_write(self, snapshot: Snapshot) -> None:
+        """The tensors `snapshot` copied are about to change: the compute stream waits (on the device)
+        for the copies still running; the host waits for nothing."""
+        event = snapshot._event
+        if self.streams is not None and event is not None:
+            self.streams.wait(self.streams.current(), event)
 
     def reserve(self, shapes: Iterable[tuple[int, ...]], sets: int = 2) -> None:
         """Pinned host memory for `sets` snapshots of tensors of `shapes`, allocated now and handed
@@ -169,3 +213,13 @@ class HostCopies:
         if self.streams is None:
             return value
         return value.to(self.device, non_blocking=True)
+
+
+def _map_tensors(tree: Any, fn: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_map_tensors(v, fn) for v in tree)
+    return tree

@@ -65,7 +65,7 @@ from diloco.workers.hostcopy import Snapshot
 from diloco.workers.island import Replica
 from diloco.workers.losses import LossRecorder
 from diloco.workers.metrics import LearnerMetrics
-from diloco.workers.state import LearnerState, Stateful, StateSaver, latest_key, misfit, optimizer_params, to_host
+from diloco.workers.state import LearnerState, Stateful, StateSaver, latest_key, misfit, optimizer_params
 from diloco.workers.staging import Staged, Stager
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
@@ -277,6 +277,7 @@ class Learner:
         self._metrics: LearnerMetrics | None = None
         self._saver: StateSaver | None = None  # rank 0 of a single-process learner with save_state
         self._sends_of_0 = 0
+        self._state_copies: Snapshot | None = None  # a saved state's copies to the host, maybe still running
         self.restored_from: str | None = None
         """The saved state this learner resumed from when it joined (its key), None if it started afresh."""
         self._sigterm_previous = None
@@ -377,12 +378,16 @@ class Learner:
             layout = self.layout
         self.fragments = [FragmentState([s.name for s in specs]) for specs in layout.fragments]
         if values is not None:  # rank 0
-            self.replica.copies.reserve([tuple(p.shape) for p in self.replica.params.values()])
+            # Pinned memory for two snapshots of every parameter, and for a saved state (AdamW: two
+            # moments each) when states are saved: allocated here, not in a step.
+            self.replica.copies.reserve([tuple(p.shape) for p in self.replica.params.values()],
+                                        sets=4 if self._saver is not None else 2)
             for f, state in enumerate(self.fragments):
                 state.anchor = Snapshot({n: values[n] for n in state.names})  # shared with the fetcher
                 state.base_version = heads[f]
         self.replica.write(values, [n for state in self.fragments for n in state.names])
         self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
+        self._pre_hook = self.optimizer.register_step_pre_hook(lambda *_: self._before_step())
         if self.is_leader and self.config.metrics_port:
             self._metrics = LearnerMetrics.start(self, self.config.metrics_port)
 
@@ -443,6 +448,7 @@ class Learner:
         this learner finished with its `finished` final pieces (None: it did not finish) and leave."""
         if self._hook is not None:
             self._hook.remove()
+            self._pre_hook.remove()
             self._hook = None
         self._restore_sigterm_handler()
         if not self.is_leader:
@@ -857,12 +863,20 @@ class Learner:
 
     def _save_state(self) -> None:
         """Rank 0, at a step boundary: copy the state to the host now, upload it in the background."""
+        copies = self.replica.copies.tree_to_host({"optimizer": self.optimizer.state_dict(),
+                                                   "user": {k: v.state_dict() for k, v in self.user_state.items()}})
+        self._state_copies = copies  # the next optimizer step waits for them (on the device): `_before_step`
+        host = copies.unwaited
         state = LearnerState(learner=self.learner_id, step=self.step, tokens=self.tokens,
                              versions=tuple(s.base_version for s in self.fragments), params=self._optimizer_params(),
-                             optimizer=to_host(self.optimizer.state_dict()),
-                             user={k: to_host(v.state_dict()) for k, v in self.user_state.items()},
-                             saved_at=time.time() + self._clock_offset_s)
-        self._saver.submit(state)
+                             optimizer=host["optimizer"], user=host["user"], saved_at=time.time() + self._clock_offset_s)
+        self._saver.submit(state, copies)
+
+    def _before_step(self) -> None:
+        """Before an optimizer step: a state copy still running keeps the step from changing its tensors."""
+        copies, self._state_copies = self._state_copies, None
+        if copies is not None:
+            self.replica.copies.before_write(copies)
 
     def _restore_state(self, heads: dict[int, int]) -> None:
         """Rank 0, joining: resume from this learner's newest saved state if it fits (`state.misfit`),

@@ -20,8 +20,9 @@ warmup starts again too). The schedule, the data position and the step do not de
 
 What is saved: `optimizer.state_dict()` and each of the user's objects' `state_dict()` (an LR
 scheduler, a data position: anything with `state_dict`/`load_state_dict`), copied to host memory
-on the training thread at a step boundary (the training goes on changing the live tensors), then
-serialized and uploaded on a thread of its own. The object is a length-prefixed msgpack tree of
+at a step boundary without waiting (`HostCopies.tree_to_host`: on a device, into pinned memory on a
+side stream, and the next optimizer step waits on the device for those copies before it changes the
+moments), then serialized and uploaded on a thread of its own, which waits for the copies. The object is a length-prefixed msgpack tree of
 plain values (dicts, lists, tuples, numbers, strings) whose tensors are references into a
 safetensors blob that follows it: read back, it is parsed, never unpickled.
 """
@@ -43,6 +44,7 @@ from diloco.storage.errors import Refused
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import Store
 from diloco.storage.protocol import pack, unpack
+from diloco.workers.hostcopy import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -136,17 +138,6 @@ def _unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return tree
 
 
-def to_host(value: Any) -> Any:
-    """A copy of a state dict whose tensors are host copies: the live ones go on changing."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: to_host(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(to_host(v) for v in value)
-    return value
-
-
 def optimizer_params(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(run name, shape) of the optimizer's parameters in its own order ('?' for one outside the model)."""
     return tuple((names.get(id(p), "?"), tuple(p.shape)) for group in optimizer.param_groups for p in group["params"])
@@ -180,16 +171,18 @@ class StateSaver(threading.Thread):
         self.store, self.keys, self.learner = store, keys, learner
         self._seq = next_seq
         self._cond = threading.Condition()
-        self._waiting: LearnerState | None = None
+        self._waiting: tuple[LearnerState, Snapshot | None] | None = None
         self._busy = False
         self._closed = False
         self.saved = 0
         self.failed = 0
         self.last_key: str | None = None
 
-    def submit(self, state: LearnerState) -> None:
+    def submit(self, state: LearnerState, landed: Snapshot | None = None) -> None:
+        """Save `state`, whose tensors are host copies that may still be on their way from the device
+        until `landed` (their `HostCopies.tree_to_host`) says they are done: this thread waits for it."""
         with self._cond:
-            self._waiting = state
+            self._waiting = (state, landed)
             self._cond.notify_all()
 
     def flush(self, timeout_s: float) -> bool:
@@ -215,8 +208,10 @@ class StateSaver(threading.Thread):
                     self._cond.wait()
                 if self._waiting is None:
                     return
-                state, self._waiting, self._busy = self._waiting, None, True
+                (state, landed), self._waiting, self._busy = self._waiting, None, True
             try:
+                if landed is not None:
+                    landed.wait()
                 self._save(state)
             except Exception as exc:  # noqa: BLE001 (a state not saved costs a cold restart, never the run)
                 self.failed += 1

@@ -49,10 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = RunSettings()
     parser.add_argument("--out", type=Path, default=Path("out/bench/device"), help="stack data and logs")
     parser.add_argument("--device", default="auto", help="torch device: auto (cuda if available, else cpu), cuda, cpu...")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per arm (default: 130 on a GPU, 40 on the CPU)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 20 on a GPU, 3 on the CPU)")
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: 16 on a GPU, 2 on the CPU)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256 on a GPU, 128 on the CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per arm (default: 130 on a GPU, 110 on the CPU)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 20 on a GPU, 10 on the CPU)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: 16 on a GPU, 1 on the CPU)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256 on a GPU, 64 on the CPU)")
     parser.add_argument("--n-layer", type=int, default=12, help="blocks (default: %(default)s, GPT-2 small)")
     parser.add_argument("--fragments", type=int, default=defaults.num_fragments, help="P (default: the run's, %(default)s)")
     parser.add_argument("--sync-every", type=int, default=defaults.sync_every, help="H (default: the run's, %(default)s)")
@@ -239,10 +239,12 @@ def run(args: argparse.Namespace) -> DeviceResult:
 
     device = _pick_device(args.device)
     gpu = device.type != "cpu"
-    args.steps = args.steps or (130 if gpu else 40)
-    args.warmup = args.warmup if args.warmup is not None else (20 if gpu else 3)
-    args.batch_size = args.batch_size or (16 if gpu else 2)
-    args.seq_len = args.seq_len or (256 if gpu else 128)
+    # On the CPU a step of this model takes seconds: a smaller batch, and enough steps past the
+    # first sends (at H) to see every fragment sent and taken about twice.
+    args.steps = args.steps or (130 if gpu else 110)
+    args.warmup = args.warmup if args.warmup is not None else (20 if gpu else 10)
+    args.batch_size = args.batch_size or (16 if gpu else 1)
+    args.seq_len = args.seq_len or (256 if gpu else 64)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} ({torch.get_num_threads()} threads)"
     settings = {"P": args.fragments, "H": args.sync_every, "codec": args.codec, "batch": args.batch_size,
                 "seq": args.seq_len, "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__}

@@ -87,3 +87,31 @@ def test_a_version_taken_between_two_sends_keeps_their_pairs_apart_and_their_num
         assert 1 <= len(job.pending) <= UploadJob.MAX_PENDING
     assert len(job.delta) == 1  # the oldest pairs were settled into the delta once past the bound
     assert torch.equal(job.settle()["w"], expected) and job.tokens == 7
+
+def test_a_state_tree_is_copied_on_the_side_stream_and_the_next_write_waits_for_it_on_the_device():
+    streams = RecordingStreams()
+    copies = HostCopies(torch.device("cpu"), streams=streams)
+    moments = torch.arange(4.0, dtype=torch.bfloat16)
+    tree = {"state": {0: {"exp_avg": moments, "step": 3}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    snapshot = copies.tree_to_host(tree)
+    assert streams.log[:2] == [("wait_stream", "side", "compute"), ("using", "side")]
+    assert ("host_empty", (4,), "side") in streams.log and streams.log[-1] == ("done", "side")
+    [event] = streams.events
+    assert not event.waits  # the training thread waited for nothing
+    copies.before_write(snapshot)  # the next optimizer step: the compute stream waits for the copies
+    assert streams.log[-1] == ("wait_event", "compute", "side") and not event.waits
+    host = snapshot.wait()
+    assert host["state"][0]["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(host["state"][0]["exp_avg"], moments) and host["state"][0]["exp_avg"] is not moments
+    assert host["state"][0]["step"] == 3 and host["param_groups"] == tree["param_groups"]
+    copies.before_write(snapshot)  # landed: nothing more to wait for
+    assert streams.log[-1] == ("wait_event", "compute", "side") and len([e for e in streams.log if e[0] == "wait_event"]) == 1
+
+
+def test_on_the_cpu_a_state_tree_is_copied_at_once():
+    moments = torch.ones(3)
+    snapshot = HostCopies(torch.device("cpu")).tree_to_host({"m": [moments]})
+    assert snapshot.landed
+    copy = snapshot.wait()["m"][0]
+    moments.add_(1.0)
+    assert torch.equal(copy, torch.ones(3))
