@@ -115,6 +115,7 @@ class UploadJob:
         self.final = self.final or newer.final
 
 
+@dataclass
 class TransferStats:
     uploaded: int = 0
     coalesced: int = 0

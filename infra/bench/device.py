@@ -6,6 +6,7 @@ autocast on a GPU) twice from the same initial weights: as a plain loop, then th
 of a run served by a coordinator process on a local stack (or the stack the environment names, as
 every other command reads it: DILOCO_REDIS_URL, DILOCO_S3_BUCKET...). The run has every default
 (P, H, tau, codec, cadence) unless a flag changes it; one learner, so the coordinator's quorum is 1.
+The coordinator runs at nice 19: in a deployment it has a machine of its own.
 
 Each arm runs `--warmup` steps, then `--steps` timed steps, each ended by waiting for the device
 (`torch.cuda.synchronize()`, as a loop that logs `loss.item()` every step does: every host-side
@@ -265,9 +266,11 @@ def run(args: argparse.Namespace) -> DeviceResult:
         else:
             endpoints = stack.enter_context(bench_stack(args.out)).endpoints
         fleet = stack.enter_context(Fleet(process_env(endpoints.to_env() | _credentials()), args.out / "logs"))
-        fleet.add("coordinator", diloco_command(
+        # The coordinator runs elsewhere in a deployment; here it shares the learner's host, so it
+        # runs at the lowest priority: the figures are the learner's.
+        fleet.add("coordinator", ["nice", "-n", "19", *diloco_command(
             "coordinator", "--run", run_id, "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
-            "--codec", args.codec, "--min-quorum", "1"), service=True)
+            "--codec", args.codec, "--min-quorum", "1")], service=True)
         loop = Loop(args, device)
         learner = Learner(loop.model, loop.optimizer, run=run_id, endpoints=endpoints, learner_id="device",
                           tokens_per_step=args.batch_size * args.seq_len)

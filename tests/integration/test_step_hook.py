@@ -20,7 +20,7 @@ import torch
 from diloco.storage import codecs
 from diloco.storage.history import read_manifest, read_params
 from diloco.workers.hostcopy import HostCopies
-from harness import TINY_RUN, announcements, make_coordinator, serving, start_beside, tiny_learner
+from harness import TINY_RUN, announcements, make_coordinator, serving, start_beside, tiny_learner, wait_until
 from hoststreams import RecordingStreams
 
 
@@ -77,14 +77,15 @@ def test_the_training_thread_never_waits_for_a_fresh_copy_and_sends_and_merges_a
 
     # Every send's snapshot was first waited for by a background thread (the uploader, to compute the
     # delta, or the fetcher, to stage a version against it); the training thread waited for none.
-    # The fetcher's own copies to the device (staging) were waited for by the fetcher alone.
+    # The fetcher's own copies to the device (staging) were waited for by the fetcher alone, a saved
+    # state's copies by the state saver.
     # Joining (step 0) reads the parameters and waits: once.
     events = [event for event in streams.events if event.step > 0]
     assert len(events) >= 8
     for event in events:
         assert event.waits, "a copy was never waited for"
         for thread, step in event.waits:
-            assert thread.startswith("uploader-") or thread == "fetcher", event
+            assert thread.startswith("uploader-") or thread in ("fetcher", "state-saver"), event
     # Each take added what the fetcher had computed: the training thread did no arithmetic of its own.
     assert learner.adopted >= 4 and learner.taken_staged == learner.adopted
 
@@ -160,3 +161,43 @@ def test_a_loss_tensor_is_kept_detached_and_read_when_progress_is_reported(endpo
     learner.report(loss=loss)  # no .item() in the training loop
     assert not learner._loss.requires_grad
     assert learner.last_loss == 2.5 and learner.progress().loss == 2.5
+
+
+def test_a_take_and_a_send_of_one_fragment_in_one_step_wait_for_no_copy_and_the_take_is_exact(endpoints, run_id):
+    # Deterministic: the coordinator serves only between steps 7 and 8, so fragment 0's version that
+    # merges its step-4 piece is downloaded and made ready before step 8, the step fragment 0 is
+    # due again (H = 4, tau = 1): step 8 both takes a version of fragment 0 and sends it.
+    coord = make_coordinator(endpoints, run_id, settings=STEPS_RUN)
+    learner, opt = tiny_learner(endpoints, run_id, "same-step")
+    streams = RecordingStreams(step=lambda: learner.step)
+    learner.replica.copies = HostCopies(torch.device("cpu"), streams=streams)
+    model, seen = learner.model, {}
+    opt.register_step_post_hook(lambda *_: seen.update(  # before the learner's hook: the optimizer's result
+        params={n: p.detach().clone() for n, p in model.named_parameters()},
+        anchor=dict(learner.fragments[0].anchor.wait()) if learner.fragments else None))
+    start_beside(coord, learner)
+
+    def step() -> None:
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+
+    try:
+        for _ in range(7):
+            step()
+        assert learner.versions == {0: 0, 1: 0} and learner.stats.uploaded >= 1
+        sent_before, fetched = learner.fragments[0].sent_id, learner.stats.fetched
+        with serving(coord):
+            assert wait_until(lambda: learner.stats.fetched > fetched, 30.0)
+        step()  # step 8
+        assert learner.step == 8 and learner.versions[0] == 1  # taken ...
+        assert learner.fragments[0].sent_id not in (None, sent_before)  # ... and sent, in the same step
+        assert learner.taken_staged == learner.adopted >= 1  # what was added was made on the fetcher's thread
+        g = read_params(coord.store, learner.layout, read_manifest(coord.store, coord.keys, 0, 1))
+        for n in learner.fragments[0].names:
+            assert torch.equal(dict(model.named_parameters())[n].detach(), seen["params"][n] + (g[n] - seen["anchor"][n]))
+        # The training thread waited for no copy after joining, step 8's own snapshot included.
+        assert all(thread != "MainThread" for event in streams.events if event.step > 0 for thread, _ in event.waits)
+    finally:
+        learner.close()
+        coord.close()
