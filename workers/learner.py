@@ -241,10 +241,10 @@ class Learner:
         """Inner steps trained between a send (or take) and the take after it (LearnerStats.steps_through):
         with the adopt rule, the steps dropped."""
         self.dropped_stale = 0
+        """Pieces not sent because the coordinator would have refused them as stale (`_send`)."""
         self.taken_staged = 0
         """Of `adopted`, versions taken with what the fetcher's thread had made ready (`_stage`): the
         others' arithmetic ran in the step hook."""
-        """Pieces not sent because the coordinator would have refused them as stale (`_send`)."""
         self.stats = TransferStats()
         # Names without the prefixes of DDP, torch.compile and other wrappers: a DDP island, a compiled
         # learner and a plain one train the same run.
@@ -266,10 +266,10 @@ class Learner:
         self._run_finished = False  # every rank: as rank 0 last shared it
         self._stop = threading.Event()
         self.sync_s = 0.0
-        self.hook_phases: dict[str, list[float]] = {}
-        """Where the step hook's time goes: phase (decide, merge, send, save) -> [total s, longest s]."""
         """Time the training loop spent in this learner's step hook: snapshots, deltas, merges and,
         with `wait_for_merge`, waiting for versions. Uploads and downloads run beside the loop."""
+        self.hook_phases: dict[str, list[float]] = {}
+        """Where the step hook's time goes: phase (decide, merge, send, save) -> [total s, longest s]."""
         self.started_at: float | None = None
         """When the first step ended (monotonic): the training loop's wall time is measured from it."""
         self.preempted = False
