@@ -827,12 +827,13 @@ class Learner:
         state = self.fragments[fragment]
         names = state.names
         values, keep, add = None, 1.0, 1.0
-        staged = fetched.staged if fetched is not None else None
-        rebase = self.spec.merge_rule == "rebase"
-        if staged is not None and staged.anchor is not (state.anchor if rebase else None):
-            staged.release()
-            staged = None
+        staged = None  # rank 0 only, like `fetched`
         if self.is_leader and fetched is not None:
+            rebase = self.spec.merge_rule == "rebase"
+            staged = fetched.staged
+            if staged is not None and staged.anchor is not (state.anchor if rebase else None):
+                staged.release()  # the learner sent again since: computed here instead
+                staged = None
             g = fetched.params
             if staged is not None:
                 values = staged.values

@@ -188,6 +188,7 @@ def test_diloco_finish_without_a_coordinator_fails_and_the_next_coordinator_fini
     coord.close()
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_a_token_budget_ends_the_run_once_every_fragment_merged_it_also_after_a_restart(endpoints, run_id):
     """`--token-budget`: the run ends once every fragment has merged that many tokens, counted in the
     manifests (so a restarted coordinator goes on from its predecessor's count, not from 0), and the

@@ -197,6 +197,7 @@ def test_an_export_inspects_the_same_as_the_bucket_and_errors_say_what_to_do(his
     assert beyond.returncode == 1 and "has no committed version 999 (fragment 0: v0..v" in beyond.stderr, beyond.stderr
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_after_gc_the_manifests_still_say_who_contributed_what(history, capsys):
     """`diloco gc --keep-last 1` deletes the older versions' inputs: inspect still counts them from
     their manifests and says why it has no norms for them; blame leaves them out and says so."""

@@ -105,6 +105,7 @@ def test_reported_losses_are_stored_plotted_and_written_for_tensorboard(env, run
             assert [e.step for e in events.Scalars("loss_by_tokens")] == s.tokens
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_status_waits_for_the_run_and_says_why_a_learner_left(env, run_id, tmp_path, capsys, caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="diloco")
     made: list = []

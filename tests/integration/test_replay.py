@@ -98,6 +98,7 @@ def tamper_weight(store: ObjectStore, keys: RunKeys, fragment: int, version: int
               create_only=False)
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_tampering_is_reported_at_exactly_that_version_and_fails_the_command(endpoints, run_id, tmp_path,
                                                                              stack, monkeypatch):
     heads = make_history(endpoints, run_id)

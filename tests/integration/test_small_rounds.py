@@ -60,6 +60,7 @@ def fleet(endpoints, run_id):  # noqa: ANN001, ANN201
     two.close()
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_a_lone_learners_round_steps_by_its_share_and_a_backlog_is_capped_also_after_a_restart(fleet):
     for _ in range(3):  # rounds of both learners: 2 x 4 steps x 10 tokens
         assert fleet.round_of("a", "b") == (80, 1.0, 1.0)

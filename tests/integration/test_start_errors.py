@@ -104,9 +104,9 @@ CASES: dict[str, tuple[Callable[[Servers], dict[str, str]], str, bool]] = {
 }
 SLOW = {"redis unknown host", "rediss to a plaintext redis", "untrusted redis certificate", "redis url names the s3 port",
         "s3 unknown access key", "http to a TLS server", "s3 refused", "s3 unknown host", "redis wrong password",
-        "redis to a TLS-only redis", "https to an http s3"}
+        "redis to a TLS-only redis", "https to an http s3", "s3 missing bucket"}
 """Kinds that add little to the others (`make test-all` runs them): `make test` keeps one retried kind
-(redis refused) and two at once (s3 wrong secret, s3 missing bucket)."""
+(redis refused) and one at once (s3 wrong secret)."""
 
 
 def role_argv(role: str, *extra: str) -> list[str]:
@@ -172,6 +172,7 @@ def test_default_deadline_is_about_ten_seconds(servers):
         assert 10 <= ended.elapsed_s < STARTUP_S + 14, (ended.role, ended.elapsed_s)
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_verbose_shows_the_traceback(servers):
     env = servers.env | {"AWS_SECRET_ACCESS_KEY": "not-the-secret"}
     for ended in run_roles(env, ("learner", "coordinator"), "-v"):

@@ -15,6 +15,7 @@ import dataclasses
 import time
 from typing import NamedTuple
 
+import pytest
 import torch
 
 from diloco.storage import codecs
@@ -124,6 +125,7 @@ def test_the_training_thread_never_waits_for_a_fresh_copy_and_sends_and_merges_a
     assert merges >= 4
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: the rebase tests stay
 def test_adopting_takes_the_global_values_and_every_step_is_sent_once_or_dropped(endpoints, run_id):
     coord = make_coordinator(endpoints, run_id, settings=ADOPT_RUN)
     learner, opt = tiny_learner(endpoints, run_id, "adopt")
@@ -188,7 +190,7 @@ def test_a_take_and_a_send_of_one_fragment_in_one_step_wait_for_no_copy_and_the_
         assert learner.versions == {0: 0, 1: 0} and learner.stats.uploaded >= 1
         sent_before, fetched = learner.fragments[0].sent_id, learner.stats.fetched
         with serving(coord):
-            assert wait_until(lambda: learner.stats.fetched > fetched, 30.0)
+            assert wait_until(lambda: learner.stats.fetched >= fetched + 2, 30.0)  # both fragments' first versions
         step()  # step 8
         assert learner.step == 8 and learner.versions[0] == 1  # taken ...
         assert learner.fragments[0].sent_id not in (None, sent_before)  # ... and sent, in the same step
