@@ -224,6 +224,7 @@ def test_a_token_budget_ends_the_run_once_every_fragment_merged_it_also_after_a_
         coord.close()
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_a_learner_gone_for_longer_than_gone_after_s_no_longer_holds_the_run_open(endpoints, run_id):
     coord = Coordinator(endpoints, run_id, settings=STEPS_RUN,
                         config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0), gone_after_s=2.0))

@@ -136,6 +136,7 @@ def test_a_versions_rows_are_its_manifests_and_its_deltas(history, capsys):
     assert seen_single and seen_pair, "the history should hold a one-input and a two-learner version"
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_refusals_are_listed_with_their_reasons_and_counted_per_learner(history, capsys):
     store, keys = history
     refusing = [(f, v) for f in (0, 1) for v in list_versions(store, keys, f)

@@ -137,6 +137,7 @@ def test_a_state_too_old_is_not_restored_however_many_versions_the_run_moved_on_
     coord.close()
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_without_save_state_nothing_is_saved_export_skips_states_and_gc_keeps_only_the_newest(endpoints, run_id,
                                                                                                tmp_path):
     coord = make_coordinator(endpoints, run_id)

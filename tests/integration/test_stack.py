@@ -70,6 +70,7 @@ def test_restarts_keep_data_on_the_same_ports_and_stop_leaves_nothing(tmp_path):
     assert not leftovers  # SeaweedFS's unix sockets would otherwise pile up in /tmp
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_a_failed_start_stops_what_it_started(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -1,0 +1,47 @@
+"""`diloco bench device`: the verdict it prints, and (make test-slow) a whole small run on the CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from diloco.infra.bench.device import Arm, DeviceResult
+
+
+def _result(device: str, plain: list[float], learner: list[float], hooks: list[float]) -> DeviceResult:
+    result = DeviceResult(device, device, 124_000_000, {"P": 4, "H": 50})
+    result.arms = [Arm("plain", plain), Arm("learner", learner, hook_steps_s=hooks, taken=2, taken_ready=2,
+                                           phases={"send": [0.01, 0.004]})]
+    return result
+
+
+def test_the_verdict_holds_the_mean_to_2_percent_on_a_gpu_and_5_on_the_cpu_and_names_each_slow_step():
+    plain = [1.0] * 20
+    learner = [1.03] * 19 + [1.6]  # mean +6%, one step 1.55x the median
+    gpu = _result("cuda", plain, learner, [0.0] * 19 + [0.25]).table()
+    assert "goal within 2%: NOT met" in gpu and "goal <= 1.5: NOT met" in gpu
+    assert "slow steps (ms, of which in the hook): 1600 (250)" in gpu
+    assert "hook phases over the arm (total / longest ms): send 10 / 4" in gpu
+    calm = [1.02] * 20
+    cpu = _result("cpu", plain, calm, [0.0] * 20).table()
+    assert "mean +2.0%" in cpu and "goal within 5%: met" in cpu and "goal <= 1.5: met" in cpu
+    assert "slow steps" not in cpu
+
+
+@pytest.mark.slow  # about a minute and a half: a stack, a coordinator and two arms of a small model
+def test_a_small_run_on_the_cpu_times_both_arms_and_every_take_is_made_ready_off_the_loop(tmp_path):
+    out = tmp_path / "device.json"
+    done = subprocess.run([sys.executable, "-m", "diloco.infra.cli", "bench", "device", "--device", "cpu",
+                           "--n-layer", "1", "--steps", "16", "--warmup", "1", "--seq-len", "16", "--batch-size", "1",
+                           "--sync-every", "4", "--out", str(tmp_path / "run"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    plain, learner = result["arms"]
+    assert [plain["name"], learner["name"]] == ["plain", "learner"]
+    assert len(plain["steps_s"]) == len(learner["steps_s"]) == len(learner["hook_steps_s"]) == 16
+    assert learner["sent"] >= 2 and learner["taken_ready"] == learner["taken"]
+    assert "mean ratio" in done.stdout and "against the plain loop" in done.stdout
