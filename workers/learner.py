@@ -66,7 +66,8 @@ from diloco.workers.island import Replica
 from diloco.workers.losses import LossRecorder
 from diloco.workers.metrics import LearnerMetrics
 from diloco.workers.state import LearnerState, Stateful, StateSaver, latest_key, misfit, optimizer_params
-from diloco.workers.staging import Staged, Stager
+from diloco.workers.staging import Stager
+from diloco.workers.threads import transfer_threads, usable_cpus
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,11 @@ class LearnerConfig:
     state_max_age_s: float = 1800.0
     """With `save_state`: a saved state older than this (the coordinator's default `--gone-after-s`)
     is not restored; the learner starts afresh."""
+    transfer_threads: int = 0
+    """CPU threads each of the learner's transfer threads (uploader, fetcher, state saver) may use for
+    torch's encoding, decoding and hashing of whole fragments. 0: a quarter of this process's CPUs
+    when the model is on a GPU (the thread that launches the kernels keeps its core), torch's own
+    count on the CPU (where capping them slows the loop's own parallel ops: `workers/threads.py`)."""
     own_version_wait: float = 0.5
     """After `overlap_steps`, keep training up to this fraction of H more steps while the version that
     merged this learner's own contribution is not committed or not downloaded yet, rather than take an
@@ -127,6 +133,8 @@ class LearnerConfig:
         if self.state_every < 0:
             raise ConfigError(f"state_every must be >= 0 sends (0: save the state on SIGTERM only), got "
                               f"{self.state_every}")
+        if self.transfer_threads < 0:
+            raise ConfigError(f"transfer_threads must be >= 0 (0: chosen for the device), got {self.transfer_threads}")
         if self.lease_s <= self.heartbeat_s or not self.lease_s <= MAX_LEASE_S:
             raise ConfigError(f"lease_s ({self.lease_s}) must exceed heartbeat_s ({self.heartbeat_s}) and be at "
                               f"most {MAX_LEASE_S:g} s")
@@ -156,12 +164,19 @@ class FragmentState:
     """The clock deadline the last send served (clock cadence)."""
     since_step: int = 0
     """The step of the last send or take: the steps since were trained on from the same base."""
+    stage_waits: int = 0
+    """Steps the next take has waited for the stager to make its version ready (`STAGE_WAIT_STEPS`)."""
 
 
 FLAG_RUN_FINISHED = 1
 FLAG_LEAVE = 2
 """Bits of the flags rank 0 shares with its plan each step."""
 
+
+STAGE_WAIT_STEPS = 4
+"""A version due to be taken while the stager is still making it ready (downloaded just now, or
+asked again after a send changed the anchor) waits up to this many steps for it; then the step hook
+computes it itself (a stall on a GPU)."""
 
 WAIT_LOG_S = 5.0
 """While joining, how often a learner says what it is waiting for."""
@@ -243,8 +258,9 @@ class Learner:
         self.dropped_stale = 0
         """Pieces not sent because the coordinator would have refused them as stale (`_send`)."""
         self.taken_staged = 0
-        """Of `adopted`, versions taken with what the fetcher's thread had made ready (`_stage`): the
-        others' arithmetic ran in the step hook."""
+        """Of `adopted`, versions taken with what the stager's thread had made ready (`workers.staging`):
+        the others' arithmetic ran in the step hook."""
+        self._stager: Stager | None = None
         self.stats = TransferStats()
         # Names without the prefixes of DDP, torch.compile and other wrappers: a DDP island, a compiled
         # learner and a plain one train the same run.
@@ -463,11 +479,13 @@ class Learner:
         self._stop.set()
         self.uploader.close()
         self.fetcher.close()
+        if self._stager is not None:
+            self._stager.close()
         if self._saver is not None:
             self._saver.close()
         # Join before the interpreter tears down: a daemon thread inside a torch op at exit aborts the
         # process. A thread stuck on an unreachable server is abandoned at the deadline.
-        for thread in (self.uploader, self.fetcher, self._heartbeat_thread, self._losses, self._saver):
+        for thread in (self.uploader, self.fetcher, self._stager, self._heartbeat_thread, self._losses, self._saver):
             if thread is not None:
                 thread.join(timeout=max(0.5, deadline - time.monotonic()))
         # Leaving is best effort (the lease expires anyway) and must not outlast the deadline
@@ -498,8 +516,8 @@ class Learner:
         The learner never joined, so it neither sends nor finishes anything."""
         self._stop.set()
         self._restore_sigterm_handler()
-        threads = [t for t in (getattr(self, n, None) for n in ("uploader", "fetcher", "_heartbeat_thread", "_losses",
-                                                                  "_saver")) if t is not None]
+        threads = [t for t in (getattr(self, n, None) for n in ("uploader", "fetcher", "_stager",
+                                                                  "_heartbeat_thread", "_losses", "_saver")) if t is not None]
         for thread in threads:
             if hasattr(thread, "close"):
                 thread.close()
@@ -569,8 +587,10 @@ class Learner:
                               f"{list(end.versions)}): nothing joins it any more; train on in a new run")
         mine = plan_layout(model_params(self.model), self.spec.num_fragments)
         layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout", found=False)
+        self._threads = transfer_threads(self.config.transfer_threads, self.replica.device.type, usable_cpus())
         self.uploader = Uploader(self.store, self.bus, self.spec, self.learner_id, self.stats,
-                                 deadline_s=self.config.upload_deadline_s, error_feedback=self.config.error_feedback)
+                                 deadline_s=self.config.upload_deadline_s, error_feedback=self.config.error_feedback,
+                                 threads=self._threads)
         self.uploader.start()
         self._heartbeat()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -587,8 +607,9 @@ class Learner:
             raise ConfigError(f"this model does not fit run {self.run!r}: {problem}")
         self.layout = layout
         heads = self._wait(lambda: self._all_heads(layout), deadline, "version 0 of every fragment")
-        self._stager = Stager(self.replica.copies)
-        self.fetcher = Fetcher(self.store, self.bus, layout, self.stats, stage=self._stage)
+        self._stager = Stager(self.replica.copies, self._anchor_for, threads=self._threads)
+        self._stager.start()
+        self.fetcher = Fetcher(self.store, self.bus, layout, self.stats, stager=self._stager, threads=self._threads)
         values: dict[str, torch.Tensor] = {}
         for fragment, version in heads.items():
             what = f"version {version} of fragment {fragment}"
@@ -748,6 +769,9 @@ class Learner:
                        and self.step < not_before + self.config.own_version_wait * self.spec.sync_every)
             if mine is None and patient:
                 continue  # our contribution's round has not committed yet: train on, take that version later
+            if not sync and self.fetcher.staging(fragment) and state.stage_waits < STAGE_WAIT_STEPS:
+                state.stage_waits += 1  # being made ready off this thread: a few steps later costs less
+                continue
             waited_from = time.monotonic()
             fetched = self.fetcher.take(fragment, self.config.merge_wait_s if sync else 0.0)
             self._merge_wait_s += time.monotonic() - waited_from
@@ -761,7 +785,7 @@ class Learner:
                 fetched.release()
                 self.fetcher.want(fragment, mine - 1)  # ours is committed, an older version was parked: fetch ours
                 continue
-            state.awaiting = None
+            state.awaiting, state.stage_waits = None, 0
             ready[fragment] = fetched
         return ready
 
@@ -782,6 +806,8 @@ class Learner:
         job = UploadJob(fragment, {}, base, state.tokens, state.steps, self._step_time_s,
                         deadline=deadline, final=final, pending=[(state.anchor, snapshot)])
         state.anchor, state.tokens, state.steps = snapshot, 0, 0
+        if self.spec.merge_rule == "rebase":
+            self.fetcher.restage(fragment)  # a version waiting to be taken: ready it against this anchor
         state.sent_id = self.uploader.submit(job)
         state.since_step = self.step
         state.awaiting = self.step + self.spec.overlap_steps
@@ -805,19 +831,22 @@ class Learner:
         state.awaiting, state.since_step = self.step, self.step
         self.fetcher.want(fragment, state.base_version)
 
-    def _stage(self, fragment: int, version: int, params: dict[str, torch.Tensor]) -> Staged | None:
-        """The fetcher's thread, a version just downloaded: what taking it will blend, computed now
-        against the fragment's anchor of the moment (`workers.staging`; `_merge` uses it only if the
-        anchor is still the same)."""
+    @property
+    def transfer_cpu_s(self) -> float:
+        """CPU seconds of the uploader's, the fetcher's and the stager's own threads (torch's intra-op
+        pool threads they use are not counted)."""
+        return self.stats.cpu_s + (self._stager.cpu_s if self._stager is not None else 0.0)
+
+    def _anchor_for(self, fragment: int, version: int) -> tuple[Snapshot | None, list[str]] | None:
+        """The stager's thread, about to make `version` ready: the anchor of the moment to compute it
+        against (None for adopt and mix, which blend the values themselves) and the fragment's names;
+        None if it will not be taken (`_merge` uses the value only if the anchor is still the same)."""
         if fragment >= len(self.fragments):
             return None  # not joined yet
         state = self.fragments[fragment]
         if version <= state.base_version:
             return None  # not taken
-        anchor = state.anchor if self.spec.merge_rule == "rebase" else None
-        if self.spec.merge_rule == "rebase" and anchor is None:
-            return None
-        return self._stager.stage(fragment, version, params, state.names, anchor)
+        return (state.anchor if self.spec.merge_rule == "rebase" else None), state.names
 
     @torch.no_grad()
     def _merge(self, fragment: int, fetched: Fetched | None) -> None:
@@ -830,7 +859,7 @@ class Learner:
         staged = None  # rank 0 only, like `fetched`
         if self.is_leader and fetched is not None:
             rebase = self.spec.merge_rule == "rebase"
-            staged = fetched.staged
+            staged = fetched.slot.claim()
             if staged is not None and staged.anchor is not (state.anchor if rebase else None):
                 staged.release()  # the learner sent again since: computed here instead
                 staged = None
@@ -885,7 +914,7 @@ class Learner:
         keys = self.bus.keys
         key = latest_key(self.store, keys, self.learner_id)
         seq = 0 if key is None else keys.parse_learner_state_key(key)[1] + 1
-        self._saver = StateSaver(self.store, keys, self.learner_id, next_seq=seq)
+        self._saver = StateSaver(self.store, keys, self.learner_id, next_seq=seq, threads=self._threads)
         self._saver.start()
         if key is None:
             return
@@ -921,7 +950,7 @@ class Learner:
                             steps_through=self.steps_through, uploaded=self.stats.uploaded,
                             upload_failed=self.stats.upload_failed, bytes_uploaded=self.stats.bytes_uploaded,
                             bytes_downloaded=self.stats.bytes_downloaded, bytes_joined=self.stats.bytes_joined,
-                            sync_s=self.sync_s, background_cpu_s=self.stats.cpu_s,
+                            sync_s=self.sync_s, background_cpu_s=self.transfer_cpu_s,
                             wall_s=0.0 if self.started_at is None else time.monotonic() - self.started_at,
                             pid=os.getpid(), incarnation=self._incarnation)
 

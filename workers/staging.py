@@ -6,7 +6,7 @@ send), a subtraction over the whole fragment, and on a device it must then cross
 in the step hook, that is a stall on every step that takes a version (150-200 ms for a 124M model on
 a GPU, where a step takes 45 ms).
 
-The fetcher's thread does it instead, as soon as a version has been downloaded (`Stager.stage`):
+A thread of its own does it instead (`Stager`), as soon as the fetcher has downloaded a version:
 
 - on a device, the subtraction runs in chunks through two pinned host buffers, allocated once and
   reused, each chunk copied to a device tensor on a stream of the stager's own, and the thread waits
@@ -18,20 +18,27 @@ The fetcher's thread does it instead, as soon as a version has been downloaded (
   next (`Staged.release`): writing into fresh memory costs page faults that a warm buffer does not
   (a 38.6M-float subtraction: 169 ms into fresh memory, 22 ms warm).
 
-A staged value is only used for the anchor it was computed against (`Staged.anchor`: the learner's
-snapshot at its send, the same object): when the learner has sent again meanwhile, the step hook
-computes the difference itself, as before.
+A staged value is only right for the anchor it was computed against (`Staged.anchor`: the learner's
+snapshot at its send, the same object). When the learner sends the fragment again before taking the
+version (a round slower than H steps), the send asks for it again against the new anchor
+(`Stager.submit` once more), and the step hook waits a few steps for it rather than compute it on
+the training thread (`Slot.pending`); past that, or if the anchor still differs, the hook computes it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from diloco.workers.hostcopy import HostCopies, Snapshot
+from diloco.workers.threads import cap_this_thread
+
+log = logging.getLogger(__name__)
 
 CHUNK_ELEMS = 1 << 22
 """Elements per pinned chunk (16 MiB of fp32): large enough for full-speed copies, small enough that
@@ -55,11 +62,83 @@ class Staged:
             pool.append(self.values)
 
 
-class Stager:
-    """Stages fetched versions for one learner's device (see the module docstring). Called from the
-    fetcher's thread only; `Staged.release` from the training thread."""
+class Slot:
+    """Where one fetched version's staged value waits for the step hook: filled by the stager's
+    thread, claimed once by the hook (or released unclaimed when a newer version replaces it). Each
+    request for a value has a generation: a value computed for an older request (against an anchor
+    replaced since) is released, not offered."""
 
-    def __init__(self, copies: HostCopies, *, chunk_elems: int = CHUNK_ELEMS) -> None:
+    __slots__ = ("_lock", "_staged", "_asked", "_answered", "_closed")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._staged: Staged | None = None
+        self._asked = self._answered = 0
+        self._closed = False
+
+    @property
+    def pending(self) -> bool:
+        """A value was asked for and is not computed yet."""
+        return self._asked != self._answered
+
+    def ask(self) -> int | None:
+        """A new request (the anchor changed): drops the value held; None once claimed."""
+        with self._lock:
+            if self._closed:
+                return None
+            old, self._staged = self._staged, None
+            self._asked += 1
+            generation = self._asked
+        if old is not None:
+            old.release()
+        return generation
+
+    def offer(self, staged: Staged | None, generation: int) -> None:
+        """The stager's answer to request `generation` (None: nothing to stage)."""
+        with self._lock:
+            drop = staged
+            if not self._closed and generation == self._asked:
+                drop, self._staged, self._answered = self._staged, staged, generation
+        if drop is not None:
+            drop.release()
+
+    def claim(self) -> Staged | None:
+        """The step hook takes the version: the value if one is ready (it is the hook's to release)."""
+        with self._lock:
+            self._closed = True
+            staged, self._staged = self._staged, None
+            self._answered = self._asked
+        return staged
+
+    def release(self) -> None:
+        """Not taken after all."""
+        staged = self.claim()
+        if staged is not None:
+            staged.release()
+
+
+AnchorOf = Callable[[int, int], "tuple[Snapshot | None, Sequence[str]] | None"]
+"""(fragment, version) -> the anchor to stage the version against and the fragment's parameter
+names, or None when the version will not be taken (older than the learner's base)."""
+
+
+class Stager(threading.Thread):
+    """Stages fetched versions for one learner's device on a thread of its own (see the module
+    docstring): `submit` from any thread; `Staged.release` from the training thread."""
+
+    def __init__(self, copies: HostCopies, anchor_of: AnchorOf | None = None, *, chunk_elems: int = CHUNK_ELEMS,
+                 threads: int | None = None) -> None:
+        super().__init__(name="stager", daemon=True)
+        self.anchor_of = anchor_of
+        self.threads = threads
+        """torch's intra-op threads for this thread's ops (`workers.threads`); None: torch's own."""
+        self.stage_s = 0.0
+        """Time spent staging, in total."""
+        self.cpu_s = 0.0
+        """This thread's CPU time, in total."""
+        self._jobs: dict[int, tuple[int, Mapping[str, torch.Tensor], Slot, int]] = {}  # fragment -> newest request
+        self._cond = threading.Condition()
+        self._closed = False
         self.device = copies.device
         self.chunk_elems = chunk_elems
         self._streams = copies.for_thread()  # None on the CPU
@@ -67,6 +146,50 @@ class Stager:
         self._events: list[Any] = [None, None]  # the copy out of each chunk buffer, still running
         self._pools: dict[int, list[dict[str, torch.Tensor]]] = {}  # CPU: fragment -> buffers free for reuse
         self._lock = threading.Lock()
+
+    def submit(self, fragment: int, version: int, params: Mapping[str, torch.Tensor], slot: Slot) -> None:
+        """Stage `version` of `fragment` into `slot` against the fragment's anchor of the moment it is
+        computed; a newer request for the fragment replaces one not started."""
+        generation = slot.ask()
+        if generation is None:
+            return  # taken already
+        with self._cond:
+            replaced = self._jobs.pop(fragment, None)
+            self._jobs[fragment] = (version, params, slot, generation)
+            self._cond.notify_all()
+        if replaced is not None and replaced[2] is not slot:
+            replaced[2].offer(None, replaced[3])
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def run(self) -> None:
+        cap_this_thread(self.threads)
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    jobs, self._jobs = list(self._jobs.values()), {}
+                    for _, _, slot, generation in jobs:
+                        slot.offer(None, generation)
+                    return
+                fragment = next(iter(self._jobs))
+                version, params, slot, generation = self._jobs.pop(fragment)
+            t0, cpu = time.monotonic(), time.thread_time()
+            staged = None
+            try:
+                what = self.anchor_of(fragment, version) if self.anchor_of is not None else None
+                if what is not None and slot.pending:
+                    staged = self.stage(fragment, version, params, what[1], what[0])
+            except Exception as exc:  # noqa: BLE001 (the step hook computes it instead)
+                log.warning("fragment %d: version %d could not be made ready here (%s): the training loop will "
+                            "compute it", fragment, version, exc)
+            slot.offer(staged, generation)
+            self.stage_s += time.monotonic() - t0
+            self.cpu_s += time.thread_time() - cpu
 
     def stage(self, fragment: int, version: int, params: Mapping[str, torch.Tensor], names: Sequence[str],
               anchor: Snapshot | None) -> Staged:

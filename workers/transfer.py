@@ -25,7 +25,6 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +40,8 @@ from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, Layout, Manifest, RunSpec, VersionEvent
 from diloco.storage.updates import apply_update, chain_worth_it, encode_carrying, params_body
 from diloco.workers.hostcopy import Snapshot
-from diloco.workers.staging import Staged
+from diloco.workers.staging import Slot, Stager
+from diloco.workers.threads import cap_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +140,6 @@ class TransferStats:
     fetch_failed: int = 0
     upload_s: float = 0.0
     fetch_s: float = 0.0
-    stage_s: float = 0.0
-    """Of `fetch_s`, making fetched versions ready to blend (`workers.staging`): work the training loop does not do."""
     cpu_s: float = 0.0
     """CPU seconds of the uploader's and the fetcher's own threads (encode, error feedback, hash,
     compress, PUT; GET, decompress, decode, apply, verify); torch's intra-op pool threads they use
@@ -153,8 +151,10 @@ class Uploader(threading.Thread):
     RETRY_PAUSE_S = 1.0
 
     def __init__(self, store: ObjectStore, bus: Bus, spec: RunSpec, learner: str, stats: TransferStats, *,
-                 deadline_s: float = 120.0, error_feedback: bool = True) -> None:
+                 deadline_s: float = 120.0, error_feedback: bool = True, threads: int | None = None) -> None:
         super().__init__(name=f"uploader-{learner}", daemon=True)
+        self.threads = threads
+        """torch's intra-op threads for this thread's ops (`workers.threads`); None: torch's own."""
         self.store, self.bus, self.spec, self.learner, self.stats = store, bus, spec, learner, stats
         self.deadline_s = deadline_s
         self.error_feedback = error_feedback
@@ -204,6 +204,7 @@ class Uploader(threading.Thread):
             self._cv.notify_all()
 
     def run(self) -> None:
+        cap_this_thread(self.threads)
         while True:
             with self._cv:
                 while not self._jobs and not self._closed:
@@ -306,13 +307,12 @@ class Uploader(threading.Thread):
 class Fetched:
     version: int
     params: dict[str, torch.Tensor]
-    staged: Staged | None = None
-    """What the learner blends to take this version, made ready on the fetcher's thread (`workers.staging`)."""
+    slot: Slot = field(default_factory=Slot)
+    """What the learner blends to take this version, made ready on the stager's thread (`workers.staging`)."""
 
     def release(self) -> None:
         """Not taken after all: a staged buffer goes back for reuse."""
-        if self.staged is not None:
-            self.staged.release()
+        self.slot.release()
 
 
 @dataclass
@@ -323,12 +323,13 @@ class _Want:
 
 class Fetcher(threading.Thread):
     def __init__(self, store: ObjectStore, bus: Bus, layout: Layout, stats: TransferStats, *,
-                 stage: Callable[[int, int, dict[str, torch.Tensor]], Staged | None] | None = None) -> None:
+                 stager: Stager | None = None, threads: int | None = None) -> None:
         super().__init__(name="fetcher", daemon=True)
+        self.threads = threads
+        """torch's intra-op threads for this thread's ops (`workers.threads`); None: torch's own."""
         self.store, self.bus, self.layout, self.stats = store, bus, layout, stats
-        self._stage = stage
-        """(fragment, version, params) -> what taking it will blend, computed here (the learner's
-        `_stage`), or None."""
+        self._stager = stager
+        """Makes each version downloaded ready to take, on its own thread (`workers.staging`)."""
         self._wants: dict[int, _Want] = {}
         self._ready: dict[int, Fetched] = {}
         self._heads: dict[int, int] = {}
@@ -384,10 +385,25 @@ class Fetcher(threading.Thread):
                 self._arrived.wait_for(lambda: fragment in self._ready or self._closing.is_set(), timeout=wait_s)
             return self._ready.pop(fragment, None)
 
+    def staging(self, fragment: int) -> bool:
+        """The fragment's version waiting to be taken is still being made ready."""
+        with self._lock:
+            fetched = self._ready.get(fragment)
+        return fetched is not None and fetched.slot.pending
+
+    def restage(self, fragment: int) -> None:
+        """The fragment's anchor changed (a send): the version waiting to be taken, if any, is made
+        ready again against the new one."""
+        with self._lock:
+            fetched = self._ready.get(fragment)
+        if fetched is not None and self._stager is not None:
+            self._stager.submit(fragment, fetched.version, fetched.params, fetched.slot)
+
     def close(self) -> None:
         self._closing.set()
 
     def run(self) -> None:
+        cap_this_thread(self.threads)
         while not self._closing.is_set():
             cpu = time.thread_time()
             try:
@@ -458,23 +474,17 @@ class Fetcher(threading.Thread):
             log.error("version %d of fragment %d cannot be taken (%s): waiting for a newer one", version, fragment,
                       exc.reason if isinstance(exc, Refused) else exc)
             return
-        staged = None
-        if self._stage is not None:
-            t1 = time.monotonic()
-            try:
-                staged = self._stage(fragment, version, params)
-            except Exception as exc:  # noqa: BLE001 (the step hook computes it instead)
-                log.warning("fragment %d: version %d could not be made ready here (%s): the training loop will "
-                            "compute it", fragment, version, exc)
-            self.stats.stage_s += time.monotonic() - t1
+        fetched = Fetched(version, params)
         with self._lock:
             want = self._wants.get(fragment)
             if want is not None and version > want.newer_than:
                 del self._wants[fragment]
             replaced = self._ready.get(fragment)
-            self._ready[fragment] = Fetched(version, params, staged)
+            self._ready[fragment] = fetched
             self._held[fragment] = Fetched(version, params)
             self._arrived.notify_all()
+        if self._stager is not None:
+            self._stager.submit(fragment, version, params, fetched.slot)
         if replaced is not None:
             replaced.release()
         self.stats.fetched += 1

@@ -8,7 +8,9 @@ every other command reads it: DILOCO_REDIS_URL, DILOCO_S3_BUCKET...). The run ha
 (P, H, tau, codec, cadence) unless a flag changes it; one learner, so the coordinator's quorum is 1.
 The coordinator runs at nice 19: in a deployment it has a machine of its own.
 
-Each arm runs `--warmup` steps, then `--steps` timed steps, each ended by waiting for the device
+Each arm runs `--warmup` steps (a Learner arm then trains on until it has taken as many versions
+as there are fragments, so that the timed window is the steady state with merges in it), then
+`--steps` timed steps, each ended by waiting for the device
 (`torch.cuda.synchronize()`, as a loop that logs `loss.item()` every step does: every host-side
 stall in the hook shows); on a GPU it then runs `--steps` more without that wait, timed as a block
 (a loop that never waits for the device hides the hook behind the device's queue). Printed per arm:
@@ -16,7 +18,8 @@ mean, median, p90 and max step, the worst step over the median, the steps over 1
 for the Learner the hook's own time, the versions taken in the timed window (and how many came
 ready from the fetcher's thread), and the transfer threads' CPU per step. The verdict holds the
 Learner's synchronized mean to within 5% of the plain loop's on the CPU and 2% on a GPU, and no
-step over 1.5x the median.
+step over 1.5x the median. `--transfer-threads 0,1,16` runs one Learner arm per value of
+`LearnerConfig.transfer_threads`, each a run of its own.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = RunSettings()
     parser.add_argument("--out", type=Path, default=Path("out/bench/device"), help="stack data and logs")
     parser.add_argument("--device", default="auto", help="torch device: auto (cuda if available, else cpu), cuda, cpu...")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per arm (default: 130 on a GPU, 110 on the CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per arm (default: 200 on a GPU, 110 on the CPU)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 20 on a GPU, 10 on the CPU)")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: 16 on a GPU, 1 on the CPU)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256 on a GPU, 64 on the CPU)")
@@ -58,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fragments", type=int, default=defaults.num_fragments, help="P (default: the run's, %(default)s)")
     parser.add_argument("--sync-every", type=int, default=defaults.sync_every, help="H (default: the run's, %(default)s)")
     parser.add_argument("--codec", default=defaults.codec, help="the run's codec (default: the run's, %(default)s)")
+    parser.add_argument("--settle-s", type=float, default=300.0,
+                        help="before timing a Learner arm, train on (untimed) until it has taken as many versions as "
+                             "there are fragments, at most this long (default: %(default)s)")
+    parser.add_argument("--transfer-threads", default="0",
+                        help="one Learner arm per comma-separated value of LearnerConfig.transfer_threads (default: "
+                             "%(default)s, the learner's default: a quarter of the CPUs beside a GPU, torch's count on "
+                             "the CPU); the verdict is the first arm's")
 
 
 @dataclass
@@ -78,6 +88,8 @@ class Arm:
     sent: int = 0
     coalesced: int = 0
     """Sends in the timed window that found the fragment's previous piece not yet uploaded (absorbed into it)."""
+    settle_steps: int = 0
+    """Untimed steps after the warmup until the Learner had taken as many versions as there are fragments."""
 
     @property
     def mean(self) -> float:
@@ -94,6 +106,20 @@ class Arm:
     @property
     def spikes(self) -> int:
         return sum(1 for s in self.steps_s if s > SPIKE * self.median)
+
+    def details(self) -> str:
+        """A Learner arm's slow steps with their hook share, its sends, and the hook's phases."""
+        slow = [(s, h) for s, h in zip(self.steps_s, self.hook_steps_s) if s > SPIKE * self.median]
+        lines = [f"timed from {self.settle_steps} steps after the warmup (the first takes); {self.sent} pieces "
+                 f"uploaded and {self.taken} versions taken in the timed window, {self.coalesced} sends absorbed "
+                 f"into a queued one"]
+        if slow:
+            lines.append("slow steps (ms, of which in the hook): "
+                         + ", ".join(f"{1e3 * s:.0f} ({1e3 * h:.0f})" for s, h in slow))
+        if self.phases:
+            lines.append("hook phases over the arm (total / longest ms): "
+                         + ", ".join(f"{k} {1e3 * v[0]:.0f} / {1e3 * v[1]:.0f}" for k, v in sorted(self.phases.items())))
+        return "\n  ".join(lines)
 
 
 @dataclass
@@ -121,19 +147,17 @@ class DeviceResult:
         table = figures_table(["arm", "mean ms", "median ms", "p90 ms", "max ms", "max/median",
                                f"steps > {SPIKE}x median", "mean ratio", "unsynced ms", "unsynced ratio",
                                "hook ms/step", "taken (ready)", "transfer CPU ms/step"], rows)
-        learner = self.arms[-1]
-        slow = [(s, h) for s, h in zip(learner.steps_s, learner.hook_steps_s) if s > SPIKE * learner.median]
-        if slow:
-            table += ("\nslow steps (ms, of which in the hook): "
-                      + ", ".join(f"{1e3 * s:.0f} ({1e3 * h:.0f})" for s, h in slow))
-        table += f"\nlearner: {learner.sent} pieces uploaded in the timed window, {learner.coalesced} sends absorbed into a queued one"
-        if learner.phases:
-            table += ("\nhook phases over the arm (total / longest ms): "
-                      + ", ".join(f"{k} {1e3 * v[0]:.0f} / {1e3 * v[1]:.0f}" for k, v in sorted(learner.phases.items())))
+        for learner in self.arms[1:]:
+            table += f"\n{learner.name}: " + learner.details()
+        learner = self.arms[1]
         goal = 0.02 if self.device != "cpu" else 0.05
         ratio = learner.mean / plain.mean
         worst = max(learner.steps_s) / learner.median
-        verdict = (f"mean {100 * (ratio - 1):+.1f}% against the plain loop (goal within {100 * goal:.0f}%: "
+        if not learner.taken:
+            verdict = "no version taken in the timed window: merges not measured (more --steps, or --settle-s)\n"
+        else:
+            verdict = ""
+        verdict += (f"mean {100 * (ratio - 1):+.1f}% against the plain loop (goal within {100 * goal:.0f}%: "
                    f"{'met' if ratio <= 1 + goal else 'NOT met'}); worst step {worst:.2f}x the median "
                    f"(goal <= {SPIKE}: {'met' if worst <= SPIKE else 'NOT met'})")
         return f"{head}\n{table}\n{verdict}"
@@ -211,22 +235,30 @@ class Loop:
 def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm:  # noqa: ANN001
     for _ in range(args.warmup):
         loop.step()
+    settle = 0
+    if learner is not None:
+        # The timed window is the steady state: every fragment sent, merged and taken once already
+        # (the first rounds wait for the round clock and the coordinator's first publishes).
+        until = time.monotonic() + args.settle_s
+        while learner.adopted < args.fragments and time.monotonic() < until:
+            loop.step()
+            settle += 1
     loop.sync()
     hook0 = learner.sync_s if learner else 0.0
-    taken0 = (learner.adopted, getattr(learner, "taken_staged", 0)) if learner else (0, 0)
-    cpu0, transfer0 = time.process_time(), learner.stats.cpu_s if learner else 0.0
+    taken0 = (learner.adopted, learner.taken_staged) if learner else (0, 0)
+    cpu0, transfer0 = time.process_time(), learner.transfer_cpu_s if learner else 0.0
     sent0 = (learner.stats.uploaded, learner.stats.coalesced) if learner else (0, 0)
     steps, hooks = loop.timed(args.steps, learner)
-    arm = Arm(name, steps, process_cpu_s=time.process_time() - cpu0, hook_steps_s=hooks)
+    arm = Arm(name, steps, process_cpu_s=time.process_time() - cpu0, hook_steps_s=hooks, settle_steps=settle)
     if learner is not None:
         arm.hook_s = learner.sync_s - hook0
-        arm.taken, arm.taken_ready = learner.adopted - taken0[0], getattr(learner, "taken_staged", 0) - taken0[1]
-        arm.transfer_cpu_s = learner.stats.cpu_s - transfer0
+        arm.taken, arm.taken_ready = learner.adopted - taken0[0], learner.taken_staged - taken0[1]
+        arm.transfer_cpu_s = learner.transfer_cpu_s - transfer0
         arm.sent, arm.coalesced = learner.stats.uploaded - sent0[0], learner.stats.coalesced - sent0[1]
     if loop.device.type != "cpu":
         arm.unsynced_s = loop.unsynced(args.steps)
     if learner is not None:
-        arm.phases = {k: list(v) for k, v in getattr(learner, "hook_phases", {}).items()}
+        arm.phases = {k: list(v) for k, v in learner.hook_phases.items()}
     return arm
 
 
@@ -234,15 +266,14 @@ def run(args: argparse.Namespace) -> DeviceResult:
     import torch
 
     from diloco.infra.bench.trial import bench_stack
-    from diloco.infra.local.fleet import Fleet, diloco_command, process_env, wait_until
-    from diloco.storage.bus import Bus
-    from diloco.workers.learner import Learner
+    from diloco.infra.local.fleet import Fleet, process_env
+    from diloco.workers.learner import LearnerConfig
 
     device = _pick_device(args.device)
     gpu = device.type != "cpu"
     # On the CPU a step of this model takes seconds: a smaller batch, and enough steps past the
     # first sends (at H) to see every fragment sent and taken about twice.
-    args.steps = args.steps or (130 if gpu else 110)
+    args.steps = args.steps or (200 if gpu else 110)
     args.warmup = args.warmup if args.warmup is not None else (20 if gpu else 10)
     args.batch_size = args.batch_size or (16 if gpu else 1)
     args.seq_len = args.seq_len or (256 if gpu else 64)
@@ -259,27 +290,54 @@ def run(args: argparse.Namespace) -> DeviceResult:
     if gpu:
         torch.get_device_module(device).empty_cache()
 
-    run_id = f"device-{int(time.time())}"
+    threads = _thread_settings(args.transfer_threads)
     with ExitStack() as stack:
         if os.environ.get(ENV_REDIS_URL):
             endpoints = Endpoints.from_env()
         else:
             endpoints = stack.enter_context(bench_stack(args.out)).endpoints
         fleet = stack.enter_context(Fleet(process_env(endpoints.to_env() | _credentials()), args.out / "logs"))
-        # The coordinator runs elsewhere in a deployment; here it shares the learner's host, so it
-        # runs at the lowest priority: the figures are the learner's.
-        fleet.add("coordinator", ["nice", "-n", "19", *diloco_command(
-            "coordinator", "--run", run_id, "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
-            "--codec", args.codec, "--min-quorum", "1")], service=True)
-        loop = Loop(args, device)
-        learner = Learner(loop.model, loop.optimizer, run=run_id, endpoints=endpoints, learner_id="device",
-                          tokens_per_step=args.batch_size * args.seq_len)
-        with learner:
-            result.arms.append(_arm("learner", loop, args, learner))
-        bus = Bus(endpoints, run_id)
-        wait_until(lambda: bus.run_end() is not None, 60.0)
-        fleet.stop(["coordinator"])
+        for n in threads:
+            name = "learner" if len(threads) == 1 else f"learner t={n}"
+            result.arms.append(_learner_arm(name, args, device, endpoints, fleet, LearnerConfig(transfer_threads=n)))
+            if gpu:
+                torch.get_device_module(device).empty_cache()
     return result
+
+
+def _thread_settings(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--transfer-threads takes comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise ConfigError(f"--transfer-threads takes numbers >= 0 (0: the learner's default), got {text!r}")
+    return values
+
+
+def _learner_arm(name: str, args: argparse.Namespace, device, endpoints: Endpoints, fleet,  # noqa: ANN001
+                 config) -> Arm:  # noqa: ANN001
+    """One Learner arm: a run of its own, served by a coordinator started for it."""
+    from diloco.infra.local.fleet import diloco_command, wait_until
+    from diloco.storage.bus import Bus
+    from diloco.workers.learner import Learner
+
+    run_id = f"device-{int(time.time() * 1000)}"
+    coordinator = f"coordinator-{run_id}"
+    # The coordinator runs elsewhere in a deployment; here it shares the learner's host, so it
+    # runs at the lowest priority: the figures are the learner's.
+    fleet.add(coordinator, ["nice", "-n", "19", *diloco_command(
+        "coordinator", "--run", run_id, "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
+        "--codec", args.codec, "--min-quorum", "1")], service=True)
+    loop = Loop(args, device)
+    learner = Learner(loop.model, loop.optimizer, run=run_id, endpoints=endpoints, learner_id="device",
+                      tokens_per_step=args.batch_size * args.seq_len, config=config)
+    with learner:
+        arm = _arm(name, loop, args, learner)
+    bus = Bus(endpoints, run_id)
+    wait_until(lambda: bus.run_end() is not None, 60.0)
+    fleet.stop([coordinator])
+    return arm
 
 
 def _credentials() -> dict[str, str]:

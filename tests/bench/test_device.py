@@ -31,17 +31,19 @@ def test_the_verdict_holds_the_mean_to_2_percent_on_a_gpu_and_5_on_the_cpu_and_n
     assert "slow steps" not in cpu
 
 
-@pytest.mark.slow  # about a minute and a half: a stack, a coordinator and two arms of a small model
-def test_a_small_run_on_the_cpu_times_both_arms_and_every_take_is_made_ready_off_the_loop(tmp_path):
+@pytest.mark.slow  # about two minutes: a stack, a coordinator per Learner arm, three arms of a small model
+def test_a_small_run_on_the_cpu_times_every_arm_and_every_take_is_made_ready_off_the_loop(tmp_path):
     out = tmp_path / "device.json"
     done = subprocess.run([sys.executable, "-m", "diloco.infra.cli", "bench", "device", "--device", "cpu",
                            "--n-layer", "1", "--steps", "16", "--warmup", "1", "--seq-len", "16", "--batch-size", "1",
-                           "--sync-every", "4", "--out", str(tmp_path / "run"), "--json", str(out)],
+                           "--sync-every", "4", "--transfer-threads", "0,1", "--out", str(tmp_path / "run"), "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    plain, learner = result["arms"]
-    assert [plain["name"], learner["name"]] == ["plain", "learner"]
-    assert len(plain["steps_s"]) == len(learner["steps_s"]) == len(learner["hook_steps_s"]) == 16
-    assert learner["sent"] >= 2 and learner["taken_ready"] == learner["taken"]
+    plain, *learners = result["arms"]
+    assert [plain["name"]] + [arm["name"] for arm in learners] == ["plain", "learner t=0", "learner t=1"]
+    for learner in learners:  # each Learner arm a run of its own, with a coordinator of its own
+        assert len(plain["steps_s"]) == len(learner["steps_s"]) == len(learner["hook_steps_s"]) == 16
+        assert learner["sent"] >= 2 and learner["settle_steps"] >= 1
+        assert learner["taken"] >= 1 and learner["taken_ready"] == learner["taken"]
     assert "mean ratio" in done.stdout and "against the plain loop" in done.stdout

@@ -77,17 +77,17 @@ def test_the_training_thread_never_waits_for_a_fresh_copy_and_sends_and_merges_a
     before, anchors, after, versions, _ = record_steps(coord, learner, opt)
 
     # Every send's snapshot was first waited for by a background thread (the uploader, to compute the
-    # delta, or the fetcher, to stage a version against it); the training thread waited for none.
-    # The fetcher's own copies to the device (staging) were waited for by the fetcher alone, a saved
-    # state's copies by the state saver.
+    # delta, or the stager, to make a version ready against it); the training thread waited for none.
+    # The stager's own copies to the device were waited for by the stager alone, a saved state's
+    # copies by the state saver.
     # Joining (step 0) reads the parameters and waits: once.
     events = [event for event in streams.events if event.step > 0]
     assert len(events) >= 8
     for event in events:
         assert event.waits, "a copy was never waited for"
         for thread, step in event.waits:
-            assert thread.startswith("uploader-") or thread in ("fetcher", "state-saver"), event
-    # Each take added what the fetcher had computed: the training thread did no arithmetic of its own.
+            assert thread.startswith("uploader-") or thread in ("stager", "state-saver"), event
+    # Each take added what the stager had computed: the training thread did no arithmetic of its own.
     assert learner.adopted >= 4 and learner.taken_staged == learner.adopted
 
     # Each contribution is anchor - the parameters at its step (fp32: exactly; none was coalesced,
@@ -191,10 +191,11 @@ def test_a_take_and_a_send_of_one_fragment_in_one_step_wait_for_no_copy_and_the_
         sent_before, fetched = learner.fragments[0].sent_id, learner.stats.fetched
         with serving(coord):
             assert wait_until(lambda: learner.stats.fetched >= fetched + 2, 30.0)  # both fragments' first versions
+        assert wait_until(lambda: not learner.fetcher.staging(0), 10.0)  # made ready on the stager's thread
         step()  # step 8
         assert learner.step == 8 and learner.versions[0] == 1  # taken ...
         assert learner.fragments[0].sent_id not in (None, sent_before)  # ... and sent, in the same step
-        assert learner.taken_staged == learner.adopted >= 1  # what was added was made on the fetcher's thread
+        assert learner.taken_staged == learner.adopted >= 1  # what was added was made on the stager's thread
         g = read_params(coord.store, learner.layout, read_manifest(coord.store, coord.keys, 0, 1))
         for n in learner.fragments[0].names:
             assert torch.equal(dict(model.named_parameters())[n].detach(), seen["params"][n] + (g[n] - seen["anchor"][n]))

@@ -1,0 +1,45 @@
+"""The transfer threads' CPU share (workers/threads.py): the count chosen per device, and a cap that
+holds for the thread that set it only."""
+
+import threading
+
+import pytest
+import torch
+
+from diloco.storage.errors import ConfigError
+from diloco.workers.learner import LearnerConfig
+from diloco.workers.threads import cap_this_thread, transfer_threads
+
+
+def test_beside_a_gpu_a_quarter_of_the_cpus_on_the_cpu_torchs_own():
+    assert transfer_threads(0, "cuda", 16) == 4
+    assert transfer_threads(0, "cuda", 2) == 1
+    assert transfer_threads(0, "cpu", 16) is None
+    assert transfer_threads(3, "cpu", 16) == 3
+    assert transfer_threads(64, "cuda", 16) == 16  # never more threads than CPUs
+    with pytest.raises(ValueError):
+        transfer_threads(-1, "cuda", 16)
+    with pytest.raises(ConfigError, match="transfer_threads"):
+        LearnerConfig(transfer_threads=-2)
+
+
+def _count_in_thread(cap: int | None) -> int:
+    seen: list[int] = []
+
+    def body() -> None:
+        assert cap_this_thread(cap)
+        torch.ones(4096).sum()  # a parallel op after the cap
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    return seen[0]
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one intra-op thread: nothing to cap")
+def test_the_cap_holds_for_its_thread_only():
+    before = torch.get_num_threads()
+    assert _count_in_thread(1) == 1
+    assert torch.get_num_threads() == before  # the loop's thread keeps its count
+    assert _count_in_thread(None) == before  # and threads started later start from torch's

@@ -1,0 +1,78 @@
+"""How many CPU threads the learner's transfer threads may use, and capping one thread's share.
+
+The uploader, the fetcher and the state saver encode, decode, hash and compress whole fragments
+with torch ops, which run on torch's intra-op thread pool: by default as many threads as the
+machine has cores, each pool belonging to the thread that started it. Beside a GPU that is the
+wrong trade: the training loop's thread launches the kernels, and every core the transfers keep
+busy is one it may be descheduled from. There they get a share of the cores
+(`LearnerConfig.transfer_threads`). On a CPU learner the loop's own ops run on every core too, and
+capping the transfers lengthens the loop's parallel sections instead (each waits for the thread
+that shares its core with a transfer): there they keep torch's setting unless told otherwise.
+
+The cap is the OpenMP thread count of the calling thread only (`omp_set_num_threads` is per
+thread; `torch.set_num_threads` would also become the default of every thread started later).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+GPU_SHARE = 4
+"""Beside a GPU, the transfer threads each get 1 / GPU_SHARE of the CPUs (at least one)."""
+
+_OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
+
+
+def transfer_threads(setting: int, device_type: str, cpus: int) -> int | None:
+    """The intra-op threads each transfer thread may use: `setting` when > 0 (at most `cpus`);
+    0 (the default) means a quarter of `cpus` beside a device, torch's own (None) on the CPU."""
+    if setting < 0:
+        raise ValueError(f"transfer_threads must be >= 0 (0: chosen for the device), got {setting}")
+    if setting:
+        return min(setting, cpus)
+    return None if device_type == "cpu" else max(1, cpus // GPU_SHARE)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cap_this_thread(threads: int | None) -> bool:
+    """Limit torch's intra-op threads for ops started by the calling thread to `threads` (None:
+    leave them). False when torch's OpenMP runtime cannot be found (e.g. a non-OpenMP build)."""
+    if threads is None:
+        return True
+    import torch
+
+    torch.get_num_threads()  # torch sets this thread's count on its first parallel op: do that first
+    runtime = _openmp()
+    if runtime is None:
+        log.debug("no OpenMP runtime found: transfer threads keep torch's thread count")
+        return False
+    runtime.omp_set_num_threads(threads)
+    return True
+
+
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded (already in this process: found in its memory map)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if any(n in line for n in _OPENMP_NAMES)}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            runtime = ctypes.CDLL(path)
+            runtime.omp_set_num_threads  # noqa: B018 (present, or AttributeError)
+            return runtime
+        except (OSError, AttributeError):
+            continue
+    return None
