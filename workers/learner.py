@@ -859,10 +859,14 @@ class Learner:
         staged = None  # rank 0 only, like `fetched`
         if self.is_leader and fetched is not None:
             rebase = self.spec.merge_rule == "rebase"
+            pending = fetched.slot.pending
             staged = fetched.slot.claim()
             if staged is not None and staged.anchor is not (state.anchor if rebase else None):
                 staged.release()  # the learner sent again since: computed here instead
                 staged = None
+            if staged is None:
+                log.debug("fragment %d: version %d taken with its value computed here (%s)", fragment,
+                          fetched.version, "still being made ready" if pending else "made ready for another anchor")
             g = fetched.params
             if staged is not None:
                 values = staged.values

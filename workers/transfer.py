@@ -396,8 +396,8 @@ class Fetcher(threading.Thread):
         ready again against the new one."""
         with self._lock:
             fetched = self._ready.get(fragment)
-        if fetched is not None and self._stager is not None:
-            self._stager.submit(fragment, fetched.version, fetched.params, fetched.slot)
+            if fetched is not None and self._stager is not None:
+                self._stager.submit(fragment, fetched.version, fetched.params, fetched.slot)
 
     def close(self) -> None:
         self._closing.set()
@@ -482,9 +482,9 @@ class Fetcher(threading.Thread):
             replaced = self._ready.get(fragment)
             self._ready[fragment] = fetched
             self._held[fragment] = Fetched(version, params)
+            if self._stager is not None:  # asked before the step hook can see it: it waits for the value
+                self._stager.submit(fragment, version, params, fetched.slot)
             self._arrived.notify_all()
-        if self._stager is not None:
-            self._stager.submit(fragment, version, params, fetched.slot)
         if replaced is not None:
             replaced.release()
         self.stats.fetched += 1

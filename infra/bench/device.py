@@ -107,6 +107,18 @@ class Arm:
     def spikes(self) -> int:
         return sum(1 for s in self.steps_s if s > SPIKE * self.median)
 
+    def summary(self, plain: Arm) -> str:
+        """One line of the arm's figures, logged as soon as it is done."""
+        line = (f"{self.name}: mean {1e3 * self.mean:.2f} ms ({self.mean / plain.mean:.3f}x plain), median "
+                f"{1e3 * self.median:.2f}, max {1e3 * max(self.steps_s):.1f} ({max(self.steps_s) / self.median:.2f}x), "
+                f"{self.spikes} steps > {SPIKE}x median")
+        if self.unsynced_s is not None and plain.unsynced_s:
+            line += f"; unsynced {1e3 * self.unsynced_s:.2f} ms ({self.unsynced_s / plain.unsynced_s:.3f}x)"
+        if self is not plain:
+            line += (f"; hook {1e3 * self.hook_s / len(self.steps_s):.2f} ms/step, taken {self.taken_ready}/{self.taken} "
+                     f"ready, {self.settle_steps} settling steps")
+        return line
+
     def details(self) -> str:
         """A Learner arm's slow steps with their hook share, its sends, and the hook's phases."""
         slow = [(s, h) for s, h in zip(self.steps_s, self.hook_steps_s) if s > SPIKE * self.median]
@@ -286,6 +298,7 @@ def run(args: argparse.Namespace) -> DeviceResult:
     result = DeviceResult(device.type, name, params, settings)
     log.info("device: %s, %s parameters; the plain loop first", name, f"{params:,}")
     result.arms.append(_arm("plain", loop, args))
+    log.info("%s", result.arms[-1].summary(result.arms[0]))
     del loop
     if gpu:
         torch.get_device_module(device).empty_cache()
@@ -300,6 +313,7 @@ def run(args: argparse.Namespace) -> DeviceResult:
         for n in threads:
             name = "learner" if len(threads) == 1 else f"learner t={n}"
             result.arms.append(_learner_arm(name, args, device, endpoints, fleet, LearnerConfig(transfer_threads=n)))
+            log.info("%s", result.arms[-1].summary(result.arms[0]))  # a run cut short still tells its arms
             if gpu:
                 torch.get_device_module(device).empty_cache()
     return result

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from diloco.infra.bench.device import Arm, DeviceResult
+from diloco.infra.bench.device import Arm, DeviceResult, _thread_settings
+from diloco.storage.errors import ConfigError
 
 
 def _result(device: str, plain: list[float], learner: list[float], hooks: list[float]) -> DeviceResult:
@@ -16,6 +17,13 @@ def _result(device: str, plain: list[float], learner: list[float], hooks: list[f
     result.arms = [Arm("plain", plain), Arm("learner", learner, hook_steps_s=hooks, taken=2, taken_ready=2,
                                            phases={"send": [0.01, 0.004]})]
     return result
+
+
+def test_each_value_of_transfer_threads_is_an_arm_of_its_own():
+    assert _thread_settings("0,1,16") == [0, 1, 16]
+    for bad in ("", "a", "-1", "1,,2"):
+        with pytest.raises(ConfigError):
+            _thread_settings(bad)
 
 
 def test_the_verdict_holds_the_mean_to_2_percent_on_a_gpu_and_5_on_the_cpu_and_names_each_slow_step():
@@ -28,22 +36,26 @@ def test_the_verdict_holds_the_mean_to_2_percent_on_a_gpu_and_5_on_the_cpu_and_n
     calm = [1.02] * 20
     cpu = _result("cpu", plain, calm, [0.0] * 20).table()
     assert "mean +2.0%" in cpu and "goal within 5%: met" in cpu and "goal <= 1.5: met" in cpu
-    assert "slow steps" not in cpu
+    assert "slow steps" not in cpu and "no version taken" not in cpu
+    idle = _result("cpu", plain, calm, [0.0] * 20)
+    idle.arms[1].taken = idle.arms[1].taken_ready = 0
+    assert "no version taken in the timed window: merges not measured" in idle.table()
 
 
-@pytest.mark.slow  # about two minutes: a stack, a coordinator per Learner arm, three arms of a small model
-def test_a_small_run_on_the_cpu_times_every_arm_and_every_take_is_made_ready_off_the_loop(tmp_path):
+@pytest.mark.slow  # about two minutes: a stack, a coordinator and two arms of a small model
+def test_a_small_run_on_the_cpu_times_both_arms_in_the_steady_state_and_every_take_is_made_ready_off_the_loop(tmp_path):
     out = tmp_path / "device.json"
     done = subprocess.run([sys.executable, "-m", "diloco.infra.cli", "bench", "device", "--device", "cpu",
                            "--n-layer", "1", "--steps", "16", "--warmup", "1", "--seq-len", "16", "--batch-size", "1",
-                           "--sync-every", "4", "--transfer-threads", "0,1", "--out", str(tmp_path / "run"), "--json", str(out)],
+                           "--sync-every", "4", "--transfer-threads", "2", "--out", str(tmp_path / "run"), "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    plain, *learners = result["arms"]
-    assert [plain["name"]] + [arm["name"] for arm in learners] == ["plain", "learner t=0", "learner t=1"]
-    for learner in learners:  # each Learner arm a run of its own, with a coordinator of its own
-        assert len(plain["steps_s"]) == len(learner["steps_s"]) == len(learner["hook_steps_s"]) == 16
-        assert learner["sent"] >= 2 and learner["settle_steps"] >= 1
-        assert learner["taken"] >= 1 and learner["taken_ready"] == learner["taken"]
+    plain, learner = result["arms"]
+    assert [plain["name"], learner["name"]] == ["plain", "learner"]
+    assert len(plain["steps_s"]) == len(learner["steps_s"]) == len(learner["hook_steps_s"]) == 16
+    # Timed once every fragment had been taken (the steady state); at H = 4 a fragment is sent every
+    # 4 steps, before its round commits: the versions taken were made ready again after those sends.
+    assert learner["sent"] >= 2 and learner["settle_steps"] >= 1
+    assert learner["taken"] >= 2 and learner["taken_ready"] == learner["taken"]
     assert "mean ratio" in done.stdout and "against the plain loop" in done.stdout
