@@ -120,6 +120,9 @@ class LearnerConfig:
     torch's encoding, decoding and hashing of whole fragments. 0: a quarter of this process's CPUs
     when the model is on a GPU (the thread that launches the kernels keeps its core), torch's own
     count on the CPU (where capping them slows the loop's own parallel ops: `workers/threads.py`)."""
+    transfer_nice: int = 10
+    """How far below the training loop's priority the transfer threads run (Linux: a nice value of
+    their own, the thread only): when they contend for a core, the loop wins. 0: the same priority."""
     own_version_wait: float = 0.5
     """After `overlap_steps`, keep training up to this fraction of H more steps while the version that
     merged this learner's own contribution is not committed or not downloaded yet, rather than take an
@@ -133,6 +136,8 @@ class LearnerConfig:
         if self.state_every < 0:
             raise ConfigError(f"state_every must be >= 0 sends (0: save the state on SIGTERM only), got "
                               f"{self.state_every}")
+        if not 0 <= self.transfer_nice <= 19:
+            raise ConfigError(f"transfer_nice must be in 0..19, got {self.transfer_nice}")
         if self.transfer_threads < 0:
             raise ConfigError(f"transfer_threads must be >= 0 (0: chosen for the device), got {self.transfer_threads}")
         if self.lease_s <= self.heartbeat_s or not self.lease_s <= MAX_LEASE_S:
@@ -590,7 +595,7 @@ class Learner:
         self._threads = transfer_threads(self.config.transfer_threads, self.replica.device.type, usable_cpus())
         self.uploader = Uploader(self.store, self.bus, self.spec, self.learner_id, self.stats,
                                  deadline_s=self.config.upload_deadline_s, error_feedback=self.config.error_feedback,
-                                 threads=self._threads)
+                                 threads=self._threads, nice=self.config.transfer_nice)
         self.uploader.start()
         self._heartbeat()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -607,9 +612,11 @@ class Learner:
             raise ConfigError(f"this model does not fit run {self.run!r}: {problem}")
         self.layout = layout
         heads = self._wait(lambda: self._all_heads(layout), deadline, "version 0 of every fragment")
-        self._stager = Stager(self.replica.copies, self._anchor_for, threads=self._threads)
+        self._stager = Stager(self.replica.copies, self._anchor_for, threads=self._threads,
+                              nice=self.config.transfer_nice)
         self._stager.start()
-        self.fetcher = Fetcher(self.store, self.bus, layout, self.stats, stager=self._stager, threads=self._threads)
+        self.fetcher = Fetcher(self.store, self.bus, layout, self.stats, stager=self._stager, threads=self._threads,
+                               nice=self.config.transfer_nice)
         values: dict[str, torch.Tensor] = {}
         for fragment, version in heads.items():
             what = f"version {version} of fragment {fragment}"
@@ -918,7 +925,8 @@ class Learner:
         keys = self.bus.keys
         key = latest_key(self.store, keys, self.learner_id)
         seq = 0 if key is None else keys.parse_learner_state_key(key)[1] + 1
-        self._saver = StateSaver(self.store, keys, self.learner_id, next_seq=seq, threads=self._threads)
+        self._saver = StateSaver(self.store, keys, self.learner_id, next_seq=seq, threads=self._threads,
+                                 nice=self.config.transfer_nice)
         self._saver.start()
         if key is None:
             return

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from diloco.workers.hostcopy import HostCopies, Snapshot
-from diloco.workers.threads import cap_this_thread
+from diloco.workers.threads import lower_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +127,12 @@ class Stager(threading.Thread):
     docstring): `submit` from any thread; `Staged.release` from the training thread."""
 
     def __init__(self, copies: HostCopies, anchor_of: AnchorOf | None = None, *, chunk_elems: int = CHUNK_ELEMS,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, nice: int = 0) -> None:
         super().__init__(name="stager", daemon=True)
         self.anchor_of = anchor_of
-        self.threads = threads
-        """torch's intra-op threads for this thread's ops (`workers.threads`); None: torch's own."""
+        self.threads, self.nice = threads, nice
+        """torch's intra-op threads for this thread's ops, and how far below the loop's priority it
+        runs (`workers.threads`); None: torch's own count."""
         self.stage_s = 0.0
         """Time spent staging, in total."""
         self.cpu_s = 0.0
@@ -166,7 +167,7 @@ class Stager(threading.Thread):
             self._cond.notify_all()
 
     def run(self) -> None:
-        cap_this_thread(self.threads)
+        lower_this_thread(self.threads, self.nice)
         while True:
             with self._cond:
                 while not self._jobs and not self._closed:

@@ -45,7 +45,7 @@ from diloco.storage.keys import RunKeys
 from diloco.storage.objects import Store
 from diloco.storage.protocol import pack, unpack
 from diloco.workers.hostcopy import Snapshot
-from diloco.workers.threads import cap_this_thread
+from diloco.workers.threads import lower_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +167,12 @@ class StateSaver(threading.Thread):
     """Uploads a learner's saved states in the background, the newest only: a state taken while
     the previous one is still uploading replaces any that waits. Deletes all but the last KEEP."""
 
-    def __init__(self, store: Store, keys: RunKeys, learner: str, next_seq: int, *, threads: int | None = None) -> None:
+    def __init__(self, store: Store, keys: RunKeys, learner: str, next_seq: int, *, threads: int | None = None,
+                 nice: int = 0) -> None:
         super().__init__(name="state-saver", daemon=True)
-        self.threads = threads
-        """torch's intra-op threads for this thread's ops (`workers.threads`); None: torch's own."""
+        self.threads, self.nice = threads, nice
+        """torch's intra-op threads for this thread's ops, and how far below the loop's priority it
+        runs (`workers.threads`); None: torch's own count."""
         self.store, self.keys, self.learner = store, keys, learner
         self._seq = next_seq
         self._cond = threading.Condition()
@@ -205,7 +207,7 @@ class StateSaver(threading.Thread):
             self._cond.notify_all()
 
     def run(self) -> None:
-        cap_this_thread(self.threads)
+        lower_this_thread(self.threads, self.nice)
         while True:
             with self._cond:
                 while self._waiting is None and not self._closed:

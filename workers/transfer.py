@@ -41,7 +41,7 @@ from diloco.storage.protocol import Announcement, Layout, Manifest, RunSpec, Ver
 from diloco.storage.updates import apply_update, chain_worth_it, encode_carrying, params_body
 from diloco.workers.hostcopy import Snapshot
 from diloco.workers.staging import Slot, Stager
-from diloco.workers.threads import cap_this_thread
+from diloco.workers.threads import lower_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -151,10 +151,12 @@ class Uploader(threading.Thread):
     RETRY_PAUSE_S = 1.0
 
     def __init__(self, store: ObjectStore, bus: Bus, spec: RunSpec, learner: str, stats: TransferStats, *,
-                 deadline_s: float = 120.0, error_feedback: bool = True, threads: int | None = None) -> None:
+                 deadline_s: float = 120.0, error_feedback: bool = True, threads: int | None = None,
+                 nice: int = 0) -> None:
         super().__init__(name=f"uploader-{learner}", daemon=True)
-        self.threads = threads
-        """torch's intra-op threads for this thread's ops (`workers.threads`); None: torch's own."""
+        self.threads, self.nice = threads, nice
+        """torch's intra-op threads for this thread's ops, and how far below the loop's priority it
+        runs (`workers.threads`); None: torch's own count."""
         self.store, self.bus, self.spec, self.learner, self.stats = store, bus, spec, learner, stats
         self.deadline_s = deadline_s
         self.error_feedback = error_feedback
@@ -204,7 +206,7 @@ class Uploader(threading.Thread):
             self._cv.notify_all()
 
     def run(self) -> None:
-        cap_this_thread(self.threads)
+        lower_this_thread(self.threads, self.nice)
         while True:
             with self._cv:
                 while not self._jobs and not self._closed:
@@ -323,10 +325,11 @@ class _Want:
 
 class Fetcher(threading.Thread):
     def __init__(self, store: ObjectStore, bus: Bus, layout: Layout, stats: TransferStats, *,
-                 stager: Stager | None = None, threads: int | None = None) -> None:
+                 stager: Stager | None = None, threads: int | None = None, nice: int = 0) -> None:
         super().__init__(name="fetcher", daemon=True)
-        self.threads = threads
-        """torch's intra-op threads for this thread's ops (`workers.threads`); None: torch's own."""
+        self.threads, self.nice = threads, nice
+        """torch's intra-op threads for this thread's ops, and how far below the loop's priority it
+        runs (`workers.threads`); None: torch's own count."""
         self.store, self.bus, self.layout, self.stats = store, bus, layout, stats
         self._stager = stager
         """Makes each version downloaded ready to take, on its own thread (`workers.staging`)."""
@@ -403,7 +406,7 @@ class Fetcher(threading.Thread):
         self._closing.set()
 
     def run(self) -> None:
-        cap_this_thread(self.threads)
+        lower_this_thread(self.threads, self.nice)
         while not self._closing.is_set():
             cpu = time.thread_time()
             try:

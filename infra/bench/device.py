@@ -6,7 +6,8 @@ autocast on a GPU) twice from the same initial weights: as a plain loop, then th
 of a run served by a coordinator process on a local stack (or the stack the environment names, as
 every other command reads it: DILOCO_REDIS_URL, DILOCO_S3_BUCKET...). The run has every default
 (P, H, tau, codec, cadence) unless a flag changes it; one learner, so the coordinator's quorum is 1.
-The coordinator runs at nice 19: in a deployment it has a machine of its own.
+The coordinator and the local stack's servers run at nice 19 (their scheduling groups too): in a
+deployment they have machines of their own.
 
 Each arm runs `--warmup` steps (a Learner arm then trains on until it has taken as many versions
 as there are fragments, so that the timed window is the steady state with merges in it), then
@@ -308,7 +309,12 @@ def run(args: argparse.Namespace) -> DeviceResult:
         if os.environ.get(ENV_REDIS_URL):
             endpoints = Endpoints.from_env()
         else:
-            endpoints = stack.enter_context(bench_stack(args.out)).endpoints
+            local = stack.enter_context(bench_stack(args.out))
+            endpoints = local.endpoints
+            # The storage servers too run elsewhere in a deployment: lowest priority here, as the coordinator.
+            for server in (local.redis_server, local.s3_server):
+                if server is not None and server.pid > 0:
+                    _lowest_priority(server.pid)
         fleet = stack.enter_context(Fleet(process_env(endpoints.to_env() | _credentials()), args.out / "logs"))
         for n in threads:
             name = "learner" if len(threads) == 1 else f"learner t={n}"
@@ -340,9 +346,10 @@ def _learner_arm(name: str, args: argparse.Namespace, device, endpoints: Endpoin
     coordinator = f"coordinator-{run_id}"
     # The coordinator runs elsewhere in a deployment; here it shares the learner's host, so it
     # runs at the lowest priority: the figures are the learner's.
-    fleet.add(coordinator, ["nice", "-n", "19", *diloco_command(
+    member = fleet.add(coordinator, diloco_command(
         "coordinator", "--run", run_id, "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
-        "--codec", args.codec, "--min-quorum", "1")], service=True)
+        "--codec", args.codec, "--min-quorum", "1"), service=True)
+    _lowest_priority(member.proc.pid)
     loop = Loop(args, device)
     learner = Learner(loop.model, loop.optimizer, run=run_id, endpoints=endpoints, learner_id="device",
                       tokens_per_step=args.batch_size * args.seq_len, config=config)
@@ -352,6 +359,19 @@ def _learner_arm(name: str, args: argparse.Namespace, device, endpoints: Endpoin
     wait_until(lambda: bus.run_end() is not None, 60.0)
     fleet.stop([coordinator])
     return arm
+
+
+def _lowest_priority(pid: int) -> None:
+    """Nice 19 for process `pid`, and for its session's scheduling group: started in a session of its
+    own (as the fleet and the stack start theirs), a process on Linux with autogroups enabled gets a
+    share of the CPU equal to this one's whatever its nice value, unless its group's is raised too."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
+        group = Path(f"/proc/{pid}/autogroup")
+        if group.exists():
+            group.write_text("19")
+    except OSError as exc:  # not Linux, or not allowed: the figures then include their share
+        log.warning("could not lower the priority of process %d: %s", pid, exc)
 
 
 def _credentials() -> dict[str, str]:

@@ -174,9 +174,12 @@ def test_a_take_and_a_send_of_one_fragment_in_one_step_wait_for_no_copy_and_the_
     streams = RecordingStreams(step=lambda: learner.step)
     learner.replica.copies = HostCopies(torch.device("cpu"), streams=streams)
     model, seen = learner.model, {}
-    opt.register_step_post_hook(lambda *_: seen.update(  # before the learner's hook: the optimizer's result
+    # Before the learner's hook: the optimizer's result, and the anchor read without waiting (on the
+    # CPU its copy is done at once; a wait here would be this thread's, not the learner's).
+    opt.register_step_post_hook(lambda *_: seen.update(
         params={n: p.detach().clone() for n, p in model.named_parameters()},
-        anchor=dict(learner.fragments[0].anchor.wait()) if learner.fragments else None))
+        anchor=({n: t.clone() for n, t in learner.fragments[0].anchor.unwaited.items()}
+                if learner.fragments else None)))
     start_beside(coord, learner)
 
     def step() -> None:

@@ -1,6 +1,7 @@
-"""The transfer threads' CPU share (workers/threads.py): the count chosen per device, and a cap that
-holds for the thread that set it only."""
+"""The transfer threads' CPU share (workers/threads.py): the count chosen per device, a cap that holds
+for the thread that set it only, and a priority below the loop's for that thread only."""
 
+import os
 import threading
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from diloco.storage.errors import ConfigError
 from diloco.workers.learner import LearnerConfig
-from diloco.workers.threads import cap_this_thread, transfer_threads
+from diloco.workers.threads import cap_this_thread, lower_this_thread, transfer_threads
 
 
 def test_beside_a_gpu_a_quarter_of_the_cpus_on_the_cpu_torchs_own():
@@ -43,3 +44,20 @@ def test_the_cap_holds_for_its_thread_only():
     assert _count_in_thread(1) == 1
     assert torch.get_num_threads() == before  # the loop's thread keeps its count
     assert _count_in_thread(None) == before  # and threads started later start from torch's
+
+
+def test_a_lowered_thread_runs_below_the_loop_and_the_loop_keeps_its_priority():
+    seen: list[int] = []
+
+    def body() -> None:
+        assert lower_this_thread(None, 5)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    loop = os.getpriority(os.PRIO_PROCESS, 0)
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen == [min(19, loop + 5)]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == loop
+    with pytest.raises(ConfigError, match="transfer_nice"):
+        LearnerConfig(transfer_nice=20)
