@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fragments", type=int, default=defaults.num_fragments, help="P (default: the run's, %(default)s)")
     parser.add_argument("--sync-every", type=int, default=defaults.sync_every, help="H (default: the run's, %(default)s)")
     parser.add_argument("--codec", default=defaults.codec, help="the run's codec (default: the run's, %(default)s)")
+    parser.add_argument("--helpers-nice", type=int, default=19,
+                        help="nice value of the coordinator and the local stack's servers and of their scheduling "
+                             "groups, so that the figures are the learner's (default: %(default)s; 0: left as they are)")
     parser.add_argument("--settle-s", type=float, default=300.0,
                         help="before timing a Learner arm, train on (untimed) until it has taken as many versions as "
                              "there are fragments, at most this long (default: %(default)s)")
@@ -314,7 +317,7 @@ def run(args: argparse.Namespace) -> DeviceResult:
             # The storage servers too run elsewhere in a deployment: lowest priority here, as the coordinator.
             for server in (local.redis_server, local.s3_server):
                 if server is not None and server.pid > 0:
-                    _lowest_priority(server.pid)
+                    _lowest_priority(server.pid, args.helpers_nice)
         fleet = stack.enter_context(Fleet(process_env(endpoints.to_env() | _credentials()), args.out / "logs"))
         for n in threads:
             name = "learner" if len(threads) == 1 else f"learner t={n}"
@@ -349,7 +352,7 @@ def _learner_arm(name: str, args: argparse.Namespace, device, endpoints: Endpoin
     member = fleet.add(coordinator, diloco_command(
         "coordinator", "--run", run_id, "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
         "--codec", args.codec, "--min-quorum", "1"), service=True)
-    _lowest_priority(member.proc.pid)
+    _lowest_priority(member.proc.pid, args.helpers_nice)
     loop = Loop(args, device)
     learner = Learner(loop.model, loop.optimizer, run=run_id, endpoints=endpoints, learner_id="device",
                       tokens_per_step=args.batch_size * args.seq_len, config=config)
@@ -361,15 +364,17 @@ def _learner_arm(name: str, args: argparse.Namespace, device, endpoints: Endpoin
     return arm
 
 
-def _lowest_priority(pid: int) -> None:
-    """Nice 19 for process `pid`, and for its session's scheduling group: started in a session of its
+def _lowest_priority(pid: int, nice: int) -> None:
+    """`nice` for process `pid` and for its session's scheduling group: started in a session of its
     own (as the fleet and the stack start theirs), a process on Linux with autogroups enabled gets a
     share of the CPU equal to this one's whatever its nice value, unless its group's is raised too."""
+    if nice <= 0:
+        return
     try:
-        os.setpriority(os.PRIO_PROCESS, pid, 19)
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
         group = Path(f"/proc/{pid}/autogroup")
         if group.exists():
-            group.write_text("19")
+            group.write_text(str(nice))
     except OSError as exc:  # not Linux, or not allowed: the figures then include their share
         log.warning("could not lower the priority of process %d: %s", pid, exc)
 
