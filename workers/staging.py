@@ -133,8 +133,6 @@ class Stager(threading.Thread):
         self.threads, self.nice = threads, nice
         """torch's intra-op threads for this thread's ops, and how far below the loop's priority it
         runs (`workers.threads`); None: torch's own count."""
-        self.stage_s = 0.0
-        """Time spent staging, in total."""
         self.cpu_s = 0.0
         """This thread's CPU time, in total."""
         self._jobs: dict[int, tuple[int, Mapping[str, torch.Tensor], Slot, int]] = {}  # fragment -> newest request
@@ -179,7 +177,7 @@ class Stager(threading.Thread):
                     return
                 fragment = next(iter(self._jobs))
                 version, params, slot, generation = self._jobs.pop(fragment)
-            t0, cpu = time.monotonic(), time.thread_time()
+            cpu = time.thread_time()
             staged = None
             try:
                 what = self.anchor_of(fragment, version) if self.anchor_of is not None else None
@@ -189,7 +187,6 @@ class Stager(threading.Thread):
                 log.warning("fragment %d: version %d could not be made ready here (%s): the training loop will "
                             "compute it", fragment, version, exc)
             slot.offer(staged, generation)
-            self.stage_s += time.monotonic() - t0
             self.cpu_s += time.thread_time() - cpu
 
     def stage(self, fragment: int, version: int, params: Mapping[str, torch.Tensor], names: Sequence[str],
