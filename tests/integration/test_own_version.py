@@ -44,6 +44,7 @@ def run(endpoints, run_id, own_version_wait: float) -> tuple[int, int]:  # noqa:
             coord.step(block_ms=50)  # v1 = b's delta alone
         train(a, opt_a, 4)  # a sends fragment 0 against v0; its fetcher parks v1, which lacks it
         wait("a's fetcher to park v1", lambda: parked_version(a, 0) == 1)
+        wait("v1 to be made ready off the loop", lambda: not a.fetcher.staging(0))
         train(a, opt_a, 1)  # step 5, tau = 1: a's overlap point; its delta is not merged yet
         for _ in range(20):
             coord.step(block_ms=50)
@@ -53,6 +54,7 @@ def run(endpoints, run_id, own_version_wait: float) -> tuple[int, int]:  # noqa:
             wait("a to learn that v2 merged its delta", lambda: a.fetcher.merged_in(a.fragments[0].sent_id) == 2)
             train(a, opt_a, 1)  # step 6: the parked v1 is dropped, v2 wanted
             wait("a's fetcher to park v2", lambda: parked_version(a, 0) == 2)
+            wait("v2 to be made ready off the loop", lambda: not a.fetcher.staging(0))  # or the take waits a step
             train(a, opt_a, 1)  # step 7: v2 merged
         taken = a.versions[0]
         train(a, opt_a, 8 - a.step)  # a's second send of fragment 0, at step 8
