@@ -204,6 +204,7 @@ class RunSpec(Record):
     max_object_bytes: int
     """Objects larger than this are refused unread."""
     created_at: float
+    """Unix seconds."""
     cadence: str = "clock"
     """When learners send: 'clock' (at the coordinator's round deadlines, see Cadence) or 'steps' (every H steps)."""
 
@@ -227,9 +228,13 @@ CADENCES = ("clock", "steps")
 
 @dataclass(frozen=True, slots=True)
 class ParamSpec(Record):
+    """One parameter of a `Layout` (a plain map inside it)."""
+
     name: str
+    """Its name in the model's state dict, not empty."""
     shape: tuple[int, ...]
     dtype: str
+    """The model's dtype, e.g. 'float32' (tensor objects are float32 whatever it is)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "empty parameter name")
@@ -249,6 +254,7 @@ class Layout(Record):
 
     MAX_BYTES: ClassVar[int] = MAX_RECORD_BYTES
     fragments: tuple[tuple[ParamSpec, ...], ...]
+    """P arrays of parameters: no name twice, no empty fragment."""
 
     def __post_init__(self) -> None:
         names = [p.name for frag in self.fragments for p in frag]
@@ -288,6 +294,7 @@ class Announcement(Record):
     """The learner's recent mean inner-step time, for the grace window."""
     object_key: str
     size_bytes: int
+    """Of the whole object (> 0)."""
     sha256: str
     """Hex sha256 of the whole object."""
     sent_at: float
@@ -330,7 +337,9 @@ class Contribution(Record):
     sha256: str
     base_version: int
     staleness: int
+    """The fragment's head version at the merge minus `base_version`."""
     tokens: int
+    """Tokens counted (see `bounded`)."""
     steps: int
     weight: float
     """Merge weight (`coordinator.policy.merge_weights`): the weights of a version sum to 1 unless the
@@ -356,10 +365,15 @@ class Contribution(Record):
 
 @dataclass(frozen=True, slots=True)
 class Refusal(Record):
+    """A contribution refused (`refusals` stream, `Manifest.refused`); learner and ids are empty when
+    the entry did not decode."""
+
     contribution_id: str
     learner: str
     code: str
+    """Why, in a word: one of the refusal codes (PROTOCOL.md)."""
     reason: str
+    """For a person: at most 2000 characters plus a note of how many were cut."""
     object_key: str = ""
     """The refused contribution's object ("" when the entry named none, e.g. a malformed entry)."""
 
@@ -375,8 +389,10 @@ class Manifest(Record):
     parent_version: int
     """-1 for version 0 (genesis)."""
     params_key: str
+    """The version's parameters: a tensor object, fp32."""
     params_sha256: str
     outer_state_key: str
+    """The outer optimizer's state after this version (momentum), a tensor object."""
     outer_state_sha256: str
     inputs: tuple[Contribution, ...]
     """In merge order: replaying them in this order reproduces params_sha256 bit for bit."""
@@ -385,6 +401,7 @@ class Manifest(Record):
     refused: tuple[Refusal, ...]
     """Contributions to this fragment refused since the parent version."""
     committed_at: float
+    """Unix seconds."""
     epoch: int
     """Fencing epoch of the coordinator that wrote it."""
     update_key: str = ""
@@ -443,7 +460,9 @@ class Cadence(Record):
     Times are Redis server time (unix seconds), so every machine reads the same clock."""
 
     origin: float
+    """Redis server time (unix seconds)."""
     period_s: float
+    """> 0."""
 
     def __post_init__(self) -> None:
         _require(self.period_s > 0, f"period_s must be positive, got {self.period_s}")
@@ -465,6 +484,7 @@ class VersionEvent(Record):
     params_key: str
     params_sha256: str
     manifest_key: str
+    """The version's `Manifest`: a learner reads it only when it needs more than the params."""
     contributions: tuple[str, ...] = field(default=())
     """contribution_ids merged into this version."""
     committed_at: float = 0.0
@@ -498,6 +518,7 @@ class LearnerLeft(Record):
     steps: int
     """Inner steps it trained in that incarnation."""
     preempted: bool
+    """True: left on SIGTERM with its progress sent; false: closed without sending (its loop raised)."""
 
     def __post_init__(self) -> None:
         check_id("learner", self.learner)
@@ -573,6 +594,7 @@ class LearnerStats(Record):
     wall_s: float = 0.0
     """Wall time since the end of the first step."""
     pid: int = 0
+    """Of the learner's process, for a person looking at the machine."""
     incarnation: str = ""
     """Random per process: tells a restarted learner of the same id from its previous life."""
 
