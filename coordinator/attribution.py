@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round, round_delta
+from diloco.coordinator.outer import NesterovState, apply_round, round_delta
 from diloco.coordinator.rederive import recomputed_weights
-from diloco.storage.protocol import Contribution
+from diloco.storage.protocol import Contribution, VersionSettings
 
 Tensors = Mapping[str, Tensor]
 
@@ -59,7 +59,7 @@ class InputFigures:
 
 
 def input_figures(deltas: Sequence[Tensors], weights: Sequence[float],
-                  settings: MergeSettings) -> tuple[list[InputFigures], float]:
+                  settings: VersionSettings) -> tuple[list[InputFigures], float]:
     """Per input (in merge order): norm and cosine to the merged update; and the merged update's norm."""
     merged = flat(round_delta(deltas, weights, settings))
     figures = []
@@ -94,7 +94,7 @@ class LearnerRound:
 
 
 def learner_rounds(learners: Sequence[str], deltas: Sequence[Tensors], weights: Sequence[float],
-                   settings: MergeSettings) -> list[LearnerRound]:
+                   settings: VersionSettings) -> list[LearnerRound]:
     """One `LearnerRound` per distinct learner of a version, in order of first appearance.
 
     `learners`, `deltas` and `weights` are the version's inputs in merge order (the manifest's).
@@ -126,7 +126,7 @@ def learner_rounds(learners: Sequence[str], deltas: Sequence[Tensors], weights: 
 
 
 def weights_without(inputs: Sequence[Contribution], learner: str, parent_version: int,
-                    settings: MergeSettings) -> tuple[list[int], list[float]]:
+                    settings: VersionSettings) -> tuple[list[int], list[float]]:
     """The inputs left when `learner`'s are taken out (indices into `inputs`), and the weights
     `merge_weights` gives them: what the coordinator would have merged had the learner not sent.
     Raises ValueError if nothing is left."""
@@ -139,7 +139,7 @@ def weights_without(inputs: Sequence[Contribution], learner: str, parent_version
 
 def round_without(parent_params: Tensors, parent_state: NesterovState, inputs: Sequence[Contribution],
                   deltas: Sequence[Tensors], learner: str, parent_version: int,
-                  settings: MergeSettings) -> dict[str, Tensor]:
+                  settings: VersionSettings) -> dict[str, Tensor]:
     """The parameters a version would have had without `learner`'s inputs: the same parent, the
     others' deltas with the weights `weights_without` gives them, the same outer step."""
     kept, weights = weights_without(inputs, learner, parent_version, settings)

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field, fields
 
 from diloco.coordinator.policy import RoundConfig
 from diloco.storage.bus import LEARNERS_FORGOTTEN_S
-from diloco.storage.codecs import CODECS
 from diloco.storage.errors import ConfigError
-from diloco.storage.protocol import RunSpec
+from diloco.storage.protocol import CODECS, RunSpec, VersionSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +29,7 @@ class RunSettings:
     overlap_steps: int = 2
     """tau: inner steps a learner keeps training after a send before it merges the new version: a
     floor on the merge lag, which is otherwise the round's own latency (learners never wait for it).
-    A floor above that latency only delays every merge: 5 instead of 0 cost synchronous DiLoCo 1-2%
-    on the quality benchmark's tasks (docs/benchmarks.md)."""
+    A floor above that latency only delays every merge (docs/benchmarks.md)."""
     merge_rule: str = "rebase"
     """How learners take a new version: 'rebase' keeps the steps trained since the send on top of it,
     'adopt' takes it as it is (those steps, computed from a model the version replaced, are dropped),
@@ -40,7 +38,7 @@ class RunSettings:
     """For merge_rule 'mix': local = alpha * local + (1 - alpha) * global."""
     codec: str = "int4"
     """Outer-gradient codec, both ways (deltas up, updates down, each with error feedback): fp32, bf16,
-    int8, int4 or int2. int4 and int8 are within 1% of fp32 on every task of the quality benchmark;
+    int8, int4 or int2. int4 is within 1% of fp32 on every task of the quality benchmark at H = 50;
     int2 (ternary) loses badly (docs/benchmarks.md)."""
     compress: bool = True
     """zstd on top of the codec."""
@@ -177,11 +175,13 @@ class CoordinatorConfig:
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be a TCP port (0: off), got {self.metrics_port}")
 
-    def settings(self, r: RoundConfig) -> dict[str, str | int | float | bool]:
-        """What a manifest records about how its version was made (and on which kernels: replay needs them)."""
-        return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
-                "outer": "fractional_nesterov" if self.scale_rounds else "nesterov",
-                "merge": "radial_directional" if self.radial_directional else "weighted_mean",
-                "weights": "tokens*tokens/steps", "staleness_discount": r.staleness_discount,
-                "max_staleness": r.max_staleness, "min_quorum": r.min_quorum, "grace_gamma": r.grace_gamma}
+    def settings(self, r: RoundConfig, kind: str, run_codec: str) -> VersionSettings:
+        """What the manifest of a version of this `kind` records about how it was made, and on which
+        kernels (replay needs them); a delta's merge is configured by it."""
+        downstream = "fp32" if kind != "delta" else run_codec if self.downstream_codec == "run" else self.downstream_codec
+        return VersionSettings(kind=kind, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
+                               outer="fractional_nesterov" if self.scale_rounds else "nesterov",
+                               merge="radial_directional" if self.radial_directional else "weighted_mean",
+                               staleness_discount=r.staleness_discount, max_staleness=r.max_staleness,
+                               min_quorum=r.min_quorum, grace_gamma=r.grace_gamma, downstream=downstream,
+                               torch=torch.__version__, cpu_capability=torch.backends.cpu.get_cpu_capability())

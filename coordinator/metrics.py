@@ -259,7 +259,7 @@ class PrometheusMetrics(Metrics):
         self.versions_total.labels(self.run, fragment).inc()
         self.merged_total.labels(self.run, fragment).inc(len(manifest.inputs))
         self.publish_seconds.labels(self.run, fragment).observe(seconds)
-        if manifest.settings.get("kind") != "delta":
+        if manifest.settings.kind != "delta":
             return  # version 0: the proposed parameters, no round
         self.round_contributors.labels(self.run, fragment).observe(len({c.learner for c in manifest.inputs}))
         self.round_tokens.labels(self.run, fragment).observe(sum(c.tokens for c in manifest.inputs))

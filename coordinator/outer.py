@@ -30,6 +30,7 @@ from torch import Tensor
 
 from diloco.coordinator.timing import Timed, untimed
 from diloco.storage import codecs
+from diloco.storage.protocol import VersionSettings
 from diloco.storage.updates import encode_update
 
 
@@ -211,93 +212,12 @@ def _whole_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], state
     return new_params, NesterovState(momentum=new_momentum, steps=state.steps + 1)
 
 
-MERGE_RULES = {"weighted_mean": False, "radial_directional": True}
-"""The manifest's `merge` setting -> `merge_deltas(radial_directional=...)`."""
-OUTER_STEPS = ("nesterov", "fractional_nesterov")
-"""The manifest's `outer` setting: 'nesterov' takes a whole step every round (versions made before
-fractional steps existed); 'fractional_nesterov' takes the step of the round's recorded `progress`."""
-
-
-@dataclass(frozen=True, slots=True)
-class MergeSettings:
-    """How a round is merged and stepped: the part of a manifest's `settings` map that `apply_round`
-    and the weights are configured by, typed and checked. The map records more (the kernels, the
-    quorum and grace knobs, a what-if's provenance); this is what the arithmetic depends on, so that
-    the live coordinator and a replay run the very same computation from it (`read`, `to_map`)."""
-
-    merge: str
-    """A key of MERGE_RULES."""
-    outer_lr: float
-    outer_momentum: float
-    outer: str = "nesterov"
-    """One of OUTER_STEPS (absent in versions made before fractional steps: whole steps)."""
-    staleness_discount: bool = True
-    """Weights discount stale inputs (`policy.merge_weights`)."""
-    round_scale: float = 1.0
-    """In (0, 1]: the merged update's scale (`policy.round_step`; absent: 1)."""
-    progress: float = 1.0
-    """In (0, 1]: the fractional step's progress; always 1 for whole ('nesterov') steps."""
-    update_norm: float | None = None
-    """L2 norm of the merged update before its scale (`policy.RoundSize.norm`); None: not measured."""
-    downstream: str = "fp32"
-    """The codec of the version's update object (`storage.updates`): the published params are the
-    parent plus the decoded update, its error carried in the outer state's residual. 'fp32' (and
-    versions made before updates existed): the outer step's result is published as it is."""
-
-    def __post_init__(self) -> None:
-        if self.merge not in MERGE_RULES:
-            raise ValueError(f"merge rule {self.merge!r} is not one this build knows ({', '.join(MERGE_RULES)})")
-        if self.outer not in OUTER_STEPS:
-            raise ValueError(f"outer optimizer {self.outer!r} is not one this build knows ({', '.join(OUTER_STEPS)})")
-        if not (math.isfinite(self.outer_lr) and math.isfinite(self.outer_momentum) and 0.0 <= self.outer_momentum < 1.0):
-            raise ValueError(f"outer_lr {self.outer_lr!r} must be finite and outer_momentum {self.outer_momentum!r} "
-                             "in [0, 1)")
-        if not 0.0 < self.round_scale <= 1.0:
-            raise ValueError(f"round_scale {self.round_scale!r} must be a number in (0, 1]")
-        if not 0.0 < self.progress <= 1.0 or (self.outer == "nesterov" and self.progress != 1.0):
-            raise ValueError(f"progress {self.progress!r} must be a number in (0, 1], and 1 for whole steps")
-        if self.downstream not in codecs.CODECS:
-            raise ValueError(f"downstream codec {self.downstream!r} is not one this build knows ({', '.join(codecs.CODECS)})")
-
-    @classmethod
-    def read(cls, settings: Mapping[str, object]) -> MergeSettings:
-        """The merge settings a manifest's `settings` map records, with the defaults of versions made
-        before a setting existed. Raises ValueError, saying what, for what this build does not know."""
-        outer = settings.get("outer", "nesterov")
-        kwargs: dict[str, object] = {"merge": settings.get("merge"), "outer": outer}
-        for name, default in (("outer_lr", None), ("outer_momentum", None), ("round_scale", 1.0), ("progress", 1.0)):
-            value = settings.get(name, default)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} {value!r} must be a number")
-            kwargs[name] = float(value)
-        if outer == "nesterov":
-            kwargs["progress"] = 1.0  # whole steps: a recorded progress was not used
-        discount = settings.get("staleness_discount", True)
-        if not isinstance(discount, bool):
-            raise ValueError(f"staleness_discount {discount!r} must be true or false")
-        downstream = settings.get("downstream", "fp32")
-        if not isinstance(downstream, str):
-            raise ValueError(f"downstream {downstream!r} must be a codec name")
-        norm = settings.get("update_norm")
-        if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float))
-                                 or not math.isfinite(norm) or norm < 0):
-            raise ValueError(f"update_norm {norm!r} must be a finite number >= 0")
-        return cls(**kwargs, staleness_discount=discount, update_norm=None if norm is None else float(norm),
-                   downstream=downstream)
-
-    def round_map(self) -> dict[str, float]:
-        """What a round's manifest records beside the coordinator's configuration: its scale, its
-        progress and the norm of its update."""
-        out = {"round_scale": self.round_scale, "progress": self.progress}
-        return out if self.update_norm is None else out | {"update_norm": self.update_norm}
-
-
 def round_delta(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float],
-                settings: MergeSettings) -> dict[str, Tensor]:
+                settings: VersionSettings) -> dict[str, Tensor]:
     """The merged update of a round: `deltas` (in merge order) merged with `weights` by the merge
     rule of `settings`, times its `round_scale`. This is the outer gradient `apply_round` steps
     with; `diloco inspect` and `diloco blame` measure inputs against it."""
-    merged = merge_deltas(deltas, weights, radial_directional=MERGE_RULES[settings.merge])
+    merged = merge_deltas(deltas, weights, radial_directional=settings.merge == "radial_directional")
     return scale_update(merged, settings.round_scale)
 
 
@@ -318,7 +238,7 @@ def update_norm(delta: Mapping[str, Tensor]) -> float:
 
 
 def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequence[Mapping[str, Tensor]],
-                weights: Sequence[float], settings: MergeSettings, *,
+                weights: Sequence[float], settings: VersionSettings, *,
                 timed: Timed = untimed) -> tuple[dict[str, Tensor], NesterovState]:
     """One round: merge `deltas` (in merge order) with `weights` (`round_delta`), one outer Nesterov
     step of the round's `progress` (`outer_step`), then the published params through the downstream
@@ -334,7 +254,7 @@ def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequ
 
 
 def downstream_step(parent: Mapping[str, Tensor], target: Mapping[str, Tensor], state: NesterovState,
-                    settings: MergeSettings, *, compress: bool = False,
+                    settings: VersionSettings, *, compress: bool = False,
                     meta: Mapping[str, str | int | float] | None = None
                     ) -> tuple[dict[str, Tensor], NesterovState, bytes | None]:
     """The params a version publishes, given the outer step's exact result `target`, and the update
@@ -350,7 +270,7 @@ def downstream_step(parent: Mapping[str, Tensor], target: Mapping[str, Tensor], 
 
 
 def outer_step(params: Mapping[str, Tensor], state: NesterovState, delta: Mapping[str, Tensor],
-               settings: MergeSettings) -> tuple[dict[str, Tensor], NesterovState]:
+               settings: VersionSettings) -> tuple[dict[str, Tensor], NesterovState]:
     """The outer step of `settings` with the round's merged update `delta` (`round_delta`): the
     second half of `apply_round`, for the coordinator, which sizes the step after measuring the
     update."""

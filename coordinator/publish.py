@@ -34,7 +34,7 @@ from diloco.storage.errors import Conflict, Refused
 from diloco.storage.history import latest_version, read_manifest, sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import Body, ObjectStore, Store
-from diloco.storage.protocol import Contribution, Manifest, Refusal, VersionEvent
+from diloco.storage.protocol import Contribution, Manifest, Refusal, VersionEvent, VersionSettings
 from diloco.storage.updates import params_body
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def listed_refusals(refused: Sequence[Refusal], limit: int) -> tuple[Refusal, ..
 
 def write_version(store: Store, keys: RunKeys, *, fragment: int, version: int,
                   params: dict[str, torch.Tensor], state: NesterovState, inputs: tuple[Contribution, ...],
-                  refused: tuple[Refusal, ...], settings: dict, epoch: int, timed: Timed = untimed,
+                  refused: tuple[Refusal, ...], settings: VersionSettings, epoch: int, timed: Timed = untimed,
                   update: bytes | None = None, merged_tokens: int = 0) -> Manifest:
     """Steps 1 and 2. Raises Conflict if a manifest for this version already exists, ValueError if
     the manifest would be too large for its readers (nothing is written then). `update` is the

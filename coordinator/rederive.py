@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round
+from diloco.coordinator.outer import NesterovState, apply_round
 from diloco.coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
 from diloco.coordinator.publish import state_body
 from diloco.storage.updates import params_body
@@ -92,10 +92,8 @@ def recorded_problems(manifest: Manifest) -> list[Problem]:
             return [Problem("weights", f"version 0 must be one genesis proposal of weight 1, the manifest records "
                             f"{[(c.learner, c.weight) for c in manifest.inputs]}")]
         return []
-    if s.get("weights") != WEIGHTS_RULE or not isinstance(s.get("staleness_discount"), bool):
-        return [Problem("settings", f"weights rule {s.get('weights')!r} with staleness_discount "
-                        f"{s.get('staleness_discount')!r}: this build replays only {WEIGHTS_RULE!r} with a "
-                        "boolean staleness_discount")]
+    if s.weights != WEIGHTS_RULE:
+        return [Problem("settings", f"weights rule {s.weights!r}: this build replays only {WEIGHTS_RULE!r}")]
     if not manifest.inputs:
         return [Problem("weights", "the manifest of a merged version records no inputs")]
     problems = []
@@ -111,7 +109,7 @@ def recorded_problems(manifest: Manifest) -> list[Problem]:
                                     f"base v{c.base_version} is {manifest.parent_version - c.base_version} "
                                     f"behind the parent v{manifest.parent_version}"))
     try:
-        weights = recomputed_weights(manifest.inputs, manifest.parent_version, s["staleness_discount"])
+        weights = recomputed_weights(manifest.inputs, manifest.parent_version, s.staleness_discount)
     except ValueError as exc:
         return [*problems, Problem("weights", f"merge_weights refuses the recorded inputs: {exc}")]
     for i, (c, w) in enumerate(zip(manifest.inputs, weights, strict=True)):
@@ -143,7 +141,7 @@ def rederive(manifest: Manifest, keys: RunKeys, inputs: Sequence[Mapping[str, Te
             raise ValueError(f"version {manifest.version} needs its parent's params and outer state")
         try:
             params, state = apply_round(parent_params, parent_state, list(inputs),
-                                        [c.weight for c in manifest.inputs], MergeSettings.read(manifest.settings))
+                                        [c.weight for c in manifest.inputs], manifest.settings)
         except ValueError as exc:
             return Rederived(None, None, (*problems, Problem("settings", str(exc))))
     f, v = manifest.fragment, manifest.version

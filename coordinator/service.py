@@ -32,7 +32,7 @@ from diloco.coordinator.intake import (PendingDelta, check_announcement, decode_
                                       to_arrival)
 from diloco.coordinator.leadership import Fenced, Leadership
 from diloco.coordinator.metrics import Metrics
-from diloco.coordinator.outer import (MergeSettings, NesterovState, downstream_step, outer_step, round_delta,
+from diloco.coordinator.outer import (NesterovState, downstream_step, outer_step, round_delta,
                                       scale_update, update_norm)
 from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round,
                                        merge_order, merge_weights, next_cadence, round_size, round_step, run_end,
@@ -47,7 +47,7 @@ from diloco.storage.errors import ConfigError, Conflict, Refused, StorageUnavail
 from diloco.storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec, read_verified
 from diloco.storage.objects import ObjectMissing, ObjectStore
 from diloco.storage.protocol import (MAX_RECORD_BYTES, Announcement, Cadence, Contribution, FinishRequest,
-                                     Layout, Manifest, Refusal, RunEnd, RunSpec)
+                                     Layout, Manifest, Refusal, RunEnd, RunSpec, VersionSettings)
 from diloco.storage.settings import Endpoints
 
 log = logging.getLogger(__name__)
@@ -766,9 +766,8 @@ class Coordinator:
         each piece once added to the sum (the merge decodes them one at a time, `_Pieces`), the
         merged update once stepped with, the outer step's exact result when this returns."""
         settings = self._settings("delta")
-        merge = MergeSettings.read(settings)
         with self.timing("merge"):
-            update = round_delta(self._pieces(fragment, contributions), weights, merge)
+            update = round_delta(self._pieces(fragment, contributions), weights, settings)
             if self.config.scale_rounds:
                 norm = update_norm(update)
                 # H steps make a usual piece, unless the clock has a fixed period (`round_s`).
@@ -778,13 +777,12 @@ class Coordinator:
                 frag.pieces |= {c.learner: usual[c.learner] for r in frag.claims for c in r
                                 if c.learner in usual and c.learner not in self.finished}
                 step = round_step(round_size(ordered, norm), frag.recent, usual, interval)
-                merge = replace(merge, round_scale=step.scale, progress=step.progress, update_norm=norm)
-                settings |= merge.round_map()
+                settings = replace(settings, round_scale=step.scale, progress=step.progress, update_norm=norm)
                 update = scale_update(update, step.scale)
         with self.timing("outer"):
-            target, state = outer_step(frag.params, frag.state, update, merge)
+            target, state = outer_step(frag.params, frag.state, update, settings)
             del update
-            return self._downstream(fragment, frag, target, state, merge), settings
+            return self._downstream(fragment, frag, target, state, settings), settings
 
     def _pieces(self, fragment: int, contributions: list[PendingDelta]) -> _Pieces:
         """The pieces' deltas, decoded as they are read (`intake.decode_piece`)."""
@@ -793,14 +791,14 @@ class Coordinator:
         return _Pieces([c.blob for c in contributions], lambda blob: decode_piece(blob, layout, fragment, limit))
 
     def _downstream(self, fragment: int, frag: Fragment, target: dict[str, torch.Tensor], state: NesterovState,
-                    merge: MergeSettings) -> tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None:
+                    settings: VersionSettings) -> tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None:
         """The params the round publishes and its update object (`outer.downstream_step`); None if the
         outer step overflowed float32."""
         if not (_finite(target) and _finite(state.momentum)):
             return None
         meta = {"run": self.spec.run, "fragment": fragment, "version": frag.head + 1}
         try:
-            return downstream_step(frag.params, target, state, merge, compress=self.spec.compress, meta=meta)
+            return downstream_step(frag.params, target, state, settings, compress=self.spec.compress, meta=meta)
         except Refused:
             return None
 
@@ -857,8 +855,8 @@ class Coordinator:
         claims: list[tuple[Claim, ...]] = []
         manifest = head if head is not None or frag.head < 1 else read_manifest(self.store, self.keys, fragment,
                                                                                   frag.head)
-        while manifest is not None and manifest.settings.get("kind") == "delta" and len(rounds) < RECENT_ROUNDS:
-            rounds.append(round_size(manifest.inputs, _norm(manifest)))
+        while manifest is not None and manifest.settings.kind == "delta" and len(rounds) < RECENT_ROUNDS:
+            rounds.append(round_size(manifest.inputs, manifest.settings.update_norm))
             claims.append(tuple(Claim(c.learner, c.tokens, c.steps, c.norm) for c in manifest.inputs))
             for c in manifest.inputs:
                 self.last_piece[c.learner] = max(self.last_piece.get(c.learner, 0.0), manifest.committed_at)
@@ -866,16 +864,12 @@ class Coordinator:
             manifest = read_manifest(self.store, self.keys, fragment, previous) if previous > 0 else None
         frag.recent, frag.claims = rounds[::-1], claims[::-1]
 
-    def _settings(self, kind: str) -> dict[str, str | int | float | bool]:
+    def _settings(self, kind: str) -> VersionSettings:
         """What the manifest of a version of this `kind` records, and what its merge is configured by."""
-        settings = self.config.settings(self.round_cfg) | {"kind": kind}
-        if kind == "delta":
-            codec = self.config.downstream_codec
-            settings["downstream"] = self.spec.codec if codec == "run" else codec
-        return settings
+        return self.config.settings(self.round_cfg, kind, self.spec.codec)
 
     def _publish(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
-                 params: dict[str, torch.Tensor], state: NesterovState, settings: dict, counted: list[Arrival],
+                 params: dict[str, torch.Tensor], state: NesterovState, settings: VersionSettings, counted: list[Arrival],
                  notes: dict[str, str] | None = None, update: bytes | None = None,
                  clips: dict[str, float] | None = None) -> None:
         """Write and commit the next version of `fragment` from `contributions` (in merge order, each
@@ -929,8 +923,8 @@ class Coordinator:
         frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
         frag.refused, self._unplaced = [], []
         frag.merged_deadline = served_deadline(frag.merged_deadline, counted)
-        if manifest.settings.get("kind") == "delta":
-            frag.recent = [*frag.recent, round_size(counted, _norm(manifest))][-RECENT_ROUNDS:]
+        if manifest.settings.kind == "delta":
+            frag.recent = [*frag.recent, round_size(counted, manifest.settings.update_norm)][-RECENT_ROUNDS:]
             frag.claims = [*frag.claims, tuple(Claim(a.learner, a.tokens, a.steps, a.norm) for a in counted)
                            ][-RECENT_ROUNDS:]
         frag.committed = [*frag.committed, frozenset(merged)][-(self.round_cfg.max_staleness + 1):]
@@ -946,11 +940,3 @@ class Coordinator:
 CLOCK_SAMPLE = 256
 """The most live learners whose stats the round clock reads each second (`Coordinator._tend_cadence`)."""
 
-
-def _norm(manifest: Manifest) -> float | None:
-    """The `update_norm` a manifest records (`policy.RoundSize.norm`); None if it records none, or
-    settings this build does not read (such a version does not replay either)."""
-    try:
-        return MergeSettings.read(manifest.settings).update_norm
-    except ValueError:
-        return None

@@ -65,8 +65,8 @@ import torch.nn.functional as F
 import zstandard
 
 from diloco.storage.errors import Refused
+from diloco.storage.protocol import CODECS  # the names are the protocol's, their arithmetic is here
 
-CODECS = ("fp32", "bf16", "int8", "int4", "int2")
 COMPRESSIONS = ("none", "zstd")
 MAGIC = b"DLCO"
 FORMAT_VERSION = 1

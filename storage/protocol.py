@@ -26,7 +26,11 @@ import msgpack
 
 from diloco.storage.errors import Refused
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""What this build writes. Version 2 made `Manifest.settings` a record (`VersionSettings`); it was a
+map of scalars in version 1, which this build still reads (`Manifest._upgrade`), so that histories
+written before replay as they did."""
+SCHEMAS_READ = (1, 2)
 MAX_MESSAGE_BYTES = 1 << 20
 """Stream entries and small records are bounded; a run layout may reach a few MB."""
 MAX_RECORD_BYTES = 64 << 20
@@ -137,13 +141,19 @@ class Record:
         if not isinstance(body, dict):
             raise Refused("bad_message", f"{cls.__name__}: expected a map, got {type(body).__name__}")
         schema = body.get("schema")
-        if schema != SCHEMA_VERSION:
+        if type(schema) is not int or schema not in SCHEMAS_READ:
             raise Refused("unknown_schema",
-                          f"{cls.__name__} has schema version {schema!r}; this build reads {SCHEMA_VERSION}: "
-                          "upgrade the older side so both speak the same version")
+                          f"{cls.__name__} has schema version {schema!r}; this build reads "
+                          f"{', '.join(map(str, SCHEMAS_READ))}: upgrade the older side")
         if body.get("type") != cls.__name__:
             raise Refused("bad_message", f"expected a {cls.__name__} record, got type {body.get('type')!r}")
-        return cls._from_map({k: v for k, v in body.items() if k not in ("schema", "type")}, cls.__name__)
+        fields = {k: v for k, v in body.items() if k not in ("schema", "type")}
+        return cls._from_map(cls._upgrade(fields, schema), cls.__name__)
+
+    @classmethod
+    def _upgrade(cls, body: dict[str, Any], schema: int) -> dict[str, Any]:
+        """The fields of a record written at an older `schema`, as this build writes them."""
+        return body
 
     @classmethod
     def _from_map(cls: type[T], body: Any, where: str) -> T:
@@ -217,10 +227,12 @@ class RunSpec(Record):
                  f"overlap_steps must be in [0, sync_every), got {self.overlap_steps}")
         _require(self.merge_rule in MERGE_RULES, f"merge_rule must be one of {MERGE_RULES}, got {self.merge_rule!r}")
         _require(0.0 <= self.alpha < 1.0, f"alpha must be in [0, 1), got {self.alpha}")
-        _require(self.codec in ("fp32", "bf16", "int8", "int4", "int2"), f"unknown codec {self.codec!r}")
+        _require(self.codec in CODECS, f"unknown codec {self.codec!r}")
         _require(self.max_object_bytes > 0, "max_object_bytes must be positive")
 
 
+CODECS = ("fp32", "bf16", "int8", "int4", "int2")
+"""Outer-gradient codecs, up and down (`storage.codecs` implements them)."""
 MERGE_RULES = ("adopt", "rebase", "mix")
 """How a learner takes a new version (RunSpec.merge_rule)."""
 CADENCES = ("clock", "steps")
@@ -378,6 +390,84 @@ class Refusal(Record):
     """The refused contribution's object ("" when the entry named none, e.g. a malformed entry)."""
 
 
+MERGES = ("weighted_mean", "radial_directional")
+"""How a round's pieces are merged (`VersionSettings.merge`, `coordinator.outer.merge_deltas`)."""
+OUTER_STEPS = ("nesterov", "fractional_nesterov")
+"""The outer step (`VersionSettings.outer`): 'nesterov' takes a whole step every round (versions made
+before fractional steps existed); 'fractional_nesterov' takes the step of the round's `progress`."""
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSettings(Record):
+    """How a version was made (`Manifest.settings`): what its merge and outer step were configured by,
+    the round's own figures and the kernels that computed it. The live coordinator configures the
+    arithmetic from this very record (`coordinator.outer.apply_round`), and a replay reads it back.
+    Defaults are what versions made before a field existed meant."""
+
+    kind: str
+    """'genesis' (version 0, a learner's parameters) or 'delta' (a merged round)."""
+    outer_lr: float
+    outer_momentum: float
+    """In [0, 1)."""
+    outer: str = "nesterov"
+    """One of OUTER_STEPS."""
+    merge: str = "weighted_mean"
+    """One of MERGES."""
+    weights: str = "tokens*tokens/steps"
+    """How inputs are weighed (`coordinator.policy.merge_weights`), for a person."""
+    staleness_discount: bool = True
+    """Weights discount stale inputs."""
+    max_staleness: int | None = None
+    """Inputs based on a version further behind the head than this were refused (None: not recorded)."""
+    min_quorum: int = 1
+    grace_gamma: float = 0.5
+    round_scale: float = 1.0
+    """In (0, 1]: the merged update's scale (`coordinator.policy.round_step`)."""
+    progress: float = 1.0
+    """In (0, 1]: the fractional step's progress; 1 for whole ('nesterov') steps."""
+    update_norm: float | None = None
+    """L2 norm of the merged update before its scale; None: not measured."""
+    downstream: str = "fp32"
+    """The codec of the version's update object (`storage.updates`). 'fp32': the outer step's result
+    is published as it is."""
+    torch: str = ""
+    """The torch version that computed it ("" before it was recorded): a replay elsewhere may differ."""
+    cpu_capability: str = ""
+    """torch's CPU kernels (e.g. 'AVX2') that computed it."""
+    whatif_of: str = ""
+    """A version re-derived by `diloco whatif`: the root of the run it comes from ("" otherwise)."""
+    whatif_changes: str = ""
+    """And what it changed, e.g. 'outer_lr=0.35', or 'no change'."""
+
+    def __post_init__(self) -> None:
+        _require(self.kind in KINDS, f"unknown kind {self.kind!r}")
+        _require(self.merge in MERGES, f"merge rule {self.merge!r} is not one this build knows ({', '.join(MERGES)})")
+        _require(self.outer in OUTER_STEPS,
+                 f"outer optimizer {self.outer!r} is not one this build knows ({', '.join(OUTER_STEPS)})")
+        _require(self.downstream in CODECS,
+                 f"downstream codec {self.downstream!r} is not one this build knows ({', '.join(CODECS)})")
+        _require(math.isfinite(self.outer_lr) and math.isfinite(self.outer_momentum) and 0.0 <= self.outer_momentum < 1.0,
+                 f"outer_lr {self.outer_lr!r} must be finite and outer_momentum {self.outer_momentum!r} in [0, 1)")
+        _require(0.0 < self.round_scale <= 1.0, f"round_scale {self.round_scale!r} must be a number in (0, 1]")
+        _require(0.0 < self.progress <= 1.0 and (self.outer != "nesterov" or self.progress == 1.0),
+                 f"progress {self.progress!r} must be a number in (0, 1], and 1 for whole steps")
+        _require(self.update_norm is None or (math.isfinite(self.update_norm) and self.update_norm >= 0),
+                 f"update_norm {self.update_norm!r} must be a finite number >= 0")
+        _require(math.isfinite(self.grace_gamma), f"grace_gamma {self.grace_gamma!r} must be finite")
+        _require(self.max_staleness is None or self.max_staleness >= 0, f"max_staleness {self.max_staleness!r} < 0")
+
+    @classmethod
+    def from_v1(cls, settings: Any, version: Any) -> dict[str, Any]:
+        """The fields of a schema-1 manifest's settings map (a version 0 without `kind` is genesis;
+        a recorded progress of a whole step was not used and is dropped)."""
+        if not isinstance(settings, dict):
+            raise Refused("bad_message", f"Manifest.settings: expected a map, got {type(settings).__name__}")
+        body = {"kind": "genesis" if version == 0 else "delta"} | settings
+        if body.get("outer", "nesterov") == "nesterov":
+            body.pop("progress", None)
+        return body
+
+
 @dataclass(frozen=True, slots=True)
 class Manifest(Record):
     """The commit record of one version of one fragment (`versions/{f}/{v}/manifest`)."""
@@ -396,8 +486,8 @@ class Manifest(Record):
     outer_state_sha256: str
     inputs: tuple[Contribution, ...]
     """In merge order: replaying them in this order reproduces params_sha256 bit for bit."""
-    settings: dict[str, Scalar]
-    """Everything the merge and the outer step used (outer lr, momentum, merge rule, weights rule...)."""
+    settings: VersionSettings
+    """Everything the merge and the outer step used."""
     refused: tuple[Refusal, ...]
     """Contributions to this fragment refused since the parent version."""
     committed_at: float
@@ -418,6 +508,12 @@ class Manifest(Record):
     """The tokens merged into the fragment since version 0, this version's inputs included (counted
     as they weighed): what `--token-budget` measures. Counted from 0 again after manifests made
     before it was recorded."""
+
+    @classmethod
+    def _upgrade(cls, body: dict[str, Any], schema: int) -> dict[str, Any]:
+        if schema == 1:  # settings were a map of scalars
+            return body | {"settings": VersionSettings.from_v1(body.get("settings"), body.get("version"))}
+        return body
 
     def __post_init__(self) -> None:
         check_id("run", self.run)

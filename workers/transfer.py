@@ -356,9 +356,9 @@ class Fetcher(threading.Thread):
     def note(self, manifest: Manifest) -> None:
         """Learn the coordinator's settings from a manifest read (its `max_staleness`: `too_stale`)
         and the fragment's head, if the manifest is newer than the one known."""
-        limit = manifest.settings.get("max_staleness")
+        limit = manifest.settings.max_staleness
         with self._lock:
-            if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0:
+            if limit is not None:
                 self._max_staleness = limit
             if manifest.version > self._heads.get(manifest.fragment, -1):
                 self._heads[manifest.fragment] = manifest.version

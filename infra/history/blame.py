@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.coordinator.attribution import LearnerRound, learner_rounds, round_without
-from diloco.coordinator.outer import MergeSettings, apply_round
+from diloco.coordinator.outer import apply_round
 from diloco.infra.history.rounds import Round, Run, check_fragment, read_state, rounds, versions
 from diloco.infra.history.task_model import check_task_fits, load_params, load_version
 from diloco.infra.history.verdict import MIN_OTHERS, LearnerBlame, judge, ranked
@@ -145,7 +145,7 @@ def loss_impacts(run: Run, task: DemoTask, sampled: list[Round]) -> tuple[dict[s
         except (ObjectMissing, Refused) as exc:
             skipped.append(f"fragment {m.fragment} version {m.version}: not re-derived for loss evidence: {exc}")
             continue
-        merge = MergeSettings.read(m.settings)  # read before: `learner_rounds` did for every sampled version
+        merge = m.settings
         merged, _ = apply_round(parent_params, parent_state, deltas, [c.weight for c in m.inputs], merge)
         with_all = evaluator.loss(merged)
         for learner in dict.fromkeys(c.learner for c in m.inputs):
@@ -174,12 +174,8 @@ def blame_run(run: Run, *, fragment: int | None = None, start: int = 0, end: int
             if r.deltas is None:
                 report.problems.append(f"fragment {f} version {m.version}: {r.problem}")
                 continue
-            try:
-                per_learner = learner_rounds([c.learner for c in m.inputs], r.deltas, [c.weight for c in m.inputs],
-                                             MergeSettings.read(m.settings))
-            except ValueError as exc:  # settings this build does not know
-                report.problems.append(f"fragment {f} version {m.version}: {exc}")
-                continue
+            per_learner = learner_rounds([c.learner for c in m.inputs], r.deltas, [c.weight for c in m.inputs],
+                                         m.settings)
             report.versions += 1
             for lr in per_learner:
                 evidence.setdefault(lr.learner, []).append(lr)

@@ -210,8 +210,7 @@ class _Planner:
 
     def _max_staleness(self, fragment: int, head: int | None) -> int | None:
         m = self.manifests.get((fragment, head)) if head is not None else None
-        value = m.settings.get("max_staleness") if m is not None else None
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
+        return m.settings.max_staleness if m is not None else None
 
 
 def plan_gc(keys: RunKeys, listed: list[Listed], committed: Mapping[int, set[int]],

@@ -17,12 +17,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from diloco.coordinator.attribution import input_figures
-from diloco.coordinator.outer import MergeSettings
 from diloco.infra.history.rounds import Round, Run, check_fragment, read_round, rounds, versions
 from diloco.infra.output import num, table
 from diloco.storage.errors import Refused
 from diloco.storage.objects import ObjectMissing
-from diloco.storage.protocol import Manifest
+from diloco.storage.protocol import Manifest, VersionSettings
 
 SETTINGS_SHOWN = ("merge", "outer_lr", "outer_momentum", "min_quorum", "max_staleness", "staleness_discount")
 """The manifest settings that shape a merge, shown in the headers."""
@@ -63,7 +62,7 @@ class VersionView:
     kind: str
     committed_at: float
     epoch: int
-    settings: dict[str, object]
+    settings: VersionSettings
     merged_norm: float | None
     inputs: list[InputRow]
     refused: list[RefusalRow]
@@ -78,8 +77,8 @@ class VersionView:
     def render(self) -> str:
         s = self.settings
         what = "genesis (the proposed initial parameters)" if self.kind == "genesis" else (
-            f"{len(self.inputs)} input(s), merged update norm {num(self.merged_norm)}, {s.get('merge')}, "
-            f"outer lr {s.get('outer_lr')}, momentum {s.get('outer_momentum')}")
+            f"{len(self.inputs)} input(s), merged update norm {num(self.merged_norm)}, {s.merge}, "
+            f"outer lr {s.outer_lr}, momentum {s.outer_momentum}")
         lines = [f"fragment {self.fragment} version {self.version} (parent {self.parent_version}): {what}; committed "
                  f"{_utc(self.committed_at)} by epoch {self.epoch}"]
         if self.problem:
@@ -109,17 +108,12 @@ def view_round(r: Round) -> VersionView:
     figures, merged_norm = [None] * len(m.inputs), None
     problem = r.problem
     if r.deltas is not None and r.deltas:
-        try:
-            figures, merged_norm = input_figures(r.deltas, [c.weight for c in m.inputs],
-                                                 MergeSettings.read(m.settings))
-        except ValueError as exc:  # settings this build does not know
-            problem = str(exc)
+        figures, merged_norm = input_figures(r.deltas, [c.weight for c in m.inputs], m.settings)
     rows = [InputRow(c.learner, c.seq, c.contribution_id, c.tokens, c.steps, c.weight, c.staleness, c.base_version,
                      f.norm if f else None, f.cos_merged if f else None)
             for c, f in zip(m.inputs, figures, strict=True)]
     return VersionView(fragment=m.fragment, version=m.version, parent_version=m.parent_version,
-                       kind="genesis" if m.version == 0 else str(m.settings.get("kind", "delta")),
-                       committed_at=m.committed_at, epoch=m.epoch, settings=dict(m.settings),
+                       kind=m.settings.kind, committed_at=m.committed_at, epoch=m.epoch, settings=m.settings,
                        merged_norm=merged_norm, inputs=rows, refused=_refusals(m), problem=problem,
                        collected=r.collected)
 
@@ -211,7 +205,7 @@ class RunView:
             self.learner(r.learner or "?").refused[r.code] += 1
         if view.kind == "genesis":
             return  # its input is initial parameters, not a contribution
-        shown = {k: view.settings.get(k) for k in SETTINGS_SHOWN}
+        shown = {k: getattr(view.settings, k) for k in SETTINGS_SHOWN}
         for entry in self.settings:
             if entry["settings"] == shown:
                 entry["versions"] += 1

@@ -238,8 +238,8 @@ def replay_run(store: Store, keys: RunKeys, *, fragment: int | None = None, star
             else:
                 check, manifest = replayer.check(version, version in present)
             report.checks.append(check)
-            if manifest is not None:
-                recorded.add((str(manifest.settings.get("torch")), str(manifest.settings.get("cpu_capability"))))
+            if manifest is not None and manifest.settings.torch:  # recorded since
+                recorded.add((manifest.settings.torch, manifest.settings.cpu_capability))
             if progress is not None:
                 progress(check)
     here = (torch.__version__, str(torch.backends.cpu.get_cpu_capability()))

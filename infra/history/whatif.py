@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from diloco.coordinator.outer import MERGE_RULES, MergeSettings, NesterovState, apply_round
+from diloco.coordinator.outer import NesterovState, apply_round
 from diloco.coordinator.publish import decode_state, write_version
 from diloco.coordinator.rederive import recomputed_weights
 from diloco.infra.history.rounds import Run, check_fragment, open_run, versions
@@ -43,7 +43,7 @@ from diloco.storage.history import Floor, params_limit, read_input, read_manifes
 from diloco.storage.keys import RunKeys
 from diloco.storage.localdir import DirStore
 from diloco.storage.objects import Store
-from diloco.storage.protocol import MAX_RECORD_BYTES, Collection, Manifest, Scalar
+from diloco.storage.protocol import MAX_RECORD_BYTES, MERGES, Collection, Manifest, Scalar, VersionSettings
 from diloco.workers.demo.task import DemoTask
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def _momentum(raw: str) -> float:
 
 
 def _merge(raw: str) -> str:
-    if raw not in MERGE_RULES:
+    if raw not in MERGES:
         raise ValueError(raw)
     return raw
 
@@ -81,7 +81,7 @@ def _boolean(raw: str) -> bool:
 SETTINGS: dict[str, tuple[str, Callable[[str], Scalar]]] = {
     "outer_lr": ("a number > 0 that float32 holds", _positive),
     "outer_momentum": ("a number in [0, 1)", _momentum),
-    "merge": (" or ".join(MERGE_RULES), _merge),
+    "merge": (" or ".join(MERGES), _merge),
     "staleness_discount": ("true or false", _boolean),
 }
 """Manifest settings the merge and the outer step are configured by (`outer.apply_round`,
@@ -112,11 +112,12 @@ def describe(changes: Mapping[str, Scalar]) -> str:
     return ", ".join(f"{k}={v}" for k, v in changes.items()) or "no change"
 
 
-def whatif_settings(recorded: Mapping[str, Scalar], changes: Mapping[str, Scalar], source: str) -> dict[str, Scalar]:
+def whatif_settings(recorded: VersionSettings, changes: Mapping[str, Scalar], source: str) -> VersionSettings:
     """A re-derived version's manifest settings: the recorded ones with the changes, this machine's
     kernels (the ones that computed it), and where it comes from."""
-    return {**recorded, **changes, "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "whatif_of": source, "whatif_changes": describe(changes)}
+    return dataclasses.replace(recorded, **changes, torch=torch.__version__,
+                               cpu_capability=torch.backends.cpu.get_cpu_capability(), whatif_of=source,
+                               whatif_changes=describe(changes))
 
 
 def relative_l2(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float:
@@ -280,9 +281,8 @@ class _Run:
         inputs = [read_input(self.store, self.history.layout, m.fragment, c,
                              max_bytes=self.history.spec.max_object_bytes) for c in m.inputs]
         settings = whatif_settings(m.settings, self.changes, self.source)
-        merge = MergeSettings.read(settings)
-        weights = recomputed_weights(m.inputs, m.parent_version, merge.staleness_discount)
-        new_params, new_state = apply_round(params, state, inputs, weights, merge)
+        weights = recomputed_weights(m.inputs, m.parent_version, settings.staleness_discount)
+        new_params, new_state = apply_round(params, state, inputs, weights, settings)
         if not all(bool(torch.isfinite(t).all()) for t in [*new_params.values(), *new_state.momentum.values()]):
             return new_params, new_state, None
         written = write_version(self.store, self.into, fragment=m.fragment, version=m.version, params=new_params,

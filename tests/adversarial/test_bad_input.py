@@ -41,7 +41,7 @@ from diloco.storage.bus import FIELD, CommitResult
 from diloco.storage.errors import Refused
 from diloco.storage.history import read_manifest, sha256_hex
 from diloco.storage.objects import make_client
-from diloco.storage.protocol import Announcement, Refusal, pack
+from diloco.storage.protocol import Announcement, Refusal, VersionSettings, pack
 
 from harness import Tiny
 from rig import BAD, LIMIT, Rig, new_id
@@ -467,7 +467,8 @@ def test_a_manifest_too_large_for_its_readers_is_never_written(rig):
     huge = tuple(Refusal(contribution_id="", learner="", code="bad_message", reason="x" * (1 << 20)) for _ in range(65))
     with pytest.raises(ValueError, match=f"fragment 0 version {version} would be .* bytes, over the 67108864"):
         write_version(rig.store, rig.keys, fragment=0, version=version, params=params, state=NesterovState(),
-                      inputs=(), refused=huge, settings={}, epoch=1)
+                      inputs=(), refused=huge, epoch=1,
+                      settings=VersionSettings(kind="delta", outer_lr=0.7, outer_momentum=0.9))
     assert list(rig.store.list(rig.keys.version_dir(0, version))) == []
 
 

@@ -51,7 +51,7 @@ def test_a_piece_claiming_2_to_the_64_tokens_in_one_step_weighs_a_bounded_share(
     assert (liar.tokens, liar.steps) == (160, 16), liar
     assert "claimed 18446744073709551615 tokens in 1 steps" in liar.bounded
     assert liar.weight == pytest.approx(2 / 3) and inputs["good"].weight == pytest.approx(1 / 6)
-    assert manifest.settings["round_scale"] > 0.5  # the claim does not shrink the honest learners' step to nothing
+    assert manifest.settings.round_scale > 0.5  # the claim does not shrink the honest learners' step to nothing
     assert recorded_problems(manifest) == []  # replay recomputes the recorded weights from the counted claims
     assert rig.bus.counters().get("contributions_refused", 0) == 0
 

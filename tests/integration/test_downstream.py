@@ -55,7 +55,7 @@ def test_learners_take_updates_and_hold_the_committed_params_bit_for_bit(endpoin
         for f, head in heads.items():
             for v in range(1, head + 1):
                 m = read_manifest(store, keys, f, v)
-                assert m.update_key and m.settings["downstream"] == "int8"
+                assert m.update_key and m.settings.downstream == "int8"
                 assert 0 < m.update_bytes < m.params_bytes, (m.update_bytes, m.params_bytes)
         for learner in learners:
             assert learner.stats.fetched_updates >= 2 and learner.stats.update_failed == 0, learner.stats

@@ -19,7 +19,7 @@ import uuid
 import pytest
 import torch
 
-from diloco.coordinator.outer import MergeSettings, round_delta
+from diloco.coordinator.outer import round_delta
 from diloco.infra.cli import build_parser
 from diloco.infra.history.archive import export_run
 from diloco.infra.history.gc import collect
@@ -119,7 +119,7 @@ def test_a_versions_rows_are_its_manifests_and_its_deltas(history, capsys):
                      for r in view["inputs"]]
             assert shown == recorded
             deltas = [delta(store, c.object_key) for c in m.inputs]
-            merged = flat(round_delta(deltas, [c.weight for c in m.inputs], MergeSettings.read(m.settings)))
+            merged = flat(round_delta(deltas, [c.weight for c in m.inputs], m.settings))
             for row, d in zip(view["inputs"], deltas, strict=True):
                 d = flat(d)
                 assert row["norm"] == pytest.approx(float(d.norm()), rel=1e-9)

@@ -32,6 +32,7 @@ from diloco.storage.errors import ConfigError, Conflict
 from diloco.storage.history import read_layout, read_manifest, read_params
 from diloco.storage.objects import ObjectStore
 from diloco.storage.settings import Endpoints
+from diloco.storage.protocol import VersionSettings
 from harness import TINY_RUN, announcements, fresh_endpoints, join, make_coordinator, train
 
 REQUIRE_TLS = "DILOCO_TEST_REQUIRE_TLS"
@@ -194,7 +195,7 @@ def test_a_second_writer_cannot_replace_a_contribution_or_a_committed_version(en
     forged = {name: torch.full(p.shape, 7.0) for name, p in read_params(store, layout, manifest).items()}
     with pytest.raises(Conflict):
         write_version(other, keys, fragment=0, version=1, params=forged, state=NesterovState(), inputs=(),
-                      refused=(), settings={}, epoch=0)
+                      refused=(), settings=VersionSettings(kind="delta", outer_lr=0.7, outer_momentum=0.9), epoch=0)
     assert {key: store.get(key, max_bytes=1 << 20) for key in originals} == originals
     other.put(delta.object_key, originals[delta.object_key])  # the same bytes again: a retried write succeeds
     assert coord.bus.heads()[0] == 1

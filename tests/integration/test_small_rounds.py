@@ -40,8 +40,8 @@ class TwoLearners:
         for _ in range(10):
             self.coord.step(block_ms=50)
         m = read_manifest(self.coord.store, self.coord.keys, 0, self.coord.bus.heads()[0])
-        assert m.settings["outer"] == "fractional_nesterov"
-        return sum(c.tokens for c in m.inputs), m.settings["round_scale"], m.settings["progress"]
+        assert m.settings.outer == "fractional_nesterov"
+        return sum(c.tokens for c in m.inputs), m.settings.round_scale, m.settings.progress
 
     def restart(self) -> None:
         self.coord.close()

@@ -19,7 +19,7 @@ from diloco.storage.errors import Conflict
 from diloco.storage.history import params_limit, read_params, read_verified, sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
-from diloco.storage.protocol import Layout, ParamSpec
+from diloco.storage.protocol import Layout, ParamSpec, VersionSettings
 from smalls3 import PART, THRESHOLD, bucket, calls, endpoints, open_uploads, small_store  # noqa: F401 (fixtures)
 
 def fragment(seed: int, rows: int = 64) -> dict[str, torch.Tensor]:
@@ -86,7 +86,7 @@ def test_a_written_version_reads_back_as_its_tensors_and_its_manifest_shas(endpo
     state = NesterovState(momentum=fragment(4), steps=5, residual=fragment(5))
     layout = Layout(fragments=(tuple(ParamSpec(n, tuple(t.shape), "float32") for n, t in params.items()),))
     manifest = write_version(store, keys, fragment=0, version=1, params=params, state=state, inputs=(), refused=(),
-                             settings={}, epoch=1)
+                             settings=VersionSettings(kind="delta", outer_lr=0.7, outer_momentum=0.9), epoch=1)
     assert manifest.params_bytes == len(codecs.encode(params, "fp32", meta={"run": "r", "fragment": 0, "version": 1,
                                                                            "kind": "params"}))
     back = read_params(store, layout, manifest)

@@ -49,7 +49,7 @@ def test_a_what_if_with_the_recorded_settings_reproduces_every_version_exactly(e
         mine, theirs = read_manifest(store, scratch, f, head), read_manifest(store, keys, f, head)
         assert (mine.params_sha256, mine.outer_state_sha256) == (theirs.params_sha256, theirs.outer_state_sha256)
         assert mine.inputs == theirs.inputs  # the original contributions, with the weights they had
-        assert mine.settings["whatif_changes"] == "no change"
+        assert mine.settings.whatif_changes == "no change"
     replayed = replay_run(store, scratch)
     assert replayed.ok and len(replayed.checks) == len(report.steps), replayed.summary()
 
@@ -113,7 +113,7 @@ def test_a_what_if_with_another_outer_lr_drifts_and_writes_a_run_that_replays(en
 
     scratch = RunKeys(into, run_id)
     m = read_manifest(store, scratch, 0, heads[0])
-    assert m.settings["outer_lr"] == 0.2 and m.settings["whatif_changes"] == "outer_lr=0.2"
+    assert m.settings.outer_lr == 0.2 and m.settings.whatif_changes == "outer_lr=0.2"
     assert [c.object_key for c in m.inputs] == [c.object_key for c in read_manifest(store, keys, 0, heads[0]).inputs]
     assert list_versions(store, scratch, 0) == list(range(0, heads[0] + 1))  # the parent (v0) copied, then 1..head
 

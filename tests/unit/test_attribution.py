@@ -11,13 +11,13 @@ import torch
 
 from diloco.coordinator.attribution import cosine, flat, input_figures, learner_rounds, round_without, weights_without
 from diloco.coordinator.config import CoordinatorConfig
-from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round, round_delta
+from diloco.coordinator.outer import NesterovState, apply_round, round_delta
 from diloco.coordinator.policy import RoundConfig
 from diloco.storage.protocol import Contribution
 
 SHAPES = {"w": (6, 5), "b": (5,)}
-SETTINGS = MergeSettings.read(CoordinatorConfig().settings(RoundConfig()))
-RADIAL = MergeSettings.read(CoordinatorConfig(radial_directional=True).settings(RoundConfig()))
+SETTINGS = CoordinatorConfig().settings(RoundConfig(), "delta", "fp32")
+RADIAL = CoordinatorConfig(radial_directional=True).settings(RoundConfig(), "delta", "fp32")
 
 
 def tensors(gen: torch.Generator, scale: float = 1.0) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from diloco.infra.chaos.ledger import Evidence, Ledger, account
 from diloco.storage import codecs
 from diloco.storage.errors import Refused
 from diloco.storage.history import sha256_hex
-from diloco.storage.protocol import Contribution, LearnerStats, Manifest, Refusal
+from diloco.storage.protocol import Contribution, LearnerStats, Manifest, Refusal, VersionSettings
 
 
 @pytest.mark.parametrize("seconds", [10, 30, 45, 120, 600])
@@ -85,7 +85,7 @@ def _manifest(fragment: int, version: int, ids: list[str], refused: tuple[Refusa
                                 stream_id="1-0") for i in ids)
     return Manifest(run="r", fragment=fragment, version=version, parent_version=version - 1, params_key="p",
                     params_sha256="0" * 64, outer_state_key="o", outer_state_sha256="0" * 64, inputs=inputs,
-                    settings={}, refused=refused, committed_at=0.0, epoch=1)
+                    settings=VersionSettings(kind="delta", outer_lr=0.7, outer_momentum=0.9), refused=refused, committed_at=0.0, epoch=1)
 
 
 def _refusal(cid: str, code: str) -> Refusal:

@@ -2,7 +2,7 @@
 
 from diloco.infra.history.gc import Listed, committed_versions, manifests_to_read, plan_gc
 from diloco.storage.keys import RunKeys
-from diloco.storage.protocol import Contribution, Manifest, Refusal
+from diloco.storage.protocol import Contribution, Manifest, Refusal, VersionSettings
 
 K = RunKeys("p", "r")
 HEAD = 5
@@ -19,7 +19,7 @@ def manifest(v: int, epoch: int = 1, refused: tuple[Refusal, ...] = ()) -> Manif
     inputs = (contribution(K.genesis_params("l0", 0), -1),) if v == 0 else (contribution(K.delta(0, "l0", v), v - 1),)
     return Manifest(run="r", fragment=0, version=v, parent_version=v - 1, params_key=K.params(0, v, epoch),
                     params_sha256="0" * 64, outer_state_key=K.outer_state(0, v, epoch), outer_state_sha256="0" * 64,
-                    inputs=inputs, settings={"max_staleness": MAX_STALENESS}, refused=refused, committed_at=0.0,
+                    inputs=inputs, settings=VersionSettings(kind="delta", outer_lr=0.7, outer_momentum=0.9, max_staleness=MAX_STALENESS), refused=refused, committed_at=0.0,
                     epoch=epoch, update_key=K.update(0, v, epoch) if v else "", update_sha256="0" * 64 if v else "")
 
 

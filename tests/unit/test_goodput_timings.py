@@ -11,7 +11,7 @@ from diloco.infra.cli import build_parser
 from diloco.infra.goodput.model import YEAR_S, Model
 from diloco.infra.goodput.timings import Failure, Timings, project, timings_from_run
 from diloco.storage.errors import ConfigError
-from diloco.storage.protocol import Announcement, Contribution, Manifest, RunSpec
+from diloco.storage.protocol import Announcement, Contribution, Manifest, RunSpec, VersionSettings
 
 RUN = "timed"
 SPEC = RunSpec(run=RUN, num_fragments=1, sync_every=10, overlap_steps=2, merge_rule="rebase", alpha=0.5,
@@ -47,7 +47,7 @@ def records() -> tuple[list[tuple[str, Announcement]], list[Manifest]]:
                                     tokens=a.tokens, steps=a.steps, weight=0.5, stream_id=eid) for eid, a in rnd)
         manifests.append(Manifest(run=RUN, fragment=0, version=n, parent_version=n - 1, params_key="p",
                                   params_sha256="0" * 64, outer_state_key="o", outer_state_sha256="0" * 64,
-                                  inputs=inputs, settings={}, refused=(), committed_at=last + 0.3, epoch=1))
+                                  inputs=inputs, settings=VersionSettings(kind="delta", outer_lr=0.7, outer_momentum=0.9), refused=(), committed_at=last + 0.3, epoch=1))
     return entries, manifests
 
 

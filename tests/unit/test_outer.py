@@ -7,10 +7,12 @@ import math
 import pytest
 import torch
 
-from diloco.coordinator.outer import (MergeSettings, NesterovState, apply_round, merge_deltas, nesterov_step, outer_step, round_delta,
+from diloco.coordinator.outer import (NesterovState, apply_round, merge_deltas, nesterov_step, outer_step, round_delta,
                                       scale_update, update_norm)
 from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundConfig, RoundSize, merge_weights, round_size,
                                        round_step)
+from diloco.storage.errors import Refused
+from diloco.storage.protocol import SCHEMA_VERSION, VersionSettings, pack
 
 SHAPES = {"blocks.0.w": (33, 7), "blocks.0.b": (7,), "scalar": ()}
 
@@ -160,19 +162,19 @@ def test_round_delta_applies_the_recorded_round_scale_and_refuses_a_bad_one() ->
     assert torch.equal(round_delta(deltas, [0.5, 0.5], typed(round_scale=0.25))["w"], torch.tensor([0.5, 0.0, 0.5]))
     assert torch.equal(round_delta(deltas, [0.5, 0.5], typed(round_scale=1.0))["w"], full)
     for bad in (0.0, 1.5, True, "half"):
-        with pytest.raises(ValueError, match="round_scale"):
+        with pytest.raises(Refused, match="round_scale"):
             typed(round_scale=bad)
 
 
 # --- fractional steps: a round moves the model as far as the progress it carries ----------------
 
-OUTER = {"merge": "weighted_mean", "outer_lr": 0.7, "outer_momentum": 0.9}
-"""A manifest's settings map, as far as the merge and the outer step read it."""
+OUTER = {"kind": "delta", "merge": "weighted_mean", "outer_lr": 0.7, "outer_momentum": 0.9}
+"""A manifest's settings, as far as the merge and the outer step read them."""
 
 
-def typed(**over: object) -> MergeSettings:
-    """The merge settings of a manifest recording OUTER with `over`."""
-    return MergeSettings.read(OUTER | over)
+def typed(**over: object) -> VersionSettings:
+    """The settings of a manifest recording OUTER with `over`, read back as a manifest's are."""
+    return VersionSettings.from_wire(pack({"schema": SCHEMA_VERSION, "type": "VersionSettings", **OUTER, **over}))
 
 
 def test_a_whole_fractional_step_is_the_torch_sgd_step_bit_for_bit() -> None:
@@ -215,15 +217,14 @@ def test_fractional_steps_are_bit_identical_for_the_same_inputs() -> None:
 
 
 def test_the_outer_step_of_a_manifest_is_one_this_build_knows() -> None:
-    deltas = [{"w": torch.ones(2)}]
-    with pytest.raises(ValueError, match="outer optimizer 'adam'"):
-        apply_round({"w": torch.zeros(2)}, NesterovState(), deltas, [1.0], typed(outer="adam"))
+    with pytest.raises(Refused, match="outer optimizer 'adam'"):
+        typed(outer="adam")
     for bad in ({"outer_lr": "fast"}, {"outer_momentum": None}, {"merge": "median"}, {"progress": 0.0,
-                                                                                      "outer": "fractional_nesterov"}):
-        with pytest.raises(ValueError):
+                                                                                      "outer": "fractional_nesterov"},
+                {"progress": 0.5}):  # a whole step of half a step
+        with pytest.raises(Refused):
             typed(**bad)
-    # A whole step ignores a recorded progress (versions made before fractional steps took whole steps).
-    assert typed(progress=0.5).progress == 1.0 and typed(outer="fractional_nesterov", progress=0.5).progress == 0.5
+    assert typed(outer="fractional_nesterov", progress=0.5).progress == 0.5
 
 
 def _cut_into_rounds(cuts: list[list[list[int]]], fractional: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,13 @@
 """Wire protocol: round trips, and refusal of everything this version did not write."""
 
+import re
 import msgpack
 import pytest
 
 from diloco.storage.errors import Refused
 from diloco.storage.protocol import (SCHEMA_VERSION, check_id, Announcement, Collection, Contribution, FinishRequest, Layout,
                                      LearnerFinished, LearnerStats, Manifest, ParamSpec, Refusal, RunEnd, RunSpec,
-                                     VersionEvent, pack)
+                                     VersionEvent, VersionSettings, pack)
 
 
 def announcement(**over):
@@ -21,7 +22,9 @@ def manifest():
     c = Contribution(contribution_id="ab" * 16, learner="l-0", seq=7, object_key="k", sha256="cd" * 32,
                      base_version=3, staleness=1, tokens=10, steps=2, weight=1.0, stream_id="1-0")
     return Manifest(run="r1", fragment=0, version=4, parent_version=3, params_key="a", params_sha256="b",
-                    outer_state_key="c", outer_state_sha256="d", inputs=(c,), settings={"outer_lr": 0.7, "x": "y"},
+                    outer_state_key="c", outer_state_sha256="d", inputs=(c,), settings=VersionSettings(
+                        kind="delta", outer_lr=0.7, outer_momentum=0.9, outer="fractional_nesterov", progress=0.5,
+                        update_norm=1.5, downstream="int4", whatif_of="p/r0", whatif_changes="outer_lr=0.7"),
                     refused=(Refusal(contribution_id="", learner="?", code="bad_message", reason="r"),),
                     committed_at=2.0, epoch=3)
 
@@ -133,3 +136,25 @@ def test_ids_are_refused_unless_the_whole_string_is_an_id(bad):
     with pytest.raises(Refused) as err:
         check_id("learner", bad)
     assert err.value.code == "bad_id" and repr(bad) in err.value.reason
+
+
+def v1_manifest(settings: object, version: int = 4) -> bytes:
+    """A manifest as builds before schema 2 wrote it: settings a map of scalars."""
+    body = {k: v for k, v in msgpack.unpackb(manifest().to_wire()).items() if k != "settings"}
+    return msgpack.packb(body | {"schema": 1, "version": version, "parent_version": version - 1, "settings": settings})
+
+
+def test_a_schema_1_manifest_reads_as_this_build_writes_it():
+    m = Manifest.from_wire(v1_manifest({"kind": "delta", "outer_lr": 0.35, "outer_momentum": 0.9,
+                                        "merge": "radial_directional", "max_staleness": 2, "progress": 0.4}))
+    assert m.settings == VersionSettings(kind="delta", outer_lr=0.35, outer_momentum=0.9, merge="radial_directional",
+                                         max_staleness=2)  # a whole step's recorded progress was not used
+    assert Manifest.from_wire(m.to_wire()) == m and msgpack.unpackb(m.to_wire())["schema"] == SCHEMA_VERSION == 2
+    genesis = Manifest.from_wire(v1_manifest({"outer_lr": 0.7, "outer_momentum": 0.0}, version=0))
+    assert genesis.settings.kind == "genesis" and genesis.settings.torch == ""
+    for settings, why in (({"kind": "delta", "outer_lr": 0.7, "outer_momentum": 0.9, "speed": "x"}, "unknown fields"),
+                          ({"kind": "delta", "outer_momentum": 0.9}, "missing fields"),
+                          ([1, 2], "expected a map"), ({"kind": "delta", "outer_lr": 0.7, "outer_momentum": 1.0}, "in [0, 1)")):
+        with pytest.raises(Refused, match=re.escape(why)) as exc:
+            Manifest.from_wire(v1_manifest(settings))
+        assert exc.value.code == "bad_message"

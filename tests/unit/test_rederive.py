@@ -9,16 +9,17 @@ import pytest
 import torch
 
 from diloco.coordinator.config import CoordinatorConfig
-from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round
+from diloco.coordinator.outer import NesterovState, apply_round
 from diloco.coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
 from diloco.coordinator.publish import state_body
 from diloco.storage.updates import params_body
 from diloco.coordinator.rederive import rederive
 from diloco.storage.history import sha256_hex
 from diloco.storage.keys import RunKeys
-from diloco.storage.protocol import Contribution, Manifest
+from diloco.storage.protocol import Contribution, Manifest, VersionSettings
 
 KEYS = RunKeys("p", "run")
+GENESIS = VersionSettings(kind="genesis", outer_lr=0.7, outer_momentum=0.9)
 SHAPES = {"w": (5, 3), "b": (3,)}
 
 
@@ -31,9 +32,9 @@ def a_version(radial: bool = False) -> tuple[Manifest, list[dict[str, torch.Tens
     learners (one of them stale), merged after a first outer step (so with momentum)."""
     gen = torch.Generator().manual_seed(7)
     cfg = RoundConfig()
-    settings = CoordinatorConfig(radial_directional=radial).settings(cfg) | {"kind": "delta"}
+    settings = CoordinatorConfig(radial_directional=radial).settings(cfg, "delta", "fp32")
     parent = tensors(gen)
-    merge = MergeSettings.read(settings)
+    merge = settings
     _, state = apply_round(parent, NesterovState(), [tensors(gen, 0.1)], [1.0], merge)
     arrivals = [Arrival(uuid.uuid4().hex, learner, base, tokens, steps, 0.0, 0.0)
                 for learner, base, tokens, steps in (("b", 2, 40, 4), ("a", 1, 90, 9), ("b", 2, 40, 4))]
@@ -77,8 +78,10 @@ def test_each_kind_of_difference_is_named():
     fresh = dataclasses.replace(manifest, inputs=tuple(dataclasses.replace(c, staleness=0) for c in manifest.inputs))
     assert problems(fresh) == ["staleness"]
     # The recorded settings are the ones replayed: another lr gives other params (the momentum does not use it).
-    assert problems(dataclasses.replace(manifest, settings=manifest.settings | {"outer_lr": 0.5})) == ["params"]
-    assert problems(dataclasses.replace(manifest, settings=manifest.settings | {"merge": "median"})) == ["settings"]
+    assert problems(dataclasses.replace(manifest, settings=dataclasses.replace(manifest.settings, outer_lr=0.5))) == [
+        "params"]
+    assert problems(dataclasses.replace(manifest, settings=dataclasses.replace(manifest.settings, weights="tokens"))) == [
+        "settings"]
 
 
 def test_genesis_is_its_proposal_unchanged():
@@ -89,7 +92,7 @@ def test_genesis_is_its_proposal_unchanged():
     manifest = Manifest(run="run", fragment=0, version=0, parent_version=-1, params_key="x", outer_state_key="y",
                         params_sha256=sha256_hex(params_body(proposal, KEYS, 0, 0)),
                         outer_state_sha256=sha256_hex(state_body(NesterovState(), KEYS, 0, 0)),
-                        inputs=inputs, settings={"kind": "genesis"}, refused=(), committed_at=0.0, epoch=1)
+                        inputs=inputs, settings=GENESIS, refused=(), committed_at=0.0, epoch=1)
     assert rederive(manifest, KEYS, [proposal]).bit_exact
     changed = {k: v.clone() for k, v in proposal.items()}
     changed["b"][0] += 1

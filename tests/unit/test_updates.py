@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.coordinator.outer import MergeSettings, NesterovState, apply_round, downstream_step
+from diloco.coordinator.outer import NesterovState, apply_round, downstream_step
+from diloco.storage.protocol import VersionSettings
 from diloco.coordinator.publish import decode_state, state_body
 from diloco.storage import codecs
 from diloco.storage.errors import Refused
@@ -28,9 +29,9 @@ def tensors(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g) * scale for n, s in SHAPES.items()}
 
 
-def settings(downstream: str) -> MergeSettings:
-    return MergeSettings(merge="weighted_mean", outer_lr=0.7, outer_momentum=0.9, outer="fractional_nesterov",
-                         downstream=downstream)
+def settings(downstream: str) -> VersionSettings:
+    return VersionSettings(kind="delta", merge="weighted_mean", outer_lr=0.7, outer_momentum=0.9,
+                           outer="fractional_nesterov", downstream=downstream)
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "bf16"])

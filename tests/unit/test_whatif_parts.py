@@ -9,7 +9,7 @@ from diloco.infra.history.whatif import check_into, parse_changes, plan_ranges, 
 from diloco.storage.errors import ConfigError
 from diloco.storage.history import Floor
 from diloco.storage.keys import RunKeys
-from diloco.storage.protocol import Collection
+from diloco.storage.protocol import Collection, VersionSettings
 
 
 def test_known_settings_are_parsed_and_typed():
@@ -37,11 +37,11 @@ def test_anything_else_is_refused_with_what_is_allowed(items, message):
 
 
 def test_the_settings_of_a_what_if_record_the_change_and_where_it_comes_from():
-    recorded = {"outer_lr": 0.7, "outer_momentum": 0.9, "merge": "weighted_mean", "kind": "delta"}
+    recorded = VersionSettings(kind="delta", outer_lr=0.7, outer_momentum=0.9, torch="2.0.0", cpu_capability="AVX2")
     s = whatif_settings(recorded, {"outer_lr": 0.35}, "diloco/r1")
-    assert s["outer_lr"] == 0.35 and s["outer_momentum"] == 0.9 and s["kind"] == "delta"
-    assert s["whatif_of"] == "diloco/r1" and s["whatif_changes"] == "outer_lr=0.35"
-    assert s["torch"] == torch.__version__
+    assert s.outer_lr == 0.35 and s.outer_momentum == 0.9 and s.kind == "delta"
+    assert s.whatif_of == "diloco/r1" and s.whatif_changes == "outer_lr=0.35"
+    assert s.torch == torch.__version__ and s.cpu_capability == torch.backends.cpu.get_cpu_capability()
 
 
 def test_relative_l2_is_zero_exactly_when_equal():
