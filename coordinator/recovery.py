@@ -32,7 +32,7 @@ from diloco.storage.errors import Refused
 from diloco.storage.history import read_manifest, sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
-from diloco.storage.protocol import Announcement
+from diloco.storage.protocol import Announcement, ObjectMeta
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +68,13 @@ def accounted_since(store: ObjectStore, keys: RunKeys, heads: dict[int, int], ke
 
 def announcement_from_object(key: str, blob: bytes, *, max_bytes: int) -> Announcement:
     """The announcement a learner made (or meant to make) for this stored contribution."""
-    meta = codecs.read_header(blob, max_bytes=max_bytes).meta
+    meta = ObjectMeta.from_meta(codecs.read_header(blob, max_bytes=max_bytes).meta, key)
+    if meta.kind != "delta":
+        raise Refused("bad_header", f"{key}: its header describes a {meta.kind!r}, not a delta")
     try:
-        return Announcement(
-            kind="delta", run=str(meta["run"]), fragment=int(meta["fragment"]), learner=str(meta["learner"]),
-            seq=int(key.rsplit("/", 1)[1]), contribution_id=str(meta["contribution_id"]),
-            base_version=int(meta["base_version"]), tokens=int(meta["tokens"]), steps=int(meta["steps"]),
-            step_time_s=float(meta["step_time_s"]), object_key=key, size_bytes=len(blob), sha256=sha256_hex(blob),
-            sent_at=time.time(), deadline=float(meta.get("deadline", 0.0)), final=bool(meta.get("final", 0)),
-            recovered=True)
-    except (KeyError, ValueError, TypeError, OverflowError) as exc:  # a learner wrote the header: any value
-        raise Refused("bad_header", f"{key}: its header does not describe a contribution "
-                      f"({type(exc).__name__}: {exc})") from None
+        return meta.announcement(key, int(key.rsplit("/", 1)[1]), len(blob), sha256_hex(blob), time.time())
+    except (ValueError, Refused) as exc:  # a learner wrote the header: any value
+        raise Refused("bad_header", f"{key}: its header does not describe a contribution ({exc})") from None
 
 
 def reannounce_lost(store: ObjectStore, bus: Bus, heads: dict[int, int], *, known: set[str], keep: int,

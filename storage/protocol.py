@@ -339,6 +339,49 @@ class Announcement(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class ObjectMeta(Record):
+    """What a learner stamps in the header of each contribution object (the tensor object's `meta`
+    map): the object describes itself, so that after Redis lost an announcement the coordinator can
+    make it again from the object alone (`coordinator.recovery`); a header without the counts (as the
+    chaos suite's hostile learner writes) cannot be announced again. A meta map holds str, int and float
+    values only: `to_meta` writes `final` as 1, and only when true."""
+
+    run: str
+    fragment: int
+    learner: str
+    kind: str
+    contribution_id: str
+    base_version: int
+    tokens: int
+    steps: int
+    step_time_s: float
+    deadline: float = 0.0
+    final: bool = False
+
+    def to_meta(self) -> dict[str, str | int | float]:
+        meta = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "final"}
+        return meta | {"final": 1} if self.final else meta
+
+    @classmethod
+    def from_meta(cls, meta: Any, where: str) -> ObjectMeta:
+        """The record a header's meta map holds; Refused (`bad_header`) when it holds none."""
+        try:
+            if not isinstance(meta, dict) or meta.get("final", 0) not in (0, 1):
+                raise Refused("bad_message", f"a map with final 0 or 1 expected, got {meta!r:.200}")
+            return cls._from_map(meta | {"final": bool(meta.get("final", 0))}, "meta")
+        except Refused as exc:
+            raise Refused("bad_header", f"{where}: its header does not describe a contribution ({exc.reason})") from None
+
+    def announcement(self, key: str, seq: int, size_bytes: int, sha256: str, sent_at: float) -> Announcement:
+        """The announcement of the object at `key` this meta describes, made again (`recovered`)."""
+        return Announcement(kind=self.kind, run=self.run, fragment=self.fragment, learner=self.learner, seq=seq,
+                            contribution_id=self.contribution_id, base_version=self.base_version,
+                            tokens=self.tokens, steps=self.steps, step_time_s=self.step_time_s, object_key=key,
+                            size_bytes=size_bytes, sha256=sha256, sent_at=sent_at, deadline=self.deadline,
+                            final=self.final, recovered=True)
+
+
+@dataclass(frozen=True, slots=True)
 class Contribution(Record):
     """One input of a version, as recorded in its manifest."""
 

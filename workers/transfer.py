@@ -37,7 +37,7 @@ from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavail
 from diloco.storage.history import params_limit, read_manifest, read_params, read_verified, sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
-from diloco.storage.protocol import Announcement, Layout, Manifest, RunSpec, VersionEvent
+from diloco.storage.protocol import Announcement, Layout, Manifest, ObjectMeta, RunSpec, VersionEvent
 from diloco.storage.updates import apply_update, chain_worth_it, encode_carrying, params_body
 from diloco.workers.hostcopy import Snapshot
 from diloco.workers.staging import Slot, Stager
@@ -270,11 +270,10 @@ class Uploader(threading.Thread):
         codec, compress = ("fp32", False) if job.kind == "genesis" else (self.spec.codec, self.spec.compress)
         # The object describes itself: after Redis lost an announcement, the coordinator can make
         # it again from the object alone (coordinator/recovery.py).
-        meta = {"run": self.spec.run, "fragment": job.fragment, "learner": self.learner, "kind": job.kind,
-                "contribution_id": job.contribution_id, "base_version": job.base_version, "tokens": job.tokens,
-                "steps": job.steps, "step_time_s": job.step_time_s, "deadline": job.deadline}
-        if job.final:
-            meta["final"] = 1
+        meta = ObjectMeta(run=self.spec.run, fragment=job.fragment, learner=self.learner, kind=job.kind,
+                          contribution_id=job.contribution_id, base_version=job.base_version, tokens=job.tokens,
+                          steps=job.steps, step_time_s=job.step_time_s, deadline=job.deadline,
+                          final=job.final).to_meta()
         job.settle()
         if job.kind != "delta" or codec == "fp32" or not self.error_feedback:
             return codecs.encode(job.delta, codec, compress=compress, meta=meta)

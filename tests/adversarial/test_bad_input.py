@@ -342,7 +342,7 @@ def _wire(rig: Rig, **over) -> bytes:
     (lambda rig: {FIELD: b"\xc1 not msgpack"}, "bad_message", ["not valid msgpack"]),
     (lambda rig: {b"other": b"x"}, "bad_message", ["no 'm' field"]),
     (lambda rig: {FIELD: pack([1, 2])}, "bad_message", ["expected a map"]),
-    (lambda rig: {FIELD: _wire(rig, schema=2)}, "unknown_schema", ["schema version 2", "upgrade"]),
+    (lambda rig: {FIELD: _wire(rig, schema=3)}, "unknown_schema", ["schema version 3", "upgrade"]),
     (lambda rig: {FIELD: _wire(rig, sha256=None)}, "bad_message", ["missing fields ['sha256']"]),
     (lambda rig: {FIELD: _wire(rig, fragment="0")}, "bad_message", ["Announcement.fragment", "integer"]),
     (lambda rig: {FIELD: _wire(rig, learner="../root")}, "bad_id", ["'../root'"]),
@@ -415,8 +415,8 @@ def test_an_object_stored_with_a_key_of_its_own_is_refused_and_the_coordinator_g
 def test_the_sweep_for_lost_announcements_skips_an_object_whose_header_lies(rig):
     """After Redis lost data, the coordinator announces again the contribution objects nobody
     accounts for, from their headers, which their learners wrote: `tokens = inf` (or a string)
-    there is counted as unreadable, while the honest object beside it is announced again. Before,
-    int(inf) raised OverflowError out of the sweep, and the coordinator died at every start."""
+    there is counted as unreadable, while the honest object beside it is announced again (int(inf)
+    once raised OverflowError out of the sweep, and the coordinator died at every start)."""
     planted = []
     for tokens in (math.inf, "many"):
         cid = new_id()
@@ -430,7 +430,7 @@ def test_the_sweep_for_lost_announcements_skips_an_object_whose_header_lies(rig)
     assert Announcement.from_wire(fields[FIELD]).contribution_id == honest.contribution_id
     said = rig.caplog.text
     assert all(f"cannot announce {a.object_key} again" in said for a in planted)
-    assert "OverflowError" in said and "ValueError" in said
+    assert said.count("its header does not describe a contribution") == 2
 
 
 # ---- a flood of refusals ---------------------------------------------------------------------------

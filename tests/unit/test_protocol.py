@@ -1,5 +1,6 @@
 """Wire protocol: round trips, and refusal of everything this version did not write."""
 
+import dataclasses
 import re
 import msgpack
 import pytest
@@ -7,7 +8,7 @@ import pytest
 from diloco.storage.errors import Refused
 from diloco.storage.protocol import (SCHEMA_VERSION, check_id, Announcement, Collection, Contribution, FinishRequest, Layout,
                                      LearnerFinished, LearnerStats, Manifest, ParamSpec, Refusal, RunEnd, RunSpec,
-                                     VersionEvent, VersionSettings, pack)
+                                     ObjectMeta, VersionEvent, VersionSettings, pack)
 
 
 def announcement(**over):
@@ -158,3 +159,19 @@ def test_a_schema_1_manifest_reads_as_this_build_writes_it():
         with pytest.raises(Refused, match=re.escape(why)) as exc:
             Manifest.from_wire(v1_manifest(settings))
         assert exc.value.code == "bad_message"
+
+
+def test_an_object_meta_round_trips_through_a_header_map_and_a_partial_one_is_refused():
+    meta = ObjectMeta(run="r1", fragment=2, learner="l-0", kind="delta", contribution_id="ab" * 16, base_version=5,
+                      tokens=4096, steps=2, step_time_s=0.25, deadline=12.5, final=True)
+    header = meta.to_meta()
+    assert header["final"] == 1 and all(type(v) in (str, int, float) for v in header.values())
+    assert ObjectMeta.from_meta(header, "k") == meta
+    assert "final" not in dataclasses.replace(meta, final=False).to_meta()
+    a = meta.announcement("p/r1/fragments/0002/l-0/0000000000000007", 7, 100, "cd" * 32, 1.0)
+    assert (a.recovered, a.final, a.tokens, a.deadline, a.base_version) == (True, True, 4096, 12.5, 5)
+    for bad in ({k: v for k, v in header.items() if k != "tokens"}, header | {"final": 2},
+                header | {"steps": "2"}, header | {"extra": 1}, [1]):
+        with pytest.raises(Refused) as exc:
+            ObjectMeta.from_meta(bad, "k")
+        assert exc.value.code == "bad_header" and "k: its header does not describe a contribution" in exc.value.reason
