@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, fields
 from diloco.coordinator.policy import RoundConfig
 from diloco.storage.bus import LEARNERS_FORGOTTEN_S
 from diloco.storage.errors import ConfigError
-from diloco.storage.protocol import CODECS, RunSpec, VersionSettings
+from diloco.storage.codecs import CODECS
+from diloco.storage.protocol import RunSpec, VersionSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,10 @@ class RunSettings:
     """Fragment objects larger than this are refused unread."""
     cadence: str = "clock"
     """When learners send: 'clock' (at round deadlines the coordinator publishes) or 'steps' (every H steps)."""
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ConfigError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
 
     def spec(self, run: str) -> RunSpec:
         return RunSpec(run=run, num_fragments=self.num_fragments, sync_every=self.sync_every,

@@ -65,8 +65,6 @@ import torch.nn.functional as F
 import zstandard
 
 from diloco.storage.errors import Refused
-from diloco.storage.protocol import CODECS  # the names are the protocol's, their arithmetic is here
-
 COMPRESSIONS = ("none", "zstd")
 MAGIC = b"DLCO"
 FORMAT_VERSION = 1
@@ -80,9 +78,6 @@ _ZSTD_MAX_WINDOW = 1 << 24  # level 3 uses at most 2 MiB; a bigger window is ref
 Meta = dict[str, str | int | float]
 
 _FRAMING = struct.Struct(">4sBI")
-_QMAX = {"int8": 127, "int4": 7, "int2": 1}
-_PACKED_BITS = {"int4": 4, "int2": 2}
-"""Codecs that pack several values per byte: bits per value."""
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _HEADER_FIELDS = {"codec": str, "compression": str, "payload_bytes": int, "payload_sha256": str,
                   "block_size": int, "meta": dict, "tensors": list}
@@ -115,16 +110,181 @@ class Header:
     block_size: int
 
 
+class Codec:
+    """One tensor encoding, named in a header's `codec` field: the payload bytes of a tensor, the
+    worst-case error of an element, and the arithmetic both ways. Each is registered once
+    (`register`); `CODECS` lists their names, and every reader and the CLI take them from there."""
+
+    name: str
+    blocked: bool
+    """Values in blocks of `block_size` elements with a float32 scale each (block_size 1..2^20 in
+    the header); else block_size is 0."""
+
+    def nbytes(self, n: int, block: int) -> int:
+        """Payload bytes of a tensor of `n` elements."""
+        raise NotImplementedError
+
+    def error_bound(self, absmax: float) -> float:
+        """Worst-case |decoded - original| of an element in a block whose largest |x| is `absmax`."""
+        raise NotImplementedError
+
+    def encode_into(self, out: torch.Tensor, x: torch.Tensor, block: int, name: str) -> None:
+        """Write flat float32 `x` into the uint8 slice `out` (the tensor's whole byte range); Refused
+        (`non_finite`) for a value it cannot hold."""
+        raise NotImplementedError
+
+    def decode(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> torch.Tensor:
+        """Float32 tensor of `spec.shape` from its uint8 byte range `seg` (a fresh buffer we own);
+        Refused for bytes no encoder writes."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class Floats(Codec):
+    """The values as floats of `dtype`, rounded to nearest even."""
+
+    name: str
+    dtype: torch.dtype
+    bound: float
+    """The relative error of an element: 0 (exact) for fp32, 2^-8 for bf16 (8 significant bits)."""
+    blocked = False
+
+    def nbytes(self, n: int, block: int) -> int:
+        return n * self.dtype.itemsize
+
+    def error_bound(self, absmax: float) -> float:
+        return 0.0 if self.bound == 0 else absmax * self.bound + 2.0**-126  # subnormals
+
+    def encode_into(self, out: torch.Tensor, x: torch.Tensor, block: int, name: str) -> None:
+        y = x if self.dtype == torch.float32 else x.to(self.dtype)
+        if not _all_finite(y):
+            raise Refused("non_finite", f"tensor {name!r} has NaN/Inf values (or values beyond the {self.name} range)")
+        out.view(y.dtype).copy_(y)  # offsets are multiples of the item size
+
+    def decode(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> torch.Tensor:
+        values = seg.view(self.dtype).float() if self.dtype != torch.float32 else seg.view(torch.float32)
+        if not _all_finite(values):
+            raise _refused("non_finite", spec, "NaN or Inf values")
+        return values.view(spec.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks(Codec):
+    """Per block a float32 scale absmax / qmax, then each value round-half-even(x / scale) in
+    [-qmax, qmax], as int8 (bits 8) or packed `bits` to a byte as codes value + `zero`, element j of a
+    byte in bits j*bits.. (the codes past the last element are `zero`)."""
+
+    name: str
+    qmax: int
+    bits: int
+    zero: int
+    """The code of value 0 in a packed byte (0 for int8, whose bytes are the signed values)."""
+    blocked = True
+
+    def nbytes(self, n: int, block: int) -> int:
+        return 4 * -(-n // block) + -(-n // (8 // self.bits))
+
+    def error_bound(self, absmax: float) -> float:
+        # Half a step, with 2^-10 relative slack for float32 rounding of scale and product, and 2^-126
+        # where the scale is subnormal or underflows to 0.
+        return absmax / (2 * self.qmax) * (1 + 2.0**-10) + 2.0**-126
+
+    def encode_into(self, out: torch.Tensor, x: torch.Tensor, block: int, name: str) -> None:
+        n, qmax = x.numel(), self.qmax
+        blocks = -(-n // block)
+        grid = (F.pad(x, (0, blocks * block - n)) if n % block else x).view(blocks, block)
+        absmax = grid.abs().amax(dim=1)  # NaN propagates; not aminmax(dim=), ms-slow on small inputs
+        if not _all_finite(absmax):
+            raise Refused("non_finite", f"tensor {name!r} has NaN or Inf values")
+        scales = absmax / qmax
+        ratio = grid / torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
+        q = ratio.round_().clamp_(-qmax, qmax).view(-1)[:n]  # whole numbers, converted exactly below
+        out[:4 * blocks].copy_(scales.view(torch.uint8))
+        if self.bits == 8:
+            out[4 * blocks:].view(torch.int8).copy_(q)
+            return
+        per_byte = 8 // self.bits
+        codes = q.add_(self.zero).to(torch.uint8)
+        if n % per_byte:
+            codes = F.pad(codes, (0, per_byte - n % per_byte), value=self.zero)
+        groups = codes.view(-1, per_byte)
+        packed = groups[:, 0].clone()
+        for j in range(1, per_byte):
+            packed.bitwise_or_(groups[:, j] << (self.bits * j))
+        out[4 * blocks:].copy_(packed)
+
+    def decode(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> torch.Tensor:
+        n, qmax = math.prod(spec.shape), self.qmax
+        blocks = -(-n // block)
+        scales = seg[:4 * blocks].clone().view(torch.float32)  # clone: aligned copy, scales are small
+        if not _all_finite(scales * qmax):
+            raise _refused("non_finite", spec, f"NaN/Inf scales, or scales above float32 max / {qmax}")
+        if (scales < 0).any():
+            raise _refused("bad_payload", spec, "negative scales (an encoder writes absmax / qmax >= 0)")
+        q = self._values(seg[4 * blocks:], spec, n)
+        # float32(value * scale): the int8 -> float32 cast is exact, so casting first and multiplying in
+        # float32 gives the same bits as a mixed int8 x float32 multiply, on ATen's fast same-dtype kernel
+        # (the mixed one is ~6x slower).
+        values = q.to(torch.float32)
+        full = n // block * block
+        if full:
+            values[:full].view(-1, block).mul_(scales[:full // block, None])
+        if n > full:
+            values[full:].mul_(scales[-1])
+        return values.view(spec.shape)
+
+    def _values(self, codes: torch.Tensor, spec: TensorSpec, n: int) -> torch.Tensor:
+        """The int8 values of the codes; Refused for a code or a pad no encoder writes."""
+        qmax = self.qmax
+        if self.bits == 8:
+            q = codes.view(torch.int8)
+        else:
+            mask, per_byte = (1 << self.bits) - 1, 8 // self.bits
+            unpacked = torch.stack([(codes >> (self.bits * j)) & mask for j in range(per_byte)], dim=1).view(-1)
+            if (unpacked[n:] != self.zero).any():
+                raise _refused("bad_payload", spec, f"{self.name} pad codes other than {self.zero} (the codes past "
+                                                    f"the last element stand for 0)")
+            q = unpacked[:n].view(torch.int8)
+        if n:
+            lo, hi = (int(v) for v in torch.aminmax(q))
+            if lo < self.zero - qmax or hi > self.zero + qmax:
+                bad = lo if lo < self.zero - qmax else hi
+                raise _refused("bad_payload", spec, f"{self.name} code {bad} (valid: {self.zero - qmax}.."
+                                                    f"{self.zero + qmax}, i.e. {-qmax}..{qmax})")
+        return q.sub_(self.zero) if self.zero else q
+
+
+_REGISTRY: dict[str, Codec] = {}
+
+
+def register(codec: Codec) -> Codec:
+    """Make `codec` readable and writable by its name (once per name)."""
+    if codec.name in _REGISTRY:
+        raise ValueError(f"codec {codec.name!r} is registered already")
+    _REGISTRY[codec.name] = codec
+    return codec
+
+
+def get(name: str) -> Codec:
+    """The registered codec of this name; ValueError naming the known ones otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown codec {name!r}; this build has {', '.join(_REGISTRY)}") from None
+
+
+register(Floats("fp32", torch.float32, 0.0))
+register(Floats("bf16", torch.bfloat16, 2.0**-8))
+register(Blocks("int8", qmax=127, bits=8, zero=0))
+register(Blocks("int4", qmax=7, bits=4, zero=8))
+register(Blocks("int2", qmax=1, bits=2, zero=1))
+CODECS = tuple(_REGISTRY)
+"""The registered codecs' names, fp32 first."""
+
+
 def tensor_nbytes(codec: str, shape: tuple[int, ...], block_size: int) -> int:
     """Payload bytes of one tensor of `shape` in `codec` (see the module docstring)."""
-    n = math.prod(shape)
-    if codec == "fp32":
-        return 4 * n
-    if codec == "bf16":
-        return 2 * n
-    blocks = -(-n // block_size)
-    per_byte = 8 // _PACKED_BITS.get(codec, 8)
-    return 4 * blocks + -(-n // per_byte)
+    return get(codec).nbytes(math.prod(shape), block_size)
 
 
 def error_bound(codec: str, absmax: float) -> float:
@@ -135,15 +295,10 @@ def error_bound(codec: str, absmax: float) -> float:
     absmax / (2 * qmax), with 2^-10 relative slack for float32 rounding of scale and product.
     Lossy bounds add 2^-126 so they also hold where the scale is subnormal or underflows to 0.
     """
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    found = get(codec)
     if not absmax >= 0:
         raise ValueError(f"absmax must be >= 0, got {absmax}")
-    if codec == "fp32":
-        return 0.0
-    if codec == "bf16":
-        return absmax * 2.0**-8 + 2.0**-126
-    return absmax / (2 * _QMAX[codec]) * (1 + 2.0**-10) + 2.0**-126
+    return found.error_bound(absmax)
 
 
 def encode(tensors: Mapping[str, torch.Tensor], codec: str = "fp32", *, compress: bool = False,
@@ -156,18 +311,17 @@ def encode(tensors: Mapping[str, torch.Tensor], codec: str = "fp32", *, compress
     meta value that is not str/int/float. Deterministic: the same input gives the same bytes
     (for a given zstandard version when compressing; payload_sha256 never depends on it).
     """
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
-    if codec in _QMAX and not 1 <= block_size <= MAX_BLOCK_SIZE:
+    found = get(codec)
+    if found.blocked and not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
-    block = block_size if codec in _QMAX else 0
+    block = block_size if found.blocked else 0
     meta_map = _checked_meta(meta)
     specs = _specs(tensors, codec, block)
     buf = bytearray(specs[-1].offset + specs[-1].nbytes if specs else 0)
     payload = _as_uint8(buf)
     for spec, t in zip(specs, tensors.values()):
         x = t.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-        _encode_tensor(payload[spec.offset:spec.offset + spec.nbytes], x, codec, block, spec.name)
+        found.encode_into(payload[spec.offset:spec.offset + spec.nbytes], x, block, spec.name)
     head = _framed_header(codec, "zstd" if compress else "none", len(buf), hashlib.sha256(buf).hexdigest(), block,
                           meta_map, specs)
     body = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(buf) if compress else buf
@@ -294,94 +448,14 @@ def decode(blob: bytes, *, max_bytes: int,
         raise Refused("sha256_mismatch", f"payload sha256 is {digest}, header says {header.payload_sha256}: "
                                          "the object is corrupt or was tampered with")
     payload = _as_uint8(buf)
-    out = {s.name: _decode_tensor(payload[s.offset:s.offset + s.nbytes], s, header.codec, header.block_size)
-           for s in header.tensors}
+    codec = get(header.codec)
+    out = {s.name: codec.decode(payload[s.offset:s.offset + s.nbytes], s, header.block_size) for s in header.tensors}
     return out, header
 
 
 def _as_uint8(buf: bytearray) -> torch.Tensor:
     """A writable uint8 tensor sharing `buf`'s memory (torch.frombuffer refuses empty buffers)."""
     return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-
-
-def _encode_tensor(out: torch.Tensor, x: torch.Tensor, codec: str, block: int, name: str) -> None:
-    """Write flat float32 `x` into the uint8 slice `out` (the tensor's whole byte range)."""
-    if codec in ("fp32", "bf16"):
-        y = x if codec == "fp32" else x.to(torch.bfloat16)
-        if not _all_finite(y):
-            raise Refused("non_finite", f"tensor {name!r} has NaN/Inf values (or values beyond the {codec} range)")
-        out.view(y.dtype).copy_(y)  # fp32 offsets are multiples of 4, bf16 offsets of 2
-        return
-    n, qmax = x.numel(), _QMAX[codec]
-    blocks = -(-n // block)
-    grid = (F.pad(x, (0, blocks * block - n)) if n % block else x).view(blocks, block)
-    absmax = grid.abs().amax(dim=1)  # NaN propagates; not aminmax(dim=), ms-slow on small inputs
-    if not _all_finite(absmax):
-        raise Refused("non_finite", f"tensor {name!r} has NaN or Inf values")
-    scales = absmax / qmax
-    ratio = grid / torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
-    q = ratio.round_().clamp_(-qmax, qmax).view(-1)[:n]  # whole numbers, converted exactly below
-    out[:4 * blocks].copy_(scales.view(torch.uint8))
-    if codec == "int8":
-        out[4 * blocks:].view(torch.int8).copy_(q)
-        return
-    bits = _PACKED_BITS[codec]
-    per_byte, zero = 8 // bits, {4: 8, 2: 1}[bits]
-    codes = q.add_(zero).to(torch.uint8)
-    if n % per_byte:
-        codes = F.pad(codes, (0, per_byte - n % per_byte), value=zero)
-    groups = codes.view(-1, per_byte)
-    packed = groups[:, 0].clone()
-    for j in range(1, per_byte):
-        packed.bitwise_or_(groups[:, j] << (bits * j))
-    out[4 * blocks:].copy_(packed)
-
-
-def _decode_tensor(seg: torch.Tensor, spec: TensorSpec, codec: str, block: int) -> torch.Tensor:
-    """Float32 tensor of `spec.shape` from its uint8 byte range `seg` (a fresh buffer we own)."""
-    if codec in ("fp32", "bf16"):
-        values = seg.view(torch.float32) if codec == "fp32" else seg.view(torch.bfloat16).float()
-        if not _all_finite(values):
-            raise _refused("non_finite", spec, "NaN or Inf values")
-        return values.view(spec.shape)
-    n, qmax = math.prod(spec.shape), _QMAX[codec]
-    blocks = -(-n // block)
-    scales = seg[:4 * blocks].clone().view(torch.float32)  # clone: aligned copy, scales are small
-    if not _all_finite(scales * qmax):
-        raise _refused("non_finite", spec, f"NaN/Inf scales, or scales above float32 max / {qmax}")
-    if (scales < 0).any():
-        raise _refused("bad_payload", spec, "negative scales (an encoder writes absmax / qmax >= 0)")
-    codes = seg[4 * blocks:]
-    if codec == "int8":
-        q = codes.view(torch.int8)
-        if n and q.min() < -qmax:
-            raise _refused("bad_payload", spec, "int8 value -128 (valid: -127..127)")
-    elif codec == "int4":
-        nibbles = torch.stack((codes & 15, codes >> 4), dim=1).view(-1)
-        if n % 2 and nibbles[n] != 8:
-            raise _refused("bad_payload", spec, f"pad nibble {int(nibbles[n])} (an odd-length tensor pads with 8)")
-        q = nibbles[:n].view(torch.int8)
-        if n and q.min() == 0:
-            raise _refused("bad_payload", spec, "int4 nibble 0 (valid: 1..15, i.e. -7..7)")
-        q.sub_(8)
-    else:
-        pairs = torch.stack([(codes >> (2 * j)) & 3 for j in range(4)], dim=1).view(-1)
-        if (pairs[n:] != 1).any():
-            raise _refused("bad_payload", spec, "int2 pad codes other than 1 (the codes past the last element are 1)")
-        q = pairs[:n].view(torch.int8)
-        if n and q.max() == 3:
-            raise _refused("bad_payload", spec, "int2 code 3 (valid: 0..2, i.e. -1..1)")
-        q.sub_(1)
-    # float32(value * scale): the int8 -> float32 cast is exact, so casting first and multiplying in
-    # float32 gives the same bits as a mixed int8 x float32 multiply, on ATen's fast same-dtype kernel
-    # (the mixed one is ~6x slower).
-    values = q.to(torch.float32)
-    full = n // block * block
-    if full:
-        values[:full].view(-1, block).mul_(scales[:full // block, None])
-    if n > full:
-        values[full:].mul_(scales[-1])
-    return values.view(spec.shape)
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -463,16 +537,16 @@ def _meta_problem(meta: dict[Any, Any]) -> str | None:
 def _header_from_map(raw: Any) -> Header:
     m = _typed_map(raw, _HEADER_FIELDS, "header")
     codec, compression, block, sha = m["codec"], m["compression"], m["block_size"], m["payload_sha256"]
-    if codec not in CODECS:
+    if codec not in _REGISTRY:
         raise Refused("bad_header", f"unknown codec {codec!r}; this build reads {', '.join(CODECS)}")
     if compression not in COMPRESSIONS:
         raise Refused("bad_header", f"unknown compression {compression!r}; this build reads {', '.join(COMPRESSIONS)}")
     if not _SHA256_HEX.fullmatch(sha):
         raise Refused("bad_header", f"payload_sha256 {sha[:80]!r} is not 64 lowercase hex digits")
-    valid_block = 1 <= block <= MAX_BLOCK_SIZE if codec in _QMAX else block == 0
-    if not valid_block:
+    blocked = _REGISTRY[codec].blocked
+    if not (1 <= block <= MAX_BLOCK_SIZE if blocked else block == 0):
         raise Refused("bad_header", f"block_size {block} is invalid for {codec} "
-                                    f"({'1..' + str(MAX_BLOCK_SIZE) if codec in _QMAX else 'must be 0'})")
+                                    f"({'1..' + str(MAX_BLOCK_SIZE) if blocked else 'must be 0'})")
     if (problem := _meta_problem(m["meta"])) is not None:
         raise Refused("bad_header", problem)
     specs: list[TensorSpec] = []

@@ -227,12 +227,13 @@ class RunSpec(Record):
                  f"overlap_steps must be in [0, sync_every), got {self.overlap_steps}")
         _require(self.merge_rule in MERGE_RULES, f"merge_rule must be one of {MERGE_RULES}, got {self.merge_rule!r}")
         _require(0.0 <= self.alpha < 1.0, f"alpha must be in [0, 1), got {self.alpha}")
-        _require(self.codec in CODECS, f"unknown codec {self.codec!r}")
+        _require(bool(CODEC_NAME.fullmatch(self.codec)), f"codec {self.codec!r} is not a codec's name")
         _require(self.max_object_bytes > 0, "max_object_bytes must be positive")
 
 
-CODECS = ("fp32", "bf16", "int8", "int4", "int2")
-"""Outer-gradient codecs, up and down (`storage.codecs` implements them)."""
+CODEC_NAME = re.compile(r"[a-z0-9_]{1,32}")
+"""What a codec's name looks like; which codecs this build has is `storage.codecs.CODECS` (a reader
+refuses an object in one it lacks, saying so)."""
 MERGE_RULES = ("adopt", "rebase", "mix")
 """How a learner takes a new version (RunSpec.merge_rule)."""
 CADENCES = ("clock", "steps")
@@ -487,8 +488,7 @@ class VersionSettings(Record):
         _require(self.merge in MERGES, f"merge rule {self.merge!r} is not one this build knows ({', '.join(MERGES)})")
         _require(self.outer in OUTER_STEPS,
                  f"outer optimizer {self.outer!r} is not one this build knows ({', '.join(OUTER_STEPS)})")
-        _require(self.downstream in CODECS,
-                 f"downstream codec {self.downstream!r} is not one this build knows ({', '.join(CODECS)})")
+        _require(bool(CODEC_NAME.fullmatch(self.downstream)), f"downstream {self.downstream!r} is not a codec's name")
         _require(math.isfinite(self.outer_lr) and math.isfinite(self.outer_momentum) and 0.0 <= self.outer_momentum < 1.0,
                  f"outer_lr {self.outer_lr!r} must be finite and outer_momentum {self.outer_momentum!r} in [0, 1)")
         _require(0.0 < self.round_scale <= 1.0, f"round_scale {self.round_scale!r} must be a number in (0, 1]")

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
+from diloco.storage import codecs
 from diloco.storage.bus import MAX_LEASE_S, Bus
 from diloco.storage.errors import ConfigError, DilocoError, RunFinished, StorageUnavailable
 from diloco.storage.global_model import Which, read_global
@@ -590,6 +591,9 @@ class Learner:
         if end is not None:
             raise RunFinished(f"run {self.run!r} is finished ({end.reason}; final versions "
                               f"{list(end.versions)}): nothing joins it any more; train on in a new run")
+        if self.spec.codec not in codecs.CODECS:
+            raise ConfigError(f"run {self.run!r} sends {self.spec.codec} pieces, a codec this build does not have "
+                              f"({', '.join(codecs.CODECS)}): upgrade diloco to the coordinator's version")
         mine = plan_layout(model_params(self.model), self.spec.num_fragments)
         layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout", found=False)
         self._threads = transfer_threads(self.config.transfer_threads, self.replica.device.type, usable_cpus())

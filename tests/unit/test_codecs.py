@@ -16,6 +16,7 @@ import torch
 import zstandard
 
 from diloco.storage.codecs import CODECS, MAGIC, decode, encode, error_bound, read_header
+from diloco.storage import codecs
 from diloco.storage.errors import Refused
 
 LIMIT = 64 << 20
@@ -388,3 +389,24 @@ def test_refuses_unexpected_layout() -> None:
     _refused(blob, "wrong_shape", expect={"a": (3, 4), "b": (2,), "c": (1,)})
     out, _ = decode(blob, max_bytes=LIMIT, expect={"b": (2,), "a": (3, 4)})
     assert set(out) == {"a", "b"}
+
+
+def test_a_codec_is_one_registered_object_every_reader_then_knows() -> None:
+    """What adding a codec takes: one object registered by name (here a float16 codec)."""
+    probe = codecs.register(codecs.Floats("fp16", torch.float16, 2.0**-11))
+    try:
+        x = {"w": torch.linspace(-3, 3, 101), "b": torch.tensor(0.1)}
+        blob = encode(x, "fp16", compress=True, meta={"run": "r"})
+        header = read_header(blob, max_bytes=1 << 20)
+        assert header.codec == "fp16" and header.payload_bytes == 2 * 102
+        out, _ = decode(blob, max_bytes=1 << 20, expect={"w": (101,), "b": ()})
+        assert all((out[n] - x[n]).abs().max() <= error_bound("fp16", 3.0) for n in x)
+        with pytest.raises(ValueError, match="registered already"):
+            codecs.register(probe)
+    finally:
+        del codecs._REGISTRY["fp16"]
+    with pytest.raises(Refused) as refused:
+        read_header(blob, max_bytes=1 << 20)
+    assert refused.value.code == "bad_header" and "unknown codec 'fp16'" in refused.value.reason
+    with pytest.raises(ValueError, match="unknown codec 'fp16'; this build has fp32, bf16, int8, int4, int2"):
+        encode(x, "fp16")
