@@ -442,6 +442,34 @@ class Bus:
         pipe.execute()
 
     @redis_retry
+    def newest(self, stream: str, count: int) -> list[tuple[str, bytes]]:
+        """The newest `count` entries of one of the run's streams (`keys.versions`, `announcements`,
+        `refusals`), newest first: (entry id, the record's bytes, b"" when the entry has none). The
+        reader decodes them."""
+        return [(eid.decode(), fields.get(FIELD, b"")) for eid, fields in self.r.xrevrange(stream, count=count)]
+
+    @redis_retry
+    def leadership(self) -> tuple[int | None, str | None, float | None]:
+        """The fencing epoch, the lease's holder and the seconds until its lease expires (None: unset)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(self.keys.epoch)
+        pipe.get(self.keys.lease)
+        pipe.pttl(self.keys.lease)
+        raw_epoch, holder, ttl_ms = pipe.execute()
+        return (None if raw_epoch is None else int(raw_epoch), None if holder is None else holder.decode(errors="replace"),
+                None if holder is None or int(ttl_ms) < 0 else int(ttl_ms) / 1000.0)
+
+    @redis_retry
+    def consumers(self) -> list[tuple[str, int, float]]:
+        """The announcement group's consumers: (name, entries pending, seconds idle); none before the group exists."""
+        try:
+            found = self.r.xinfo_consumers(self.keys.announcements, self.keys.GROUP)
+        except redis.ResponseError:  # no stream or no group yet
+            return []
+        return [(c["name"].decode() if isinstance(c["name"], bytes) else str(c["name"]), int(c["pending"]),
+                 int(c["idle"]) / 1000.0) for c in found]
+
+    @redis_retry
     def refusals(self, count: int = 1000) -> list[Refusal]:
         out = []
         for _eid, fields in self.r.xrange(self.keys.refusals, count=count):
@@ -693,9 +721,20 @@ class Bus:
         pipe.execute()
 
     @redis_retry
-    def finished_learners(self) -> dict[str, LearnerFinished]:
-        raw = self.r.hgetall(self.keys.finished_learners)
-        return {k.decode(): LearnerFinished.from_wire(v) for k, v in raw.items()}
+    def finished_learners(self) -> dict[str, LearnerFinished | Refused]:
+        """Learners that finished: their records, or why one does not decode."""
+        out: dict[str, LearnerFinished | Refused] = {}
+        for name, raw in self.r.hgetall(self.keys.finished_learners).items():
+            try:
+                out[name.decode(errors="replace")] = LearnerFinished.from_wire(raw)
+            except Refused as exc:
+                out[name.decode(errors="replace")] = exc
+        return out
+
+    @redis_retry
+    def heartbeat_expiry(self) -> dict[str, float]:
+        """Each live-set member's heartbeat expiry (Redis time, unix seconds)."""
+        return {m.decode(): float(s) for m, s in self.r.zrange(self.keys.learners, 0, -1, withscores=True)}
 
     @redis_retry
     def fleet(self, gone_after_s: float = LEARNERS_FORGOTTEN_S) -> Fleet:

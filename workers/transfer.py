@@ -424,8 +424,8 @@ class Fetcher(threading.Thread):
     def _poll(self) -> None:
         if self._last_id == "$":
             # Start from the heads, then follow the stream from its current end.
-            last = self.bus.r.xrevrange(self.bus.keys.versions, count=1)
-            self._last_id = last[0][0].decode() if last else "0"
+            last = self.bus.newest(self.bus.keys.versions, 1)
+            self._last_id = last[0][0] if last else "0"
             heads = self.bus.heads()
             with self._lock:
                 self._heads.update(heads)

@@ -11,6 +11,9 @@ Identity is the announcement's `contribution_id`. The sources of truth:
   lists of the manifests (a refusal reaches a manifest only once a version is committed after it);
 - pending: entries still in the consumer group's pending list, or not delivered to it yet.
 
+It reads Redis itself, not through `Bus`: an auditor that shared the readers it audits would share
+their mistakes.
+
 `account(evidence)` is pure and sorts every announced id into exactly one outcome, in this
 order: applied (in some manifest), dropped (refused as stale), refused (any other code except
 `duplicate`), pending, else lost. A `duplicate` refusal is not an outcome: it refuses a second

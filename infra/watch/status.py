@@ -22,9 +22,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-import redis
 
-from diloco.storage.bus import FIELD, Bus
+from diloco.storage.bus import Bus
 from diloco.storage.errors import DilocoError, Refused
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, Store
@@ -243,9 +242,9 @@ def _s3_heads(store: Store, keys: RunKeys, fragments: int) -> dict[int, int]:
 def _head_events(bus: Bus, heads: dict[int, int]) -> dict[int, tuple[float, int]]:
     """Per fragment whose head is among the last versions stream entries: (commit time, contributions)."""
     found: dict[int, tuple[float, int]] = {}
-    for entry_id, fields in bus.r.xrevrange(bus.keys.versions, count=VERSIONS_SCANNED):
+    for entry_id, body in bus.newest(bus.keys.versions, VERSIONS_SCANNED):
         try:
-            event = VersionEvent.from_wire(fields.get(FIELD, b""))
+            event = VersionEvent.from_wire(body)
         except Refused:
             continue
         if heads.get(event.fragment) == event.version and event.fragment not in found:
@@ -278,28 +277,16 @@ def _clock(spec: RunSpec | None, cadence: Cadence | None, now: float) -> tuple[R
 
 def _coordinator(bus: Bus, store: Store, now: float) -> CoordinatorStatus:
     keys = bus.keys
-    pipe = bus.r.pipeline(transaction=False)
-    pipe.get(keys.epoch)
-    pipe.get(keys.lease)
-    pipe.pttl(keys.lease)
-    raw_epoch, holder, ttl_ms = pipe.execute()
-    epoch = None if raw_epoch is None else int(raw_epoch)
+    epoch, holder, expires_in_s = bus.leadership()
     since = None
     if epoch is not None:
         claim = keys.epoch_claim(epoch)
         for key, modified in store.list_modified(keys.epochs_prefix()):
             if key == claim:
                 since = max(0.0, now - modified)
-    consumers = []
-    try:
-        for c in bus.r.xinfo_consumers(keys.announcements, keys.GROUP):
-            name = c["name"].decode() if isinstance(c["name"], bytes) else str(c["name"])
-            consumers.append(ConsumerStatus(name, int(c["pending"]), int(c["idle"]) / 1000.0))
-    except redis.ResponseError:  # no stream or no group yet
-        pass
-    return CoordinatorStatus(epoch=epoch, holder=None if holder is None else holder.decode(errors="replace"),
-                             lease_expires_in_s=None if holder is None or int(ttl_ms) < 0 else int(ttl_ms) / 1000.0,
-                             holder_since_age_s=since, consumers=consumers)
+    consumers = [ConsumerStatus(name, pending, idle_s) for name, pending, idle_s in bus.consumers()]
+    return CoordinatorStatus(epoch=epoch, holder=holder, lease_expires_in_s=expires_in_s, holder_since_age_s=since,
+                             consumers=consumers)
 
 
 def _pending(bus: Bus, now: float) -> PendingStatus:
@@ -313,9 +300,9 @@ def _latest_sends(bus: Bus) -> dict[str, tuple[float, dict[int, int]]]:
     """Per learner: the time of its newest announcement and, per fragment, the base version of its
     newest delta, among the last ANNOUNCEMENTS_SCANNED announcements."""
     out: dict[str, tuple[float, dict[int, int]]] = {}
-    for entry_id, fields in bus.r.xrevrange(bus.keys.announcements, count=ANNOUNCEMENTS_SCANNED):
+    for entry_id, body in bus.newest(bus.keys.announcements, ANNOUNCEMENTS_SCANNED):
         try:
-            a = Announcement.from_wire(fields.get(FIELD, b""))
+            a = Announcement.from_wire(body)
         except Refused:
             continue
         when, bases = out.setdefault(a.learner, (_entry_time(entry_id), {}))
@@ -326,9 +313,9 @@ def _latest_sends(bus: Bus) -> dict[str, tuple[float, dict[int, int]]]:
 
 def _refusals(bus: Bus, now: float, count: int) -> list[RefusalRow]:
     rows = []
-    for entry_id, fields in bus.r.xrevrange(bus.keys.refusals, count=count):
+    for entry_id, body in bus.newest(bus.keys.refusals, count):
         try:
-            r = Refusal.from_wire(fields.get(FIELD, b""))
+            r = Refusal.from_wire(body)
         except Refused as exc:
             rows.append(RefusalRow(now - _entry_time(entry_id), exc.code, "?", f"unreadable refusal: {exc.reason}", ""))
             continue
@@ -338,17 +325,15 @@ def _refusals(bus: Bus, now: float, count: int) -> list[RefusalRow]:
 
 def _learners(bus: Bus, heads: dict[int, int], now: float,
               notes: list[str]) -> tuple[list[LearnerStatus], list[FinishedLearner], str | None]:
-    keys = bus.keys
     fleet = bus.fleet()
-    expiry = {m.decode(): float(s) for m, s in bus.r.zrange(keys.learners, 0, -1, withscores=True)}
+    expiry = bus.heartbeat_expiry()
     stats = bus.learner_stats()
     finished: dict[str, LearnerFinished] = {}
-    for name, raw in bus.r.hgetall(keys.finished_learners).items():
-        try:
-            finished[name.decode()] = LearnerFinished.from_wire(raw)
-        except Refused as exc:
-            notes.append(f"the finish record of learner {name.decode(errors='replace')!r} does not decode: "
-                         f"{exc.reason}")
+    for name, record in bus.finished_learners().items():
+        if isinstance(record, Refused):
+            notes.append(f"the finish record of learner {name!r} does not decode: {record.reason}")
+        else:
+            finished[name] = record
     sends = _latest_sends(bus)
     left_run = bus.left_learners()
     names = sorted(set(fleet.live) | (set(fleet.joined) - set(finished)))
