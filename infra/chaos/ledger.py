@@ -17,7 +17,7 @@ their mistakes.
 `account(evidence)` is pure and sorts every announced id into exactly one outcome, in this
 order: applied (in some manifest), dropped (refused as stale), refused (any other code except
 `duplicate`), pending, else lost. A `duplicate` refusal is not an outcome: it refuses a second
-copy of an entry (redis-py may send an XADD twice), and the first copy must have an outcome of its
+copy of an entry (a retried XADD may land twice), and the first copy must have an outcome of its
 own. An id in the inputs of two manifests, or twice in one, is duplicated.
 """
 
