@@ -18,7 +18,7 @@ from diloco.coordinator.policy import RoundConfig
 from diloco.storage.bus import LEARNERS_FORGOTTEN_S
 from diloco.storage.errors import ConfigError
 from diloco.storage.codecs import CODECS
-from diloco.storage.protocol import RunSpec, VersionSettings
+from diloco.storage.protocol import CadenceKind, RunSpec, TakeRule, VersionSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +31,7 @@ class RunSettings:
     """tau: inner steps a learner keeps training after a send before it merges the new version: a
     floor on the merge lag, which is otherwise the round's own latency (learners never wait for it).
     A floor above that latency only delays every merge (docs/benchmarks.md)."""
-    merge_rule: str = "rebase"
+    merge_rule: TakeRule = "rebase"
     """How learners take a new version: 'rebase' keeps the steps trained since the send on top of it,
     'adopt' takes it as it is (those steps, computed from a model the version replaced, are dropped),
     'mix' blends (docs/benchmarks.md: the cost of never waiting)."""
@@ -45,7 +45,7 @@ class RunSettings:
     """zstd on top of the codec."""
     max_object_bytes: int = 1 << 30
     """Fragment objects larger than this are refused unread."""
-    cadence: str = "clock"
+    cadence: CadenceKind = "clock"
     """When learners send: 'clock' (at round deadlines the coordinator publishes) or 'steps' (every H steps)."""
 
     def __post_init__(self) -> None:

@@ -248,17 +248,19 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, 
                 flags: dict[str, str] | None = None, choices: dict[str, Sequence[str]] | None = None,
                 title: str | None = None) -> None:
     """One option per scalar field of `cls`; `flags` renames some (field name -> flag), `choices`
-    limits some to the values given; `title` heads the group in --help. Defaults come from the
+    limits some to the values given (a `Literal` field to its own); `title` heads the group in --help. Defaults come from the
     environment and the config file when they set the field (module docstring)."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     group = parser.add_argument_group(title or _title(cls))
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
+        allowed = (choices or {}).get(f.name)
+        if typing.get_origin(tp) is typing.Literal:  # a choice of strings: the type lists them
+            tp, allowed = str, typing.get_args(tp)
         if f.name in skip or tp not in (int, float, str, bool):
             continue
         flag = (flags or {}).get(f.name) or "--" + f.name.replace("_", "-")
-        allowed = (choices or {}).get(f.name)
         extra: dict[str, Any] = {"choices": list(allowed)} if allowed is not None else {}
         doc = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
         named = flag.lstrip("-").replace("-", "_")

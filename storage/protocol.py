@@ -20,7 +20,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import msgpack
 
@@ -74,6 +74,10 @@ def pack(obj: Any) -> bytes:
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` (from msgpack) against a field annotation; return it in the field's type."""
     origin = typing.get_origin(tp)
+    if origin is Literal:  # a choice of strings
+        if type(value) is not str or value not in typing.get_args(tp):
+            raise Refused("bad_message", f"{where}: {value!r:.80} is not one of {', '.join(typing.get_args(tp))}")
+        return value
     if origin in (types.UnionType, typing.Union):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -191,6 +195,14 @@ def _require(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
+TakeRule = Literal["adopt", "rebase", "mix"]
+"""How a learner takes a new version (RunSpec.merge_rule)."""
+MERGE_RULES = typing.get_args(TakeRule)
+CadenceKind = Literal["clock", "steps"]
+"""When learners send (RunSpec.cadence)."""
+CADENCES = typing.get_args(CadenceKind)
+
+
 @dataclass(frozen=True, slots=True)
 class RunSpec(Record):
     """A run's settings, written once by the coordinator that creates the run (`run.msgpack`)."""
@@ -202,7 +214,7 @@ class RunSpec(Record):
     """H: inner steps between two contributions of the same fragment."""
     overlap_steps: int
     """tau: inner steps a learner keeps training before it merges the new global fragment."""
-    merge_rule: str
+    merge_rule: TakeRule
     """How a learner takes a new global fragment: 'adopt' takes it as it is (the steps trained since the
     send are dropped), 'rebase' keeps that progress on top of it, 'mix' blends with alpha."""
     alpha: float
@@ -215,7 +227,7 @@ class RunSpec(Record):
     """Objects larger than this are refused unread."""
     created_at: float
     """Unix seconds."""
-    cadence: str = "clock"
+    cadence: CadenceKind = "clock"
     """When learners send: 'clock' (at the coordinator's round deadlines, see Cadence) or 'steps' (every H steps)."""
 
     def __post_init__(self) -> None:
@@ -234,10 +246,7 @@ class RunSpec(Record):
 CODEC_NAME = re.compile(r"[a-z0-9_]{1,32}")
 """What a codec's name looks like; which codecs this build has is `storage.codecs.CODECS` (a reader
 refuses an object in one it lacks, saying so)."""
-MERGE_RULES = ("adopt", "rebase", "mix")
-"""How a learner takes a new version (RunSpec.merge_rule)."""
-CADENCES = ("clock", "steps")
-"""When learners send (RunSpec.cadence)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ParamSpec(Record):
@@ -281,14 +290,15 @@ class Layout(Record):
         return 4 * sum(p.numel for p in self.fragments[fragment])
 
 
-KINDS = ("delta", "genesis")
+PieceKind = Literal["delta", "genesis"]
+KINDS = typing.get_args(PieceKind)
 
 
 @dataclass(frozen=True, slots=True)
 class Announcement(Record):
     """Learner -> coordinator: "my contribution for this fragment is at object_key"."""
 
-    kind: str
+    kind: PieceKind
     """'delta' (an outer gradient) or 'genesis' (a learner's initial parameters, proposed as version 0)."""
     run: str
     fragment: int
@@ -350,7 +360,7 @@ class ObjectMeta(Record):
     run: str
     fragment: int
     learner: str
-    kind: str
+    kind: PieceKind
     contribution_id: str
     base_version: int
     tokens: int
@@ -434,9 +444,11 @@ class Refusal(Record):
     """The refused contribution's object ("" when the entry named none, e.g. a malformed entry)."""
 
 
-MERGES = ("weighted_mean", "radial_directional")
+MergeKind = Literal["weighted_mean", "radial_directional"]
 """How a round's pieces are merged (`VersionSettings.merge`, `coordinator.outer.merge_deltas`)."""
-OUTER_STEPS = ("nesterov", "fractional_nesterov")
+MERGES = typing.get_args(MergeKind)
+OuterStep = Literal["nesterov", "fractional_nesterov"]
+OUTER_STEPS = typing.get_args(OuterStep)
 """The outer step (`VersionSettings.outer`): 'nesterov' takes a whole step every round (versions made
 before fractional steps existed); 'fractional_nesterov' takes the step of the round's `progress`."""
 
@@ -448,14 +460,14 @@ class VersionSettings(Record):
     arithmetic from this very record (`coordinator.outer.apply_round`), and a replay reads it back.
     Defaults are what versions made before a field existed meant."""
 
-    kind: str
+    kind: PieceKind
     """'genesis' (version 0, a learner's parameters) or 'delta' (a merged round)."""
     outer_lr: float
     outer_momentum: float
     """In [0, 1)."""
-    outer: str = "nesterov"
+    outer: OuterStep = "nesterov"
     """One of OUTER_STEPS."""
-    merge: str = "weighted_mean"
+    merge: MergeKind = "weighted_mean"
     """One of MERGES."""
     weights: str = "tokens*tokens/steps"
     """How inputs are weighed (`coordinator.policy.merge_weights`), for a person."""

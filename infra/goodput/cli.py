@@ -24,7 +24,6 @@ from diloco.infra.goodput.timings import Timings, project
 from diloco.infra.options import add_options, build
 from diloco.infra.output import write_json
 from diloco.storage.errors import ConfigError
-from diloco.storage.protocol import CADENCES
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results (or the timings) as JSON here")
     parser.add_argument("--plot", type=Path, metavar="PNG", help="with --sweep: draw goodput against chips here "
                         "(needs matplotlib: pip install -e '.[bench]')")
-    add_options(parser, Model, choices={"cadence": CADENCES, "learner_failure": ("rescale", "restart")})
+    add_options(parser, Model)
     add_options(parser, RoundConfig, skip=("overlap_steps",))
     parser.set_defaults(chips=None)  # None when not given: --from-json then keeps the recorded fleet
 

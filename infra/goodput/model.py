@@ -16,9 +16,11 @@ Everything else is an assumption, named as such in its docstring.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from diloco.coordinator.policy import RoundConfig
 from diloco.storage.errors import ConfigError
+from diloco.storage.protocol import CadenceKind
 
 YEAR_S = 365.25 * 86400.0
 
@@ -58,15 +60,15 @@ class Model:
     sync_every: int = 50
     """H: inner steps of the fastest learner per round (the project's default; assumed)."""
     overlap_steps: int = 5
-    """tau: steps a learner trains after a send before it takes the new version (project default)."""
+    """tau: steps a learner trains after a send before it takes the new version (the run's default is 2)."""
     upload_s: float = 1.0
     """Decoupled: from a learner's send to the coordinator's intake (assumed)."""
     merge_s: float = 1.0
     """Decoupled: from a round's merge to its version being readable by learners (assumed)."""
-    cadence: str = "clock"
+    cadence: CadenceKind = "clock"
     """Decoupled: when learners send: 'clock' (at the coordinator's round deadlines, the project's
     default) or 'steps' (every H of their own steps, at offsets that differ by learner)."""
-    learner_failure: str = "rescale"
+    learner_failure: Literal["rescale", "restart"] = "rescale"
     """Decoupled: a failure inside a learner makes it 'rescale' (pause rescale_s, then go on
     without the failed slice until it is repaired; assumed, as elastic data-parallel does) or
     'restart' (down for restart_s, its unsent progress lost, then it rejoins at the latest global

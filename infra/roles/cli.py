@@ -31,7 +31,7 @@ from diloco.storage.history import read_run_end, require_run_spec
 from diloco.storage.lease import Lease
 from diloco.storage.objects import ObjectStore
 from diloco.storage.codecs import CODECS
-from diloco.storage.protocol import CADENCES, MERGE_RULES, FinishRequest, RunEnd
+from diloco.storage.protocol import FinishRequest, RunEnd
 from diloco.storage.reach import check_servers
 from diloco.storage.settings import Endpoints
 from diloco.workers.demo.run import DemoLearnerArgs, train_demo_learner
@@ -50,7 +50,7 @@ def add_coordinator_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run a run that exists with its stored settings, whatever run settings are given (without "
                              "it, run settings other than the stored ones are an error that shows both)")
     add_options(parser, RunSettings, flags={"num_fragments": "--fragments"}, title="run settings (fixed when the run "
-                "is created)", choices={"codec": CODECS, "merge_rule": MERGE_RULES, "cadence": CADENCES})
+                "is created)", choices={"codec": CODECS})
     add_options(parser, CoordinatorConfig, choices={"downstream_codec": ("run", *CODECS)})
     add_options(parser, RoundConfig, skip=("overlap_steps",))  # tau is a run setting
 

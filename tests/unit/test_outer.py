@@ -217,7 +217,7 @@ def test_fractional_steps_are_bit_identical_for_the_same_inputs() -> None:
 
 
 def test_the_outer_step_of_a_manifest_is_one_this_build_knows() -> None:
-    with pytest.raises(Refused, match="outer optimizer 'adam'"):
+    with pytest.raises(Refused, match="outer: .adam. is not one of nesterov, fractional_nesterov"):
         typed(outer="adam")
     for bad in ({"outer_lr": "fast"}, {"outer_momentum": None}, {"merge": "median"}, {"progress": 0.0,
                                                                                       "outer": "fractional_nesterov"},
