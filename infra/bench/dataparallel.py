@@ -19,7 +19,7 @@ from typing import NoReturn
 import torch
 
 from diloco.infra.bench.netns import Rates, WanNet, netns_exec
-from diloco.infra.local.fleet import Fleet, ProcessError, process_env
+from diloco.infra.local.fleet import Supervisor, ProcessError, process_env
 from diloco.infra.local.stack import free_ports
 from diloco.workers.demo.task import DemoTask
 from diloco.workers.tasks.base import Task, train_step
@@ -164,7 +164,7 @@ def run_dp(net: WanNet, task: DemoTask, out: Path, *, steps: int, budget_s: floa
     started = time.monotonic()
     until = launched + budget_s
     names = [f"dp-{i}" for i in range(world)]
-    with Fleet(process_env({}), out / "logs") as fleet:
+    with Supervisor(process_env({}), out / "logs") as fleet:
         try:
             for i, name in enumerate(names):
                 link = net.links[i]

@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> DeviceResult:
     import torch
 
     from diloco.infra.bench.trial import bench_stack
-    from diloco.infra.local.fleet import Fleet, process_env
+    from diloco.infra.local.fleet import Supervisor, process_env
     from diloco.workers.learner import LearnerConfig
 
     device = _pick_device(args.device)
@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> DeviceResult:
             for server in (local.redis_server, local.s3_server):
                 if server is not None and server.pid > 0:
                     _lowest_priority(server.pid, args.helpers_nice)
-        fleet = stack.enter_context(Fleet(process_env(endpoints.to_env() | _credentials()), args.out / "logs"))
+        fleet = stack.enter_context(Supervisor(process_env(endpoints.to_env() | _credentials()), args.out / "logs"))
         for n in threads:
             name = "learner" if len(threads) == 1 else f"learner t={n}"
             result.arms.append(_learner_arm(name, args, device, endpoints, fleet, LearnerConfig(transfer_threads=n)))

@@ -23,7 +23,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from diloco.infra.history.task_model import load_params
-from diloco.infra.local.fleet import Fleet, Proc, process_env
+from diloco.infra.local.fleet import Supervisor, Proc, process_env
 from diloco.infra.local.stack import free_ports
 from diloco.workers.tasks.base import Task
 
@@ -106,7 +106,7 @@ def run_torchft(task: Task, task_path: Path, out: Path, *, replicas: int, steps:
     env = process_env({})
     lighthouse, address = start_lighthouse(replicas, out / "logs" / f"{name}-lighthouse.log", env)
     started, started_unix = time.monotonic(), time.time()
-    with Fleet(env, out / "logs") as fleet:
+    with Supervisor(env, out / "logs") as fleet:
         try:
             for i in range(replicas):
                 fleet.add(f"replica-{i}", [sys.executable, "-m", "diloco.infra.bench.torchft_replica", "--task",

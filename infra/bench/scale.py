@@ -42,7 +42,7 @@ from pathlib import Path
 
 from diloco.coordinator.config import RunSettings
 from diloco.infra.bench.trial import bench_stack
-from diloco.infra.local.fleet import Fleet, diloco_command, learner_argv, process_env, wait_until
+from diloco.infra.local.fleet import Supervisor, diloco_command, learner_argv, process_env, wait_until
 from diloco.infra.output import figures_table, human_bytes
 from diloco.storage.bus import Bus
 from diloco.storage.history import list_versions, read_layout, read_manifest
@@ -99,7 +99,7 @@ class Sampler(threading.Thread):
     """Samples VmHWM and utime + stime of the fleet's processes every `every_s` until stopped: the
     last sample before a process exits is its figure."""
 
-    def __init__(self, fleet: Fleet, names: list[str], steps, every_s: float = 0.25) -> None:  # noqa: ANN001
+    def __init__(self, fleet: Supervisor, names: list[str], steps, every_s: float = 0.25) -> None:  # noqa: ANN001
         super().__init__(name="sampler", daemon=True)
         self.fleet, self.names, self.every_s = fleet, names, every_s
         self.steps = steps
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> ScaleResult:
     names = [f"learner-{i}" for i in range(args.learners)]
     with bench_stack(args.out) as stack:
         started, started_at = time.monotonic(), time.time()
-        with Fleet(process_env(stack.env()), args.out / "logs") as fleet:
+        with Supervisor(process_env(stack.env()), args.out / "logs") as fleet:
             fleet.add("coordinator", diloco_command(
                 "coordinator", "--run", run_id, "--fragments", str(args.fragments), "--sync-every",
                 str(args.sync_every), "--overlap-steps", "1", "--codec", args.codec, "--cadence", "steps",

@@ -77,7 +77,7 @@ class TakesResult:
                 "runs": [{"rule": s.rule, "k": s.lag, "mid": mid, "final": final} for s, mid, final in self.rows]}
 
 
-class Fleet:
+class Replicas:
     """M replicas and the global model, fragment by fragment."""
 
     def __init__(self, task: Task, args: argparse.Namespace, setting: Setting) -> None:
@@ -132,7 +132,7 @@ class Fleet:
 
 
 def run_setting(task: Task, args: argparse.Namespace, setting: Setting, mid_step: int) -> tuple[float, float]:
-    fleet = Fleet(task, args, setting)
+    fleet = Replicas(task, args, setting)
     mid = float("nan")
     for step in range(1, args.steps + 1):
         for i, model in enumerate(fleet.models):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.infra.history.task_model import load_version
-from diloco.infra.local.fleet import Fleet, Outage, diloco_command, learner_argv, process_env, wait_until
+from diloco.infra.local.fleet import Supervisor, Outage, diloco_command, learner_argv, process_env, wait_until
 from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.storage.bus import Bus
 from diloco.storage.history import list_versions, read_layout, read_manifest
@@ -205,7 +205,7 @@ def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: st
     coordinator = f"{trial.name}-coordinator"
     plans = {f"{trial.name}-{p.name}": p for p in trial.learners}  # the fleet's names, and so its logs' names
     # A killed learner comes back unless that would be within a second of the budget's end.
-    with Fleet(process_env(stack.env()), out / "logs", restarts_until_s=trial.budget_s - 1.0) as fleet:
+    with Supervisor(process_env(stack.env()), out / "logs", restarts_until_s=trial.budget_s - 1.0) as fleet:
         try:
             fleet.add(coordinator, [*placement.coordinator, *diloco_command(
                 "coordinator", "--run", run, *trial.run_args, *trial.coordinator_args)], service=True)
@@ -246,7 +246,7 @@ def run_trial(stack: LocalStack, trial: Trial, task: Task, out: Path, *, run: st
                        learners_done_s, last_merged_s(manifests, started_unix))
 
 
-def _supervise(trial: Trial, fleet: Fleet, plans: dict[str, LearnerPlan], started: float) -> None:
+def _supervise(trial: Trial, fleet: Supervisor, plans: dict[str, LearnerPlan], started: float) -> None:
     """Watch the trial until its learners are done (the fleet carries out their outages). Learners
     still running OVERRUN_S after the budget are killed."""
     while fleet.busy(plans):

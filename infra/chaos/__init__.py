@@ -3,7 +3,7 @@ audit of every contribution (ARCHITECTURE.md, "The chaos suite").
 
 - `config`: `ChaosConfig`, the run's settings.
 - `faults`: the seeded fault schedule and the corrupt objects (pure).
-- `processes`: `ChaosFleet`, the coordinators (armed with crash points) and learners it supervises.
+- `processes`: `ChaosSupervisor`, the coordinators (armed with crash points) and learners it supervises.
 - `ledger`: what became of every announced contribution, from S3 and Redis.
 - `suite`: the run (bring up, inject, drain) and its report.
 - `cli`: `diloco chaos`.

@@ -37,7 +37,7 @@ coordinator checks, but not their tokens and steps: like the chaos suite's corru
 coordinator's sweep after a Redis outage cannot announce them again, so each is announced once,
 by the hostile learner, and accounted for by its id.
 
-`judge(inputs, ledger)` is pure: what became of each input, and whether that is what must.
+`judge_hostile(inputs, ledger)` is pure: what became of each input, and whether that is what must.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class Verdict:
     """The problem is that a lying learner weighed more than MAX_WEIGHT_RATIO x the others (the influence bound)."""
 
 
-def judge(inputs: list[HostileInput], ledger: Ledger) -> list[Verdict]:
+def judge_hostile(inputs: list[HostileInput], ledger: Ledger) -> list[Verdict]:
     """What became of each hostile input, from the ledger (pure)."""
     return [_judge(h, ledger) for h in inputs]
 

@@ -1,6 +1,6 @@
 """The processes of a chaos run: coordinators armed with crash points, learners restarted after faults.
 
-`ChaosFleet.supervise()` is called every tick by the runner (infra/chaos/suite.py). On a `Fleet`
+`ChaosSupervisor.supervise()` is called every tick by the runner (infra/chaos/suite.py). On a `Supervisor`
 (infra.local.fleet), it
 - judges every process that exited by what it was sent: a SIGTERMed learner must exit 143 (or 0 if it had finished), a
   coordinator armed with a crash point must die there, anything unasked for is a failure;
@@ -28,7 +28,7 @@ import redis
 
 from diloco.infra.chaos.config import ChaosConfig
 from diloco.infra.chaos.faults import Fault
-from diloco.infra.local.fleet import Exit, Fleet, Member, Proc, diloco_command, learner_argv
+from diloco.infra.local.fleet import Exit, Supervisor, Member, Proc, diloco_command, learner_argv
 from diloco.storage.crashpoints import ENV as CRASH_ENV
 
 log = logging.getLogger(__name__)
@@ -112,12 +112,12 @@ class LearnerSlot:
         return time.monotonic() - (self.joined_at or 0.0)
 
 
-class ChaosFleet:
+class ChaosSupervisor:
     def __init__(self, cfg: ChaosConfig, env: dict[str, str], quick: redis.Redis, lease_key: str,
                  task_path: Path, tally: Tally) -> None:
         self.cfg, self.quick, self.lease_key, self.task_path = cfg, quick, lease_key, task_path
         self.tally = tally
-        self.fleet = Fleet(env, cfg.out / "logs", term_timeout_s=TERM_TIMEOUT_S)
+        self.fleet = Supervisor(env, cfg.out / "logs", term_timeout_s=TERM_TIMEOUT_S)
         self.coordinators: list[CoordinatorProc] = []
         # Learners train until stopped (any exit of their own is a failure) and come back, same id, next
         # data seed, restart_delay_s after any exit; each incarnation logs to a file of its own.

@@ -29,7 +29,7 @@ their crash points. Heavy faults (servers, coordinator) wait for the one before 
 ones do not, but corrupt objects and hostile input wait while a server is down or rolled back.
 Then the learners are stopped (SIGTERM), the coordinator drains what is pending and is stopped, and
 `infra.chaos.ledger` accounts for every announced contribution from S3 and Redis; each hostile
-input is judged by `infra.chaos.hostile.judge`. The global model is evaluated at version 0 and at
+input is judged by `infra.chaos.hostile.judge_hostile`. The global model is evaluated at version 0 and at
 the heads. `ChaosReport.problems()` lists everything that went wrong; an empty list is a pass
 (`unbounded()` names those of its problems that are lies the coordinator must bound and did not).
 """
@@ -51,9 +51,9 @@ import redis
 
 from diloco.infra.chaos.config import ChaosConfig
 from diloco.infra.chaos.faults import BOUNDED, CORRUPTIONS, HEAVY, Fault, forge, labels, schedule
-from diloco.infra.chaos.hostile import HostileInput, HostileLearner, Verdict, judge
+from diloco.infra.chaos.hostile import HostileInput, HostileLearner, Verdict, judge_hostile
 from diloco.infra.chaos.ledger import Ledger, StreamWatcher, account, backlog, gather
-from diloco.infra.chaos.processes import ChaosFleet, Tally
+from diloco.infra.chaos.processes import ChaosSupervisor, Tally
 from diloco.infra.history.task_model import global_model
 from diloco.infra.local.fleet import process_env, wait_until
 from diloco.infra.local.stack import LocalStack, aws_env
@@ -210,7 +210,7 @@ class Chaos:
         self.tally = Tally()
         # Processes restarted during a server's outage wait it out (its restart included), however slow the machine.
         env = process_env(stack.env() | {"DILOCO_REACH_TIMEOUT_S": "120"})
-        self.fleet = ChaosFleet(cfg, env, self.quick, self.bus.keys.lease,
+        self.fleet = ChaosSupervisor(cfg, env, self.quick, self.bus.keys.lease,
                                 cfg.out / "task.json", self.tally)
         self.forged: dict[str, str] = {}
         self.hostile = HostileLearner(self.bus, self.store, stack.endpoints, tokens_per_step=TASK.tokens_per_step())
@@ -452,7 +452,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
         end = TASK.eval_loss(global_model(TASK, store, keys, heads))
     report = ChaosReport(seed=cfg.seed, seconds=cfg.seconds, faults=dict(chaos.tally.fired), ledger=ledger,
                          loss_start=start, loss_end=end, forged=dict(chaos.forged),
-                         hostile=judge(chaos.hostile_inputs, ledger), failures=list(chaos.tally.failures),
+                         hostile=judge_hostile(chaos.hostile_inputs, ledger), failures=list(chaos.tally.failures),
                          restarts=chaos.fleet.restarts, deposed=chaos.fleet.deposed, skipped=chaos.skipped,
                          wall_s=time.monotonic() - started)
     (cfg.out / "report.json").write_text(json.dumps(report.to_wire(), indent=2) + "\n")

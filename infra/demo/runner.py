@@ -22,7 +22,7 @@ import torch
 from diloco.coordinator.config import RunSettings
 from diloco.infra.history.archive import export_run
 from diloco.infra.history.task_model import global_model
-from diloco.infra.local.fleet import Fleet, diloco_command, learner_argv, process_env, wait_until
+from diloco.infra.local.fleet import Supervisor, diloco_command, learner_argv, process_env, wait_until
 from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.storage.bus import Bus
 from diloco.storage.objects import ObjectStore
@@ -87,7 +87,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         endpoints = stack.start()
         say(f"stack: redis {redact_url(endpoints.redis_url)}, s3 {endpoints.s3_endpoint} bucket {endpoints.bucket}")
         s = cfg.settings
-        with Fleet(process_env(stack.env()), cfg.out / "logs") as fleet:
+        with Supervisor(process_env(stack.env()), cfg.out / "logs") as fleet:
             fleet.add("coordinator", diloco_command(
                 "coordinator", "--run", cfg.run, "--fragments", str(s.num_fragments), "--sync-every",
                 str(s.sync_every), "--overlap-steps", str(s.overlap_steps), "--codec", s.codec, "--min-quorum",
@@ -144,7 +144,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     return result
 
 
-def _watch(cfg: DemoConfig, endpoints: Endpoints, fleet: Fleet, task_path: Path) -> None:
+def _watch(cfg: DemoConfig, endpoints: Endpoints, fleet: Supervisor, task_path: Path) -> None:
     """Print progress, kill learner 1 midway and restart it a second later, return when every learner
     has finished and the coordinator has ended the run (or 30 s later)."""
     bus = Bus(endpoints, cfg.run)

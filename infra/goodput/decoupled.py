@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from diloco.coordinator import policy
-from diloco.infra.goodput.engine import EPS, Engine, Fleet, Job, book_result, new_book, speed_multipliers
+from diloco.infra.goodput.engine import EPS, Engine, ChipPool, Job, book_result, new_book, speed_multipliers
 from diloco.infra.goodput.model import Model, Result
 from diloco.storage.protocol import Cadence
 from diloco.workers.fragments import clock_due, due_fragments
@@ -79,7 +79,7 @@ class Decoupled:
         self.cfg_undiscounted = replace(self.cfg, staleness_discount=False)
         self.engine = Engine(model.horizon_s)
         self.book = new_book()
-        self.fleet = Fleet(self.engine, model, model.learners, self._failure)
+        self.fleet = ChipPool(self.engine, model, model.learners, self._failure)
         speeds = speed_multipliers(model)
         offsets = random.Random(f"offsets:{model.seed}")
         self.learners = [

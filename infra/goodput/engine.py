@@ -1,7 +1,7 @@
 """The event engine, the fleet's failures and the accounting of a job's chip time.
 
 - `Engine`: a clock and a heap of timed callbacks; time jumps from event to event.
-- `Fleet`: the chips, cut into slices (the unit one failure takes out) that are owned by jobs,
+- `ChipPool`: the chips, cut into slices (the unit one failure takes out) that are owned by jobs,
   and the failure process. Chip failures are independent and exponential (per-chip MTBI), so the
   fleet's failures are one Poisson process of rate chips / MTBI whose failures hit a uniformly
   drawn chip: a few thousand events a day even at 2.4M chips, and exact. A failure that hits a
@@ -52,7 +52,7 @@ class Engine:
         self.now = self.horizon_s
 
 
-class Fleet:
+class ChipPool:
     """N chips in slices, slices owned by jobs, and the Poisson process of chip failures."""
 
     def __init__(self, engine: Engine, model: Model, jobs: int,

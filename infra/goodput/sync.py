@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from diloco.infra.goodput.engine import Engine, Fleet, Job, book_result, new_book, speed_multipliers
+from diloco.infra.goodput.engine import Engine, ChipPool, Job, book_result, new_book, speed_multipliers
 from diloco.infra.goodput.model import Model, Result
 
 
@@ -55,7 +55,7 @@ def data_parallel(model: Model) -> Result:
         restarts += 1
         engine.at(engine.now + model.restart_s, job.resume, engine.now + model.restart_s)
 
-    fleet = Fleet(engine, model, 1, on_failure)
+    fleet = ChipPool(engine, model, 1, on_failure)
     fleet.start()
     engine.run()
     job.finish(model.horizon_s)
@@ -86,7 +86,7 @@ def elastic(model: Model) -> Result:
             engine.at(engine.now + model.rescale_s, job.resume, engine.now + model.rescale_s)
         job.resize(engine.now, -fleet.chips_per_slice)
 
-    fleet = Fleet(engine, model, 1, on_failure)
+    fleet = ChipPool(engine, model, 1, on_failure)
     fleet.start()
     engine.run()
     job.finish(model.horizon_s)

@@ -5,7 +5,7 @@ It is signalled, stopped (SIGTERM, a deadline, then SIGKILL) and killed (SIGKILL
 nothing it started outlives it. The local stack's servers are Procs (`infra.local.stack`), and so
 are the coordinators, learners and replicas below.
 
-`Fleet` is the named processes of one run, as the demo, the benchmarks and the chaos run start
+`Supervisor` is the named processes of one run, as the demo, the benchmarks and the chaos run start
 them. A member is started, then watched every tick: `watch()` reaps the processes that exited and
 judges each exit by what we sent it (SIGKILL: expected; SIGTERM: must exit 0, or 143 for a learner that left on it; nothing: a service
 such as the coordinator must not fail (it exits 0 once its run is finished), a learner with a number of steps must exit 0), and
@@ -40,7 +40,7 @@ KILL_WAIT_S = 10.0
 
 
 class Outage(NamedTuple):
-    """A planned outage of a fleet member (`Fleet.schedule`); a plain (at_s, down_s) is one with SIGKILL."""
+    """A planned outage of a fleet member (`Supervisor.schedule`); a plain (at_s, down_s) is one with SIGKILL."""
 
     at_s: float
     """Seconds after the fleet started."""
@@ -233,7 +233,7 @@ class Proc:
 
 @dataclass(frozen=True, slots=True)
 class Exit:
-    """A member's process that exited, as `Fleet.watch` saw it."""
+    """A member's process that exited, as `Supervisor.watch` saw it."""
 
     name: str
     returncode: int
@@ -258,7 +258,7 @@ class Member:
     """It runs until it is stopped (a coordinator, a learner without a step budget): exiting on its own,
     even with 0, is a failure. Otherwise exiting 0 is finishing."""
     restart_after_s: float | None
-    """Started again this long after any exit; None: only after an outage (`Fleet.kill(back_in_s=)`)."""
+    """Started again this long after any exit; None: only after an outage (`Supervisor.kill(back_in_s=)`)."""
     proc: Proc | None = None
     starts: int = 0
     sent: signal.Signals | None = None
@@ -271,8 +271,8 @@ class Member:
     """The next incarnation's command line, when it is not `argv`'s."""
 
 
-class Fleet:
-    """The named processes of a run; see the module docstring. Leaving `with Fleet(...)` SIGKILLs
+class Supervisor:
+    """The named processes of a run; see the module docstring. Leaving `with Supervisor(...)` SIGKILLs
     whatever still runs, so that an error leaves nothing behind."""
 
     def __init__(self, env: dict[str, str], logs: Path, *, term_timeout_s: float | None = None,
@@ -414,7 +414,7 @@ class Fleet:
             if m.proc is not None:
                 m.proc.kill()
 
-    def __enter__(self) -> Fleet:
+    def __enter__(self) -> Supervisor:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

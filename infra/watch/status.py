@@ -138,7 +138,7 @@ class FinishedLearner:
 
 
 @dataclass
-class RefusalRow:
+class RecentRefusal:
     age_s: float | None
     code: str
     learner: str
@@ -185,7 +185,7 @@ class RunStatus:
     coordinator: CoordinatorStatus
     learners: list[LearnerStatus]
     finished_learners: list[FinishedLearner]
-    refusals: list[RefusalRow]
+    refusals: list[RecentRefusal]
     refused_total: int
     refused_by_code: dict[str, int]
     pending: PendingStatus
@@ -311,15 +311,15 @@ def _latest_sends(bus: Bus) -> dict[str, tuple[float, dict[int, int]]]:
     return out
 
 
-def _refusals(bus: Bus, now: float, count: int) -> list[RefusalRow]:
+def _refusals(bus: Bus, now: float, count: int) -> list[RecentRefusal]:
     rows = []
     for entry_id, body in bus.newest(bus.keys.refusals, count):
         try:
             r = Refusal.from_wire(body)
         except Refused as exc:
-            rows.append(RefusalRow(now - _entry_time(entry_id), exc.code, "?", f"unreadable refusal: {exc.reason}", ""))
+            rows.append(RecentRefusal(now - _entry_time(entry_id), exc.code, "?", f"unreadable refusal: {exc.reason}", ""))
             continue
-        rows.append(RefusalRow(max(0.0, now - _entry_time(entry_id)), r.code, r.learner, r.reason, r.contribution_id))
+        rows.append(RecentRefusal(max(0.0, now - _entry_time(entry_id)), r.code, r.learner, r.reason, r.contribution_id))
     return rows
 
 

@@ -10,7 +10,7 @@ import torch
 
 from diloco.coordinator.recovery import announcement_from_object
 from diloco.infra.chaos.faults import CORRUPTIONS, HEAVY, HOSTILE, KINDS, forge, labels, schedule
-from diloco.infra.chaos.hostile import HostileInput, bad_stats, judge, random_bytes, well_formed
+from diloco.infra.chaos.hostile import HostileInput, bad_stats, judge_hostile, random_bytes, well_formed
 from diloco.infra.chaos.ledger import Evidence, Ledger, account
 from diloco.storage import codecs
 from diloco.storage.errors import Refused
@@ -197,7 +197,7 @@ def test_each_hostile_input_is_judged_by_what_must_become_of_it():
               HostileInput("undecodable", "gone", "gone", frozenset({"bad_framing"})),
               HostileInput("sse_c", "h3 applied", "h3", frozenset({"unreadable_object"})),
               HostileInput("made_up_ids", "ghost-1")]
-    verdicts = {v.input.what: v for v in judge(inputs, led)}
+    verdicts = {v.input.what: v for v in judge_hostile(inputs, led)}
     assert verdicts["big"].unbounded and "took 0.95" in verdicts["big"].problem and "722 x" in verdicts["big"].problem
     assert (verdicts["small"].kind, verdicts["small"].problem) == ("applied", "")
     assert verdicts["alone"].problem == ""  # alone in its round: it moves only itself

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from diloco.infra.cli import build_parser
-from diloco.infra.local.fleet import Exit, Fleet, Outage, ProcessError, learner_argv, process_env, wait_until
+from diloco.infra.local.fleet import Exit, Supervisor, Outage, ProcessError, learner_argv, process_env, wait_until
 from diloco.workers.demo.run import DemoLearnerArgs
 
 
@@ -41,7 +41,7 @@ EXITS_0_ON_TERM = _sh("trap 'exit 0' TERM; while :; do sleep 0.05; done")
 IGNORES_TERM = _sh("trap '' TERM; while :; do sleep 0.05; done")
 
 
-def _exits(fleet: Fleet, timeout_s: float = 5.0) -> list[Exit]:
+def _exits(fleet: Supervisor, timeout_s: float = 5.0) -> list[Exit]:
     """The exits `watch` reports until one comes (or the timeout)."""
     seen: list[Exit] = []
     wait_until(lambda: bool(seen.extend(fleet.watch()) or seen), timeout_s, tick_s=0.02)
@@ -49,7 +49,7 @@ def _exits(fleet: Fleet, timeout_s: float = 5.0) -> list[Exit]:
 
 
 def test_exits_are_judged_by_what_the_process_was_sent(tmp_path):
-    with Fleet(process_env({}), tmp_path) as fleet:
+    with Supervisor(process_env({}), tmp_path) as fleet:
         fleet.add("finishes", _sh("echo done; exit 0"))
         (done,) = _exits(fleet)
         assert (done.name, done.returncode, done.problem) == ("finishes", 0, None) and "done" in done.tail
@@ -74,7 +74,7 @@ def test_exits_are_judged_by_what_the_process_was_sent(tmp_path):
 
 
 def test_check_raises_on_a_failure_with_the_tail_of_the_log(tmp_path):
-    with Fleet(process_env({}), tmp_path) as fleet:
+    with Supervisor(process_env({}), tmp_path) as fleet:
         fleet.add("learner", _sh("echo 'Traceback: boom'; exit 1"))
         assert wait_until(lambda: not fleet.alive("learner"), 5.0, tick_s=0.02)
         with pytest.raises(ProcessError, match="learner failed \\(1\\):\nTraceback: boom"):
@@ -82,7 +82,7 @@ def test_check_raises_on_a_failure_with_the_tail_of_the_log(tmp_path):
 
 
 def test_a_member_killed_for_an_outage_comes_back_as_its_next_incarnation(tmp_path):
-    with Fleet(process_env({}), tmp_path) as fleet:
+    with Supervisor(process_env({}), tmp_path) as fleet:
         fleet.add("l0", lambda i: _sh(f"echo incarnation {i}; while :; do sleep 0.05; done"))
         fleet.kill("l0", back_in_s=0.3)
         assert fleet.busy(["l0"]) and not fleet.alive("l0")  # down, but due back
@@ -96,7 +96,7 @@ def test_a_member_killed_for_an_outage_comes_back_as_its_next_incarnation(tmp_pa
 
 
 def test_restart_after_any_exit_with_a_log_per_incarnation(tmp_path):
-    with Fleet(process_env({}), tmp_path) as fleet:
+    with Supervisor(process_env({}), tmp_path) as fleet:
         fleet.add("l1", lambda i: _sh(f"echo run {i}; exit 0"), log=lambda i: f"l1.{i}.log", service=True,
                   restart_after_s=0.0)
         assert wait_until(lambda: fleet.members["l1"].starts >= 3, 5.0, tick_s=0.02, between=fleet.watch)
@@ -105,7 +105,7 @@ def test_restart_after_any_exit_with_a_log_per_incarnation(tmp_path):
 
 
 def test_a_member_that_ignores_sigterm_is_killed_after_the_deadline_and_that_is_a_failure(tmp_path):
-    with Fleet(process_env({}), tmp_path, term_timeout_s=0.2) as fleet:
+    with Supervisor(process_env({}), tmp_path, term_timeout_s=0.2) as fleet:
         fleet.add("stuck", IGNORES_TERM)
         time.sleep(0.2)  # its trap is set
         fleet.term("stuck")
@@ -114,7 +114,7 @@ def test_a_member_that_ignores_sigterm_is_killed_after_the_deadline_and_that_is_
 
 
 def test_stop_terminates_in_order_and_leaving_the_with_block_kills_what_is_left(tmp_path):
-    with Fleet(process_env({}), tmp_path) as fleet:
+    with Supervisor(process_env({}), tmp_path) as fleet:
         fleet.add("a", EXITS_0_ON_TERM)
         fleet.add("b", RUNS)
         time.sleep(0.2)
@@ -124,7 +124,7 @@ def test_stop_terminates_in_order_and_leaving_the_with_block_kills_what_is_left(
 
 
 def test_planned_outages_are_carried_out_in_time_and_none_restarts_after_the_cutoff(tmp_path):
-    with Fleet(process_env({}), tmp_path, restarts_until_s=0.9) as fleet:
+    with Supervisor(process_env({}), tmp_path, restarts_until_s=0.9) as fleet:
         fleet.add("l0", lambda i: _sh(f"echo incarnation {i}; while :; do sleep 0.05; done"))
         # In time order: down at 0.2 s for 0.2 s, at 0.6 s for 0.1 s, then at 0.7 s (once back) for
         # 0.5 s: back at 1.2 s would be past the 0.9 s cutoff, so it stays down.
@@ -138,7 +138,7 @@ def test_planned_outages_are_carried_out_in_time_and_none_restarts_after_the_cut
 
 
 def test_an_outage_due_while_the_member_has_finished_is_dropped(tmp_path):
-    with Fleet(process_env({}), tmp_path) as fleet:
+    with Supervisor(process_env({}), tmp_path) as fleet:
         fleet.add("l0", _sh("exit 0"))
         fleet.schedule("l0", [(0.3, 0.1)])
         assert wait_until(lambda: not fleet.busy(["l0"]) and not fleet.members["l0"].outages, 5.0, tick_s=0.02,
@@ -150,7 +150,7 @@ def test_a_sigterm_outage_is_a_preemption_the_member_leaves_with_143_and_comes_b
     """A learner preempted on SIGTERM sends its progress and saves its state before it exits 143: the
     exit is no failure, and the next incarnation starts `down_s` after the signal, never before the exit."""
     leaves_slowly = _sh("echo incarnation; trap 'sleep 0.3; exit 143' TERM; while :; do sleep 0.05; done")
-    with Fleet(process_env({}), tmp_path) as fleet:
+    with Supervisor(process_env({}), tmp_path) as fleet:
         fleet.add("l0", leaves_slowly)
         fleet.schedule("l0", [Outage(0.2, 0.1, signal.SIGTERM)])
         seen: list[Exit] = []

@@ -20,13 +20,13 @@ def args(**overrides: object) -> argparse.Namespace:
     return parsed
 
 
-def trained(fleet: takes.Fleet, steps: int) -> None:
+def trained(fleet: takes.Replicas, steps: int) -> None:
     for _ in range(steps):
         for i, model in enumerate(fleet.models):
             train_step(fleet.task, model, fleet.optimizers[i], fleet.schedules[i], next(fleet.batches[i]))
 
 
-def snapshot(fleet: takes.Fleet, i: int, names: list[str]) -> dict[str, torch.Tensor]:
+def snapshot(fleet: takes.Replicas, i: int, names: list[str]) -> dict[str, torch.Tensor]:
     return {n: fleet.params[i][n].detach().clone() for n in names}
 
 
@@ -34,7 +34,7 @@ def test_a_round_is_the_mean_piece_and_each_rule_folds_the_version_in_as_the_lea
     task = TASKS["fast"].task
     a = args(learners=2, fragments=2, steps=10, outer_lr=1.0, outer_momentum=0.0)
     for rule in ("rebase", "adopt", "mix"):
-        fleet = takes.Fleet(task, a, takes.Setting(rule, 3))
+        fleet = takes.Replicas(task, a, takes.Setting(rule, 3))
         names = fleet.names[0]
         trained(fleet, 4)
         sent = [snapshot(fleet, i, names) for i in range(2)]

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from diloco.infra.watch.render import ago, duration, lease, render_rich, render_text, size, until
 from diloco.infra.watch.status import (ConsumerStatus, CoordinatorStatus, EndStatus, FinishedLearner, FragmentStatus,
-                                       LearnerStatus, PendingStatus, RefusalRow, RoundClock, RunStatus)
+                                       LearnerStatus, PendingStatus, RecentRefusal, RoundClock, RunStatus)
 
 
 @pytest.mark.parametrize(("n", "text"), [(None, "-"), (0, "0 B"), (999, "999 B"), (1500, "1.5 kB"),
@@ -52,7 +52,7 @@ def status(**kw) -> RunStatus:
         learners=[learner("learner-0"), learner("learner-3", state="lapsed", lease_left_s=-12.5, loss=None,
                                                     staleness=None, staleness_by_fragment={})],
         finished_learners=[FinishedLearner("learner-2", 30.0, 1000, 2)],
-        refusals=[RefusalRow(4.0, "stale", "learner-3", "base version 2 is 6 behind the head 8 " + "x" * 300,
+        refusals=[RecentRefusal(4.0, "stale", "learner-3", "base version 2 is 6 behind the head 8 " + "x" * 300,
                              "c" * 32)],
         refused_total=3, refused_by_code={"stale": 2, "bad_framing": 1},
         pending=PendingStatus(stream_length=120, pending=1, undelivered=0, oldest_pending_age_s=0.3, lag_s=0.3,
