@@ -25,7 +25,7 @@ from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import Announcement
 from diloco.storage.settings import Endpoints
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.demo import DemoTask
 from diloco.workers.learner import Learner
 
 

@@ -33,7 +33,7 @@ from diloco.storage import codecs
 from diloco.storage.history import read_layout, read_manifest, read_input, list_versions, read_run_spec
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.demo import DemoTask
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import torch
 from diloco.infra.bench.netns import Rates, WanNet, netns_exec
 from diloco.infra.local.fleet import Supervisor, ProcessError, process_env
 from diloco.infra.local.stack import free_ports
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.demo import DemoTask
 from diloco.workers.tasks.base import Task, train_step
 
 log = logging.getLogger(__name__)

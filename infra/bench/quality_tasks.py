@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.demo import DemoTask
 from diloco.workers.tasks.base import Task
 from diloco.workers.tasks.gpt2 import GPT2Task
 from diloco.workers.tasks.vision import VisionTask

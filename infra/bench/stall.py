@@ -17,7 +17,7 @@ from pathlib import Path
 
 from diloco.infra.output import figures_table
 from diloco.infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.demo import DemoTask
 
 NAME = "stall"
 HELP = "fraction of learner wall time blocked on synchronization, decoupled vs synchronous"

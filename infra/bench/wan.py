@@ -64,7 +64,7 @@ from diloco.infra.bench.netns import (Rates, WanNet, _sigterm_interrupts, entere
 from diloco.infra.bench.trial import LearnerPlan, Placement, Trial, TrialResult, run_trial, sync_trial, time_to
 from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.infra.output import figures_table
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.demo import DemoTask
 from diloco.workers.tasks.base import Task
 
 log = logging.getLogger(__name__)

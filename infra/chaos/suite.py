@@ -62,7 +62,7 @@ from diloco.storage.errors import DilocoError
 from diloco.storage.history import read_layout, read_run_spec
 from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import Announcement, Layout, RunSpec
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.demo import DemoTask
 
 log = logging.getLogger(__name__)
 

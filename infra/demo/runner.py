@@ -27,7 +27,7 @@ from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.storage.bus import Bus
 from diloco.storage.objects import ObjectStore
 from diloco.storage.settings import Endpoints, redact_url
-from diloco.workers.demo.task import DemoTask, train_baseline
+from diloco.workers.tasks.demo import DemoTask, train_baseline
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from diloco.storage.errors import Refused
 from diloco.storage.history import read_manifest
 from diloco.storage.objects import ObjectMissing
 from diloco.storage.protocol import Manifest
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.demo import DemoTask
 
 log = logging.getLogger(__name__)
 

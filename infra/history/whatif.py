@@ -44,7 +44,7 @@ from diloco.storage.keys import RunKeys
 from diloco.storage.localdir import DirStore
 from diloco.storage.objects import Store
 from diloco.storage.protocol import MAX_RECORD_BYTES, MERGES, Collection, Manifest, Scalar, VersionSettings
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.demo import DemoTask
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from diloco.storage.codecs import CODECS
 from diloco.storage.protocol import FinishRequest, RunEnd
 from diloco.storage.reach import check_servers
 from diloco.storage.settings import Endpoints
-from diloco.workers.demo.run import DemoLearnerArgs, train_demo_learner
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.train import DemoLearnerArgs, train_demo_learner
+from diloco.workers.tasks.demo import DemoTask
 from diloco.workers.learner import ENV_LEARNER_ID, PREEMPTED_EXIT, LearnerConfig, Preempted, stable_learner_id
 from diloco.workers.tasks.kinds import load_task
 

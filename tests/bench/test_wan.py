@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from diloco.infra.bench import dataparallel, netns, wan
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.demo import DemoTask
 
 
 def test_the_default_scaling_is_a_12b_model_on_2_to_5_gbps():

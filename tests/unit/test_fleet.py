@@ -8,7 +8,7 @@ import pytest
 
 from diloco.infra.cli import build_parser
 from diloco.infra.local.fleet import Exit, Supervisor, Outage, ProcessError, learner_argv, process_env, wait_until
-from diloco.workers.demo.run import DemoLearnerArgs
+from diloco.workers.tasks.train import DemoLearnerArgs
 
 
 def _parsed(argv: list[str]):  # noqa: ANN202 (argparse.Namespace)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from diloco.infra.bench.quality_tasks import TASKS
-from diloco.workers.demo.language import LaggedCopyLanguage, MarkovLanguage
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.language import LaggedCopyLanguage, MarkovLanguage
+from diloco.workers.tasks.demo import DemoTask
 from diloco.workers.tasks.kinds import task_from_wire
 
 LANG = LaggedCopyLanguage(vocab_size=8, lag=5, copy_prob=0.4)

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from diloco.infra.bench.quality_tasks import TASKS, pick
-from diloco.workers.demo.language import MarkovLanguage
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.language import MarkovLanguage
+from diloco.workers.tasks.demo import DemoTask
 from diloco.workers.tasks.base import train_baseline
 from diloco.workers.tasks.gpt2 import GPT2Task, window_nll
 from diloco.workers.tasks.kinds import KINDS, task_from_wire

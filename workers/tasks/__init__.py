@@ -1,2 +1,3 @@
-"""Learning tasks a learner can train: the interface (`base`), the tasks beside the demo's
-(`gpt2`, `vision`) and reading any of them from its wire form (`kinds`)."""
+"""Learning tasks a learner can train: the interface (`base`), the demo's (`demo`, its model
+`tinygpt` and languages `language`), `gpt2` and `vision`, reading any of them from its wire form
+(`kinds`), and the loop `diloco learner` trains one with (`train`)."""

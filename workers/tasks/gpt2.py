@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
-from diloco.workers.demo.language import MarkovLanguage
+from diloco.workers.tasks.language import MarkovLanguage
 from diloco.workers.tasks.base import Batch, fields_from_wire, to_wire
 
 _EVAL_BATCH = 64

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from diloco.storage.errors import ConfigError
-from diloco.workers.demo.task import DemoTask
+from diloco.workers.tasks.demo import DemoTask
 from diloco.workers.tasks.base import Task
 from diloco.workers.tasks.gpt2 import GPT2Task
 from diloco.workers.tasks.vision import VisionTask

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
-from diloco.workers.demo.language import ByteText, LaggedCopyLanguage, MarkovLanguage
-from diloco.workers.demo.model import TinyGPT, TinyGPTConfig
+from diloco.workers.tasks.language import ByteText, LaggedCopyLanguage, MarkovLanguage
+from diloco.workers.tasks.tinygpt import TinyGPT, TinyGPTConfig
 from diloco.workers.tasks.base import Batch, descend, fields_from_wire, to_wire
 
 log = logging.getLogger(__name__)
