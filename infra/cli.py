@@ -47,11 +47,13 @@ COMMANDS: list[tuple[str, str, str]] = [
      "--task, hurt the eval loss)"),
     ("model", "history", "take the trained model out: `diloco model export --run R --out DIR` writes the global "
      "model as safetensors, a torch state_dict or a Hugging Face checkpoint"),
-    ("export", "history", "copy a run's history (every object under its root) from the bucket to a local directory"),
+    ("export", "history", "copy a run's history (every object under its root but learners' saved states) from the "
+     "bucket to a local directory"),
     ("import", "history", "copy a run's history from an export directory back into the bucket the environment names"),
     ("chaos", "chaos", "a run of real processes on a local stack under a seeded schedule of faults, then an audit "
      "of every contribution"),
-    ("bench", "bench", "benchmarks on real processes and servers: quality, failures, comm, stall, coordinator, hetero"),
+    ("bench", "bench", "benchmarks on real processes and servers: quality, takes, failures, comm, stall, "
+     "coordinator, hetero, wan, scale, device"),
 ]
 
 
