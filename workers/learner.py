@@ -68,6 +68,7 @@ from diloco.workers.losses import LossRecorder
 from diloco.workers.metrics import LearnerMetrics
 from diloco.workers.state import LearnerState, Stateful, StateSaver, latest_key, misfit, optimizer_params
 from diloco.workers.staging import Stager
+from diloco.workers.takes import Awaiting, refetch_after, wait_reason
 from diloco.workers.threads import transfer_threads, usable_cpus
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
@@ -171,18 +172,13 @@ class FragmentState:
     since_step: int = 0
     """The step of the last send or take: the steps since were trained on from the same base."""
     stage_waits: int = 0
-    """Steps the next take has waited for the stager to make its version ready (`STAGE_WAIT_STEPS`)."""
+    """Steps the next take has waited for the stager to make its version ready (`takes.STAGE_WAIT_STEPS`)."""
 
 
 FLAG_RUN_FINISHED = 1
 FLAG_LEAVE = 2
 """Bits of the flags rank 0 shares with its plan each step."""
 
-
-STAGE_WAIT_STEPS = 4
-"""A version due to be taken while the stager is still making it ready (downloaded just now, or
-asked again after a send changed the anchor) waits up to this many steps for it; then the step hook
-computes it itself (a stall on a GPU)."""
 
 WAIT_LOG_S = 5.0
 """While joining, how often a learner says what it is waiting for."""
@@ -771,30 +767,28 @@ class Learner:
         them, and preferably the version that merged that send (see `LearnerConfig.own_version_wait`)."""
         ready = {}
         sync = self.config.wait_for_merge
+        patience = 0.0 if sync else self.config.own_version_wait * self.spec.sync_every
         for fragment, state in enumerate(self.fragments):
-            not_before = state.awaiting
-            if not_before is None or self.step < not_before:
+            if state.awaiting is None or self.step < state.awaiting:
                 continue
-            mine = None if sync else self.fetcher.merged_in(state.sent_id)
-            patient = (not sync and state.sent_id is not None
-                       and self.step < not_before + self.config.own_version_wait * self.spec.sync_every)
-            if mine is None and patient:
-                continue  # our contribution's round has not committed yet: train on, take that version later
-            if not sync and self.fetcher.staging(fragment) and state.stage_waits < STAGE_WAIT_STEPS:
+            a = Awaiting(step=self.step, due=state.awaiting, patience=patience if state.sent_id is not None else 0.0,
+                         merged_in=None if sync else self.fetcher.merged_in(state.sent_id),
+                         staging=not sync and self.fetcher.staging(fragment), stage_waits=state.stage_waits,
+                         blocking=sync)
+            why = wait_reason(a)
+            if why == "staging":
                 state.stage_waits += 1  # being made ready off this thread: a few steps later costs less
-                continue
+            if why is not None:
+                continue  # own_round: that round has not committed yet: train on, take its version later
             waited_from = time.monotonic()
             fetched = self.fetcher.take(fragment, self.config.merge_wait_s if sync else 0.0)
             self._merge_wait_s += time.monotonic() - waited_from
             if fetched is None:
                 continue
-            if fetched.version <= state.base_version:
+            newer_than = refetch_after(a, fetched.version, state.base_version)
+            if newer_than is not None:
                 fetched.release()
-                self.fetcher.want(fragment, state.base_version)
-                continue
-            if mine is not None and fetched.version < mine and patient:
-                fetched.release()
-                self.fetcher.want(fragment, mine - 1)  # ours is committed, an older version was parked: fetch ours
+                self.fetcher.want(fragment, newer_than)
                 continue
             state.awaiting, state.stage_waits = None, 0
             ready[fragment] = fetched
