@@ -28,6 +28,7 @@ def test_a_learner_waiting_to_join_says_so_and_leaves_on_sigterm_at_once(endpoin
     assert "on SIGTERM while joining" in learner.tail(5)
 
 
+@pytest.mark.slow  # make test stays under 8 minutes (17 s): make test-slow runs it
 def test_the_coordinator_exits_0_once_the_run_is_finished_and_a_learner_started_later_exits_0(
         endpoints, run_id, tmp_path, fleet_env):
     env, procs = fleet_env
