@@ -183,10 +183,11 @@ class CoordinatorConfig:
     def settings(self, r: RoundConfig, kind: str, run_codec: str) -> VersionSettings:
         """What the manifest of a version of this `kind` records about how it was made, and on which
         kernels (replay needs them); a delta's merge is configured by it."""
-        downstream = "fp32" if kind != "delta" else run_codec if self.downstream_codec == "run" else self.downstream_codec
+        downstream = run_codec if self.downstream_codec == "run" else self.downstream_codec
         return VersionSettings(kind=kind, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
                                outer="fractional_nesterov" if self.scale_rounds else "nesterov",
                                merge="radial_directional" if self.radial_directional else "weighted_mean",
                                staleness_discount=r.staleness_discount, max_staleness=r.max_staleness,
-                               min_quorum=r.min_quorum, grace_gamma=r.grace_gamma, downstream=downstream,
+                               min_quorum=r.min_quorum, grace_gamma=r.grace_gamma,
+                               downstream=downstream if kind == "delta" else "fp32",  # genesis publishes as proposed
                                torch=torch.__version__, cpu_capability=torch.backends.cpu.get_cpu_capability())

@@ -156,13 +156,13 @@ class Floats(Codec):
         return 0.0 if self.bound == 0 else absmax * self.bound + 2.0**-126  # subnormals
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, block: int, name: str) -> None:
-        y = x if self.dtype == torch.float32 else x.to(self.dtype)
+        y = x.to(self.dtype)  # x itself when already of it
         if not _all_finite(y):
             raise Refused("non_finite", f"tensor {name!r} has NaN/Inf values (or values beyond the {self.name} range)")
         out.view(y.dtype).copy_(y)  # offsets are multiples of the item size
 
     def decode(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> torch.Tensor:
-        values = seg.view(self.dtype).float() if self.dtype != torch.float32 else seg.view(torch.float32)
+        values = seg.view(self.dtype).float()  # the view itself for fp32
         if not _all_finite(values):
             raise _refused("non_finite", spec, "NaN or Inf values")
         return values.view(spec.shape)
@@ -538,7 +538,7 @@ def _header_from_map(raw: Any) -> Header:
     m = _typed_map(raw, _HEADER_FIELDS, "header")
     codec, compression, block, sha = m["codec"], m["compression"], m["block_size"], m["payload_sha256"]
     if codec not in _REGISTRY:
-        raise Refused("bad_header", f"unknown codec {codec!r}; this build reads {', '.join(CODECS)}")
+        raise Refused("bad_header", f"unknown codec {codec!r}; this build reads {', '.join(_REGISTRY)}")
     if compression not in COMPRESSIONS:
         raise Refused("bad_header", f"unknown compression {compression!r}; this build reads {', '.join(COMPRESSIONS)}")
     if not _SHA256_HEX.fullmatch(sha):

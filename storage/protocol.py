@@ -511,16 +511,16 @@ class VersionSettings(Record):
         _require(math.isfinite(self.grace_gamma), f"grace_gamma {self.grace_gamma!r} must be finite")
         _require(self.max_staleness is None or self.max_staleness >= 0, f"max_staleness {self.max_staleness!r} < 0")
 
-    @classmethod
-    def from_v1(cls, settings: Any, version: Any) -> dict[str, Any]:
-        """The fields of a schema-1 manifest's settings map (a version 0 without `kind` is genesis;
-        a recorded progress of a whole step was not used and is dropped)."""
-        if not isinstance(settings, dict):
-            raise Refused("bad_message", f"Manifest.settings: expected a map, got {type(settings).__name__}")
-        body = {"kind": "genesis" if version == 0 else "delta"} | settings
-        if body.get("outer", "nesterov") == "nesterov":
-            body.pop("progress", None)
-        return body
+
+def _v1_settings(settings: Any, version: Any) -> dict[str, Any]:
+    """The `VersionSettings` fields of a schema-1 manifest's settings map (a version 0 without `kind`
+    is genesis; a recorded progress of a whole step was not used and is dropped)."""
+    if not isinstance(settings, dict):
+        raise Refused("bad_message", f"Manifest.settings: expected a map, got {type(settings).__name__}")
+    body = {"kind": "genesis" if version == 0 else "delta"} | settings
+    if body.get("outer", "nesterov") == "nesterov":
+        body.pop("progress", None)
+    return body
 
 
 @dataclass(frozen=True, slots=True)
@@ -567,7 +567,7 @@ class Manifest(Record):
     @classmethod
     def _upgrade(cls, body: dict[str, Any], schema: int) -> dict[str, Any]:
         if schema == 1:  # settings were a map of scalars
-            return body | {"settings": VersionSettings.from_v1(body.get("settings"), body.get("version"))}
+            return body | {"settings": _v1_settings(body.get("settings"), body.get("version"))}
         return body
 
     def __post_init__(self) -> None:

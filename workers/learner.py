@@ -767,14 +767,13 @@ class Learner:
         them, and preferably the version that merged that send (see `LearnerConfig.own_version_wait`)."""
         ready = {}
         sync = self.config.wait_for_merge
-        patience = 0.0 if sync else self.config.own_version_wait * self.spec.sync_every
+        patience = self.config.own_version_wait * self.spec.sync_every
         for fragment, state in enumerate(self.fragments):
             if state.awaiting is None or self.step < state.awaiting:
-                continue
+                continue  # not due (`wait_reason` says so too): no fetcher lookups on most steps
             a = Awaiting(step=self.step, due=state.awaiting, patience=patience if state.sent_id is not None else 0.0,
-                         merged_in=None if sync else self.fetcher.merged_in(state.sent_id),
-                         staging=not sync and self.fetcher.staging(fragment), stage_waits=state.stage_waits,
-                         blocking=sync)
+                         merged_in=self.fetcher.merged_in(state.sent_id), staging=self.fetcher.staging(fragment),
+                         stage_waits=state.stage_waits, blocking=sync)
             why = wait_reason(a)
             if why == "staging":
                 state.stage_waits += 1  # being made ready off this thread: a few steps later costs less

@@ -121,3 +121,11 @@ def test_the_known_settings_are_every_commands_settings():
     """`options.KNOWN_SETTINGS` (what an unknown DILOCO_* variable or config key is checked against
     without importing every command) is what the commands declare: add a setting, add it there."""
     assert every_setting() == KNOWN_SETTINGS
+
+
+def test_diloco_help_names_every_benchmark():
+    from diloco.infra.bench.cli import BENCHES
+    from diloco.infra.cli import COMMANDS
+
+    [said] = [text for name, _room, text in COMMANDS if name == "bench"]
+    assert said.endswith(": " + ", ".join(BENCHES)), said
