@@ -133,8 +133,7 @@ def weights_without(inputs: Sequence[Contribution], learner: str, parent_version
     kept = [i for i, c in enumerate(inputs) if c.learner != learner]
     if not kept:
         raise ValueError(f"version has no inputs other than {learner}'s")
-    return kept, recomputed_weights([inputs[i] for i in kept], parent_version,
-                                    settings.staleness_discount)
+    return kept, recomputed_weights([inputs[i] for i in kept], parent_version, settings)
 
 
 def round_without(parent_params: Tensors, parent_state: NesterovState, inputs: Sequence[Contribution],

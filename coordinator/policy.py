@@ -340,7 +340,8 @@ def staleness_verdict(base_version: int, head_version: int, cfg: RoundConfig) ->
                              f"(max_staleness {cfg.max_staleness}), {weight}")
 
 
-def merge_weights(arrivals: Sequence[Arrival], head_version: int, cfg: RoundConfig) -> list[float]:
+def merge_weights(arrivals: Sequence[Arrival], head_version: int, cfg: RoundConfig,
+                  usual: Mapping[str, int] | None = None, rate_steps: int = 0) -> list[float]:
     """Merge weights, one per arrival, in the order given.
 
     Contributions are grouped by learner: one learner's contributions in the same round are
@@ -348,10 +349,21 @@ def merge_weights(arrivals: Sequence[Arrival], head_version: int, cfg: RoundConf
     rather than average. Learner g weighs w_g = T_g * (T_g / S_g) with T_g, S_g its tokens and
     steps summed over its pieces (token weighting: more tokens, and more tokens per step, weigh
     more); the w_g are normalized to sum 1 over learners, and each piece gets its learner's share.
+
+    **At the fleet's rate** (`rate_steps` > 0: the usual piece of the fleet's fastest learner, and
+    `usual`: each learner's own, `usual_pieces`): a learner whose usual piece is k times smaller,
+    because it is k times slower, weighs k times its share, but never more than the heaviest other
+    learner of the round (nor less than its share). Its delta then counts as an estimate of the
+    progress per step, like the others', and the merged update is the progress `rate_steps` steps
+    of the fleet make: a slow learner's short pieces add their steps to the round instead of making
+    its update that much shorter (one learner 5x slower beside three made every round 5% shorter).
+    The weights then sum to more than 1; a round of its usual pieces moves as far as the fleet's
+    fastest learners do, and `round_step` sizes a smaller one by the steps it holds. The cap keeps
+    a learner that claims fewer steps than it trained from weighing more than an honest one.
+
     With `cfg.staleness_discount`, a piece computed against a version `s` behind the head is also
-    scaled by 1/(1+s): a stale update is shrunk, not renormalized away, so the weights of a round
-    sum to 1 only when nothing in it is stale. The caller refuses contributions with
-    `staleness_verdict` first; this function does not drop any.
+    scaled by 1/(1+s): a stale update is shrunk, not renormalized away. The caller refuses
+    contributions with `staleness_verdict` first; this function does not drop any.
 
     Deterministic, and independent of input order: group totals are exactly rounded sums
     (math.fsum), so a permutation yields the same bits per arrival.
@@ -371,11 +383,26 @@ def merge_weights(arrivals: Sequence[Arrival], head_version: int, cfg: RoundConf
     else:  # nobody reports tokens (tokens_per_step left at 0): weigh by inner steps instead
         group = {g: math.fsum(steps[g]) for g in steps}
     total = math.fsum(group.values())
+    raised = at_rate(group, usual or {}, rate_steps)
     weights = []
     for a in arrivals:
-        w = group[a.learner] / total
+        w = raised[a.learner] / total
         weights.append(w / (1 + head_version - a.base_version) if cfg.staleness_discount else w)
     return weights
+
+
+def at_rate(group: Mapping[str, float], usual: Mapping[str, int], rate_steps: int) -> dict[str, float]:
+    """Each learner's group weight raised to the fleet's rate (`merge_weights`): times `rate_steps`
+    over its usual piece, at most the heaviest other learner's weight and never below its own. A
+    learner the map does not name, and every learner when `rate_steps` is 0, keeps its own."""
+    if rate_steps <= 0:
+        return dict(group)
+    raised = {}
+    for g, w in group.items():
+        piece = min(rate_steps, max(1, usual.get(g, rate_steps)))
+        heaviest = max((v for h, v in group.items() if h != g), default=math.inf)
+        raised[g] = max(w, min(w * (rate_steps / piece), heaviest))
+    return raised
 
 
 def merge_order(arrivals: Sequence[Arrival]) -> list[Arrival]:

@@ -26,7 +26,7 @@ from diloco.coordinator.publish import state_body
 from diloco.storage.updates import params_body
 from diloco.storage.history import sha256_hex
 from diloco.storage.keys import RunKeys
-from diloco.storage.protocol import Contribution, Manifest
+from diloco.storage.protocol import Contribution, Manifest, VersionSettings
 
 WEIGHTS_RULE = "tokens*tokens/steps"
 """The only weighting rule `merge_weights` implements (recorded as the manifest's `weights` setting)."""
@@ -71,16 +71,18 @@ def _input_name(i: int, c: Contribution) -> str:
     return f"input {i} ({c.learner}, contribution {c.contribution_id[:12]}, {'/'.join(c.object_key.split('/')[-3:])})"
 
 
-def recomputed_weights(inputs: Sequence[Contribution], parent_version: int, staleness_discount: bool) -> list[float]:
-    """The weights `merge_weights` gives `inputs` from their recorded tokens, steps and base versions,
-    against `parent_version`: a manifest's own inputs (to check its weights, or to re-weight them in a
-    what-if), or some of them (what the coordinator would have merged without a learner).
+def recomputed_weights(inputs: Sequence[Contribution], parent_version: int, settings: VersionSettings) -> list[float]:
+    """The weights `merge_weights` gives `inputs` from their recorded tokens, steps, base versions and
+    usual pieces, against `parent_version`, under `settings` (the staleness discount, the fleet's
+    rate): a manifest's own inputs (to check its weights, or to re-weight them in a what-if), or some
+    of them (what the coordinator would have merged without a learner).
     Raises ValueError as merge_weights does."""
-    cfg = dataclasses.replace(RoundConfig(), staleness_discount=staleness_discount)
+    cfg = dataclasses.replace(RoundConfig(), staleness_discount=settings.staleness_discount)
+    usual = {c.learner: c.usual for c in inputs if c.usual > 0}
+    weights = merge_weights([_arrival(c) for c in inputs], parent_version, cfg, usual, settings.rate_steps)
     # Each times the factor its learner's pieces were scaled by (`influence.clip_norms`, recorded):
     # the very product the coordinator made.
-    return [w * c.clip for w, c in zip(merge_weights([_arrival(c) for c in inputs], parent_version, cfg), inputs,
-                                       strict=True)]
+    return [w * c.clip for w, c in zip(weights, inputs, strict=True)]
 
 
 def recorded_problems(manifest: Manifest) -> list[Problem]:
@@ -109,7 +111,7 @@ def recorded_problems(manifest: Manifest) -> list[Problem]:
                                     f"base v{c.base_version} is {manifest.parent_version - c.base_version} "
                                     f"behind the parent v{manifest.parent_version}"))
     try:
-        weights = recomputed_weights(manifest.inputs, manifest.parent_version, s.staleness_discount)
+        weights = recomputed_weights(manifest.inputs, manifest.parent_version, s)
     except ValueError as exc:
         return [*problems, Problem("weights", f"merge_weights refuses the recorded inputs: {exc}")]
     for i, (c, w) in enumerate(zip(manifest.inputs, weights, strict=True)):

@@ -735,9 +735,10 @@ class Coordinator:
             for a in ordered:
                 if clips[a.learner][1]:
                     notes[a.contribution_id] = "; ".join(n for n in (notes.get(a.contribution_id), clips[a.learner][1]) if n)
+            usual, rate = self._usual_pieces(frag, senders)
             weights = [w * clips[a.learner][0] for w, a in
-                       zip(merge_weights(ordered, frag.head, self.round_cfg), ordered, strict=True)]
-            published, settings = self._step_round(fragment, frag, contributions, weights, ordered, senders)
+                       zip(merge_weights(ordered, frag.head, self.round_cfg, usual, rate), ordered, strict=True)]
+            published, settings = self._step_round(fragment, frag, contributions, weights, ordered, usual, rate)
             self.metrics.merged(fragment, time.monotonic() - started)
             if published is not None:
                 for cid, note in notes.items():
@@ -749,15 +750,29 @@ class Coordinator:
                 # params, momentum and residual are three fragments' worth of memory less.
                 frag.params = frag.state = None
                 self._publish(fragment, frag, contributions, weights, params, state, settings, ordered, notes,
-                              update=blob, clips={g: c for g, (c, _) in clips.items()})
+                              update=blob, clips={g: c for g, (c, _) in clips.items()}, usual=usual)
                 return
             self._refuse_overflow(fragment, frag, contributions)
 
+    def _usual_pieces(self, frag: Fragment, fleet: frozenset[str]) -> tuple[dict[str, int], int]:
+        """Each learner of the `fleet` of live learners that send pieces with its usual piece
+        (`policy.usual_pieces`), and the fleet's rate: its fastest learner's usual piece
+        (`policy.merge_weights`). ({}, 0) when rounds are not scaled; a rate of 0 when the clock has a
+        fixed period (`round_s`: no interval of steps makes a usual piece, each learner counts 1)."""
+        if not self.config.scale_rounds:
+            return {}, 0
+        interval = self.spec.sync_every if self.config.round_s <= 0 else 0
+        finished = {n: p for n, p in frag.pieces.items() if n in self.finished}
+        usual = usual_pieces(fleet, frag.claims, interval, finished)
+        frag.pieces |= {c.learner: usual[c.learner] for r in frag.claims for c in r
+                        if c.learner in usual and c.learner not in self.finished}
+        return usual, max(usual.values(), default=0) if interval > 0 else 0
+
     def _step_round(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
-                    ordered: tuple[Arrival, ...], fleet: frozenset[str]
-                    ) -> tuple[tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None, dict]:
+                    ordered: tuple[Arrival, ...], usual: dict[str, int], rate: int
+                    ) -> tuple[tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None, VersionSettings]:
         """Merge the round's pieces (in merge order, with their weights), take the outer step (scaled
-        against the round's usual size for the `fleet` of live learners that send pieces) and the
+        against the round's usual size for the fleet's `usual` pieces, `_usual_pieces`) and the
         downstream step: the version's params, outer state and update object (None if the step
         overflowed float32), and the settings its manifest records. These configure the merge itself:
         a replay's `apply_round` runs the same merge, scale and outer step from them.
@@ -765,17 +780,13 @@ class Coordinator:
         Each whole-fragment temporary goes as soon as it has been used, not at the end of the round:
         each piece once added to the sum (the merge decodes them one at a time, `_Pieces`), the
         merged update once stepped with, the outer step's exact result when this returns."""
-        settings = self._settings("delta")
+        settings = replace(self._settings("delta"), rate_steps=rate)
         with self.timing("merge"):
             update = round_delta(self._pieces(fragment, contributions), weights, settings)
             if self.config.scale_rounds:
                 norm = update_norm(update)
                 # H steps make a usual piece, unless the clock has a fixed period (`round_s`).
                 interval = self.spec.sync_every if self.config.round_s <= 0 else 0
-                finished = {n: p for n, p in frag.pieces.items() if n in self.finished}
-                usual = usual_pieces(fleet, frag.claims, interval, finished)
-                frag.pieces |= {c.learner: usual[c.learner] for r in frag.claims for c in r
-                                if c.learner in usual and c.learner not in self.finished}
                 step = round_step(round_size(ordered, norm), frag.recent, usual, interval)
                 settings = replace(settings, round_scale=step.scale, progress=step.progress, update_norm=norm)
                 update = scale_update(update, step.scale)
@@ -871,10 +882,11 @@ class Coordinator:
     def _publish(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
                  params: dict[str, torch.Tensor], state: NesterovState, settings: VersionSettings, counted: list[Arrival],
                  notes: dict[str, str] | None = None, update: bytes | None = None,
-                 clips: dict[str, float] | None = None) -> None:
+                 clips: dict[str, float] | None = None, usual: dict[str, int] | None = None) -> None:
         """Write and commit the next version of `fragment` from `contributions` (in merge order, each
         with its weight and its `counted` arrival: the tokens and steps it weighed by, and its norm;
-        `clips`: what each learner's pieces were scaled by)."""
+        `clips`: what each learner's pieces were scaled by; `usual`: each learner's usual piece, when
+        the weights were raised to the fleet's rate)."""
         t0 = time.monotonic()
         version = frag.head + 1
         notes, clips = notes or {}, clips or {}
@@ -886,7 +898,7 @@ class Coordinator:
                   if c.announcement.kind == "delta" else 0,
                   tokens=n.tokens, steps=n.steps, weight=w, stream_id=c.entry_id,
                   bounded=notes.get(c.announcement.contribution_id, ""), norm=n.norm,
-                  clip=clips.get(n.learner, 1.0))
+                  clip=clips.get(n.learner, 1.0), usual=(usual or {}).get(n.learner, 0) if settings.rate_steps else 0)
             for c, w, n in zip(contributions, weights, counted, strict=True))
         refused = listed_refusals([*frag.refused, *self._unplaced], self.config.max_refusals_listed)
         merged_tokens = self._merged_tokens(fragment, frag) + sum(c.tokens for c in inputs)

@@ -26,11 +26,12 @@ import msgpack
 
 from diloco.storage.errors import Refused
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """What this build writes. Version 2 made `Manifest.settings` a record (`VersionSettings`); it was a
 map of scalars in version 1, which this build still reads (`Manifest._upgrade`), so that histories
-written before replay as they did."""
-SCHEMAS_READ = (1, 2)
+written before replay as they did. Version 3 added the merge at the fleet's rate
+(`VersionSettings.rate_steps`, `Contribution.usual`)."""
+SCHEMAS_READ = (1, 2, 3)
 MAX_MESSAGE_BYTES = 1 << 20
 """Stream entries and small records are bounded; a run layout may reach a few MB."""
 MAX_RECORD_BYTES = 64 << 20
@@ -409,7 +410,7 @@ class Contribution(Record):
     steps: int
     weight: float
     """Merge weight (`coordinator.policy.merge_weights`): the weights of a version sum to 1 unless the
-    staleness discount shrank a stale input's."""
+    staleness discount shrank a stale input's or the fleet's rate raised a slow learner's."""
     stream_id: str
     """Redis stream entry id the announcement arrived as (informational; S3 history never needs Redis)."""
     bounded: str = ""
@@ -422,9 +423,13 @@ class Contribution(Record):
     clip: float = 1.0
     """In (0, 1]: the factor its learner's pieces in this round were scaled by, their summed norm
     against the other learners' (`coordinator.influence.clip_norms`); `weight` includes it."""
+    usual: int = 0
+    """Its learner's usual piece in inner steps (`coordinator.policy.usual_pieces`), when the version's
+    weights are at the fleet's rate (`VersionSettings.rate_steps`); 0 otherwise."""
 
     def __post_init__(self) -> None:
         _require(0.0 < self.clip <= 1.0, f"clip {self.clip!r} must be in (0, 1]")
+        _require(self.usual >= 0, f"usual {self.usual!r} must be >= 0")
         _require(self.norm is None or (math.isfinite(self.norm) and self.norm >= 0),
                  f"norm {self.norm!r} must be a finite number >= 0")
 
@@ -473,6 +478,10 @@ class VersionSettings(Record):
     """How inputs are weighed (`coordinator.policy.merge_weights`), for a person."""
     staleness_discount: bool = True
     """Weights discount stale inputs."""
+    rate_steps: int = 0
+    """The usual piece of the fleet's fastest learner, in inner steps: a slower learner's weight is
+    raised by this over its own (`Contribution.usual`), at most to the heaviest other's
+    (`coordinator.policy.merge_weights`). 0: weights are not raised."""
     max_staleness: int | None = None
     """Inputs based on a version further behind the head than this were refused (None: not recorded)."""
     min_quorum: int = 1
@@ -510,6 +519,7 @@ class VersionSettings(Record):
                  f"update_norm {self.update_norm!r} must be a finite number >= 0")
         _require(math.isfinite(self.grace_gamma), f"grace_gamma {self.grace_gamma!r} must be finite")
         _require(self.max_staleness is None or self.max_staleness >= 0, f"max_staleness {self.max_staleness!r} < 0")
+        _require(self.rate_steps >= 0, f"rate_steps {self.rate_steps!r} < 0")
 
 
 def _v1_settings(settings: Any, version: Any) -> dict[str, Any]:

@@ -281,7 +281,7 @@ class _Run:
         inputs = [read_input(self.store, self.history.layout, m.fragment, c,
                              max_bytes=self.history.spec.max_object_bytes) for c in m.inputs]
         settings = whatif_settings(m.settings, self.changes, self.source)
-        weights = recomputed_weights(m.inputs, m.parent_version, settings.staleness_discount)
+        weights = recomputed_weights(m.inputs, m.parent_version, settings)
         new_params, new_state = apply_round(params, state, inputs, weights, settings)
         if not all(bool(torch.isfinite(t).all()) for t in [*new_params.values(), *new_state.momentum.values()]):
             return new_params, new_state, None

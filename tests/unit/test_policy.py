@@ -243,6 +243,53 @@ def test_pieces_of_one_learner_add_up_and_share_its_weight() -> None:
     assert merge_weights(arrivals, HEAD, NO_DISCOUNT) == pytest.approx([0.5, 0.5, 0.5])
 
 
+# --- the fleet's rate: a slow learner's short pieces add to the round, never shorten it ---
+
+FAST = ("f1", "f2", "f3")
+USUAL = {"f1": 50, "f2": 50, "f3": 50, "slow": 10}
+
+
+def _round(slow_steps: int = 10, slow_tokens: int | None = None) -> list[Arrival]:
+    return [*(arrival(f, float(i), tokens=50 * 100, steps=50) for i, f in enumerate(FAST)),
+            arrival("slow", 9.0, tokens=slow_tokens if slow_tokens is not None else slow_steps * 100, steps=slow_steps)]
+
+
+def test_a_slow_learners_delta_counts_at_the_fleets_rate() -> None:
+    # Each learner's delta is its steps times one progress per step: the merged update of the
+    # fleet with a 5x slower learner is as long as the fast learners' alone (token weights made it
+    # 150/160 * 50 + 10/160 * 10 = 47.5 steps long), and the slow learner adds its steps to the estimate.
+    def merged(arrivals: list[Arrival], weights: list[float]) -> float:
+        return math.fsum(w * a.steps for a, w in zip(arrivals, weights, strict=True))
+
+    fast_alone = _round()[:3]
+    assert merged(fast_alone, merge_weights(fast_alone, HEAD, NO_DISCOUNT, USUAL, 50)) == pytest.approx(50)
+    assert merged(_round(), merge_weights(_round(), HEAD, NO_DISCOUNT)) == pytest.approx(47.5)
+    at_rate = merge_weights(_round(), HEAD, NO_DISCOUNT, USUAL, 50)
+    assert at_rate == pytest.approx([50 / 160] * 4) and merged(_round(), at_rate) == pytest.approx(50)
+    # Alone in its round it is raised as much: round_step then sizes that round by its usual piece
+    # (10 of 160 steps), which gives its delta the weight it has in the whole round.
+    alone = _round()[3:]
+    (w,) = merge_weights(alone, HEAD, NO_DISCOUNT, USUAL, 50)
+    fleet = round_step(round_size(alone), [RoundSize(16000, 4, steps=160)] * 8, USUAL, 50)
+    assert w * fleet.scale == pytest.approx(50 / 160)
+
+
+def test_the_fleets_rate_raises_a_learner_at_most_to_the_heaviest_other() -> None:
+    # A learner claiming 1 step for many tokens already outweighs the others: not raised further.
+    liar = _round(slow_steps=1, slow_tokens=5000)
+    plain = merge_weights(liar, HEAD, NO_DISCOUNT)
+    assert merge_weights(liar, HEAD, NO_DISCOUNT, {**USUAL, "slow": 1}, 50) == plain
+    # An honest slow learner with a smaller usual piece than its rate: raised to a fast one's weight, no more.
+    assert merge_weights(_round(), HEAD, NO_DISCOUNT, {**USUAL, "slow": 2}, 50) == pytest.approx([50 / 160] * 4)
+    # Learners at the rate, rate 0 (the clock has a fixed period) or no usual pieces: the token weights.
+    assert merge_weights(_round()[:3], HEAD, NO_DISCOUNT, USUAL, 50) == merge_weights(_round()[:3], HEAD, NO_DISCOUNT)
+    assert merge_weights(_round(), HEAD, NO_DISCOUNT, USUAL, 0) == merge_weights(_round(), HEAD, NO_DISCOUNT)
+    assert merge_weights(_round(), HEAD, NO_DISCOUNT, {}, 50) == merge_weights(_round(), HEAD, NO_DISCOUNT)
+    # The discount still shrinks a stale piece after the raise.
+    stale = [*_round()[:3], arrival("slow", 9.0, tokens=1000, steps=10, base=HEAD - 1)]
+    assert merge_weights(stale, HEAD, RoundConfig(), USUAL, 50)[3] == pytest.approx(50 / 160 / 2)
+
+
 @pytest.mark.parametrize("bad", [
     [arrival("a", 1.0, steps=0)],                                 # no steps
     [arrival("a", 1.0, base=HEAD + 1)],                           # from the future

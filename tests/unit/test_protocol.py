@@ -150,7 +150,7 @@ def test_a_schema_1_manifest_reads_as_this_build_writes_it():
                                         "merge": "radial_directional", "max_staleness": 2, "progress": 0.4}))
     assert m.settings == VersionSettings(kind="delta", outer_lr=0.35, outer_momentum=0.9, merge="radial_directional",
                                          max_staleness=2)  # a whole step's recorded progress was not used
-    assert Manifest.from_wire(m.to_wire()) == m and msgpack.unpackb(m.to_wire())["schema"] == SCHEMA_VERSION == 2
+    assert Manifest.from_wire(m.to_wire()) == m and msgpack.unpackb(m.to_wire())["schema"] == SCHEMA_VERSION == 3
     genesis = Manifest.from_wire(v1_manifest({"outer_lr": 0.7, "outer_momentum": 0.0}, version=0))
     assert genesis.settings.kind == "genesis" and genesis.settings.torch == ""
     for settings, why in (({"kind": "delta", "outer_lr": 0.7, "outer_momentum": 0.9, "speed": "x"}, "unknown fields"),

@@ -27,24 +27,31 @@ def tensors(gen: torch.Generator, scale: float = 1.0) -> dict[str, torch.Tensor]
     return {k: torch.randn(s, generator=gen) * scale for k, s in SHAPES.items()}
 
 
-def a_version(radial: bool = False) -> tuple[Manifest, list[dict[str, torch.Tensor]], dict, NesterovState]:
+USUAL = {"a": 9, "b": 4}
+"""Usual pieces at the fleet's rate of 9 steps: b (4 steps) is raised, at most to a's weight."""
+
+
+def a_version(radial: bool = False, rate: int = 0) -> tuple[Manifest, list[dict[str, torch.Tensor]], dict, NesterovState]:
     """Version 3 of fragment 0 made the way the coordinator makes one: three inputs from two
-    learners (one of them stale), merged after a first outer step (so with momentum)."""
+    learners (one of them stale), merged after a first outer step (so with momentum); at the
+    fleet's `rate` (USUAL) if one is given."""
     gen = torch.Generator().manual_seed(7)
     cfg = RoundConfig()
-    settings = CoordinatorConfig(radial_directional=radial).settings(cfg, "delta", "fp32")
+    settings = dataclasses.replace(CoordinatorConfig(radial_directional=radial).settings(cfg, "delta", "fp32"),
+                                   rate_steps=rate)
     parent = tensors(gen)
     merge = settings
     _, state = apply_round(parent, NesterovState(), [tensors(gen, 0.1)], [1.0], merge)
     arrivals = [Arrival(uuid.uuid4().hex, learner, base, tokens, steps, 0.0, 0.0)
                 for learner, base, tokens, steps in (("b", 2, 40, 4), ("a", 1, 90, 9), ("b", 2, 40, 4))]
     ordered = merge_order(arrivals)
-    weights = merge_weights(ordered, 2, cfg)
+    weights = merge_weights(ordered, 2, cfg, USUAL if rate else None, rate)
     deltas = [tensors(gen, 0.01) for _ in ordered]
     params, new_state = apply_round(parent, state, deltas, weights, merge)
     inputs = tuple(Contribution(contribution_id=a.contribution_id, learner=a.learner, seq=i, object_key=f"k/{i}",
                                 sha256="0" * 64, base_version=a.base_version, staleness=2 - a.base_version,
-                                tokens=a.tokens, steps=a.steps, weight=w, stream_id="")
+                                tokens=a.tokens, steps=a.steps, weight=w, stream_id="",
+                                usual=USUAL[a.learner] if rate else 0)
                    for i, (a, w) in enumerate(zip(ordered, weights)))
     manifest = Manifest(run="run", fragment=0, version=3, parent_version=2, params_key="x", outer_state_key="y",
                         params_sha256=sha256_hex(params_body(params, KEYS, 0, 3)),
@@ -54,11 +61,29 @@ def a_version(radial: bool = False) -> tuple[Manifest, list[dict[str, torch.Tens
 
 
 @pytest.mark.parametrize("radial", [False, True])
-def test_a_version_rederives_bit_exact(radial):
-    manifest, deltas, parent, state = a_version(radial)
+@pytest.mark.parametrize("rate", [0, 9])
+def test_a_version_rederives_bit_exact(radial, rate):
+    manifest, deltas, parent, state = a_version(radial, rate)
     assert {c.staleness for c in manifest.inputs} == {0, 1}  # a stale input: its weight is discounted
     result = rederive(manifest, KEYS, deltas, parent_params=parent, parent_state=state)
     assert result.bit_exact, result.problems
+
+
+def test_the_fleets_rate_is_replayed_from_the_recorded_usual_pieces():
+    manifest, deltas, parent, state = a_version(rate=9)
+    plain, _, _, _ = a_version()
+    # b's 8 steps in two pieces weigh 80*80/8 = 800 against a's 900: raised by 9/4, capped at a's.
+    assert [round(c.weight / p.weight, 6) for c, p in zip(manifest.inputs, plain.inputs)] == [1.0, 1.125, 1.125]
+
+    def problems(m: Manifest) -> list[str]:
+        return [p.code for p in rederive(m, KEYS, deltas, parent_params=parent, parent_state=state).problems]
+
+    other = tuple(dataclasses.replace(c, usual=8 if c.learner == "b" else c.usual) for c in manifest.inputs)
+    assert problems(dataclasses.replace(manifest, inputs=other)) == []  # 9/8 of 800 is still a's 900
+    other = tuple(dataclasses.replace(c, usual=9) for c in manifest.inputs)
+    assert problems(dataclasses.replace(manifest, inputs=other)) == ["weights", "weights"]  # b's two, not raised
+    slower = dataclasses.replace(manifest, settings=dataclasses.replace(manifest.settings, rate_steps=4))
+    assert problems(slower) == ["weights", "weights"]  # b is at a rate of 4: not raised
 
 
 def test_each_kind_of_difference_is_named():
