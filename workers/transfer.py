@@ -322,6 +322,22 @@ class _Want:
     since: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class _Fragment:
+    """What the fetcher knows of one fragment (under its lock)."""
+
+    head: int | None = None
+    """The newest version the versions stream (or a manifest read) has named."""
+    want: _Want | None = None
+    """The learner asked for a version newer than this one, and none has come yet."""
+    ready: Fetched | None = None
+    """Downloaded, waiting for the learner to take it."""
+    held: Fetched | None = None
+    """The newest version fetched (or joined at): updates apply to it."""
+    unreadable: int | None = None
+    """A head version that could not be read: skipped until a newer one."""
+
+
 class Fetcher(threading.Thread):
     def __init__(self, store: ObjectStore, bus: Bus, layout: Layout, stats: TransferStats, *,
                  stager: Stager | None = None, threads: int | None = None, nice: int = 0) -> None:
@@ -332,11 +348,7 @@ class Fetcher(threading.Thread):
         self.store, self.bus, self.layout, self.stats = store, bus, layout, stats
         self._stager = stager
         """Makes each version downloaded ready to take, on its own thread (`workers.staging`)."""
-        self._wants: dict[int, _Want] = {}
-        self._ready: dict[int, Fetched] = {}
-        self._heads: dict[int, int] = {}
-        self._held: dict[int, Fetched] = {}  # fragment -> the newest version fetched (or joined at): updates apply to it
-        self._unreadable: dict[int, int] = {}  # fragment -> a head version that could not be read: skipped
+        self._fragments: dict[int, _Fragment] = {}
         self._merged: OrderedDict[str, int] = OrderedDict()  # contribution id -> the version that merged it
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -349,7 +361,7 @@ class Fetcher(threading.Thread):
         versions stream last said, is more than the coordinator's `max_staleness` (as the newest
         manifest read records it) ahead of it. False while either is unknown."""
         with self._lock:
-            head, limit = self._heads.get(fragment), self._max_staleness
+            head, limit = self._at(fragment).head, self._max_staleness
         return head is not None and limit is not None and head - base_version > limit
 
     def note(self, manifest: Manifest) -> None:
@@ -359,15 +371,24 @@ class Fetcher(threading.Thread):
         with self._lock:
             if limit is not None:
                 self._max_staleness = limit
-            if manifest.version > self._heads.get(manifest.fragment, -1):
-                self._heads[manifest.fragment] = manifest.version
+            self._saw(manifest.fragment, manifest.version)
+
+    def _at(self, fragment: int) -> _Fragment:
+        """The fragment's record (the caller holds the lock)."""
+        return self._fragments.setdefault(fragment, _Fragment())
+
+    def _saw(self, fragment: int, version: int) -> None:
+        """`version` of `fragment` exists (the caller holds the lock)."""
+        at = self._at(fragment)
+        if at.head is None or version > at.head:
+            at.head = version
 
     def want(self, fragment: int, newer_than: int) -> None:
         with self._lock:
-            ready = self._ready.get(fragment)
-            if ready is not None and ready.version > newer_than:
+            at = self._at(fragment)
+            if at.ready is not None and at.ready.version > newer_than:
                 return
-            self._wants[fragment] = _Want(newer_than)
+            at.want = _Want(newer_than)
 
     MAX_CHAIN = 16
     """A learner further behind than this many versions downloads the params without looking at the updates."""
@@ -384,20 +405,29 @@ class Fetcher(threading.Thread):
         """The newest fetched version of `fragment`, if any; waits up to `wait_s` for one."""
         with self._arrived:
             if wait_s > 0:
-                self._arrived.wait_for(lambda: fragment in self._ready or self._closing.is_set(), timeout=wait_s)
-            return self._ready.pop(fragment, None)
+                self._arrived.wait_for(lambda: self._at(fragment).ready is not None or self._closing.is_set(),
+                                       timeout=wait_s)
+            at = self._at(fragment)
+            fetched, at.ready = at.ready, None
+            return fetched
+
+    def ready(self, fragment: int) -> int | None:
+        """The version of `fragment` downloaded and waiting to be taken, if any."""
+        with self._lock:
+            fetched = self._at(fragment).ready
+        return None if fetched is None else fetched.version
 
     def staging(self, fragment: int) -> bool:
         """The fragment's version waiting to be taken is still being made ready."""
         with self._lock:
-            fetched = self._ready.get(fragment)
+            fetched = self._at(fragment).ready
         return fetched is not None and fetched.slot.pending
 
     def restage(self, fragment: int) -> None:
         """The fragment's anchor changed (a send): the version waiting to be taken, if any, is made
         ready again against the new one."""
         with self._lock:
-            fetched = self._ready.get(fragment)
+            fetched = self._at(fragment).ready
             if fetched is not None and self._stager is not None:
                 self._stager.submit(fragment, fetched.version, fetched.params, fetched.slot)
 
@@ -428,20 +458,20 @@ class Fetcher(threading.Thread):
             self._last_id = last[0][0] if last else "0"
             heads = self.bus.heads()
             with self._lock:
-                self._heads.update(heads)
+                for fragment, version in heads.items():
+                    self._at(fragment).head = version
         with self._lock:
-            wanted = {f: w.newer_than for f, w in self._wants.items()}
-        for fragment, newer_than in wanted.items():
-            head = self._heads.get(fragment, -1)
-            if head > newer_than and self._unreadable.get(fragment) != head:
-                self._download(fragment, head)
+            due = [(f, at.head) for f, at in self._fragments.items()
+                   if at.want is not None and at.head is not None and at.head > at.want.newer_than
+                   and at.unreadable != at.head]
+        for fragment, head in due:
+            self._download(fragment, head)
         for entry_id, event in self.bus.read_versions(self._last_id, block_ms=500):
             self._last_id = entry_id
             if not isinstance(event, VersionEvent):
                 continue
             with self._lock:
-                if event.version > self._heads.get(event.fragment, -1):
-                    self._heads[event.fragment] = event.version
+                self._saw(event.fragment, event.version)
                 for cid in event.contributions:
                     self._merged[cid] = event.version
                 while len(self._merged) > self.MERGED_MEMORY:
@@ -450,12 +480,12 @@ class Fetcher(threading.Thread):
     def hold(self, fragment: int, version: int, params: dict[str, torch.Tensor]) -> None:
         """The learner holds `version` of `fragment` (as it joined): the next versions can come as updates."""
         with self._lock:
-            self._held[fragment] = Fetched(version, params)
+            self._at(fragment).held = Fetched(version, params)
 
     def held(self, fragment: int) -> Fetched | None:
         """The newest version of `fragment` fetched (or joined at): what the next update applies to."""
         with self._lock:
-            return self._held.get(fragment)
+            return self._at(fragment).held
 
     def _download(self, fragment: int, version: int) -> None:
         t0 = time.monotonic()
@@ -472,18 +502,17 @@ class Fetcher(threading.Thread):
             # the stream, so that the next version is taken (a transient StorageUnavailable is
             # retried instead, by `run`).
             self.stats.fetch_failed += 1
-            self._unreadable[fragment] = version
+            with self._lock:
+                self._at(fragment).unreadable = version
             log.error("version %d of fragment %d cannot be taken (%s): waiting for a newer one", version, fragment,
                       exc.reason if isinstance(exc, Refused) else exc)
             return
         fetched = Fetched(version, params)
         with self._lock:
-            want = self._wants.get(fragment)
-            if want is not None and version > want.newer_than:
-                del self._wants[fragment]
-            replaced = self._ready.get(fragment)
-            self._ready[fragment] = fetched
-            self._held[fragment] = Fetched(version, params)
+            at = self._at(fragment)
+            if at.want is not None and version > at.want.newer_than:
+                at.want = None
+            replaced, at.ready, at.held = at.ready, fetched, Fetched(version, params)
             if self._stager is not None:  # asked before the step hook can see it: it waits for the value
                 self._stager.submit(fragment, version, params, fetched.slot)
             self._arrived.notify_all()
@@ -497,7 +526,7 @@ class Fetcher(threading.Thread):
         (`storage.updates`), checked bit for bit against the params' recorded sha256; None when
         there is no such chain, it is not smaller than the params, or it does not land on them."""
         with self._lock:
-            held = self._held.get(fragment)
+            held = self._at(fragment).held
         if held is None or not 0 < manifest.version - held.version <= self.MAX_CHAIN:
             return None
         chain = [manifest]

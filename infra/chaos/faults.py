@@ -36,10 +36,6 @@ from diloco.storage import codecs
 from diloco.storage.crashpoints import POINTS
 from diloco.storage.history import sha256_hex
 
-LEARNER_FAULTS = ("learner_kill", "learner_term")
-HEAVY = ("coordinator_kill", "redis_restart", "redis_rollback", "s3_restart")
-KINDS = (*LEARNER_FAULTS, *HEAVY, "corrupt_object", "hostile")
-
 CORRUPTIONS: dict[str, frozenset[str]] = {
     "truncated": frozenset({"bad_framing", "bad_payload"}),  # the end of the object cut off
     "flipped": frozenset({"sha256_mismatch"}),  # bytes flipped after the announced sha256 was taken
@@ -63,18 +59,44 @@ HOSTILE: dict[str, str] = {
 BOUNDED = frozenset({"lying_tokens", "many_pieces", "lying_deadline", "lying_heartbeat", "made_up_ids"})
 """Hostile variants that are taken in, with their influence bounded, rather than refused."""
 
-VARIANTS: dict[str, tuple[str, ...]] = {"coordinator_kill": POINTS, "corrupt_object": tuple(CORRUPTIONS),
-                                        "hostile": tuple(HOSTILE)}
+@dataclass(frozen=True, slots=True)
+class FaultKind:
+    """A kind of fault the schedule draws. The runner carries out each kind by its name
+    (infra/chaos/suite.py checks that it knows every kind registered here before a run starts)."""
+
+    name: str
+    heavy: bool = False
+    """Takes a server or the coordinator away: a window of its own (`window_s`), one after the other."""
+    window_s: float = 0.0
+    """How long a heavy fault takes to play out, roughly (with its recovery), before the next one."""
+    down_s: tuple[float, float] | None = None
+    """Drawn for each fault: how long the server stays down (redis_rollback: the seconds of writes
+    Redis forgets)."""
+    on_learner: bool = False
+    """Its target is one of the run's learners."""
+    variants: tuple[str, ...] = ()
+    """Its target is a variant, each counted separately (`coordinator_kill:fetched`, ...)."""
+
+
+FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
+    FaultKind("learner_kill", on_learner=True),
+    FaultKind("learner_term", on_learner=True),
+    FaultKind("coordinator_kill", heavy=True, window_s=10.0, variants=POINTS),
+    FaultKind("redis_restart", heavy=True, window_s=4.0, down_s=(0.2, 1.5)),
+    FaultKind("redis_rollback", heavy=True, window_s=10.0, down_s=(3.0, 6.0)),
+    FaultKind("s3_restart", heavy=True, window_s=9.0, down_s=(2.0, 4.0)),
+    FaultKind("corrupt_object", variants=tuple(CORRUPTIONS)),
+    FaultKind("hostile", variants=tuple(HOSTILE)),
+)}
+"""Every kind of fault, by name: adding one is a registration here and its way of being carried out
+in the runner."""
+KINDS = tuple(FAULT_KINDS)
+HEAVY = tuple(k.name for k in FAULT_KINDS.values() if k.heavy)
+VARIANTS: dict[str, tuple[str, ...]] = {k.name: k.variants for k in FAULT_KINDS.values() if k.variants}
 """Kinds whose target is a variant, counted separately: `coordinator_kill:fetched`, ..."""
 
-WINDOW_S = {"coordinator_kill": 10.0, "redis_restart": 4.0, "redis_rollback": 10.0, "s3_restart": 9.0}
-"""How long a heavy fault takes to play out, roughly (with its recovery), before the next one."""
 CHAIN_S = 2.5
 """Coordinator kills at every commit step come one after the other, this far apart."""
-S3_DOWN_S = (2.0, 4.0)
-REDIS_DOWN_S = (0.2, 1.5)
-ROLLBACK_S = (3.0, 6.0)
-"""redis_rollback: the seconds of writes Redis forgets (from its snapshot to its restore)."""
 LIGHT_GAP_S = 4.0
 """Mean gap between two light faults."""
 QUIET_END = 0.15
@@ -128,12 +150,9 @@ def _variants(rng: random.Random, kind: str) -> list[str]:
 
 
 def _with_target(rng: random.Random, at_s: float, kind: str, target: str) -> Fault:
-    if kind == "s3_restart":
-        return Fault(at_s, kind, down_s=round(rng.uniform(*S3_DOWN_S), 2))
-    if kind == "redis_restart":
-        return Fault(at_s, kind, down_s=round(rng.uniform(*REDIS_DOWN_S), 2))
-    if kind == "redis_rollback":
-        return Fault(at_s, kind, down_s=round(rng.uniform(*ROLLBACK_S), 2))
+    down_s = FAULT_KINDS[kind].down_s
+    if down_s is not None:
+        return Fault(at_s, kind, down_s=round(rng.uniform(*down_s), 2))
     return Fault(at_s, kind, target)
 
 
@@ -143,20 +162,20 @@ def _heavy(rng: random.Random, seconds: float, kinds: list[str]) -> list[Fault]:
     episodes = [(k, _variants(rng, k)) for k in kinds]
     rng.shuffle(episodes)
     end = seconds * (1 - QUIET_END)
-    need = sum(WINDOW_S[k] + CHAIN_S * (len(vs) - 1) for k, vs in episodes)
+    need = sum(FAULT_KINDS[k].window_s + CHAIN_S * (len(vs) - 1) for k, vs in episodes)
     scale = min(1.0, end / need) if need else 1.0
     faults, t = [], 1.0
     for kind, targets in episodes:
         for i, target in enumerate(targets):
             faults.append(_with_target(rng, round(t + i * CHAIN_S * scale, 2), kind, target))
-        t += (WINDOW_S[kind] + CHAIN_S * (len(targets) - 1)) * scale
+        t += (FAULT_KINDS[kind].window_s + CHAIN_S * (len(targets) - 1)) * scale
     while kinds:
         kind = rng.choice(kinds)
         t += rng.uniform(0.0, 2.0)
         if t > end:
             break
         faults.append(_with_target(rng, round(t, 2), kind, rng.choice(VARIANTS.get(kind, ("",)))))
-        t += WINDOW_S[kind]
+        t += FAULT_KINDS[kind].window_s
     return faults
 
 
@@ -171,7 +190,7 @@ def _light(rng: random.Random, seconds: float, kinds: list[str], learners: tuple
     faults = []
     for i, (kind, variant) in enumerate(picks):
         at_s = round((i + 1) * step + rng.uniform(-0.3, 0.3) * step, 2)
-        faults.append(Fault(at_s, kind, rng.choice(learners) if kind in LEARNER_FAULTS else variant))
+        faults.append(Fault(at_s, kind, rng.choice(learners) if FAULT_KINDS[kind].on_learner else variant))
     return faults
 
 

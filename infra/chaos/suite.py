@@ -44,13 +44,13 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import redis
 
 from diloco.infra.chaos.config import ChaosConfig
-from diloco.infra.chaos.faults import BOUNDED, CORRUPTIONS, HEAVY, Fault, forge, labels, schedule
+from diloco.infra.chaos.faults import BOUNDED, CORRUPTIONS, FAULT_KINDS, HEAVY, Fault, forge, labels, schedule
 from diloco.infra.chaos.hostile import HostileInput, HostileLearner, Verdict, judge_hostile
 from diloco.infra.chaos.ledger import Ledger, StreamWatcher, account, backlog, gather
 from diloco.infra.chaos.processes import ChaosSupervisor, Tally
@@ -223,6 +223,9 @@ class Chaos:
         self.layout: Layout | None = None
 
     def run(self) -> Ledger:
+        unknown = set(FAULT_KINDS) - set(self._handlers()) - {"coordinator_kill"}
+        if unknown:
+            raise ChaosError(f"fault kinds {sorted(unknown)} are scheduled but not carried out: add their handlers")
         faults = schedule(self.cfg.seed, self.cfg.seconds, learners=tuple(s.name for s in self.fleet.slots))
         self.fleet.coordinator_faults = [f for f in faults if f.kind == "coordinator_kill"]
         log.info("chaos: %d faults scheduled over %gs (seed %d)", len(faults), self.cfg.seconds, self.cfg.seed)
@@ -306,45 +309,56 @@ class Chaos:
         self.fleet.supervise(math.inf, arming=False, restart=False, may_kill=False)
 
     # ---- faults --------------------------------------------------------------------------------
+    def _handlers(self) -> dict[str, Callable[[Fault], bool]]:
+        """How each kind of fault (`faults.FAULT_KINDS`) is carried out: True once done, False to try
+        again on the next tick. The coordinator's kills are the supervisor's (`coordinator_faults`);
+        a server's restart plays out in a thread of its own, the fleet supervised meanwhile."""
+        return {
+            "learner_kill": self.fleet.learner_fault,
+            "learner_term": self.fleet.learner_fault,
+            "corrupt_object": lambda f: not self._server_busy() and self._corrupt(f),
+            "hostile": lambda f: not self._server_busy() and self._hostile(f),
+            "redis_restart": self._in_thread(self._restart_redis),
+            "redis_rollback": self._in_thread(lambda f: self._roll_redis_back(f.down_s)),
+            "s3_restart": self._in_thread(self._restart_s3),
+        }
+
     def _execute(self, fault: Fault) -> bool:
         """Carry out a due fault; False to try again on the next tick."""
-        if fault.kind in ("learner_kill", "learner_term"):
-            done = self.fleet.learner_fault(fault)
-        elif fault.kind == "corrupt_object":
-            done = not self._server_busy() and self._corrupt(fault)
-        elif fault.kind == "hostile":
-            done = not self._server_busy() and self._hostile(fault)
-        elif fault.kind in HEAVY:  # a server restart: in a thread, the fleet is supervised meanwhile
-            done = not self._server_busy() and self.fleet.coordinator_settled()
-            if done:
-                self.server_fault = threading.Thread(target=self._restart_server, args=(fault,), daemon=True,
-                                                     name=fault.kind)
-                self.server_fault.start()
-            return done
-        else:
-            raise ValueError(f"unknown fault kind {fault.kind!r}")
-        if done:
+        done = self._handlers()[fault.kind](fault)
+        if done and fault.kind not in HEAVY:  # a server's restart counts once it has played out
             self.tally.count(fault.label)
         return done
 
     def _server_busy(self) -> bool:
         return self.server_fault is not None and self.server_fault.is_alive()
 
-    def _restart_server(self, fault: Fault) -> None:
+    def _in_thread(self, restart: Callable[[Fault], None]) -> Callable[[Fault], bool]:
+        def start(fault: Fault) -> bool:
+            if self._server_busy() or not self.fleet.coordinator_settled():
+                return False
+            self.server_fault = threading.Thread(target=self._restart_server, args=(restart, fault), daemon=True,
+                                                 name=fault.kind)
+            self.server_fault.start()
+            return True
+        return start
+
+    def _restart_server(self, restart: Callable[[Fault], None], fault: Fault) -> None:
         try:
-            if fault.kind == "redis_restart":
-                self.stack.kill_redis()
-                time.sleep(fault.down_s)
-                self.stack.start_redis()
-            elif fault.kind == "redis_rollback":
-                self._roll_redis_back(fault.down_s)
-            else:
-                self.stack.stop_s3()
-                time.sleep(fault.down_s)
-                self.stack.start_s3()
+            restart(fault)
             self.tally.count(fault.label)
         except Exception as exc:  # noqa: BLE001 (recorded: the run reports it and fails)
             self.tally.fail(f"{fault.label}: {exc!r}")
+
+    def _restart_redis(self, fault: Fault) -> None:
+        self.stack.kill_redis()
+        time.sleep(fault.down_s)
+        self.stack.start_redis()
+
+    def _restart_s3(self, fault: Fault) -> None:
+        self.stack.stop_s3()
+        time.sleep(fault.down_s)
+        self.stack.start_s3()
 
     def _roll_redis_back(self, forget_s: float) -> None:
         """Snapshot Redis, let the fleet work for `forget_s`, restore the snapshot; the fault has

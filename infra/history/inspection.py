@@ -41,6 +41,8 @@ class InputRow:
     """L2 norm of the decoded delta (None if the input could not be read)."""
     cos_merged: float | None
     """Cosine to the version's merged update (None if unreadable, or a zero vector)."""
+    usual: int = 0
+    """Its learner's usual piece, when the weights are at the fleet's rate (`Contribution.usual`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +80,16 @@ class VersionView:
         s = self.settings
         what = "genesis (the proposed initial parameters)" if self.kind == "genesis" else (
             f"{len(self.inputs)} input(s), merged update norm {num(self.merged_norm)}, {s.merge}, "
-            f"outer lr {s.outer_lr}, momentum {s.outer_momentum}")
+            f"outer lr {s.outer_lr}, momentum {s.outer_momentum}"
+            + (f", at the rate of {s.rate_steps} steps" if s.rate_steps else ""))
         lines = [f"fragment {self.fragment} version {self.version} (parent {self.parent_version}): {what}; committed "
                  f"{_utc(self.committed_at)} by epoch {self.epoch}"]
         if self.problem:
             lines.append(f"  cannot measure the deltas: {self.problem}")
         lines.append(table(
-            ("learner", "seq", "tokens", "steps", "weight", "staleness", "base", "delta norm", "cos merged"),
-            [(r.learner, r.seq, r.tokens, r.steps, num(r.weight), r.staleness, r.base_version, num(r.norm),
-              num(r.cos_merged, "+.4f")) for r in self.inputs]))
+            ("learner", "seq", "tokens", "steps", "usual", "weight", "staleness", "base", "delta norm", "cos merged"),
+            [(r.learner, r.seq, r.tokens, r.steps, r.usual or "-", num(r.weight), r.staleness, r.base_version,
+              num(r.norm), num(r.cos_merged, "+.4f")) for r in self.inputs]))
         lines.append(f"refused since version {self.parent_version}: {len(self.refused) or 'none'}")
         if self.refused:
             lines.append(table(("learner", "code", "reason"), [(r.learner or "?", r.code, r.reason)
@@ -110,7 +113,7 @@ def view_round(r: Round) -> VersionView:
     if r.deltas is not None and r.deltas:
         figures, merged_norm = input_figures(r.deltas, [c.weight for c in m.inputs], m.settings)
     rows = [InputRow(c.learner, c.seq, c.contribution_id, c.tokens, c.steps, c.weight, c.staleness, c.base_version,
-                     f.norm if f else None, f.cos_merged if f else None)
+                     f.norm if f else None, f.cos_merged if f else None, c.usual)
             for c, f in zip(m.inputs, figures, strict=True)]
     return VersionView(fragment=m.fragment, version=m.version, parent_version=m.parent_version,
                        kind=m.settings.kind, committed_at=m.committed_at, epoch=m.epoch, settings=m.settings,

@@ -20,9 +20,7 @@ from harness import TINY_RUN, join, make_coordinator, train
 
 
 def parked_version(learner, fragment: int) -> int | None:  # noqa: ANN001
-    with learner.fetcher._lock:
-        ready = learner.fetcher._ready.get(fragment)
-        return None if ready is None else ready.version
+    return learner.fetcher.ready(fragment)
 
 
 def wait(what: str, condition, timeout_s: float = 20.0) -> None:  # noqa: ANN001
