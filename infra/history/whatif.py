@@ -72,6 +72,13 @@ def _merge(raw: str) -> str:
     return raw
 
 
+def _steps(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError(raw)
+    return value
+
+
 def _boolean(raw: str) -> bool:
     if raw.lower() not in ("true", "false"):
         raise ValueError(raw)
@@ -83,6 +90,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Scalar]]] = {
     "outer_momentum": ("a number in [0, 1)", _momentum),
     "merge": (" or ".join(MERGES), _merge),
     "staleness_discount": ("true or false", _boolean),
+    "rate_steps": ("an integer >= 0; 0: slow learners are not raised to the fleet's rate", _steps),
 }
 """Manifest settings the merge and the outer step are configured by (`outer.apply_round`,
 `merge_weights`): name -> (what a value must be, parser)."""

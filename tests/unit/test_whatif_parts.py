@@ -14,8 +14,9 @@ from diloco.storage.protocol import Collection, VersionSettings
 
 def test_known_settings_are_parsed_and_typed():
     assert parse_changes(["outer_lr=0.35", "outer_momentum=0", "merge=radial_directional",
-                          "staleness_discount=False"]) == {
-        "outer_lr": 0.35, "outer_momentum": 0.0, "merge": "radial_directional", "staleness_discount": False}
+                          "staleness_discount=False", "rate_steps=0"]) == {
+        "outer_lr": 0.35, "outer_momentum": 0.0, "merge": "radial_directional", "staleness_discount": False,
+        "rate_steps": 0}
     assert parse_changes([]) == {}
 
 
@@ -29,6 +30,8 @@ def test_known_settings_are_parsed_and_typed():
     (["outer_momentum=1"], r"outer_momentum must be a number in \[0, 1\)"),
     (["merge=median"], "merge must be weighted_mean or radial_directional"),
     (["staleness_discount=yes"], "true or false"),
+    (["rate_steps=-1"], "an integer >= 0"),
+    (["rate_steps=2.5"], "an integer >= 0"),
     (["outer_lr=0.1", "outer_lr=0.2"], "given twice"),
 ])
 def test_anything_else_is_refused_with_what_is_allowed(items, message):
