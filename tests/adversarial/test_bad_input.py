@@ -41,7 +41,7 @@ from diloco.storage.bus import FIELD, CommitResult
 from diloco.storage.errors import Refused
 from diloco.storage.history import read_manifest, sha256_hex
 from diloco.storage.objects import make_client
-from diloco.storage.protocol import Announcement, Refusal, VersionSettings, pack
+from diloco.storage.protocol import SCHEMA_VERSION, Announcement, Refusal, VersionSettings, pack
 
 from harness import Tiny
 from rig import BAD, LIMIT, Rig, new_id
@@ -342,7 +342,8 @@ def _wire(rig: Rig, **over) -> bytes:
     (lambda rig: {FIELD: b"\xc1 not msgpack"}, "bad_message", ["not valid msgpack"]),
     (lambda rig: {b"other": b"x"}, "bad_message", ["no 'm' field"]),
     (lambda rig: {FIELD: pack([1, 2])}, "bad_message", ["expected a map"]),
-    (lambda rig: {FIELD: _wire(rig, schema=3)}, "unknown_schema", ["schema version 3", "upgrade"]),
+    (lambda rig: {FIELD: _wire(rig, schema=SCHEMA_VERSION + 1)}, "unknown_schema",
+     [f"schema version {SCHEMA_VERSION + 1}", "upgrade"]),
     (lambda rig: {FIELD: _wire(rig, sha256=None)}, "bad_message", ["missing fields ['sha256']"]),
     (lambda rig: {FIELD: _wire(rig, fragment="0")}, "bad_message", ["Announcement.fragment", "integer"]),
     (lambda rig: {FIELD: _wire(rig, learner="../root")}, "bad_id", ["'../root'"]),
