@@ -397,10 +397,12 @@ def at_rate(group: Mapping[str, float], usual: Mapping[str, int], rate_steps: in
     learner the map does not name, and every learner when `rate_steps` is 0, keeps its own."""
     if rate_steps <= 0:
         return dict(group)
+    # The heaviest other learner of each: the heaviest of all, or the runner-up for the heaviest itself.
+    top = sorted(group.items(), key=lambda gw: gw[1], reverse=True)[:2]
     raised = {}
     for g, w in group.items():
         piece = min(rate_steps, max(1, usual.get(g, rate_steps)))
-        heaviest = max((v for h, v in group.items() if h != g), default=math.inf)
+        heaviest = next((v for h, v in top if h != g), math.inf)
         raised[g] = max(w, min(w * (rate_steps / piece), heaviest))
     return raised
 

@@ -735,10 +735,12 @@ class Coordinator:
             for a in ordered:
                 if clips[a.learner][1]:
                     notes[a.contribution_id] = "; ".join(n for n in (notes.get(a.contribution_id), clips[a.learner][1]) if n)
-            usual, rate = self._usual_pieces(frag, senders)
+            usual, interval = self._usual_pieces(frag, senders)
+            rate = max(usual.values(), default=0) if interval > 0 else 0
             weights = [w * clips[a.learner][0] for w, a in
                        zip(merge_weights(ordered, frag.head, self.round_cfg, usual, rate), ordered, strict=True)]
-            published, settings = self._step_round(fragment, frag, contributions, weights, ordered, usual, rate)
+            published, settings = self._step_round(fragment, frag, contributions, weights, ordered, usual, interval,
+                                                   rate)
             self.metrics.merged(fragment, time.monotonic() - started)
             if published is not None:
                 for cid, note in notes.items():
@@ -756,9 +758,9 @@ class Coordinator:
 
     def _usual_pieces(self, frag: Fragment, fleet: frozenset[str]) -> tuple[dict[str, int], int]:
         """Each learner of the `fleet` of live learners that send pieces with its usual piece
-        (`policy.usual_pieces`), and the fleet's rate: its fastest learner's usual piece
-        (`policy.merge_weights`). ({}, 0) when rounds are not scaled; a rate of 0 when the clock has a
-        fixed period (`round_s`: no interval of steps makes a usual piece, each learner counts 1)."""
+        (`policy.usual_pieces`), and the interval of steps that makes a whole one (H; the fleet's rate,
+        `policy.merge_weights`, is its fastest learner's usual piece). ({}, 0) when rounds are not
+        scaled; an interval of 0 when the clock has a fixed period (`round_s`: each learner counts 1)."""
         if not self.config.scale_rounds:
             return {}, 0
         interval = self.spec.sync_every if self.config.round_s <= 0 else 0
@@ -766,10 +768,10 @@ class Coordinator:
         usual = usual_pieces(fleet, frag.claims, interval, finished)
         frag.pieces |= {c.learner: usual[c.learner] for r in frag.claims for c in r
                         if c.learner in usual and c.learner not in self.finished}
-        return usual, max(usual.values(), default=0) if interval > 0 else 0
+        return usual, interval
 
     def _step_round(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
-                    ordered: tuple[Arrival, ...], usual: dict[str, int], rate: int
+                    ordered: tuple[Arrival, ...], usual: dict[str, int], interval: int, rate: int
                     ) -> tuple[tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None, VersionSettings]:
         """Merge the round's pieces (in merge order, with their weights), take the outer step (scaled
         against the round's usual size for the fleet's `usual` pieces, `_usual_pieces`) and the
@@ -785,8 +787,6 @@ class Coordinator:
             update = round_delta(self._pieces(fragment, contributions), weights, settings)
             if self.config.scale_rounds:
                 norm = update_norm(update)
-                # H steps make a usual piece, unless the clock has a fixed period (`round_s`).
-                interval = self.spec.sync_every if self.config.round_s <= 0 else 0
                 step = round_step(round_size(ordered, norm), frag.recent, usual, interval)
                 settings = replace(settings, round_scale=step.scale, progress=step.progress, update_norm=norm)
                 update = scale_update(update, step.scale)
