@@ -220,6 +220,23 @@ def usual_fleet(live: frozenset[str], *, arrived: frozenset[str], sent: Containe
     return frozenset({n for n in live if n in sent} | arrived | (merged & finished))
 
 
+FLEET_EVERY_STEP = 256
+"""A fleet of at most this many names (live, joined, finished and gone together) is read every loop step."""
+FLEET_READ_S_PER_NAME = 250e-6
+"""Past FLEET_EVERY_STEP names, the loop reads the fleet at most once per this many seconds per name."""
+
+
+def fleet_read_due(names: int, since_s: float) -> bool:
+    """Whether the coordinator's loop reads the fleet again, `since_s` after a read that held
+    `names` names. Every step while the fleet is small; past FLEET_EVERY_STEP names, at most once
+    per FLEET_READ_S_PER_NAME x names seconds, so that reading it takes the loop the same share of
+    its time however many ids heartbeat (made-up ids that never send, up to the run's live cap,
+    each cost the loop O(1) amortised, where reading them twice a step made it 25x slower). What
+    the fleet decides, who the rounds wait for and whether the run is over, then lags by at most
+    about a second, against leases of many seconds."""
+    return names <= FLEET_EVERY_STEP or since_s >= names * FLEET_READ_S_PER_NAME
+
+
 def waited_learners(live: frozenset[str], *, first_seen: Mapping[str, float], last_piece: Mapping[str, float],
                     known: frozenset[str], now: float, patience_s: float) -> frozenset[str]:
     """The live learners a round waits for.

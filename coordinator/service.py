@@ -26,8 +26,8 @@ import redis
 import torch
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings, settings_differ
-from diloco.coordinator.influence import (Claim, clip_norms, count_claims, fastest_plausible, plausible_deadline, usual_fleet,
-                                          waited_learners)
+from diloco.coordinator.influence import (Claim, clip_norms, count_claims, fastest_plausible, fleet_read_due,
+                                          plausible_deadline, usual_fleet, waited_learners)
 from diloco.coordinator.intake import (PendingDelta, check_announcement, decode_piece, fetch_checked, fetch_tensors,
                                       to_arrival)
 from diloco.coordinator.leadership import Fenced, Leadership
@@ -168,6 +168,7 @@ class Coordinator:
         """Learners that have finished, as of the last read that took in every announcement before it."""
         self.live_names: frozenset[str] = frozenset()
         """Live learners that have not finished and that rounds wait for (`_see_fleet`)."""
+        self._fleet_at, self._fleet_names = -math.inf, 0  # the last fleet read: when, how many names
         self.finish_asked: FinishRequest | None = None
         self.ended: RunEnd | None = read_run_end(self.store, self.keys)
         """The run's end once it is finished: every contribution is refused from then on."""
@@ -382,7 +383,8 @@ class Coordinator:
         with self.timing("read"):
             # The learners before the read: one seen finished here announced its final pieces before,
             # so a read that takes in everything up to now has them all.
-            fleet = self.bus.fleet(self.config.gone_after_s)
+            # A large fleet is read once in a while (`fleet_read_due`): None when not this step.
+            fleet = self._read_fleet() if fleet_read_due(self._fleet_names, time.monotonic() - self._fleet_at) else None
             count = self._read_count()
             if self._read_pending:
                 entries = self.bus.read_announcements(self.config.consumer, pending=True, count=count)
@@ -395,15 +397,23 @@ class Coordinator:
         retry, self._retry = self._retry, []
         self._intake(list(entries) + retry)
         complete = complete and not self._retry
-        self._see_fleet(fleet, complete, self.bus.fleet(self.config.gone_after_s))
+        if fleet is not None:
+            self._see_fleet(fleet, complete, self._read_fleet())
         with self.timing("read"):
             if self.spec.cadence == "clock" and time.monotonic() - self._last_cadence_check > 1.0:
                 self._tend_cadence()
         for fragment, frag in self.fragments.items():
             if frag.round:
                 self._maybe_merge(fragment, frag)
-        if self.ended is None:
+        if self.ended is None and fleet is not None:
             self._maybe_end(fleet, complete)
+
+    def _read_fleet(self) -> Fleet:
+        """The fleet as Redis has it now; how large it was and when, for `fleet_read_due`."""
+        fleet = self.bus.fleet(self.config.gone_after_s)
+        self._fleet_at = time.monotonic()
+        self._fleet_names = len(fleet.live) + len(fleet.joined) + len(fleet.finished) + len(fleet.gone)
+        return fleet
 
     def _see_fleet(self, fleet: Fleet, complete: bool, now: Fleet) -> None:
         """The learners the rounds wait for. A learner counts as finished only once a `complete` read
@@ -502,8 +512,9 @@ class Coordinator:
         if period <= 0:
             # The live learners that send pieces (all live ones until some do, at a run's start; at most
             # CLOCK_SAMPLE, the earliest seen): ids that only heartbeat do not set the clock, and a
-            # flood of them costs no more than CLOCK_SAMPLE stats records a second.
-            live = set(self.bus.live_learners())
+            # flood of them costs no more than CLOCK_SAMPLE stats records a second. Live: as the last
+            # fleet read saw them (`first_seen` holds them), not read again.
+            live = self.first_seen.keys()
             names = (live & self.last_piece.keys()) or live
             names = sorted(names, key=lambda n: (self.first_seen.get(n, math.inf), n))[:CLOCK_SAMPLE]
             steps = [s.step_time_s for s in self.bus.learner_stats(names).values() if s.step_time_s > 0]

@@ -150,15 +150,15 @@ def check_sources(commands: Sequence[str]) -> None:
 KNOWN_SETTINGS = frozenset({
     "alpha", "cadence", "checkpoint_every", "chips", "claim_idle_s", "close_timeout_s", "codec", "compress",
     "consumer", "contributions", "data_seed", "downstream_codec", "drain_s", "error_feedback",
-    "fetch_threads", "fragment_mb", "fragments", "gone_after_s", "grace_gamma", "heartbeat_s", "hours", "join_timeout_s",
-    "keep_serving", "kill_at", "learner_failure", "learners", "lease_s", "max_claim_ratio", "max_norm_ratio", "max_grace_s", "max_object_bytes",
+    "fetch_threads", "fragment_mb", "fragments", "gone_after_s", "grace_gamma", "heartbeat_s", "hours", "join_timeout_s", "junk_mb", "junk_stats",
+    "keep_serving", "kill_at", "learner_failure", "learners", "lease_s", "made_up_ids", "max_claim_ratio", "max_norm_ratio", "max_grace_s", "max_object_bytes",
     "max_refusals_listed", "max_round_bytes", "max_silent_rounds", "max_staleness", "merge_rule", "merge_s",
     "merge_wait_s", "metrics_port", "min_quorum", "min_round_s", "model_seed", "mtbi_years", "num_fragments",
     "outer_lr", "outer_momentum", "overlap_steps", "own_version_wait", "radial_directional", "reach_timeout_s",
     "read_batch_bytes", "repair_s", "repeats", "rescale_s", "restart_delay_s", "restart_s", "round_s", "run",
     "save_state", "scale_rounds", "seconds", "seed", "slice_chips", "slow_factor", "slowdown", "speed_cv",
     "staleness_discount", "standby", "state_every", "state_max_age_s", "step_time_s", "steps", "sync_every", "tensors", "threads", "timeout_s", "transfer_nice", "transfer_threads",
-    "token_budget", "until", "upload_deadline_s", "upload_s", "wait_for_merge"
+    "token_budget", "until", "upload_deadline_s", "upload_s", "wait_for_merge", "window_s"
 })
 """Every setting name (field and flag spellings) of every command: `cli.every_setting()` declares
 them all to find out, importing every room (seconds); a unit test holds this list to it."""

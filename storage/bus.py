@@ -63,8 +63,9 @@ writes nothing larger, so that no reader holds megabytes of one learner's junk."
 MAX_LIVE_LEARNERS = 4096
 """The most learner ids one run counts live at once: past it, a new id's heartbeat is refused
 (`fleet_full`) until leases lapse. Every loop of the coordinator reads the live set."""
-"""A learner whose heartbeat lapsed this long ago leaves the live set's key and its stats are dropped
-(it stays in the joined set: a run waits for a learner that joined to finish, or for `diloco finish`)."""
+"""A learner whose heartbeat lapsed this long ago leaves the live set's key, the joined set and its stats
+are dropped: it is gone (`gone_after_s` is at most this long), and the sets every fleet read returns stay
+as large as the ids of the last hour, not of the run's life."""
 ANNOUNCEMENTS_KEPT = 10_000
 """`trim_announcements` keeps at least the last this many announcements (for people and tools that
 read the stream), beside every entry still pending or not yet delivered (what recovery needs)."""
@@ -251,10 +252,12 @@ _HEARTBEAT_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 if ARGV[8] and #ARGV[8] > tonumber(ARGV[6]) then return 0 end
--- learners whose heartbeat lapsed more than forget_s ago are forgotten, a few per call (their stats too)
+-- learners whose heartbeat lapsed more than forget_s ago are forgotten, a few per call (their stats
+-- and their membership of the joined set too: they are long gone)
 for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[4]), 'LIMIT', 0, 16)) do
   redis.call('ZREM', KEYS[1], gone)
   redis.call('HDEL', KEYS[2], gone)
+  redis.call('SREM', KEYS[3], gone)
 end
 local mine = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not (mine and tonumber(mine) >= now) and redis.call('ZCOUNT', KEYS[1], now, '+inf') >= tonumber(ARGV[7]) then

@@ -33,6 +33,12 @@ def step_until(rig: Rig, condition, timeout_s: float) -> None:  # noqa: ANN001
         rig.coord.step(block_ms=100)
 
 
+def tend_cadence(rig: Rig) -> None:
+    """A loop step that sets the round clock from the live learners' stats (what it does once a second)."""
+    rig.coord._last_cadence_check = 0.0
+    rig.coord.step()
+
+
 def test_a_piece_claiming_2_to_the_64_tokens_in_one_step_weighs_a_bounded_share(rig: Rig):
     rig.advance(3)  # the honest learner's pieces: 40 tokens in 4 steps each
     head = rig.head()
@@ -133,14 +139,14 @@ def test_a_heartbeat_claiming_a_nanosecond_step_does_not_set_the_clock(make_rig)
     for name in ("a", "b"):
         rig.bus.heartbeat(name, 60.0, LearnerStats(learner=name, step_time_s=1.0), joined=True)
     rig.bus.heartbeat(BAD, 60.0, LearnerStats(learner=BAD, step_time_s=1e-9), joined=True)
-    rig.coord._tend_cadence()  # what the loop does once a second
+    tend_cadence(rig)
     clock = rig.bus.cadence()
     # H = 4 steps of the fastest plausible learner: 1/max_claim_ratio of the median (1 s), not 4 ns
     # (nor min_round_s, 0.25 s, which is all an unbounded 1e-9 would leave).
     assert clock is not None and clock.period_s == pytest.approx(4 * 1.0 / 4)
     # An honest learner faster than the others still sets it.
     rig.bus.heartbeat("quick", 60.0, LearnerStats(learner="quick", step_time_s=0.5), joined=True)
-    rig.coord._tend_cadence()
+    tend_cadence(rig)
     assert rig.bus.cadence().period_s == pytest.approx(1.0)  # within 30%: the clock keeps its phase
 
 

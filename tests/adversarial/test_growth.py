@@ -10,6 +10,7 @@ run's keys are measured. A round's size, and so its manifest's, is bounded by th
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -64,7 +65,7 @@ def test_100k_contributions_leave_redis_bounded(endpoints, run_id, monkeypatch: 
         assert result.name == "COMMITTED", (v, result)
         if v % 10 == 0:  # a refusal now and then, and learners that come and go (made-up ids included)
             bus.refuse(None, Refusal(contribution_id=ids[0], learner="mallory", code="misaddressed", reason="x" * 500))
-            bus.heartbeat(f"made-up-{v}", 0.001, LearnerStats(learner=f"made-up-{v}"), joined=False)
+            bus.heartbeat(f"made-up-{v}", 0.001, LearnerStats(learner=f"made-up-{v}"), joined=True)
         if v % 100 == 0:
             bus.trim_announcements(keep=KEPT)
             sizes.append(run_keys_bytes(bus))
@@ -78,6 +79,7 @@ def test_100k_contributions_leave_redis_bounded(endpoints, run_id, monkeypatch: 
     assert bus.r.hlen(bus.keys.commits) <= 2 * 200
     assert bus.r.xlen(bus.keys.versions) < 2 * 500 and bus.r.xlen(bus.keys.refusals) <= 100
     assert bus.r.zcard(bus.keys.learners) <= 16 and bus.r.hlen(bus.keys.learner_stats) <= 16
+    assert bus.r.scard(bus.keys.joined) <= 16  # forgotten ids leave the joined set too
     # ... and the run's whole footprint stopped growing: the second 50,000 contributions added nothing.
     half, end = sum(sizes[len(sizes) // 2 - 1].values()), sum(sizes[-1].values())
     assert end < 1.15 * half, (half, end, sizes[-1])
@@ -128,5 +130,22 @@ def test_a_heartbeat_is_bounded_in_size_ttl_and_live_ids(endpoints, run_id, monk
         bus.leave("b")
         bus.heartbeat("c", 30.0)  # room again
         assert bus.fleet().live == {"forever", "a", "c"}
+    finally:
+        bus.close()
+
+
+def test_ids_long_gone_leave_the_joined_set(endpoints, run_id, monkeypatch: pytest.MonkeyPatch):
+    """Ids that joined and lapsed long ago are forgotten by later heartbeats, their membership of the
+    joined set too: every fleet read returns it, and made-up ids joining in waves grew it for good."""
+    monkeypatch.setattr(bus_module, "LEARNERS_FORGOTTEN_S", 0.0)  # lapsed heartbeats are forgotten at once
+    bus = Bus(endpoints, run_id)
+    try:
+        for i in range(40):
+            bus.heartbeat(f"made-up-{i}", 0.001, joined=True)
+        time.sleep(0.01)
+        for _ in range(3):  # each heartbeat forgets up to 16 lapsed ids
+            bus.heartbeat("honest", 30.0, joined=True)
+        fleet = bus.fleet()
+        assert fleet.joined == {"honest"} and fleet.live == {"honest"}
     finally:
         bus.close()

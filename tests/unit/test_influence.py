@@ -9,8 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from diloco.coordinator.influence import (Claim, _median_without, clip_norms, count_claims, fastest_plausible, plausible_deadline, usual_fleet,
-                                          waited_learners)
+from diloco.coordinator.influence import (FLEET_EVERY_STEP, FLEET_READ_S_PER_NAME, Claim, _median_without, clip_norms,
+                                          count_claims, fastest_plausible, fleet_read_due, plausible_deadline,
+                                          usual_fleet, waited_learners)
 from diloco.coordinator.policy import (Arrival, RoundConfig, RoundSize, RoundState, decide_round, merge_weights,
                                        round_size, round_step, slowest_plausible)
 from diloco.storage.errors import ConfigError
@@ -172,6 +173,17 @@ def test_at_a_runs_start_every_new_learner_is_waited_for() -> None:
     waited = waited_learners(live, first_seen=dict.fromkeys(live, 10.0), last_piece={}, known=frozenset(), now=12.0,
                              patience_s=40)
     assert waited == live
+
+
+def test_a_large_fleet_is_read_at_a_constant_cost_per_second() -> None:
+    # The fleets people run are read every loop step.
+    assert fleet_read_due(4, since_s=0.0) and fleet_read_due(FLEET_EVERY_STEP, since_s=0.0)
+    # Past that, a read of n names waits n x FLEET_READ_S_PER_NAME: reads per second fall as their
+    # size grows, so the names read per second stay the same (4096 made-up ids: one read a second).
+    for names in (FLEET_EVERY_STEP + 1, 4096, 8192, 30_000):
+        wait = names * FLEET_READ_S_PER_NAME
+        assert not fleet_read_due(names, since_s=0.99 * wait) and fleet_read_due(names, since_s=wait)
+    assert 0.5 <= 4096 * FLEET_READ_S_PER_NAME <= 2.0  # a flood's reads lag by about a second, leases by more
 
 
 def test_bounds_are_checked() -> None:
