@@ -18,11 +18,12 @@ Framing integers are big-endian; payload numbers are little-endian.
 
 The header map has exactly these keys:
 
-    codec           str    "fp32" | "bf16" | "int8" | "int4" | "int2"
+    codec           str    "fp32" | "bf16" | "int8" | "int4" | "int2" | "sparse"
     compression     str    "none" | "zstd"
     payload_bytes   int    size of the decompressed payload
     payload_sha256  str    64 lowercase hex digits: sha256 of the decompressed payload
-    block_size      int    quantization block in elements: 0 for fp32/bf16, 1..2^20 for int8/int4/int2
+    block_size      int    quantization block in elements: 0 for fp32/bf16, 1..2^20 for int8/int4/int2,
+                           1..4096 for sparse
     meta            map    str -> str | int | float (run, fragment, learner...)
     tensors         array  of maps {"name": str, "shape": [int, ...], "offset": int, "nbytes": int}
 
@@ -41,10 +42,18 @@ row-major order, and nb = ceil(n / block_size) blocks, a tensor's bytes are:
           (ternary) stored as 2-bit codes v + 1: element 4i + j in bits 2j..2j+1 of byte i; code
           3 is invalid; the codes past the last element are 1 (value 0)
 
+    sparse  nb float32 scales, then K 12-bit indices packed two to three bytes, then ceil(K/2)
+            bytes of int4 values                                 nbytes = 4nb + 4 * ceil(K/2)
+            Block j keeps its k_j = ceil(len_j / 64) elements of largest |x| (len_j: its element
+            count; among equal |x| the lower index first), K = sum of k_j. Indices are positions
+            within their block, ascending per block, blocks in order; indices 2i and 2i+1 are the
+            low and high 12 bits of the little-endian 24-bit group i (for odd K the last high index
+            is 0). Values are int4's nibbles in the same order. Every other element decodes to 0.
+
 Block j covers elements [j * block_size, (j + 1) * block_size) of its tensor (the last block
-may be short). Its scale is absmax / 127 (int8), absmax / 7 (int4) or absmax (int2) in float32, values are
-round-half-even(x / scale), and an element decodes to float32(value * scale). A block of zeros
-has scale 0. Scales of int8/int4/int2 tensors are not 4-byte aligned in general: read them bytewise.
+may be short). Its scale is absmax / 127 (int8), absmax / 7 (int4, sparse) or absmax (int2) in float32,
+values are round-half-even(x / scale), and an element decodes to float32(value * scale). A block of zeros
+has scale 0. Scales of the blocked codecs are not 4-byte aligned in general: read them bytewise.
 """
 
 from __future__ import annotations
@@ -116,9 +125,11 @@ class Codec:
     (`register`); `CODECS` lists their names, and every reader and the CLI take them from there."""
 
     name: str
-    blocked: bool
-    """Values in blocks of `block_size` elements with a float32 scale each (block_size 1..2^20 in
-    the header); else block_size is 0."""
+    max_block: int
+    """Values in blocks of `block_size` elements with a float32 scale each, block_size 1..max_block
+    in the header; 0: not blocked, block_size is 0."""
+    default_block: int
+    """The block size `encode` uses unless told otherwise (0: not blocked)."""
 
     def nbytes(self, n: int, block: int) -> int:
         """Payload bytes of a tensor of `n` elements."""
@@ -147,7 +158,8 @@ class Floats(Codec):
     dtype: torch.dtype
     bound: float
     """The relative error of an element: 0 (exact) for fp32, 2^-8 for bf16 (8 significant bits)."""
-    blocked = False
+    max_block = 0
+    default_block = 0
 
     def nbytes(self, n: int, block: int) -> int:
         return n * self.dtype.itemsize
@@ -179,7 +191,8 @@ class Blocks(Codec):
     bits: int
     zero: int
     """The code of value 0 in a packed byte (0 for int8, whose bytes are the signed values)."""
-    blocked = True
+    max_block = MAX_BLOCK_SIZE
+    default_block = 256
 
     def nbytes(self, n: int, block: int) -> int:
         return 4 * -(-n // block) + -(-n // (8 // self.bits))
@@ -254,6 +267,119 @@ class Blocks(Codec):
         return q.sub_(self.zero) if self.zero else q
 
 
+KEEP_ONE_IN = 64
+"""The sparse codec keeps ceil(len / 64) elements of each block: 1.5625%."""
+INDEX_BITS = 12
+
+
+@dataclass(frozen=True, slots=True)
+class Sparse(Codec):
+    """Top-k per block: the ceil(len / KEEP_ONE_IN) elements of largest |x| of each block (ties to
+    the lower index), their 12-bit positions and their int4 values against the block's absmax / 7.
+    The dropped elements are what error feedback carries to the next send."""
+
+    name: str
+    max_block = 1 << INDEX_BITS
+    default_block = 1 << INDEX_BITS
+    qmax = 7
+
+    @staticmethod
+    def kept(n: int, block: int) -> tuple[int, int, int]:
+        """(full blocks, elements kept per full block, elements kept in the short last block)."""
+        full, rest = divmod(n, block)
+        return full, -(-block // KEEP_ONE_IN), -(-rest // KEEP_ONE_IN)
+
+    def nbytes(self, n: int, block: int) -> int:
+        full, k, k_last = self.kept(n, block)
+        return 4 * -(-n // block) + 4 * -(-(full * k + k_last) // 2)
+
+    def error_bound(self, absmax: float) -> float:
+        # A dropped element is at most the block's absmax; a kept one is off by half a step.
+        return absmax * (1 + 2.0**-10) + 2.0**-126
+
+    def encode_into(self, out: torch.Tensor, x: torch.Tensor, block: int, name: str) -> None:
+        n = x.numel()
+        if n == 0:
+            return
+        full, k, k_last = self.kept(n, block)
+        blocks = full + (k_last > 0)
+        parts = ([(x[:full * block].view(full, block), k)] if full else []) + \
+            ([(x[full * block:].view(1, -1), k_last)] if k_last else [])
+        absmax = torch.cat([rows.abs().amax(dim=1) for rows, _ in parts])
+        if not _all_finite(absmax):
+            raise Refused("non_finite", f"tensor {name!r} has NaN or Inf values")
+        top = [_top(rows, k_rows) for rows, k_rows in parts]
+        idx = [i.reshape(-1) for i, _ in top]
+        values = [v.reshape(-1) for _, v in top]
+        scales = absmax / self.qmax
+        chosen = torch.cat(values)  # the full blocks' k each, then the short block's k_last
+        per_value = torch.cat([scales[:full].repeat_interleave(k), scales[full:].repeat_interleave(k_last)])
+        q = (chosen / torch.where(per_value > 0, per_value, torch.ones_like(per_value))).round_().clamp_(
+            -self.qmax, self.qmax)
+        flat_idx = torch.cat(idx).to(torch.int32)
+        kk = flat_idx.numel()
+        out[:4 * blocks].copy_(scales.view(torch.uint8))
+        pairs = F.pad(flat_idx, (0, kk % 2)).view(-1, 2)
+        group = pairs[:, 0] | (pairs[:, 1] << INDEX_BITS)
+        packed_idx = torch.stack([group & 255, (group >> 8) & 255, (group >> 16) & 255], dim=1).to(torch.uint8)
+        at = 4 * blocks
+        out[at:at + packed_idx.numel()].copy_(packed_idx.view(-1))
+        at += packed_idx.numel()
+        codes = F.pad(q.add_(8).to(torch.uint8), (0, kk % 2), value=8).view(-1, 2)
+        out[at:].copy_(codes[:, 0] | (codes[:, 1] << 4))
+
+    def decode(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> torch.Tensor:
+        n = math.prod(spec.shape)
+        out = torch.zeros(n, dtype=torch.float32)
+        if n == 0:
+            return out.view(spec.shape)
+        full, k, k_last = self.kept(n, block)
+        blocks, kk = full + (k_last > 0), full * k + k_last
+        scales = seg[:4 * blocks].clone().view(torch.float32)
+        if not _all_finite(scales * self.qmax):
+            raise _refused("non_finite", spec, f"NaN/Inf scales, or scales above float32 max / {self.qmax}")
+        if (scales < 0).any():
+            raise _refused("bad_payload", spec, "negative scales (an encoder writes absmax / qmax >= 0)")
+        at, pairs = 4 * blocks, -(-kk // 2)
+        groups = seg[at:at + 3 * pairs].view(-1, 3).to(torch.int32)
+        group = groups[:, 0] | (groups[:, 1] << 8) | (groups[:, 2] << 16)
+        mask = (1 << INDEX_BITS) - 1
+        idx = torch.stack([group & mask, group >> INDEX_BITS], dim=1).view(-1)
+        if kk % 2 and idx[-1] != 0:
+            raise _refused("bad_payload", spec, "sparse pad index other than 0")
+        idx = idx[:kk]
+        nib = seg[at + 3 * pairs:]
+        codes = torch.stack([nib & 15, nib >> 4], dim=1).view(-1)
+        if kk % 2 and codes[-1] != 8:
+            raise _refused("bad_payload", spec, "sparse pad nibble other than 8 (value 0)")
+        codes = codes[:kk]
+        if bool((codes == 0).any()):
+            raise _refused("bad_payload", spec, "sparse code 0 (valid: 1..15, i.e. -7..7)")
+        # Positions: within their block, ascending, inside the block (the short last one's length too).
+        rows = ([(idx[:full * k].view(full, k), block)] if full else []) + \
+            ([(idx[full * k:].view(1, k_last), n - full * block)] if k_last else [])
+        for r, length in rows:
+            if bool((r[:, 1:] <= r[:, :-1]).any()) or int(r.max()) >= length:
+                raise _refused("bad_payload", spec, f"sparse indices not ascending within a block of {length} "
+                                                    f"elements, or past its end (largest {int(r.max())})")
+        which = torch.cat([torch.arange(full).repeat_interleave(k), torch.full((k_last,), full, dtype=torch.long)])
+        values = (codes.to(torch.int8) - 8).to(torch.float32).mul_(scales[which])
+        out[which * block + idx.long()] = values
+        return out.view(spec.shape)
+
+
+def _top(grid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `grid`: the positions (ascending) and values of its k elements of largest |x|,
+    among equal |x| the lower positions first: one answer, whatever order topk returns ties in."""
+    a = grid.abs()
+    kth = a.topk(k, dim=1).values[:, -1:]
+    above = a > kth
+    tied = a == kth
+    take = above | (tied & (tied.cumsum(dim=1) <= k - above.sum(dim=1, keepdim=True)))
+    idx = take.nonzero()[:, 1].view(grid.shape[0], k)
+    return idx, grid.gather(1, idx)
+
+
 _REGISTRY: dict[str, Codec] = {}
 
 
@@ -278,6 +404,7 @@ register(Floats("bf16", torch.bfloat16, 2.0**-8))
 register(Blocks("int8", qmax=127, bits=8, zero=0))
 register(Blocks("int4", qmax=7, bits=4, zero=8))
 register(Blocks("int2", qmax=1, bits=2, zero=1))
+register(Sparse("sparse"))
 CODECS = tuple(_REGISTRY)
 """The registered codecs' names, fp32 first."""
 
@@ -302,19 +429,19 @@ def error_bound(codec: str, absmax: float) -> float:
 
 
 def encode(tensors: Mapping[str, torch.Tensor], codec: str = "fp32", *, compress: bool = False,
-           meta: Mapping[str, str | int | float] | None = None, block_size: int = 256) -> bytes:
+           meta: Mapping[str, str | int | float] | None = None, block_size: int | None = None) -> bytes:
     """Encode floating tensors (any float dtype, any device) into one object, in mapping order.
 
     Values are taken as float32. Raises `Refused("non_finite")` if a value is NaN/Inf (or, for
     bf16, overflows the bfloat16 range) and `ValueError` for an unknown codec, a block size
-    outside 1..2^20 (int8/int4/int2 only; fp32/bf16 store 0), a non-float tensor, a non-str name or a
+    outside the codec's 1..max_block (default: its default_block; fp32/bf16 store 0), a non-float tensor, a non-str name or a
     meta value that is not str/int/float. Deterministic: the same input gives the same bytes
     (for a given zstandard version when compressing; payload_sha256 never depends on it).
     """
     found = get(codec)
-    if found.blocked and not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
-    block = block_size if found.blocked else 0
+    block = found.default_block if block_size is None or not found.max_block else block_size
+    if found.max_block and not 1 <= block <= found.max_block:
+        raise ValueError(f"block_size must be in 1..{found.max_block} for {codec}, got {block_size}")
     meta_map = _checked_meta(meta)
     specs = _specs(tensors, codec, block)
     buf = bytearray(specs[-1].offset + specs[-1].nbytes if specs else 0)
@@ -543,10 +670,10 @@ def _header_from_map(raw: Any) -> Header:
         raise Refused("bad_header", f"unknown compression {compression!r}; this build reads {', '.join(COMPRESSIONS)}")
     if not _SHA256_HEX.fullmatch(sha):
         raise Refused("bad_header", f"payload_sha256 {sha[:80]!r} is not 64 lowercase hex digits")
-    blocked = _REGISTRY[codec].blocked
-    if not (1 <= block <= MAX_BLOCK_SIZE if blocked else block == 0):
+    most = _REGISTRY[codec].max_block
+    if not (1 <= block <= most if most else block == 0):
         raise Refused("bad_header", f"block_size {block} is invalid for {codec} "
-                                    f"({'1..' + str(MAX_BLOCK_SIZE) if blocked else 'must be 0'})")
+                                    f"({'1..' + str(most) if most else 'must be 0'})")
     if (problem := _meta_problem(m["meta"])) is not None:
         raise Refused("bad_header", problem)
     specs: list[TensorSpec] = []

@@ -169,8 +169,10 @@ def test_decoded_tensors_are_writable_and_do_not_alias_the_input() -> None:
     for codec in CODECS:
         blob = bytearray(encode({"w": torch.ones(100)}, codec))
         out, _ = decode(blob, max_bytes=LIMIT)
+        before = out["w"].clone()
+        assert torch.equal(before, torch.ones(100)) or codec == "sparse"  # sparse keeps 2 of the 100
         blob[-200:] = bytes(200)  # scribble over the source buffer
-        assert torch.equal(out["w"], torch.ones(100))
+        assert torch.equal(out["w"], before)
         out["w"].add_(1)  # writable
 
 
@@ -408,5 +410,80 @@ def test_a_codec_is_one_registered_object_every_reader_then_knows() -> None:
     with pytest.raises(Refused) as refused:
         read_header(blob, max_bytes=1 << 20)
     assert refused.value.code == "bad_header" and "unknown codec 'fp16'" in refused.value.reason
-    with pytest.raises(ValueError, match="unknown codec 'fp16'; this build has fp32, bf16, int8, int4, int2"):
+    with pytest.raises(ValueError, match="unknown codec 'fp16'; this build has fp32, bf16, int8, int4, int2, sparse"):
         encode(x, "fp16")
+
+
+# --- the sparse codec ----------------------------------------------------------------------------
+
+
+def test_sparse_keeps_the_largest_sixty_fourth_of_each_block_and_packs_its_positions_in_12_bits() -> None:
+    x = torch.zeros(130)
+    x[[3, 70, 100, 129]] = torch.tensor([-7.0, 7.0, 3.5, 1.0])  # block 64: keep 1, 1, then ceil(2/64) = 1
+    blob = encode({"v": x}, "sparse", block_size=64)
+    _, body = _split(blob)
+    assert struct.unpack("<3f", body[:12]) == (1.0, 1.0, pytest.approx(1.0 / 7))  # absmax / 7 per block
+    # Positions within their block: 3, 70 - 64 = 6, 129 - 128 = 1, two to three bytes, then a pad of 0.
+    assert body[12:18] == bytes([3, 6 << 4, 0, 1, 0, 0])
+    assert body[18:] == bytes([(8 - 7) | (8 + 7) << 4, (8 + 7) | 8 << 4])  # int4 nibbles, pad 8
+    out, _ = decode(blob, max_bytes=LIMIT)
+    expected = torch.zeros(130)
+    expected[[3, 70, 129]] = torch.tensor([-7.0, 7.0, 1.0])  # 100 (3.5) lost to 70 (7.0) in block 1
+    assert torch.equal(out["v"], expected)
+
+
+def test_sparse_breaks_ties_toward_the_lower_position_and_is_that_small() -> None:
+    out, _ = decode(encode({"v": torch.ones(4096 * 3 + 100)}, "sparse"), max_bytes=LIMIT)
+    kept = out["v"].nonzero().view(-1).tolist()
+    assert kept == [*range(64), *range(4096, 4096 + 64), *range(8192, 8192 + 64), *range(12288, 12288 + 2)]
+    # 4 bytes of scale, 64 positions of 12 bits and 64 values of 4 bits per 4096 elements: 0.26 bits each.
+    assert codecs.tensor_nbytes("sparse", (4096 * 256,), 4096) == 256 * (4 + 96 + 32)
+
+
+def test_sparse_with_error_feedback_sends_everything_over_enough_sends() -> None:
+    """What a send drops is carried into the next (storage.updates.encode_carrying): over sends of
+    the same tensor, the decoded ones add up to the sent ones less one residual."""
+    from diloco.storage.updates import encode_carrying
+
+    gen = torch.Generator().manual_seed(0)
+    sent, got, residual, norms = torch.zeros(8192), torch.zeros(8192), {}, []
+    for _ in range(400):
+        x = torch.randn(8192, generator=gen)
+        _, decoded, residual = encode_carrying({"w": x}, residual, "sparse", compress=True)
+        sent += x
+        got += decoded["w"]
+        norms.append(float(residual["w"].norm()))
+    assert torch.allclose(got + residual["w"], sent, atol=1e-3)
+    # The residual levels off (what is sent grows as the residual does), where the sum keeps growing.
+    assert max(norms[300:]) < 1.25 * max(norms[100:200]) and float(sent.norm()) > 3 * norms[-1]
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (lambda p: p.__setitem__(12, 64), "past its end"),  # block 0's position 3 -> 64
+    (lambda p: p.__setitem__(17, 1), "pad index"),
+    (lambda p: p.__setitem__(19, 0x08 | 0x10), "pad nibble"),
+    (lambda p: p.__setitem__(18, 0x00 | 0xF0), "code 0"),
+])
+def test_sparse_refuses_positions_and_codes_no_encoder_writes(edit, says) -> None:  # noqa: ANN001
+    x = torch.zeros(130)
+    x[[3, 70, 129]] = torch.tensor([-7.0, 7.0, 1.0])
+    blob = encode({"v": x}, "sparse", block_size=64)
+    assert says in _refused(_reseal(blob, edit), "bad_payload").reason
+
+
+def test_sparse_refuses_positions_out_of_order_within_a_block() -> None:
+    x = torch.zeros(128)
+    x[[5, 9]] = torch.tensor([1.0, -1.0])  # one block of 128: keeps 2, at 5 and 9
+    blob = encode({"v": x}, "sparse", block_size=128)
+    assert _split(blob)[1][4:7] == bytes([5, 9 << 4, 0])
+    swapped = _reseal(blob, lambda p: p.__setitem__(slice(4, 7), bytes([9, 5 << 4, 0])))
+    assert "not ascending" in _refused(swapped, "bad_payload").reason
+
+
+def test_sparse_block_size_is_at_most_4096() -> None:
+    with pytest.raises(ValueError, match="1..4096"):
+        encode({"v": torch.ones(3)}, "sparse", block_size=8192)
+    header, body = _split(encode({"v": torch.ones(3)}, "sparse"))
+    assert header["block_size"] == 4096
+    header["block_size"] = 8192
+    assert "1..4096" in _refused(_frame(header, body), "bad_header").reason
