@@ -38,8 +38,8 @@ class RunSettings:
     alpha: float = 0.5
     """For merge_rule 'mix': local = alpha * local + (1 - alpha) * global."""
     codec: str = "int4"
-    """Outer-gradient codec, both ways (deltas up, updates down, each with error feedback): fp32, bf16,
-    int8, int4, int2 or sparse. int4 is within 1% of fp32 on every task of the quality benchmark at H = 50;
+    """Outer-gradient codec, both ways (deltas up, updates down, each with error feedback): one of
+    `storage.codecs.CODECS`. int4 is within 1% of fp32 on every task of the quality benchmark at H = 50;
     int2 (ternary) loses badly; sparse (the top 1/64 of each block of 4096, int4 values) is 16x smaller
     than int4 (docs/benchmarks.md)."""
     compress: bool = True

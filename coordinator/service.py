@@ -14,7 +14,6 @@ read right now, the entry stays pending and is retried.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,8 +25,9 @@ import redis
 import torch
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings, settings_differ
-from diloco.coordinator.influence import (Claim, clip_norms, count_claims, fastest_plausible, fleet_read_due,
-                                          plausible_deadline, usual_fleet, waited_learners)
+from diloco.coordinator.fleet_view import FleetView
+from diloco.coordinator.influence import (Claim, clip_norms, count_claims, fastest_plausible, plausible_deadline,
+                                          usual_fleet)
 from diloco.coordinator.intake import (PendingDelta, check_announcement, decode_piece, fetch_checked, fetch_tensors,
                                       to_arrival)
 from diloco.coordinator.leadership import Fenced, Leadership
@@ -46,8 +46,8 @@ from diloco.storage.crashpoints import crash_point
 from diloco.storage.errors import ConfigError, Conflict, Refused, StorageUnavailable
 from diloco.storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec, read_verified
 from diloco.storage.objects import ObjectMissing, ObjectStore
-from diloco.storage.protocol import (MAX_RECORD_BYTES, Announcement, Cadence, Contribution, FinishRequest,
-                                     Layout, Manifest, Refusal, RunEnd, RunSpec, VersionSettings)
+from diloco.storage.protocol import (MAX_RECORD_BYTES, Announcement, Cadence, Contribution, Layout, Manifest,
+                                     Refusal, RunEnd, RunSpec, VersionSettings)
 from diloco.storage.settings import Endpoints
 
 log = logging.getLogger(__name__)
@@ -157,19 +157,11 @@ class Coordinator:
                              keep_applied=self._keep_applied)
         self.layout: Layout | None = read_layout(self.store, self.keys)
         self.fragments = {f: Fragment(head=heads.get(f, -1)) for f in range(self.spec.num_fragments)}
-        self.first_seen: dict[str, float] = {}
-        """When this process first saw each learner live (coordinator clock)."""
-        self.last_piece: dict[str, float] = {}
-        """When each learner's last piece arrived (or was committed, for what the manifests tell)."""
+        self.view = FleetView(self.bus, self.config.gone_after_s)
+        """The learners as the loop last saw them: live, sending, finished, waited for."""
         for fragment, frag in self.fragments.items():
             self._load_recent(fragment, frag)
         self.sync_time_s = 0.0
-        self.finished: frozenset[str] = frozenset()
-        """Learners that have finished, as of the last read that took in every announcement before it."""
-        self.live_names: frozenset[str] = frozenset()
-        """Live learners that have not finished and that rounds wait for (`_see_fleet`)."""
-        self._fleet_at, self._fleet_names = -math.inf, 0  # the last fleet read: when, how many names
-        self.finish_asked: FinishRequest | None = None
         self.ended: RunEnd | None = read_run_end(self.store, self.keys)
         """The run's end once it is finished: every contribution is refused from then on."""
         if self.ended is not None and not self.bus.set_run_end(self.ended, self.epoch):
@@ -383,8 +375,8 @@ class Coordinator:
         with self.timing("read"):
             # The learners before the read: one seen finished here announced its final pieces before,
             # so a read that takes in everything up to now has them all.
-            # A large fleet is read once in a while (`fleet_read_due`): None when not this step.
-            fleet = self._read_fleet() if fleet_read_due(self._fleet_names, time.monotonic() - self._fleet_at) else None
+            # A large fleet is read once in a while (`FleetView.read_if_due`): None when not this step.
+            fleet = self.view.read_if_due()
             count = self._read_count()
             if self._read_pending:
                 entries = self.bus.read_announcements(self.config.consumer, pending=True, count=count)
@@ -398,7 +390,7 @@ class Coordinator:
         self._intake(list(entries) + retry)
         complete = complete and not self._retry
         if fleet is not None:
-            self._see_fleet(fleet, complete, self._read_fleet())
+            self._see_fleet(fleet, complete, self.view.read())
         with self.timing("read"):
             if self.spec.cadence == "clock" and time.monotonic() - self._last_cadence_check > 1.0:
                 self._tend_cadence()
@@ -408,30 +400,12 @@ class Coordinator:
         if self.ended is None and fleet is not None:
             self._maybe_end(fleet, complete)
 
-    def _read_fleet(self) -> Fleet:
-        """The fleet as Redis has it now; how large it was and when, for `fleet_read_due`."""
-        fleet = self.bus.fleet(self.config.gone_after_s)
-        self._fleet_at = time.monotonic()
-        self._fleet_names = len(fleet.live) + len(fleet.joined) + len(fleet.finished) + len(fleet.gone)
-        return fleet
-
     def _see_fleet(self, fleet: Fleet, complete: bool, now: Fleet) -> None:
-        """The learners the rounds wait for. A learner counts as finished only once a `complete` read
-        (every announcement made before `fleet` was read is in) has taken in its final pieces; until
-        then it counts as live, so that no round merges without them. Who is live is read again
-        after the read (`now`): a read may block, and learners that joined meanwhile count."""
-        if complete:
-            self.finished = fleet.finished
-        t = self.now()
-        self.first_seen = {name: self.first_seen.get(name, t) for name in now.live}  # one back is new again
+        """Take in a fleet read (`FleetView.see`): the learners of the fragments' recent rounds are
+        known, and a live learner silent for max_silent_rounds periods is no longer waited for."""
         patience_s = self.round_cfg.max_silent_rounds * self.cadence.period_s if self.cadence else 0.0
         known = frozenset(c.learner for f in self.fragments.values() for r in f.claims for c in r)
-        waited = waited_learners(now.live, first_seen=self.first_seen, last_piece=self.last_piece, known=known,
-                                 now=t, patience_s=patience_s)
-        self.live_names = (waited | now.finished) - self.finished
-        if len(self.last_piece) > 2 * len(now.live | known) + 64:  # forget the senders long gone
-            self.last_piece = {n: v for n, v in self.last_piece.items() if n in now.live | known}
-        self.finish_asked = fleet.finish_request
+        self.view.see(fleet, complete, now, at=self.now(), known=known, patience_s=patience_s)
         self.metrics.fleet(now)
 
     def _merged_tokens(self, fragment: int, frag: Fragment) -> int:
@@ -510,13 +484,7 @@ class Coordinator:
         self._clock_offset_s = self.bus.server_time() - time.time()
         period = self.config.round_s
         if period <= 0:
-            # The live learners that send pieces (all live ones until some do, at a run's start; at most
-            # CLOCK_SAMPLE, the earliest seen): ids that only heartbeat do not set the clock, and a
-            # flood of them costs no more than CLOCK_SAMPLE stats records a second. Live: as the last
-            # fleet read saw them (`first_seen` holds them), not read again.
-            live = self.first_seen.keys()
-            names = (live & self.last_piece.keys()) or live
-            names = sorted(names, key=lambda n: (self.first_seen.get(n, math.inf), n))[:CLOCK_SAMPLE]
+            names = self.view.clock_sample(CLOCK_SAMPLE)
             steps = [s.step_time_s for s in self.bus.learner_stats(names).values() if s.step_time_s > 0]
             if not steps:
                 return
@@ -600,7 +568,7 @@ class Coordinator:
                 arrival = replace(arrival, norm=norm, deadline=plausible_deadline(
                     arrival.deadline, now=now, cadence=self.cadence, fragment=a.fragment,
                     num_fragments=self.spec.num_fragments, final=a.final))
-                self.last_piece[a.learner] = now
+                self.view.sent(a.learner, now)
                 self.fragments[a.fragment].round.append(PendingDelta(entry_id, a, arrival, blob))
             self.metrics.accepted(a)
 
@@ -705,12 +673,12 @@ class Coordinator:
         # The fleet is the live learners and those with a piece in the round: one that sent its piece
         # and left (its lease gone) must not stand in for one still live whose piece is on its way.
         arrived = {a.learner for a in arrivals}
-        gone = {a.learner for a in arrivals if a.final} | (arrived & self.finished)
-        live = len((self.live_names | arrived) - gone)
+        gone = {a.learner for a in arrivals if a.final} | (arrived & self.view.finished)
+        live = len((self.view.waited | arrived) - gone)
         state = RoundState(fragment=fragment, head_version=frag.head, arrivals=arrivals, live_learners=live,
                            sync_time_s=self.sync_time_s, period_s=self.cadence.period_s if self.cadence else 0.0,
-                           merged_deadline=frag.merged_deadline, finished=self.finished,
-                           finish_asked=self.finish_asked is not None)
+                           merged_deadline=frag.merged_deadline, finished=self.view.finished,
+                           finish_asked=self.view.finish_asked is not None)
         decision = decide_round(self.now(), state, self.round_cfg)
         frag.wake_at = decision.wake_at
         if decision.reason != frag.last_reason:
@@ -728,9 +696,9 @@ class Coordinator:
             self._ensure_loaded(fragment, frag)
         crash_point("fetched")
         assert frag.params is not None and frag.state is not None
-        senders = usual_fleet(self.live_names - gone, arrived=frozenset(arrived), sent=self.last_piece,
+        senders = usual_fleet(self.view.waited - gone, arrived=frozenset(arrived), sent=self.view.last_piece,
                               merged=frozenset(c.learner for r in frag.claims for c in r) | frag.pieces.keys(),
-                              finished=self.finished)
+                              finished=self.view.finished)
         while frag.round:
             started = time.monotonic()
             taking = sorted(frag.round, key=lambda c: (c.arrival.arrived_at, c.entry_id))[:cap]
@@ -775,10 +743,10 @@ class Coordinator:
         if not self.config.scale_rounds:
             return {}, 0
         interval = self.spec.sync_every if self.config.round_s <= 0 else 0
-        finished = {n: p for n, p in frag.pieces.items() if n in self.finished}
+        finished = {n: p for n, p in frag.pieces.items() if n in self.view.finished}
         usual = usual_pieces(fleet, frag.claims, interval, finished)
         frag.pieces |= {c.learner: usual[c.learner] for r in frag.claims for c in r
-                        if c.learner in usual and c.learner not in self.finished}
+                        if c.learner in usual and c.learner not in self.view.finished}
         return usual, interval
 
     def _step_round(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
@@ -881,7 +849,7 @@ class Coordinator:
             rounds.append(round_size(manifest.inputs, manifest.settings.update_norm))
             claims.append(tuple(Claim(c.learner, c.tokens, c.steps, c.norm) for c in manifest.inputs))
             for c in manifest.inputs:
-                self.last_piece[c.learner] = max(self.last_piece.get(c.learner, 0.0), manifest.committed_at)
+                self.view.sent(c.learner, manifest.committed_at)
             previous = manifest.version - 1
             manifest = read_manifest(self.store, self.keys, fragment, previous) if previous > 0 else None
         frag.recent, frag.claims = rounds[::-1], claims[::-1]

@@ -221,7 +221,7 @@ class RunSpec(Record):
     alpha: float
     """For merge_rule 'mix': local = alpha * local + (1 - alpha) * global (0 = adopt)."""
     codec: str
-    """Outer-gradient codec: fp32, bf16, int8, int4, int2 or sparse (storage/codecs.py)."""
+    """Outer-gradient codec: one of `storage.codecs.CODECS` (the registry)."""
     compress: bool
     """zstd on top of the codec."""
     max_object_bytes: int

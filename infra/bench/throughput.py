@@ -86,7 +86,7 @@ class ThroughputConfig:
     """N: contributions the learners send in total, spread over learners and fragments (the coordinator
     reads up to 256 announcements at a time, so the default backlog is one batch)."""
     codec: str = "int8"
-    """Codec of the contributions: fp32, bf16, int8, int4, int2 or sparse."""
+    """Codec of the contributions (one of `storage.codecs.CODECS`)."""
     compress: bool = True
     """zstd on top of the codec (the run default)."""
     fetch_threads: int = CoordinatorConfig().fetch_threads

@@ -158,9 +158,9 @@ def test_made_up_learner_ids_that_never_send_stop_holding_rounds_open(make_rig):
     for i in range(20):
         rig.bus.heartbeat(f"made-up-{i}", 60.0, LearnerStats(learner=f"made-up-{i}", step_time_s=0.1), joined=True)
     rig.coord.step()
-    waited = rig.coord.live_names
+    waited = rig.coord.view.waited
     assert "made-up-0" in waited and len(waited) <= 2  # while new, no more of them than learners that send
-    step_until(rig, lambda: not rig.coord.live_names - {"good"}, timeout_s=patience_s + 3.0)
+    step_until(rig, lambda: not rig.coord.view.waited - {"good"}, timeout_s=patience_s + 3.0)
     # Now the honest learner's piece merges as soon as it is read: no round waits for the 20 ids.
     head = rig.head()
     rig.send_good("good")

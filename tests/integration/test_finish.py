@@ -74,7 +74,7 @@ def test_learners_ending_at_staggered_times_each_send_final_pieces_merged_once_a
         train(c, opt_c, 7)
         step_until(coord, "rounds of a's final pieces with b's and c's", lambda: min(coord.bus.heads().values()) >= 1)
         b.finish()
-        step_until(coord, "b's finish seen", lambda: "b" in coord.finished)
+        step_until(coord, "b's finish seen", lambda: "b" in coord.view.finished)
         assert coord.bus.heads() == {0: 1, 1: 1}  # b's final pieces wait for c's: c trains on
         c.finish()
         step_until(coord, "the run's end", lambda: coord.ended is not None)
@@ -234,7 +234,7 @@ def test_a_learner_gone_for_longer_than_gone_after_s_no_longer_holds_the_run_ope
         a.finish(preempted=True)  # left on SIGTERM: it may come back under its id
         train(b, opt_b, 5)
         b.finish()
-        step_until(coord, "b's finish seen", lambda: "b" in coord.finished)
+        step_until(coord, "b's finish seen", lambda: "b" in coord.view.finished)
         left_at = time.monotonic()
         step_until(coord, "the run's end", lambda: coord.ended is not None, steps=400)
         assert time.monotonic() - left_at > 1.0  # a held the run open while it could still come back ...

@@ -102,6 +102,6 @@ def test_the_last_learners_pieces_stay_their_share_when_the_others_have_finished
     fleet.learners["a"][0].finish()
     for _ in range(10):
         fleet.coord.step(block_ms=50)
-    assert "a" in fleet.coord.finished
+    assert "a" in fleet.coord.view.finished
     for turn in range(RECENT_ROUNDS + 2):
         assert fleet.round_of("b") == (40, 0.5, 0.5), turn
