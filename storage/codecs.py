@@ -372,11 +372,17 @@ def _top(grid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `grid`: the positions (ascending) and values of its k elements of largest |x|,
     among equal |x| the lower positions first: one answer, whatever order topk returns ties in."""
     a = grid.abs()
-    kth = a.topk(k, dim=1).values[:, -1:]
-    above = a > kth
-    tied = a == kth
-    take = above | (tied & (tied.cumsum(dim=1) <= k - above.sum(dim=1, keepdim=True)))
-    idx = take.nonzero()[:, 1].view(grid.shape[0], k)
+    top, idx = a.topk(k, dim=1)
+    kth = top[:, -1:]
+    # Rows where elements equal to the k-th largest were left out: which of them topk kept is its
+    # own choice; there the lowest positions are taken instead (floats rarely tie; zeros do).
+    tied = (a == kth).sum(dim=1) != (top == kth).sum(dim=1)
+    if bool(tied.any()):
+        rows, at = a[tied], kth[tied]
+        above, equal = rows > at, rows == at
+        take = above | (equal & (equal.cumsum(dim=1) <= k - above.sum(dim=1, keepdim=True)))
+        idx[tied] = take.nonzero()[:, 1].view(-1, k)
+    idx = idx.sort(dim=1).values
     return idx, grid.gather(1, idx)
 
 
