@@ -18,12 +18,12 @@ Framing integers are big-endian; payload numbers are little-endian.
 
 The header map has exactly these keys:
 
-    codec           str    "fp32" | "bf16" | "int8" | "int4" | "int2" | "sparse"
+    codec           str    "fp32" | "bf16" | "int8" | "int4" | "int2" | "sparse" | "sparse16"
     compression     str    "none" | "zstd"
     payload_bytes   int    size of the decompressed payload
     payload_sha256  str    64 lowercase hex digits: sha256 of the decompressed payload
     block_size      int    quantization block in elements: 0 for fp32/bf16, 1..2^20 for int8/int4/int2,
-                           1..4096 for sparse
+                           1..4096 for sparse and sparse16
     meta            map    str -> str | int | float (run, fragment, learner...)
     tensors         array  of maps {"name": str, "shape": [int, ...], "offset": int, "nbytes": int}
 
@@ -45,7 +45,8 @@ row-major order, and nb = ceil(n / block_size) blocks, a tensor's bytes are:
     sparse  nb float32 scales, then K 12-bit indices packed two to three bytes, then ceil(K/2)
             bytes of int4 values                                 nbytes = 4nb + 4 * ceil(K/2)
             Block j keeps its k_j = ceil(len_j / 64) elements of largest |x| (len_j: its element
-            count; among equal |x| the lower index first), K = sum of k_j. Indices are positions
+            count; among equal |x| the lower index first), K = sum of k_j. sparse16: the same
+            with k_j = ceil(len_j / 16). Indices are positions
             within their block, ascending per block, blocks in order; indices 2i and 2i+1 are the
             low and high 12 bits of the little-endian 24-bit group i (for odd K the last high index
             is 0). Values are int4's nibbles in the same order. Every other element decodes to 0.
@@ -267,27 +268,25 @@ class Blocks(Codec):
         return q.sub_(self.zero) if self.zero else q
 
 
-KEEP_ONE_IN = 64
-"""The sparse codec keeps ceil(len / 64) elements of each block: 1.5625%."""
 INDEX_BITS = 12
 
 
 @dataclass(frozen=True, slots=True)
 class Sparse(Codec):
-    """Top-k per block: the ceil(len / KEEP_ONE_IN) elements of largest |x| of each block (ties to
+    """Top-k per block: the ceil(len / keep_one_in) elements of largest |x| of each block (ties to
     the lower index), their 12-bit positions and their int4 values against the block's absmax / 7.
     The dropped elements are what error feedback carries to the next send."""
 
     name: str
+    keep_one_in: int
     max_block = 1 << INDEX_BITS
     default_block = 1 << INDEX_BITS
     qmax = 7
 
-    @staticmethod
-    def kept(n: int, block: int) -> tuple[int, int, int]:
+    def kept(self, n: int, block: int) -> tuple[int, int, int]:
         """(full blocks, elements kept per full block, elements kept in the short last block)."""
         full, rest = divmod(n, block)
-        return full, -(-block // KEEP_ONE_IN), -(-rest // KEEP_ONE_IN)
+        return full, -(-block // self.keep_one_in), -(-rest // self.keep_one_in)
 
     def nbytes(self, n: int, block: int) -> int:
         full, k, k_last = self.kept(n, block)
@@ -410,7 +409,8 @@ register(Floats("bf16", torch.bfloat16, 2.0**-8))
 register(Blocks("int8", qmax=127, bits=8, zero=0))
 register(Blocks("int4", qmax=7, bits=4, zero=8))
 register(Blocks("int2", qmax=1, bits=2, zero=1))
-register(Sparse("sparse"))
+register(Sparse("sparse", keep_one_in=64))
+register(Sparse("sparse16", keep_one_in=16))
 CODECS = tuple(_REGISTRY)
 """The registered codecs' names, fp32 first."""
 

@@ -170,7 +170,7 @@ def test_decoded_tensors_are_writable_and_do_not_alias_the_input() -> None:
         blob = bytearray(encode({"w": torch.ones(100)}, codec))
         out, _ = decode(blob, max_bytes=LIMIT)
         before = out["w"].clone()
-        assert torch.equal(before, torch.ones(100)) or codec == "sparse"  # sparse keeps 2 of the 100
+        assert torch.equal(before, torch.ones(100)) or codec.startswith("sparse")  # sparse keeps 2 of the 100
         blob[-200:] = bytes(200)  # scribble over the source buffer
         assert torch.equal(out["w"], before)
         out["w"].add_(1)  # writable
@@ -410,7 +410,7 @@ def test_a_codec_is_one_registered_object_every_reader_then_knows() -> None:
     with pytest.raises(Refused) as refused:
         read_header(blob, max_bytes=1 << 20)
     assert refused.value.code == "bad_header" and "unknown codec 'fp16'" in refused.value.reason
-    with pytest.raises(ValueError, match="unknown codec 'fp16'; this build has fp32, bf16, int8, int4, int2, sparse"):
+    with pytest.raises(ValueError, match="unknown codec 'fp16'; this build has fp32, bf16, int8, int4, int2, sparse, sparse16"):
         encode(x, "fp16")
 
 
@@ -438,6 +438,7 @@ def test_sparse_breaks_ties_toward_the_lower_position_and_is_that_small() -> Non
     assert kept == [*range(64), *range(4096, 4096 + 64), *range(8192, 8192 + 64), *range(12288, 12288 + 2)]
     # 4 bytes of scale, 64 positions of 12 bits and 64 values of 4 bits per 4096 elements: 0.26 bits each.
     assert codecs.tensor_nbytes("sparse", (4096 * 256,), 4096) == 256 * (4 + 96 + 32)
+    assert codecs.tensor_nbytes("sparse16", (4096 * 256,), 4096) == 256 * (4 + 384 + 128)  # 1 bit an element
 
 
 def test_sparse_with_error_feedback_sends_everything_over_enough_sends() -> None:
