@@ -40,8 +40,8 @@ class RunSettings:
     codec: str = "int4"
     """Outer-gradient codec, both ways (deltas up, updates down, each with error feedback): one of
     `storage.codecs.CODECS`. int4 is within 1% of fp32 on every task of the quality benchmark at H = 50;
-    int2 (ternary) loses badly; sparse (the top 1/64 of each block of 4096, int4 values) is 16x smaller
-    than int4 (docs/benchmarks.md)."""
+    int2 (ternary) and sparse (the top 1/64 of each block, 16x smaller than int4) lose badly at the
+    outer optimizer's defaults (docs/benchmarks.md)."""
     compress: bool = True
     """zstd on top of the codec."""
     max_object_bytes: int = 1 << 30
