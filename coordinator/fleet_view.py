@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Set
-
 from diloco.coordinator.influence import fleet_read_due, waited_learners
 from diloco.storage.bus import Bus, Fleet
 from diloco.storage.protocol import FinishRequest
@@ -48,7 +46,8 @@ class FleetView:
         (`influence.fleet_read_due`); None when not now."""
         return self.read() if fleet_read_due(self._names, time.monotonic() - self._read_at) else None
 
-    def see(self, fleet: Fleet, complete: bool, now: Fleet, *, at: float, known: Set[str], patience_s: float) -> None:
+    def see(self, fleet: Fleet, complete: bool, now: Fleet, *, at: float, known: frozenset[str],
+            patience_s: float) -> None:
         """Take in a read. A learner counts as finished only once a `complete` read (every
         announcement made before `fleet` was read is in) has taken in its final pieces; until then
         it counts as live, so that no round merges without them. Who is live is read again after
@@ -59,7 +58,7 @@ class FleetView:
             self.finished = fleet.finished
         self.first_seen = {name: self.first_seen.get(name, at) for name in now.live}  # one back is new again
         waited = waited_learners(now.live, first_seen=self.first_seen, last_piece=self.last_piece,
-                                 known=frozenset(known), now=at, patience_s=patience_s)
+                                 known=known, now=at, patience_s=patience_s)
         self.waited = (waited | now.finished) - self.finished
         keep = now.live | known
         if len(self.last_piece) > 2 * len(keep) + 64:  # forget the senders long gone

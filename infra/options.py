@@ -305,6 +305,13 @@ _origins: dict[str, str] = {}
 """Field name -> where its default came from (a DILOCO_* variable or the config file), for errors."""
 
 
+def require_at_least(config: object, **least: int) -> None:
+    """ConfigError naming the option (`--made-up-ids`) of the first field of `config` below its least value."""
+    for name, bound in least.items():
+        if getattr(config, name) < bound:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least {bound}, got {getattr(config, name)}")
+
+
 def build(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
     """An instance of `cls` from parsed options (fields without an option keep their default).
     Raises ConfigError for a value the class refuses, naming where the value came from when it was

@@ -54,6 +54,9 @@ COMMITS_KEPT = 1000
 """The commits hash keeps each fragment's last this many versions (a re-sent commit of one of them is
 ALREADY; an older one is refused by the head check anyway)."""
 LEARNERS_FORGOTTEN_S = 3600.0
+"""A learner whose heartbeat lapsed this long ago leaves the live set's key, the joined set and its stats
+are dropped: it is gone (`gone_after_s` is at most this long), and the sets every fleet read returns stay
+as large as the ids of the last hour, not of the run's life."""
 MAX_LEASE_S = 600.0
 """A heartbeat keeps a learner live for at most this long (its ttl is capped in the script): a made-up
 id heartbeated once with a ttl of 1e9 s would otherwise stay live, and be read every loop, for good."""
@@ -62,10 +65,8 @@ MAX_STATS_BYTES = 16 * 1024
 writes nothing larger, so that no reader holds megabytes of one learner's junk."""
 MAX_LIVE_LEARNERS = 4096
 """The most learner ids one run counts live at once: past it, a new id's heartbeat is refused
-(`fleet_full`) until leases lapse. Every loop of the coordinator reads the live set."""
-"""A learner whose heartbeat lapsed this long ago leaves the live set's key, the joined set and its stats
-are dropped: it is gone (`gone_after_s` is at most this long), and the sets every fleet read returns stay
-as large as the ids of the last hour, not of the run's life."""
+(`fleet_full`) until leases lapse. The coordinator reads the live set, a large one about once a second
+(`coordinator.influence.fleet_read_due`)."""
 ANNOUNCEMENTS_KEPT = 10_000
 """`trim_announcements` keeps at least the last this many announcements (for people and tools that
 read the stream), beside every entry still pending or not yet delivered (what recovery needs)."""

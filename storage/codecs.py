@@ -217,15 +217,7 @@ class Blocks(Codec):
         if self.bits == 8:
             out[4 * blocks:].view(torch.int8).copy_(q)
             return
-        per_byte = 8 // self.bits
-        codes = q.add_(self.zero).to(torch.uint8)
-        if n % per_byte:
-            codes = F.pad(codes, (0, per_byte - n % per_byte), value=self.zero)
-        groups = codes.view(-1, per_byte)
-        packed = groups[:, 0].clone()
-        for j in range(1, per_byte):
-            packed.bitwise_or_(groups[:, j] << (self.bits * j))
-        out[4 * blocks:].copy_(packed)
+        out[4 * blocks:].copy_(_pack_codes(q, self.bits, self.zero))
 
     def decode(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> torch.Tensor:
         n, qmax = math.prod(spec.shape), self.qmax
@@ -249,23 +241,44 @@ class Blocks(Codec):
 
     def _values(self, codes: torch.Tensor, spec: TensorSpec, n: int) -> torch.Tensor:
         """The int8 values of the codes; Refused for a code or a pad no encoder writes."""
-        qmax = self.qmax
         if self.bits == 8:
-            q = codes.view(torch.int8)
-        else:
-            mask, per_byte = (1 << self.bits) - 1, 8 // self.bits
-            unpacked = torch.stack([(codes >> (self.bits * j)) & mask for j in range(per_byte)], dim=1).view(-1)
-            if (unpacked[n:] != self.zero).any():
-                raise _refused("bad_payload", spec, f"{self.name} pad codes other than {self.zero} (the codes past "
-                                                    f"the last element stand for 0)")
-            q = unpacked[:n].view(torch.int8)
-        if n:
-            lo, hi = (int(v) for v in torch.aminmax(q))
-            if lo < self.zero - qmax or hi > self.zero + qmax:
-                bad = lo if lo < self.zero - qmax else hi
-                raise _refused("bad_payload", spec, f"{self.name} code {bad} (valid: {self.zero - qmax}.."
-                                                    f"{self.zero + qmax}, i.e. {-qmax}..{qmax})")
-        return q.sub_(self.zero) if self.zero else q
+            return _checked(codes.view(torch.int8), self.name, 0, self.qmax, spec)
+        return _unpack_codes(codes, self.name, self.bits, self.zero, self.qmax, n, spec)
+
+
+def _pack_codes(q: torch.Tensor, bits: int, zero: int) -> torch.Tensor:
+    """Whole values `q` (float32, in [-zero, zero]; changed in place) as codes value + `zero`, 8 // bits
+    to a byte, element j of a byte in bits j*bits.. (the codes past the last element are `zero`)."""
+    per_byte, n = 8 // bits, q.numel()
+    codes = q.add_(zero).to(torch.uint8)
+    if n % per_byte:
+        codes = F.pad(codes, (0, per_byte - n % per_byte), value=zero)
+    groups = codes.view(-1, per_byte)
+    packed = groups[:, 0].clone()
+    for j in range(1, per_byte):
+        packed.bitwise_or_(groups[:, j] << (bits * j))
+    return packed
+
+
+def _unpack_codes(packed: torch.Tensor, name: str, bits: int, zero: int, qmax: int, n: int, spec: TensorSpec) -> torch.Tensor:
+    """The `n` int8 values `_pack_codes` wrote into `packed`; Refused for a code or a pad no encoder writes."""
+    mask, per_byte = (1 << bits) - 1, 8 // bits
+    unpacked = torch.stack([(packed >> (bits * j)) & mask for j in range(per_byte)], dim=1).view(-1)
+    if (unpacked[n:] != zero).any():
+        raise _refused("bad_payload", spec, f"{name} pad codes other than {zero} (the codes past the last "
+                                            f"element stand for 0)")
+    return _checked(unpacked[:n].view(torch.int8), name, zero, qmax, spec).sub_(zero)
+
+
+def _checked(codes: torch.Tensor, name: str, zero: int, qmax: int, spec: TensorSpec) -> torch.Tensor:
+    """`codes` (int8), each within zero +- qmax; Refused naming the first that is not."""
+    if codes.numel():
+        lo, hi = (int(v) for v in torch.aminmax(codes))
+        if lo < zero - qmax or hi > zero + qmax:
+            bad = lo if lo < zero - qmax else hi
+            raise _refused("bad_payload", spec, f"{name} code {bad} (valid: {zero - qmax}..{zero + qmax}, "
+                                                f"i.e. {-qmax}..{qmax})")
+    return codes
 
 
 INDEX_BITS = 12
@@ -324,8 +337,7 @@ class Sparse(Codec):
         at = 4 * blocks
         out[at:at + packed_idx.numel()].copy_(packed_idx.view(-1))
         at += packed_idx.numel()
-        codes = F.pad(q.add_(8).to(torch.uint8), (0, kk % 2), value=8).view(-1, 2)
-        out[at:].copy_(codes[:, 0] | (codes[:, 1] << 4))
+        out[at:].copy_(_pack_codes(q, 4, 8))  # as int4 packs its values
 
     def decode(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> torch.Tensor:
         n = math.prod(spec.shape)
@@ -347,13 +359,7 @@ class Sparse(Codec):
         if kk % 2 and idx[-1] != 0:
             raise _refused("bad_payload", spec, "sparse pad index other than 0")
         idx = idx[:kk]
-        nib = seg[at + 3 * pairs:]
-        codes = torch.stack([nib & 15, nib >> 4], dim=1).view(-1)
-        if kk % 2 and codes[-1] != 8:
-            raise _refused("bad_payload", spec, "sparse pad nibble other than 8 (value 0)")
-        codes = codes[:kk]
-        if bool((codes == 0).any()):
-            raise _refused("bad_payload", spec, "sparse code 0 (valid: 1..15, i.e. -7..7)")
+        q = _unpack_codes(seg[at + 3 * pairs:], self.name, 4, 8, self.qmax, kk, spec)
         # Positions: within their block, ascending, inside the block (the short last one's length too).
         rows = ([(idx[:full * k].view(full, k), block)] if full else []) + \
             ([(idx[full * k:].view(1, k_last), n - full * block)] if k_last else [])
@@ -362,7 +368,7 @@ class Sparse(Codec):
                 raise _refused("bad_payload", spec, f"sparse indices not ascending within a block of {length} "
                                                     f"elements, or past its end (largest {int(r.max())})")
         which = torch.cat([torch.arange(full).repeat_interleave(k), torch.full((k_last,), full, dtype=torch.long)])
-        values = (codes.to(torch.int8) - 8).to(torch.float32).mul_(scales[which])
+        values = q.to(torch.float32).mul_(scales[which])
         out[which * block + idx.long()] = values
         return out.view(spec.shape)
 

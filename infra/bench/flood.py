@@ -37,7 +37,7 @@ from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.service import Coordinator
 from diloco.infra.bench.throughput import ThroughputConfig, fresh_run, join
 from diloco.infra.local.stack import LocalStack, aws_env
-from diloco.infra.options import add_options, build
+from diloco.infra.options import add_options, build, require_at_least
 from diloco.infra.output import figures_table
 from diloco.storage.bus import LEARNERS_FORGOTTEN_S, MAX_LEASE_S, MAX_LIVE_LEARNERS, MAX_STATS_BYTES, Bus
 from diloco.storage.errors import ConfigError, Refused
@@ -68,9 +68,7 @@ class FloodConfig:
     """Seconds of loop steps per window."""
 
     def __post_init__(self) -> None:
-        for name, least in (("made_up_ids", 0), ("junk_stats", 0), ("learners", 1)):
-            if getattr(self, name) < least:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(self, name)}")
+        require_at_least(self, made_up_ids=0, junk_stats=0, learners=1)
         if not (self.junk_mb > 0 and self.window_s > 0):
             raise ConfigError(f"--junk-mb and --window-s must be > 0, got {self.junk_mb} and {self.window_s}")
 

@@ -46,7 +46,7 @@ from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.service import Coordinator
 from diloco.infra.local.stack import LocalStack, aws_env, create_bucket
-from diloco.infra.options import add_options, build
+from diloco.infra.options import add_options, build, require_at_least
 from diloco.infra.output import figures_table
 from diloco.storage.bus import Bus
 from diloco.storage.codecs import CODECS
@@ -99,10 +99,7 @@ class ThroughputConfig:
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
             raise ConfigError(f"--codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        for name, least in (("tensors", 2), ("fragments", 1), ("learners", 1), ("contributions", 1),
-                            ("fetch_threads", 1), ("repeats", 1)):
-            if getattr(self, name) < least:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(self, name)}")
+        require_at_least(self, tensors=2, fragments=1, learners=1, contributions=1, fetch_threads=1, repeats=1)
         if not self.fragment_mb * MB / 4 >= 1024 * self.tensors:
             raise ConfigError(f"--fragment-mb {self.fragment_mb} is too small for {self.tensors} tensors")
 

@@ -462,7 +462,7 @@ def test_sparse_with_error_feedback_sends_everything_over_enough_sends() -> None
 @pytest.mark.parametrize(("edit", "says"), [
     (lambda p: p.__setitem__(12, 64), "past its end"),  # block 0's position 3 -> 64
     (lambda p: p.__setitem__(17, 1), "pad index"),
-    (lambda p: p.__setitem__(19, 0x08 | 0x10), "pad nibble"),
+    (lambda p: p.__setitem__(19, 0x08 | 0x10), "pad codes"),
     (lambda p: p.__setitem__(18, 0x00 | 0xF0), "code 0"),
 ])
 def test_sparse_refuses_positions_and_codes_no_encoder_writes(edit, says) -> None:  # noqa: ANN001
