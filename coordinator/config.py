@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from diloco.coordinator.policy import RoundConfig
 from diloco.storage.bus import LEARNERS_FORGOTTEN_S
 from diloco.storage.errors import ConfigError
+from diloco.storage.keys import MAX_SHARDS, Shard
 from diloco.storage.codecs import CODECS
 from diloco.storage.protocol import CadenceKind, RunSpec, TakeRule, VersionSettings
 
@@ -130,6 +131,14 @@ class CoordinatorConfig:
     """Entries pending on another consumer for longer than this are claimed."""
     lease_s: float = 10.0
     """The coordinator lease: a coordinator that stops renewing it is replaced after this long."""
+    shards: int = 1
+    """How many coordinator processes share the run, each merging the fragments f with f % shards ==
+    its --shard, under a lease of its own (a standby per shard takes its place). Every shard of a run
+    is started with the same number; it changes once every shard of the old number has stopped. At
+    most the run's fragments."""
+    shard: int = 0
+    """Which shard of --shards this coordinator is (0 to shards - 1). Shard 0 also keeps the round
+    clock and ends the run."""
     standby: bool = False
     """Wait as a hot standby while another coordinator holds the run, and take over when its lease lapses.
     Without it, a coordinator that finds the lease held and renewed exits."""
@@ -172,6 +181,10 @@ class CoordinatorConfig:
             raise ConfigError(f"max_round_bytes must be positive, got {self.max_round_bytes}")
         if self.read_batch_bytes < 1:
             raise ConfigError(f"read_batch_bytes must be positive, got {self.read_batch_bytes}")
+        if not 1 <= self.shards <= MAX_SHARDS:
+            raise ConfigError(f"shards must be 1 to {MAX_SHARDS}, got {self.shards}")
+        if not 0 <= self.shard < self.shards:
+            raise ConfigError(f"shard must be 0 to shards - 1 ({self.shards - 1}), got {self.shard}")
         if not self.lease_s >= 1.0:
             raise ConfigError(f"lease_s must be at least 1 second, got {self.lease_s}")
         if self.downstream_codec not in ("run", *CODECS):
@@ -180,6 +193,10 @@ class CoordinatorConfig:
             raise ConfigError(f"token_budget must be >= 0 (0: no budget), got {self.token_budget}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be a TCP port (0: off), got {self.metrics_port}")
+
+    def shard_of_run(self) -> Shard:
+        """The part of the run this coordinator merges (`storage.keys.Shard`)."""
+        return Shard(self.shard, self.shards)
 
     def settings(self, r: RoundConfig, kind: str, run_codec: str) -> VersionSettings:
         """What the manifest of a version of this `kind` records about how it was made, and on which

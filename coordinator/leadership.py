@@ -23,7 +23,7 @@ import uuid
 import redis
 
 from diloco.storage.bus import Bus
-from diloco.storage.errors import Conflict, DilocoError, StorageUnavailable
+from diloco.storage.errors import ConfigError, Conflict, DilocoError, StorageUnavailable
 from diloco.storage.lease import Holder, Lease, Renewal
 from diloco.storage.objects import ObjectStore
 
@@ -74,13 +74,19 @@ class Leadership:
                 continue
             if not isinstance(got, Holder):
                 return got
+            if got.shards is not None and not standby:
+                raise ConfigError(f"run {self.lease.bus.run!r} is coordinated by {got.shards.count} shard(s) and "
+                                  f"{got.name} holds {got.shards}; this coordinator is {self.lease.shard}: start it "
+                                  f"with --shards {got.shards.count}, or stop every shard of the run before "
+                                  f"changing their number")
             now = time.monotonic()
             if waited_for == got.name and not standby and now >= lapses_at:
                 raise DilocoError(f"run {self.lease.bus.run!r} is coordinated by {got.name}, which keeps renewing "
                                   f"its lease: stop it first, or start this one with --standby")
             if waited_for != got.name:
-                log.info("run %s is coordinated by %s; %s until its lease lapses (in %.1fs)", self.lease.bus.run,
-                         got.name, "standing by" if standby else "waiting", got.expires_in_s)
+                log.info("%s of run %s is coordinated by %s; %s until its lease lapses (in %.1fs)",
+                         got.shards or self.lease.shard, self.lease.bus.run, got.name,
+                         "standing by" if standby else "waiting", got.expires_in_s)
                 lapses_at = now + got.expires_in_s
             waited_for = got.name
             # A standby polls a few times per TTL; a plain start waits exactly until the lease we

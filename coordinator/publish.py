@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -182,8 +182,10 @@ def commit_existing(bus: Bus, manifest: Manifest, *, epoch: int, keep_applied: i
                 manifest.version, result.name)
 
 
-def roll_forward(store: ObjectStore, bus: Bus, num_fragments: int, epoch: int, *, keep_applied: int) -> dict[int, int]:
-    """Make Redis heads agree with the manifests in S3 (the truth); returns the heads.
+def roll_forward(store: ObjectStore, bus: Bus, fragments: Iterable[int], epoch: int, *,
+                 keep_applied: int) -> dict[int, int]:
+    """Make Redis heads of `fragments` (a shard's) agree with the manifests in S3 (the truth); returns
+    their heads.
 
     - S3 ahead of Redis by a few versions (a crash between manifest and Redis commit): every
       manifest above the Redis head is committed in order.
@@ -192,8 +194,9 @@ def roll_forward(store: ObjectStore, bus: Bus, num_fragments: int, epoch: int, *
       before it are marked applied again. Older ones cannot come back: they are staler than
       max_staleness and would be refused anyway (a commit keeps no more of them either).
     """
-    heads = bus.heads()
-    for fragment in range(num_fragments):
+    fragments = list(fragments)
+    heads = {f: v for f, v in bus.heads().items() if f in fragments}
+    for fragment in fragments:
         latest = latest_version(store, bus.keys, fragment)
         if latest is None:
             continue

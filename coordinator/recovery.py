@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 from diloco.storage import codecs
 from diloco.storage.bus import Bus
@@ -78,7 +79,8 @@ def announcement_from_object(key: str, blob: bytes, *, max_bytes: int) -> Announ
 
 
 def reannounce_lost(store: ObjectStore, bus: Bus, heads: dict[int, int], *, known: set[str], keep: int,
-                    max_bytes: int, before: float | None = None) -> tuple[int, int]:
+                    max_bytes: int, before: float | None = None,
+                    fragments: Sequence[int] | None = None) -> tuple[int, int]:
     """Announce again every recent contribution object nobody accounts for. `known` holds the
     object keys the coordinator still has in memory (open rounds, refusals not yet in a manifest);
     the announcements still pending in the stream or not yet delivered, and the recent refusals,
@@ -87,9 +89,11 @@ def reannounce_lost(store: ObjectStore, bus: Bus, heads: dict[int, int], *, know
     only objects stored before it (plus the clock margin: S3's clock is not ours): objects stored
     later were announced once Redis answered. Any that were announced anyway are refused as
     duplicates.
+    `fragments`: only the objects of these (a shard's; `heads` holds theirs); None: every fragment's.
     Returns (announced again, unreadable)."""
     accounted, since = accounted_since(store, bus.keys, heads, keep)
-    listed = list(store.list_modified(bus.keys.deltas_prefix()))
+    prefixes = [bus.keys.deltas_prefix()] if fragments is None else [bus.keys.deltas_prefix(f) for f in fragments]
+    listed = [item for prefix in prefixes for item in store.list_modified(prefix)]
     accounted |= known | bus.unfinished_object_keys() | bus.refused_object_keys()
     again = unreadable = 0
     for key, modified in listed:

@@ -41,7 +41,7 @@ from diloco.coordinator.publish import (commit, commit_existing, decode_state, l
                                         write_version)
 from diloco.coordinator.recovery import reannounce_lost
 from diloco.coordinator.timing import PhaseTimes
-from diloco.storage.bus import Bus, CommitResult, Fleet
+from diloco.storage.bus import Bus, CommitResult, Fleet, GroupGone
 from diloco.storage.crashpoints import crash_point
 from diloco.storage.errors import ConfigError, Conflict, Refused, StorageUnavailable
 from diloco.storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec, read_verified
@@ -140,12 +140,19 @@ class Coordinator:
         self._own_metrics = metrics is None
         self.metrics = metrics if metrics is not None else Metrics.start(self.config.metrics_port, run)
         self.store = ObjectStore(endpoints)
-        self.bus = Bus(endpoints, run)
+        self.shard = self.config.shard_of_run()
+        """The fragments this coordinator merges; shard 0 also keeps the run's clock and ends it."""
+        self.bus = Bus(endpoints, run, self.shard)
         self.keys = self.bus.keys
         self.store = self.metrics.counting(self.store, self.keys)
         self.store.ensure_bucket()
         self.bus.ping()  # both servers answer before the run's settings are written
         self.spec = self._load_or_create(settings, resume=resume or settings is None)
+        if self.shard.count > self.spec.num_fragments:
+            raise ConfigError(f"run {run!r} has {self.spec.num_fragments} fragment(s): {self.shard.count} shards "
+                              f"would leave some without any; use at most {self.spec.num_fragments}")
+        self.owned = self.shard.fragments(self.spec.num_fragments)
+        """The fragments this shard merges."""
         # The grace window reasons about the learners' overlap: take tau from the run itself.
         self.round_cfg = replace(self.config.round, overlap_steps=self.spec.overlap_steps)
         self._keep_applied = self.round_cfg.max_staleness + 1
@@ -153,10 +160,9 @@ class Coordinator:
         self.leadership = Leadership(self.bus, self.store, self.config.lease_s)
         self.epoch = self.leadership.take(standby=self.config.standby, stop=stop or threading.Event())
         self.bus.ensure_group()
-        heads = roll_forward(self.store, self.bus, self.spec.num_fragments, self.epoch,
-                             keep_applied=self._keep_applied)
+        heads = roll_forward(self.store, self.bus, self.owned, self.epoch, keep_applied=self._keep_applied)
         self.layout: Layout | None = read_layout(self.store, self.keys)
-        self.fragments = {f: Fragment(head=heads.get(f, -1)) for f in range(self.spec.num_fragments)}
+        self.fragments = {f: Fragment(head=heads.get(f, -1)) for f in self.owned}
         self.view = FleetView(self.bus, self.config.gone_after_s)
         """The learners as the loop last saw them: live, sending, finished, waited for."""
         for fragment, frag in self.fragments.items():
@@ -188,8 +194,11 @@ class Coordinator:
         self._drained = False  # the last read of the announcements stream returned nothing
         self._redis_run_id = self._server_run_id()
         self.metrics.attach(self)
-        log.info("coordinator %s of run %s: epoch %d, %d fragments, heads %s", self.leadership.holder, run,
-                 self.epoch, self.spec.num_fragments, {f: s.head for f, s in self.fragments.items()})
+        self._others_tokens: dict[tuple[int, int], int] = {}
+        """Merged tokens by (fragment, head) of the other shards' fragments (the leader's token budget)."""
+        log.info("coordinator %s of run %s%s: epoch %d, %d fragments, heads %s", self.leadership.holder, run,
+                 f" ({self.shard})" if self.shard.count > 1 else "", self.epoch, self.spec.num_fragments,
+                 {f: s.head for f, s in self.fragments.items()})
 
     def _load_or_create(self, settings: RunSettings | None, *, resume: bool) -> RunSpec:
         spec = read_run_spec(self.store, self.keys)
@@ -242,8 +251,11 @@ class Coordinator:
                 if self._reconcile_due:
                     self._reconcile()
                 if now - last_claim > self.config.claim_idle_s / 2:
-                    self._intake(self.bus.autoclaim(self.config.consumer,
-                                                    min_idle_ms=int(self.config.claim_idle_s * 1000)))
+                    try:
+                        self._intake(self.bus.autoclaim(self.config.consumer,
+                                                        min_idle_ms=int(self.config.claim_idle_s * 1000)))
+                    except GroupGone as exc:
+                        self._group_gone(exc)
                     last_claim = now
                 self.step(block_ms=self._block_ms())
                 if self.ended is not None and not self.config.keep_serving:
@@ -252,12 +264,14 @@ class Coordinator:
                     return
                 if now - last_restart_check > 1.0:
                     self._notice_restart()
+                    if not self.shard.leads:
+                        self._follow_leader()
                     self.metrics.sample(self.bus, self.now())
                     last_restart_check = now
                 if self._outage_at is not None and self._drained:
                     self._sweep_after_outage(self._outage_at)
                     self._outage_at = None
-                if now - last_trim > TRIM_EVERY_S and self._outage_at is None:
+                if now - last_trim > TRIM_EVERY_S and self._outage_at is None and self.shard.leads:
                     self.bus.trim_announcements()
                     last_trim = now
             except (redis.RedisError, StorageUnavailable) as exc:
@@ -274,7 +288,7 @@ class Coordinator:
         self.metrics.took_lease()
         self.bus.ensure_group()
         heads = self._roll_forward()
-        if self.cadence is not None:
+        if self.cadence is not None and self.shard.leads:
             self.bus.set_cadence(self.cadence)
         if self.ended is not None:
             self.bus.set_run_end(self.ended, self.epoch)
@@ -288,8 +302,7 @@ class Coordinator:
         """Bring Redis up to the manifests in S3 (`publish.roll_forward`) and take its heads: a
         fragment whose head moved is reloaded from S3, and an open round keeps only contributions
         not applied since."""
-        heads = roll_forward(self.store, self.bus, self.spec.num_fragments, self.epoch,
-                             keep_applied=self._keep_applied)
+        heads = roll_forward(self.store, self.bus, self.owned, self.epoch, keep_applied=self._keep_applied)
         for fragment, frag in self.fragments.items():
             if heads.get(fragment, -1) != frag.head:
                 frag.head, frag.params, frag.state, frag.merged_tokens = heads.get(fragment, -1), None, None, None
@@ -306,7 +319,7 @@ class Coordinator:
         if self.bus.wiped():
             self._rebuild()
         else:
-            behind = {f: h for f, h in self.bus.heads().items() if h < self.fragments[f].head}
+            behind = {f: h for f, h in self.bus.heads().items() if f in self.fragments and h < self.fragments[f].head}
             if behind:
                 log.warning("Redis forgot commits (heads %s, S3 has %s): committing them again from S3", behind,
                             {f: self.fragments[f].head for f in behind})
@@ -364,7 +377,7 @@ class Coordinator:
         known |= {r.object_key for r in self._unplaced}
         again, unreadable = reannounce_lost(self.store, self.bus, heads, known=known,
                                             keep=self.round_cfg.max_staleness + 1,
-                                            max_bytes=self.spec.max_object_bytes, before=before)
+                                            max_bytes=self.spec.max_object_bytes, before=before, fragments=self.owned)
         self._read_pending = True
         self.bus.incr("reannounced_from_s3", again)
         self.bus.incr("unreadable_in_s3", unreadable)
@@ -372,6 +385,24 @@ class Coordinator:
 
     def step(self, block_ms: int = 0) -> None:
         """One iteration: read what arrived, merge every round that is due, and end the run once it is over."""
+        try:
+            self._step(block_ms)
+        except GroupGone as exc:
+            self._group_gone(exc)
+
+    def _group_gone(self, exc: GroupGone) -> None:
+        """Our consumer group was dropped: by a coordinator of another number of shards, which fenced this
+        one (Fenced), or by hand (made again: whatever it had not dealt with is read again)."""
+        current = self.bus.epoch()
+        if current is not None and current != self.epoch:
+            self.leadership.deposed()
+            raise Fenced(f"another coordinator holds {self.shard} of run {self.spec.run!r} (epoch {current}, "
+                         f"ours {self.epoch}): {exc}") from None
+        log.warning("%s: making it again", exc)
+        self.bus.ensure_group()
+        self._read_pending = True
+
+    def _step(self, block_ms: int) -> None:
         with self.timing("read"):
             # The learners before the read: one seen finished here announced its final pieces before,
             # so a read that takes in everything up to now has them all.
@@ -392,13 +423,21 @@ class Coordinator:
         if fleet is not None:
             self._see_fleet(fleet, complete, self.view.read())
         with self.timing("read"):
-            if self.spec.cadence == "clock" and time.monotonic() - self._last_cadence_check > 1.0:
+            if self.spec.cadence == "clock" and time.monotonic() - self._last_cadence_check > 1.0 and self.shard.leads:
                 self._tend_cadence()
         for fragment, frag in self.fragments.items():
             if frag.round:
                 self._maybe_merge(fragment, frag)
-        if self.ended is None and fleet is not None:
+        if self.ended is None and fleet is not None and self.shard.leads:
             self._maybe_end(fleet, complete)
+
+    def _follow_leader(self) -> None:
+        """A shard other than 0 takes the round clock and the run's end from Redis, where shard 0 keeps them."""
+        self.cadence = self.bus.cadence() or self.cadence
+        self._clock_offset_s = self.bus.server_time() - time.time()
+        if self.ended is None and (end := self.bus.run_end()) is not None:
+            self.ended = end
+            log.info("run %s was ended by shard 0: %s", self.spec.run, end.reason)
 
     def _see_fleet(self, fleet: Fleet, complete: bool, now: Fleet) -> None:
         """Take in a fleet read (`FleetView.see`): the learners of the fragments' recent rounds are
@@ -415,13 +454,24 @@ class Coordinator:
                                   if frag.head >= 0 else 0)
         return frag.merged_tokens
 
+    def _all_merged_tokens(self) -> dict[int, int]:
+        """The tokens merged into every fragment of the run: this shard's own, and the other shards' from
+        the manifests of their heads in Redis (read once per head)."""
+        merged = {f: self._merged_tokens(f, frag) for f, frag in self.fragments.items()}
+        for f, head in self.bus.heads().items():
+            if f not in merged and 0 <= f < self.spec.num_fragments:
+                if (f, head) not in self._others_tokens:
+                    self._others_tokens = {k: v for k, v in self._others_tokens.items() if k[0] != f}
+                    self._others_tokens[(f, head)] = read_manifest(self.store, self.keys, f, head).merged_tokens
+                merged[f] = self._others_tokens[(f, head)]
+        return {f: merged.get(f, 0) for f in range(self.spec.num_fragments)}
+
     def _maybe_end(self, fleet: Fleet, complete: bool) -> None:
         """Finish the run once `policy.run_end` says it is over and no announcement is pending in the
         stream either (none left to another consumer), or once every fragment has merged the token
         budget (`policy.budget_spent`; what is in flight is not merged then)."""
         if self.config.token_budget > 0:
-            spent = budget_spent({f: self._merged_tokens(f, frag) for f, frag in self.fragments.items()},
-                                 self.config.token_budget)
+            spent = budget_spent(self._all_merged_tokens(), self.config.token_budget)
             if spent is not None:
                 self._end("budget", spent)
                 return
@@ -442,8 +492,11 @@ class Coordinator:
         if current != self.epoch:
             self.leadership.deposed()
             raise Fenced(f"another coordinator holds run {self.spec.run!r} (epoch {current}, ours {self.epoch})")
+        # The other shards' heads are Redis's: nothing is pending in any shard's group (`_maybe_end`), so
+        # each committed its last round, the head and the acknowledgements in one script.
+        heads = {**self.bus.heads(), **{f: frag.head for f, frag in self.fragments.items()}}
         end = RunEnd(run=self.spec.run, finished_at=self.now(), by=by, reason=reason,
-                     versions=tuple(self.fragments[f].head for f in range(self.spec.num_fragments)), epoch=self.epoch)
+                     versions=tuple(heads.get(f, -1) for f in range(self.spec.num_fragments)), epoch=self.epoch)
         try:
             self.store.put(self.keys.finished_record(), end.to_wire(), create_only=True)
         except Conflict:
@@ -501,8 +554,16 @@ class Coordinator:
                  "fixed" if self.config.round_s > 0 else f"{self.spec.sync_every} steps of the fastest learner")
 
     # ---- intake ------------------------------------------------------------------------------
+    def _mine(self, item: Announcement | Refused) -> bool:
+        """Whether this shard deals with an entry: one for a fragment it owns; shard 0 also refuses the
+        ones that name no fragment of the run or do not decode."""
+        if isinstance(item, Refused) or not 0 <= item.fragment < self.spec.num_fragments:
+            return self.shard.leads
+        return self.shard.owns(item.fragment)
+
     def _intake(self, entries: list) -> None:
         to_fetch: list[tuple[str, Announcement]] = []
+        foreign: list[str] = []
         seen = {c.announcement.contribution_id for f in self.fragments.values() for c in f.round}
         held = {c.entry_id for f in self.fragments.values() for c in f.round}
         with self.timing("check"):
@@ -518,6 +579,9 @@ class Coordinator:
                     # contribution in memory only. It stays pending until its round commits.
                     continue
                 held.add(entry_id)
+                if not self._mine(item):
+                    foreign.append(entry_id)
+                    continue
                 if isinstance(item, Refused):
                     self._refuse(entry_id, None, item)
                     continue
@@ -540,6 +604,7 @@ class Coordinator:
                     while len(self._recovered) > MAX_RECOVERED_IDS:
                         del self._recovered[next(iter(self._recovered))]
                 to_fetch.append((entry_id, item))
+            self.bus.ack(foreign)  # another shard's: it reads them through its own group
         futures = [(eid, a, self._pool.submit(self._fetch, a)) for eid, a in to_fetch]
         for entry_id, a, future in futures:
             try:

@@ -36,8 +36,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from tenacity import retry, retry_if_exception, stop_after_delay, wait_random_exponential
 
-from diloco.storage.errors import ConfigError, Refused
-from diloco.storage.keys import RunKeys
+from diloco.storage.errors import ConfigError, DilocoError, Refused
+from diloco.storage.keys import RunKeys, Shard
 from diloco.storage.protocol import (Announcement, Cadence, FinishRequest, LearnerFinished, LearnerLeft, LearnerStats,
                                      Refusal, RunEnd, VersionEvent)
 from diloco.storage.settings import ENV_REDIS_URL, Endpoints, redact_url
@@ -133,6 +133,14 @@ def _next_id(entry_id: str) -> tuple[int, int]:
     return ms, seq + 1
 
 
+def _previous_id(entry_id: tuple[int, int]) -> str:
+    """The largest stream id before `entry_id`, as a string (XGROUP CREATE reads the entries after it)."""
+    ms, seq = entry_id
+    if seq > 0:
+        return f"{ms}-{seq - 1}"
+    return f"{ms - 1}-18446744073709551615" if ms > 0 else "0"
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -164,6 +172,11 @@ class Backlog:
         """Age of the oldest entry not dealt with: how far behind the coordinator is."""
         times = [t for t in (self.oldest_pending_at, self.oldest_undelivered_at) if t is not None]
         return max(0.0, now - min(times)) if times else None
+
+
+class GroupGone(DilocoError):
+    """This shard's consumer group is not on the announcements stream: dropped when the run's number of
+    shards changed (this coordinator is then fenced), or deleted by hand."""
 
 
 class CommitResult(enum.Enum):
@@ -336,13 +349,18 @@ class Fleet:
 
 
 class Bus:
-    """The Redis side of one run. Thread-safe (redis-py pools connections)."""
+    """The Redis side of one run, as one coordinator `shard` of it sees it (its consumer group, its
+    lease and fencing epoch; learners and tools use the default). Thread-safe (redis-py pools connections)."""
 
-    def __init__(self, endpoints: Endpoints, run: str) -> None:
+    def __init__(self, endpoints: Endpoints, run: str, shard: Shard = Shard()) -> None:
         if not endpoints.redis_url:
             raise ConfigError(f"no Redis configured: set {ENV_REDIS_URL}")
         self.keys = RunKeys(endpoints.prefix, run)
         self.run = run
+        self.shard = shard
+        self.group = RunKeys.group_of(shard)
+        """The consumer group this shard reads the announcements through."""
+        self.epoch_key = self.keys.epoch_of(shard)
         self.url = redact_url(endpoints.redis_url)
         """The Redis URL without its password: the only form of it that goes into messages."""
         self.r = connect(endpoints.redis_url)
@@ -365,12 +383,38 @@ class Bus:
 
     @redis_retry
     def ensure_group(self) -> None:
-        """Create the consumer group (and the stream) if missing. Idempotent."""
+        """Create the consumer group of every shard of this one's layout (and the stream) if missing,
+        then drop the groups of another layout. Idempotent.
+
+        A run's first groups read the stream from its start. Groups made when the number of shards
+        changed start at the oldest announcement the old groups had not dealt with (pending or not
+        delivered yet): nothing is skipped, and whatever of the later ones was applied is refused as a
+        duplicate. Only then are the old groups dropped; the leases let the number change only once
+        no shard of the old one is alive (`storage.lease`)."""
+        ours = [RunKeys.group_of(s) for s in self.shard.layout()]
+        groups = self._groups()
+        missing = [g for g in ours if g not in groups]
+        if missing:
+            oldest = self._oldest_unfinished()
+            start = "0" if oldest is None or oldest == (0, 0) else _previous_id(oldest)
+            for name in missing:
+                try:
+                    self.r.xgroup_create(self.keys.announcements, name, id=start, mkstream=True)
+                except redis.ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+        for name in groups:
+            if name not in ours and (name == RunKeys.GROUP or name.startswith(RunKeys.GROUP + ":")):
+                self.r.xgroup_destroy(self.keys.announcements, name)
+                log.warning("dropped the consumer group %s: the run is coordinated by %s now", name,
+                            f"{self.shard.count} shard(s)")
+
+    def _groups(self) -> dict[str, dict]:
+        """The announcements stream's consumer groups by name (none without a stream)."""
         try:
-            self.r.xgroup_create(self.keys.announcements, self.keys.GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+            return {_text(g["name"]): g for g in self.r.xinfo_groups(self.keys.announcements)}
+        except redis.ResponseError:  # no stream yet
+            return {}
 
     @staticmethod
     def _parse(entry_id: bytes, fields: dict | None) -> Entry:
@@ -391,8 +435,13 @@ class Bus:
         Waits up to `block_ms` for new entries; `block_ms <= 0` returns at once (Redis itself reads
         BLOCK 0 as "wait forever")."""
         block = None if pending else _block(block_ms)
-        reply = self.r.xreadgroup(self.keys.GROUP, consumer, {self.keys.announcements: "0" if pending else ">"},
-                                  count=count, block=block)
+        try:
+            reply = self.r.xreadgroup(self.group, consumer, {self.keys.announcements: "0" if pending else ">"},
+                                      count=count, block=block)
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                raise GroupGone(f"the consumer group {self.group} is gone from {self.keys.announcements}") from None
+            raise
         out: list[Entry] = []
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
@@ -413,8 +462,13 @@ class Bus:
     @redis_retry
     def autoclaim(self, consumer: str, *, min_idle_ms: int, count: int = 64) -> list[Entry]:
         """Take over entries left pending by other consumers for longer than min_idle_ms."""
-        reply = self.r.xautoclaim(self.keys.announcements, self.keys.GROUP, consumer, min_idle_ms,
-                                  start_id="0-0", count=count)
+        try:
+            reply = self.r.xautoclaim(self.keys.announcements, self.group, consumer, min_idle_ms,
+                                      start_id="0-0", count=count)
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                raise GroupGone(f"the consumer group {self.group} is gone from {self.keys.announcements}") from None
+            raise
         # Redis 6.2 answers [next, entries]; 7.0 adds a list of deleted ids.
         entries = reply[1] if len(reply) > 1 else []
         out: list[Entry] = []
@@ -432,7 +486,7 @@ class Bus:
     def ack(self, entry_ids: Sequence[str]) -> int:
         if not entry_ids:
             return 0
-        return int(self._ack(keys=[self.keys.announcements], args=[self.keys.GROUP, *entry_ids]))
+        return int(self._ack(keys=[self.keys.announcements], args=[self.group, *entry_ids]))
 
     @redis_retry
     def refuse(self, entry_id: str | None, refusal: Refusal) -> None:
@@ -442,7 +496,7 @@ class Bus:
         pipe.hincrby(self.keys.counters, "contributions_refused", 1)
         pipe.hincrby(self.keys.counters, f"refused:{refusal.code}", 1)
         if entry_id:
-            pipe.xack(self.keys.announcements, self.keys.GROUP, entry_id)
+            pipe.xack(self.keys.announcements, self.group, entry_id)
         pipe.execute()
 
     @redis_retry
@@ -453,25 +507,37 @@ class Bus:
         return [(eid.decode(), fields.get(FIELD, b"")) for eid, fields in self.r.xrevrange(stream, count=count)]
 
     @redis_retry
-    def leadership(self) -> tuple[int | None, str | None, float | None]:
-        """The fencing epoch, the lease's holder and the seconds until its lease expires (None: unset)."""
+    def leadership(self, shard: Shard | None = None) -> tuple[int | None, str | None, float | None]:
+        """The fencing epoch of `shard` (this bus's by default), its lease's holder and the seconds until
+        its lease expires (None: unset)."""
+        shard = shard or self.shard
         pipe = self.r.pipeline(transaction=False)
-        pipe.get(self.keys.epoch)
-        pipe.get(self.keys.lease)
-        pipe.pttl(self.keys.lease)
+        pipe.get(self.keys.epoch_of(shard))
+        pipe.get(self.keys.lease_of(shard))
+        pipe.pttl(self.keys.lease_of(shard))
         raw_epoch, holder, ttl_ms = pipe.execute()
         return (None if raw_epoch is None else int(raw_epoch), None if holder is None else holder.decode(errors="replace"),
                 None if holder is None or int(ttl_ms) < 0 else int(ttl_ms) / 1000.0)
 
     @redis_retry
+    def shard_count(self) -> int | None:
+        """How many shards coordinate the run (`RunKeys.shards`); None before a coordinator took a lease."""
+        raw = self.r.get(self.keys.shards)
+        return None if raw is None else int(raw)
+
+    @redis_retry
     def consumers(self) -> list[tuple[str, int, float]]:
-        """The announcement group's consumers: (name, entries pending, seconds idle); none before the group exists."""
-        try:
-            found = self.r.xinfo_consumers(self.keys.announcements, self.keys.GROUP)
-        except redis.ResponseError:  # no stream or no group yet
-            return []
-        return [(c["name"].decode() if isinstance(c["name"], bytes) else str(c["name"]), int(c["pending"]),
-                 int(c["idle"]) / 1000.0) for c in found]
+        """The consumers of the announcements' groups: (name, entries pending, seconds idle), a shard's
+        consumers named `group/consumer` where the run has several; none before a group exists."""
+        out = []
+        for group in self._groups():
+            try:
+                found = self.r.xinfo_consumers(self.keys.announcements, group)
+            except redis.ResponseError:  # dropped meanwhile
+                continue
+            prefix = "" if group == RunKeys.GROUP else f"{group}/"
+            out += [(prefix + _text(c["name"]), int(c["pending"]), int(c["idle"]) / 1000.0) for c in found]
+        return out
 
     @redis_retry
     def refusals(self, count: int = 1000) -> list[Refusal]:
@@ -482,43 +548,55 @@ class Bus:
 
     @redis_retry
     def backlog(self) -> Backlog:
-        """The announcements not dealt with yet: pending in the group (delivered to a consumer, not
-        acknowledged) and not delivered yet, with the Redis time of the oldest of each (a stream
-        id starts with the time it was added at). A few small reads, whatever the stream's length."""
+        """The announcements not dealt with yet: pending in a group (delivered to a consumer, not
+        acknowledged) and not delivered yet, with the Redis time of the oldest of each (a stream id
+        starts with the time it was added at). A run of several shards has a group per shard: their
+        pending entries add up, and what waits is what the group furthest behind has not read. A few
+        small reads per group, whatever the stream's length."""
         length = self.r.xlen(self.keys.announcements)
-        try:
-            groups = self.r.xinfo_groups(self.keys.announcements)
-        except redis.ResponseError:  # no stream yet
-            return Backlog(0, 0, 0, None, None, group=False)
-        group = next((g for g in groups if _text(g["name"]) == self.keys.GROUP), None)
-        if group is None:  # nobody has read the stream yet: every entry waits
-            first = self.r.xrange(self.keys.announcements, count=1)
+        groups = self._groups()
+        if not groups:  # nobody has read the stream yet: every entry waits
+            first = self.r.xrange(self.keys.announcements, count=1) if length else []
             return Backlog(length, 0, length, None, _stream_id(_text(first[0][0]))[0] / 1000 if first else None,
                            group=False)
-        summary = self.r.xpending(self.keys.announcements, self.keys.GROUP)
-        pending = int(summary["pending"])
-        after = "(" + _text(group["last-delivered-id"])
-        first_new = self.r.xrange(self.keys.announcements, min=after, count=1)
-        undelivered = group.get("lag")  # Redis >= 7 (None where it cannot tell, entries deleted)
-        if undelivered is None:
-            undelivered = len(self.r.xrange(self.keys.announcements, min=after, count=BACKLOG_COUNTED)) if first_new else 0
-        return Backlog(length, pending, int(undelivered),
-                       _stream_id(_text(summary["min"]))[0] / 1000 if pending else None,
-                       _stream_id(_text(first_new[0][0]))[0] / 1000 if first_new else None, group=True)
+        pending, undelivered = 0, 0
+        oldest_pending: float | None = None
+        oldest_new: float | None = None
+        for name, group in groups.items():
+            summary = self.r.xpending(self.keys.announcements, name)
+            pending += int(summary["pending"])
+            if summary["pending"]:
+                at = _stream_id(_text(summary["min"]))[0] / 1000
+                oldest_pending = at if oldest_pending is None else min(oldest_pending, at)
+            after = "(" + _text(group["last-delivered-id"])
+            first_new = self.r.xrange(self.keys.announcements, min=after, count=1)
+            lag = group.get("lag")  # Redis >= 7 (None where it cannot tell, entries deleted)
+            if lag is None:
+                lag = len(self.r.xrange(self.keys.announcements, min=after, count=BACKLOG_COUNTED)) if first_new else 0
+            undelivered = max(undelivered, int(lag))
+            if first_new:
+                at = _stream_id(_text(first_new[0][0]))[0] / 1000
+                oldest_new = at if oldest_new is None else min(oldest_new, at)
+        return Backlog(length, pending, undelivered, oldest_pending, oldest_new, group=True)
 
     def _oldest_unfinished(self) -> tuple[int, int] | None:
-        """The id of the oldest announcement not dealt with yet: pending in the group (on any
-        consumer) or not yet delivered to it; (0, 0) if the group does not exist, None without a stream."""
+        """The id of the oldest announcement not dealt with yet: pending in a group (on any consumer)
+        or not yet delivered to it, over every group; (0, 0) if no group exists, None without a stream."""
         try:
             groups = self.r.xinfo_groups(self.keys.announcements)
-            pending = self.r.xpending(self.keys.announcements, self.keys.GROUP)
-        except redis.ResponseError:  # no stream, or no group yet
+        except redis.ResponseError:  # no stream
             return None
-        group = next((g for g in groups if g["name"].decode() == self.keys.GROUP), None)
-        if group is None:
+        if not groups:
             return (0, 0)
-        start = _next_id(group["last-delivered-id"].decode())
-        return min(start, _stream_id(pending["min"].decode())) if pending["pending"] else start
+        oldest: tuple[int, int] | None = None
+        for group in groups:
+            start = _next_id(_text(group["last-delivered-id"]))
+            if int(group["pending"]):
+                pending = self.r.xpending(self.keys.announcements, _text(group["name"]))
+                if pending["pending"]:
+                    start = min(start, _stream_id(_text(pending["min"])))
+            oldest = start if oldest is None else min(oldest, start)
+        return oldest
 
     @redis_retry
     def trim_announcements(self, keep: int = ANNOUNCEMENTS_KEPT) -> int:
@@ -567,11 +645,14 @@ class Bus:
 
     @redis_retry
     def pending_count(self) -> int:
-        try:
-            info = self.r.xpending(self.keys.announcements, self.keys.GROUP)
-        except redis.ResponseError:
-            return 0
-        return int(info["pending"])
+        """The announcements some shard has not dealt with yet: pending in its group, or not read by it
+        (counted as 1 per group that has any). 0 without a stream or a group."""
+        waiting = 0
+        for group in self._groups().values():
+            waiting += int(group["pending"])
+            after = "(" + _text(group["last-delivered-id"])
+            waiting += len(self.r.xrange(self.keys.announcements, min=after, count=1))
+        return waiting
 
     # ---- versions (coordinator -> learners) ---------------------------------------------
     @redis_retry
@@ -586,11 +667,11 @@ class Bus:
         versions (older contributions are refused as stale anyway; 0 keeps them all).
         `check_applied` False: commit it even if Redis has one of its contributions applied (the
         version's manifest is in S3 already, so it is committed whatever Redis says)."""
-        keys = [self.keys.heads, self.keys.commits, self.keys.applied, self.keys.epoch, self.keys.versions,
+        keys = [self.keys.heads, self.keys.commits, self.keys.applied, self.epoch_key, self.keys.versions,
                 self.keys.announcements, self.keys.counters, self.keys.applied_log(event.fragment)]
         args: list[Any] = [event.fragment, "" if expected_head is None else expected_head, event.version,
                            event.params_sha256, "" if epoch is None else epoch, event.to_wire(),
-                           self.keys.GROUP, VERSIONS_MAXLEN, int(check_applied), keep_applied, COMMITS_KEPT,
+                           self.group, VERSIONS_MAXLEN, int(check_applied), keep_applied, COMMITS_KEPT,
                            len(event.contributions), *event.contributions, len(ack_ids), *ack_ids]
         result = CommitResult(int(self._commit(keys=keys, args=args)))
         if result is CommitResult.ALREADY:
@@ -633,14 +714,14 @@ class Bus:
     # ---- the round clock ---------------------------------------------------------------
     @redis_retry
     def epoch(self) -> int | None:
-        """The current fencing epoch; None if Redis lost it."""
-        raw = self.r.get(self.keys.epoch)
+        """The current fencing epoch of this bus's shard; None if Redis lost it."""
+        raw = self.r.get(self.epoch_key)
         return None if raw is None else int(raw)
 
     @redis_retry
     def wiped(self) -> bool:
-        """Redis has lost the run's keys: the fencing epoch key is gone (restarted empty, or flushed)."""
-        return not self.r.exists(self.keys.epoch)
+        """Redis has lost the run's keys: this shard's fencing epoch key is gone (restarted empty, or flushed)."""
+        return not self.r.exists(self.epoch_key)
 
     @redis_retry
     def server_run_id(self) -> str:
@@ -763,7 +844,7 @@ class Bus:
     @redis_retry
     def set_run_end(self, end: RunEnd, epoch: int) -> bool:
         """Publish the run's end, fenced: False (nothing written) if `epoch` is not the current one."""
-        return bool(self._set_finished(keys=[self.keys.epoch, self.keys.finished], args=[epoch, end.to_wire()]))
+        return bool(self._set_finished(keys=[self.epoch_key, self.keys.finished], args=[epoch, end.to_wire()]))
 
     @redis_retry
     def run_end(self) -> RunEnd | None:

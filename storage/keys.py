@@ -58,6 +58,50 @@ def _num(value: int, digits: int) -> str:
     return f"{value:0{digits}d}"
 
 
+MAX_SHARDS = 256
+"""The most coordinator shards one run may be split into (each owns at least one fragment)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One coordinator's part of a run: the fragments f with f % count == index. A run is coordinated
+    by `count` shards (1: one coordinator for every fragment), each under a lease and fencing epoch of
+    its own and reading the announcements through a consumer group of its own; shard 0 also keeps the
+    run's clock and ends the run (`coordinator.service`)."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.count <= MAX_SHARDS:
+            raise ValueError(f"a run is coordinated by 1 to {MAX_SHARDS} shards, not {self.count}")
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard {self.index} does not exist in a run of {self.count} shard(s): 0 to {self.count - 1}")
+
+    def owns(self, fragment: int) -> bool:
+        return fragment % self.count == self.index
+
+    def fragments(self, num_fragments: int) -> list[int]:
+        return list(range(self.index, num_fragments, self.count))
+
+    def layout(self) -> list[Shard]:
+        """Every shard of this one's run layout."""
+        return [Shard(i, self.count) for i in range(self.count)]
+
+    @property
+    def leads(self) -> bool:
+        """Shard 0 keeps the run-level duties: the round clock, trimming, refusals naming no fragment, the end."""
+        return self.index == 0
+
+    @property
+    def suffix(self) -> str:
+        """What this shard's Redis keys add to the run's (nothing for a run of one shard)."""
+        return "" if self.count == 1 else f":{self.index}of{self.count}"
+
+    def __str__(self) -> str:
+        return f"shard {self.index} of {self.count}"
+
+
 @dataclass(frozen=True, slots=True)
 class RunKeys:
     """Keys of one run. `prefix` is the bucket-level prefix (no leading/trailing '/')."""
@@ -190,12 +234,26 @@ class RunKeys:
     @property
     def epoch(self) -> str:
         """String: the current coordinator fencing epoch; commits carrying another epoch fail."""
-        return self._r + "epoch"
+        return self.epoch_of(Shard())
+
+    def epoch_of(self, shard: Shard) -> str:
+        """String: the fencing epoch of the coordinator of `shard` (its fragments' commits carry it)."""
+        return self._r + "epoch" + shard.suffix
 
     @property
     def lease(self) -> str:
         """String with a TTL: the name of the coordinator that holds the run (storage.lease)."""
-        return self._r + "lease"
+        return self.lease_of(Shard())
+
+    def lease_of(self, shard: Shard) -> str:
+        """String with a TTL: the name of the coordinator that holds `shard` (storage.lease)."""
+        return self._r + "lease" + shard.suffix
+
+    @property
+    def shards(self) -> str:
+        """String: how many shards coordinate the run (`Shard.count`); every shard's lease agrees with it,
+        and it changes only while no shard of the old count holds its lease (storage.lease)."""
+        return self._r + "shards"
 
     @property
     def cadence(self) -> str:
@@ -243,7 +301,13 @@ class RunKeys:
         return self._r + "refusals"
 
     GROUP = "coordinator"
-    """Consumer group on the announcements stream."""
+    """Consumer group on the announcements stream (of a run coordinated by one shard)."""
+
+    @staticmethod
+    def group_of(shard: Shard) -> str:
+        """The consumer group through which `shard` reads the announcements (each shard reads every
+        entry and acknowledges the other shards' at once)."""
+        return RunKeys.GROUP + shard.suffix
 
     # ---- a learner's losses (S3) and leaving without finishing (Redis) -----------------------
     def loss_log(self, learner: str, seq: int) -> str:

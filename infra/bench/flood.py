@@ -35,7 +35,8 @@ from pathlib import Path
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.service import Coordinator
-from diloco.infra.bench.throughput import ThroughputConfig, fresh_run, join
+from diloco.infra.bench.backlog import ThroughputConfig, fresh_run
+from diloco.infra.bench.throughput import join
 from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.infra.options import add_options, build, require_at_least
 from diloco.infra.output import figures_table

@@ -36,8 +36,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,15 +44,16 @@ import torch
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.service import Coordinator
-from diloco.infra.local.stack import LocalStack, aws_env, create_bucket
-from diloco.infra.options import add_options, build, require_at_least
+from diloco.infra.bench.backlog import (MB, SyntheticModel, ThroughputConfig, deltas_announced, fresh_run, raw_get,
+                                        send, tensor_shapes)
+from diloco.infra.bench.sharded import ShardedRepeat, sharded_repeat
+from diloco.infra.local.stack import LocalStack, aws_env
+from diloco.infra.options import add_options, build
 from diloco.infra.output import figures_table
-from diloco.storage.bus import Bus
 from diloco.storage.codecs import CODECS
-from diloco.storage.errors import ConfigError, DilocoError
+from diloco.storage.errors import DilocoError
 from diloco.storage.history import read_manifest
 from diloco.storage.objects import ObjectStore
-from diloco.storage.protocol import Announcement
 from diloco.storage.settings import Endpoints
 from diloco.workers.learner import Learner
 
@@ -63,45 +63,10 @@ NAME = "coordinator"
 HELP = ("coordinator throughput: contributions merged per second and MB/s, against the raw S3 GET "
         "throughput of the same objects from the same server (the limit)")
 
-MB = 1 << 20
 LOOP_PHASES = ("read", "check", "fetch_wait", "load", "merge", "outer", "encode", "put", "manifest", "commit")
 """Phases of the coordinator's loop (wall time, in this order in the table)."""
 THREAD_PHASES = ("get", "verify")
 """Phases on the fetch threads (thread-seconds: they overlap each other and `fetch_wait`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ThroughputConfig:
-    """The workload and the measurement of `diloco bench coordinator` (one option per field)."""
-
-    fragment_mb: float = 4.0
-    """Size of one fragment in MB of fp32 parameters (a contribution decodes to this much)."""
-    tensors: int = 6
-    """Tensors per fragment (matrices of several sizes and one vector)."""
-    fragments: int = 2
-    """P: fragments of the run."""
-    learners: int = 4
-    """M: learners sending contributions."""
-    contributions: int = 128
-    """N: contributions the learners send in total, spread over learners and fragments (the coordinator
-    reads up to 256 announcements at a time, so the default backlog is one batch)."""
-    codec: str = "int8"
-    """Codec of the contributions (one of `storage.codecs.CODECS`)."""
-    compress: bool = True
-    """zstd on top of the codec (the run default)."""
-    fetch_threads: int = CoordinatorConfig().fetch_threads
-    """Parallel S3 GETs of the coordinator, and of the raw GET measurement."""
-    repeats: int = 3
-    """Repeats, each on a fresh run; the table reports the median and the spread."""
-    timeout_s: float = 600.0
-    """Give up if the coordinator has not committed every contribution after this long."""
-
-    def __post_init__(self) -> None:
-        if self.codec not in CODECS:
-            raise ConfigError(f"--codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        require_at_least(self, tensors=2, fragments=1, learners=1, contributions=1, fetch_threads=1, repeats=1)
-        if not self.fragment_mb * MB / 4 >= 1024 * self.tensors:
-            raise ConfigError(f"--fragment-mb {self.fragment_mb} is too small for {self.tensors} tensors")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,29 +81,6 @@ def run(args: argparse.Namespace) -> ThroughputResult:
         return measure(config, args.stack_dir)
     with tempfile.TemporaryDirectory(prefix="diloco-bench-") as tmp:
         return measure(config, Path(tmp))
-
-
-# ---- the synthetic model ------------------------------------------------------------------------
-
-def tensor_shapes(fragment_mb: float, tensors: int) -> list[tuple[int, ...]]:
-    """Shapes of one fragment: `tensors - 1` matrices 1024 wide of growing height, then a vector
-    of 1024, adding up to `fragment_mb` MB of fp32 (rounded to whole rows)."""
-    width = 1024
-    rows = int(fragment_mb * MB / 4) // width - 1
-    weights = list(range(1, tensors))
-    heights = [max(1, rows * w // sum(weights)) for w in weights]
-    return [(h, width) for h in heights] + [(width,)]
-
-
-class SyntheticModel(torch.nn.Module):
-    """P blocks of parameters (`blocks.{i}.{j}`): the layout planner puts block i in fragment i."""
-
-    def __init__(self, fragments: int, shapes: list[tuple[int, ...]]) -> None:
-        super().__init__()
-        generator = torch.Generator().manual_seed(0)
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, generator=generator) * 0.02) for s in shapes)
-            for _ in range(fragments))
 
 
 # ---- one repeat ---------------------------------------------------------------------------------
@@ -202,27 +144,25 @@ def measure(config: ThroughputConfig, stack_dir: Path) -> ThroughputResult:
     """Start a local stack under `stack_dir`, run `config.repeats` repeats on it, stop it."""
     stack = LocalStack(stack_dir)
     with stack, aws_env(stack.env()):  # the stack's credentials for boto3's chain
-        repeats = []
+        repeats, sharded = [], []
         for i in range(config.repeats):
             repeats.append(one_repeat(config, stack))
             r = repeats[-1]
             log.info("repeat %d/%d: raw GET %.1f MB/s, coordinator %.1f MB/s (%.1f contributions/s, %d versions), "
                      "ratio %.2f", i + 1, config.repeats, r.raw_mb_s, r.coordinator_mb_s, r.contributions_per_s,
                      r.versions, r.ratio)
-    bad = [i + 1 for i, r in enumerate(repeats) if not r.consistent]
+            for k in config.shard_counts:
+                (stack_dir / "shards").mkdir(exist_ok=True)
+                sharded.append(sharded_repeat(config, stack, k, stack_dir / "shards"))
+                f = sharded[-1].figures()
+                log.info("repeat %d/%d, %d coordinator process(es): %.1f MB/s (%.1f contributions/s), ratio %.2f",
+                         i + 1, config.repeats, k, f["coordinator_mb_s"], f["contributions_per_s"], f["ratio"])
+    bad = [asdict(r) for r in [*repeats, *sharded] if not r.consistent]
     if bad:
-        raise DilocoError(f"repeat(s) {bad} did not merge every contribution exactly once: "
-                          f"{[asdict(repeats[i - 1]) for i in bad]}")
+        raise DilocoError(f"repeat(s) did not merge every contribution exactly once: {bad}")
     return ThroughputResult(config=config, server=stack.s3_kind, shapes=tensor_shapes(config.fragment_mb,
                                                                                        config.tensors),
-                            repeats=repeats)
-
-
-def fresh_run(stack: LocalStack) -> tuple[Endpoints, str]:
-    """A bucket, key prefix and run id of this repeat's own on the shared stack."""
-    tag = uuid.uuid4().hex[:10]
-    create_bucket(stack.client(), f"bench-{tag}")
-    return replace(stack.endpoints, bucket=f"bench-{tag}", prefix=f"b{tag}"), f"bench-{tag}"
+                            repeats=repeats, sharded=sharded)
 
 
 def one_repeat(config: ThroughputConfig, stack: LocalStack) -> Repeat:
@@ -285,27 +225,6 @@ def join(coord: Coordinator, endpoints: Endpoints, run_id: str, name: str, confi
     return learner
 
 
-def send(learner: Learner, contributions: int, fragments: int) -> None:
-    """Train until `contributions` deltas are sent (H = P: one fragment per step from step P on),
-    each stored and announced before the next step, then leave the run."""
-    optimizer = learner.optimizer
-    sent = learner.stats.uploaded
-    for _ in range(fragments - 1 + contributions):
-        for p in learner.model.parameters():
-            p.grad = torch.randn_like(p)
-        optimizer.step()
-        if not learner.uploader.flush(120):
-            raise DilocoError(f"{learner.learner_id}: a contribution was not uploaded within 120s")
-    learner.close()
-    if learner.stats.uploaded - sent != contributions or learner.stats.upload_failed:
-        raise DilocoError(f"{learner.learner_id} sent {learner.stats.uploaded - sent} contributions, "
-                          f"{learner.stats.upload_failed} failed; {contributions} were wanted")
-
-
-def deltas_announced(bus: Bus) -> list[Announcement]:
-    return [a for _eid, a in bus.announcement_entries() if isinstance(a, Announcement) and a.kind == "delta"]
-
-
 class CpuClock:
     """CPU seconds used inside a `with` block by this process (all threads) and by the `pids` (the
     servers; NaN where /proc cannot be read)."""
@@ -331,17 +250,6 @@ class CpuClock:
                 return math.nan
             total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
         return total
-
-
-def raw_get(store: ObjectStore, keys: list[str], max_bytes: int, threads: int, expect_bytes: int) -> float:
-    """Seconds to GET every key with `threads` threads (the coordinator's adapter, nothing else)."""
-    with ThreadPoolExecutor(threads, thread_name_prefix="raw-get") as pool:
-        t0 = time.perf_counter()
-        got = sum(pool.map(lambda key: len(store.get(key, max_bytes=max_bytes)), keys))
-        elapsed = time.perf_counter() - t0
-    if got != expect_bytes:
-        raise DilocoError(f"raw GET read {got} bytes, the announcements say {expect_bytes}")
-    return elapsed
 
 
 def drain(coord: Coordinator, contributions: int,
@@ -383,6 +291,17 @@ class ThroughputResult:
     """The S3 server of the stack: "weed" (SeaweedFS) or "minio"."""
     shapes: list[tuple[int, ...]]
     repeats: list[Repeat] = field(default_factory=list)
+    sharded: list[ShardedRepeat] = field(default_factory=list)
+
+    def by_shards(self) -> dict[int, dict[str, float]]:
+        """Median figures per number of coordinator processes, with `x_one`: contributions/s against one process."""
+        out = {k: {name: statistics.median(r.figures()[name] for r in self.sharded if r.shards == k)
+                   for name in self.sharded[0].figures()}
+               for k in sorted({r.shards for r in self.sharded})}
+        one = out.get(1, {}).get("contributions_per_s")
+        for figures in out.values():
+            figures["x_one"] = figures["contributions_per_s"] / one if one else math.nan
+        return out
 
     def median(self) -> dict[str, float]:
         return {k: statistics.median(r.figures()[k] for r in self.repeats) for k in self.repeats[0].figures()}
@@ -418,7 +337,14 @@ class ThroughputResult:
                       for p, (s, cpu) in self.phases().items()]
         verdict = (f"ratio coordinator / raw GET: median {med['ratio']:.2f} "
                    f"(target >= 0.50: {'met' if med['ratio'] >= 0.5 else 'not met'})")
-        return "\n".join([head, "", figures_table(columns, rows), "", verdict, "",
+        shard_lines = []
+        if self.sharded:
+            shard_rows = [[k, f["coordinator_mb_s"], f["contributions_per_s"], f["ratio"], f["x_one"]]
+                          for k, f in self.by_shards().items()]
+            shard_lines = ["", "the same workload drained by K `diloco coordinator --shards K` processes (median "
+                           "per K over the repeats, a run of its own each; one torch thread per process):",
+                           figures_table(["K", "coord MB/s", "contrib/s", "ratio", "x K=1"], shard_rows)]
+        return "\n".join([head, "", figures_table(columns, rows), "", verdict, *shard_lines, "",
                           f"where the coordinator's time goes (median per repeat; % of its {wall:.3g}s): seconds and "
                           "CPU seconds of the threads that ran each phase;\nfetch-thread phases overlap each other and "
                           "fetch_wait. CPU ms/MB above: this process + the Redis and S3 servers, per MB of contribution "
@@ -432,4 +358,6 @@ class ThroughputResult:
                 "repeats": [asdict(r) | r.figures() | {"consistent": r.consistent} for r in self.repeats],
                 "median": med, "spread": {k: list(v) for k, v in spread.items()},
                 "phases_median": {p: {"seconds": s, "cpu_s": cpu} for p, (s, cpu) in self.phases().items()},
-                "target_met": med["ratio"] >= 0.5}
+                "target_met": med["ratio"] >= 0.5,
+                "sharded": [asdict(r) | r.figures() | {"consistent": r.consistent} for r in self.sharded],
+                "by_shards": {str(k): v for k, v in self.by_shards().items()} if self.sharded else {}}

@@ -200,22 +200,30 @@ def gather(store: ObjectStore, bus: Bus, num_fragments: int, watched: set[str]) 
 
 
 def backlog(r: redis.Redis, keys: RunKeys) -> int:
-    """Announcements not dealt with yet: pending in the consumer group, or not delivered to it."""
+    """Announcements not dealt with yet: pending in a shard's consumer group, or not delivered to one."""
     last = r.xrevrange(keys.announcements, count=1)
     undelivered = _undelivered_entries(r, keys, [last[0][0].decode()]) if last else set()
+    return len(_pending_entries(r, keys)) + len(undelivered)
+
+
+def _groups(r: redis.Redis, keys: RunKeys) -> dict[str, tuple[int, int]] | None:
+    """Each consumer group (one per coordinator shard) and the last entry delivered to it; None without a stream."""
     try:
-        pending = int(r.xpending(keys.announcements, keys.GROUP)["pending"])
+        groups = r.xinfo_groups(keys.announcements)
     except redis.ResponseError:
-        pending = 0
-    return pending + len(undelivered)
+        return None
+    return {g["name"].decode(): _stream_id(g["last-delivered-id"].decode()) for g in groups}
 
 
 def _pending_entries(r: redis.Redis, keys: RunKeys) -> set[str]:
-    try:
-        rows = r.xpending_range(keys.announcements, keys.GROUP, min="-", max="+", count=10**7)
-    except redis.ResponseError:  # no group: nothing was ever read
-        return set()
-    return {row["message_id"].decode() for row in rows}
+    out: set[str] = set()
+    for group in _groups(r, keys) or {}:
+        try:
+            rows = r.xpending_range(keys.announcements, group, min="-", max="+", count=10**7)
+        except redis.ResponseError:  # dropped meanwhile
+            continue
+        out |= {row["message_id"].decode() for row in rows}
+    return out
 
 
 def _stream_id(entry_id: str) -> tuple[int, int]:
@@ -224,14 +232,11 @@ def _stream_id(entry_id: str) -> tuple[int, int]:
 
 
 def _undelivered_entries(r: redis.Redis, keys: RunKeys, entry_ids: list[str]) -> set[str]:
-    try:
-        groups = r.xinfo_groups(keys.announcements)
-    except redis.ResponseError:
+    """The entries some group has not read yet (every entry, before any group exists)."""
+    groups = _groups(r, keys)
+    if not groups:
         return set(entry_ids)
-    group = next((g for g in groups if g["name"].decode() == keys.GROUP), None)
-    if group is None:
-        return set(entry_ids)
-    last = _stream_id(group["last-delivered-id"].decode())
+    last = min(groups.values())
     return {e for e in entry_ids if _stream_id(e) > last}
 
 

@@ -121,6 +121,14 @@ def coordinator_lines(s: RunStatus) -> list[str]:
         holder = f"lease held by {c.holder} (expires {until(c.lease_expires_in_s)})"
     since = "" if c.holder_since_age_s is None else f", epoch claimed {ago(c.holder_since_age_s)}"
     lines = [f"coordinator: epoch {epoch}, {holder}{since}"]
+    if c.shards:
+        lines = [f"coordinator: {len(c.shards)} shards"]
+        for row in c.shards:
+            held = ("nobody holds its lease" if row.holder is None else
+                    f"lease held by {row.holder} (expires {until(row.lease_expires_in_s)})")
+            frags = ", ".join(map(str, row.fragments)) or "none"
+            lines.append(f"  shard {row.shard} (fragments {frags}): epoch "
+                         f"{'none' if row.epoch is None else row.epoch}, {held}")
     for consumer in c.consumers:
         lines.append(f"  consumer {consumer.name}: {consumer.pending} pending, last read {ago(consumer.idle_s)}")
     return lines

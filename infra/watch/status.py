@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from diloco.storage.bus import Bus
 from diloco.storage.errors import DilocoError, Refused
-from diloco.storage.keys import RunKeys
+from diloco.storage.keys import RunKeys, Shard
 from diloco.storage.objects import ObjectMissing, Store
 from diloco.storage.protocol import (MAX_MESSAGE_BYTES, MAX_RECORD_BYTES, Announcement, Cadence, LearnerFinished,
                                      Manifest, Refusal, RunEnd, RunSpec, VersionEvent)
@@ -89,6 +89,17 @@ class ConsumerStatus:
 
 
 @dataclass
+class ShardStatus:
+    """One coordinator shard of a run coordinated by several (`coordinator.config.CoordinatorConfig.shards`)."""
+
+    shard: int
+    fragments: list[int]
+    epoch: int | None
+    holder: str | None
+    lease_expires_in_s: float | None
+
+
+@dataclass
 class CoordinatorStatus:
     epoch: int | None
     """Current fencing epoch (None: Redis lost it)."""
@@ -98,6 +109,8 @@ class CoordinatorStatus:
     holder_since_age_s: float | None
     """Seconds since the current epoch was claimed (its `epochs/` object in S3): the holder's tenure."""
     consumers: list[ConsumerStatus] = field(default_factory=list)
+    shards: list[ShardStatus] = field(default_factory=list)
+    """Each shard, where the run is coordinated by several (the fields above are then shard 0's)."""
 
 
 @dataclass
@@ -275,9 +288,11 @@ def _clock(spec: RunSpec | None, cadence: Cadence | None, now: float) -> tuple[R
                       next_fragment=nxt, next_deadline_in_s=None if nxt is None else deadlines[nxt] - now), deadlines
 
 
-def _coordinator(bus: Bus, store: Store, now: float) -> CoordinatorStatus:
+def _coordinator(bus: Bus, store: Store, now: float, num_fragments: int) -> CoordinatorStatus:
     keys = bus.keys
-    epoch, holder, expires_in_s = bus.leadership()
+    layout = Shard(0, bus.shard_count() or 1).layout()
+    rows = [ShardStatus(s.index, s.fragments(num_fragments), *bus.leadership(s)) for s in layout]
+    epoch, holder, expires_in_s = bus.leadership(layout[0])
     since = None
     if epoch is not None:
         claim = keys.epoch_claim(epoch)
@@ -286,7 +301,7 @@ def _coordinator(bus: Bus, store: Store, now: float) -> CoordinatorStatus:
                 since = max(0.0, now - modified)
     consumers = [ConsumerStatus(name, pending, idle_s) for name, pending, idle_s in bus.consumers()]
     return CoordinatorStatus(epoch=epoch, holder=holder, lease_expires_in_s=expires_in_s, holder_since_age_s=since,
-                             consumers=consumers)
+                             consumers=consumers, shards=rows if len(rows) > 1 else [])
 
 
 def _pending(bus: Bus, now: float) -> PendingStatus:
@@ -370,7 +385,7 @@ def read_status(bus: Bus, store: Store, *, refusals: int = REFUSALS_SHOWN) -> Ru
     keys = bus.keys
     spec = _read_spec(store, keys)
     heads = bus.heads()
-    if spec is None and not heads and bus.epoch() is None:
+    if spec is None and not heads and bus.epoch() is None and bus.shard_count() is None:
         raise RunMissing(f"run {keys.run!r} does not exist: no run spec at {store.url(keys.run_spec())} and no "
                          f"keys named {keys.heads.removesuffix('heads')}* in Redis at {bus.url}: wrong run id, "
                          "bucket, DILOCO_S3_PREFIX or DILOCO_REDIS_URL?")
@@ -410,7 +425,7 @@ def read_status(bus: Bus, store: Store, *, refusals: int = REFUSALS_SHOWN) -> Ru
                                         "overlap_steps": spec.overlap_steps, "codec": spec.codec,
                                         "compress": spec.compress, "merge_rule": spec.merge_rule,
                                         "cadence": spec.cadence, "created_at": spec.created_at},
-        heads_from=heads_from, fragments=fragments, clock=clock, coordinator=_coordinator(bus, store, now),
+        heads_from=heads_from, fragments=fragments, clock=clock, coordinator=_coordinator(bus, store, now, num_fragments),
         learners=learners, finished_learners=finished_learners, refusals=_refusals(bus, now, refusals),
         refused_total=counters.get("contributions_refused", 0),
         refused_by_code=_by_code(counters.items()), pending=_pending(bus, now), counters=counters,

@@ -511,7 +511,7 @@ def test_roll_forward_commits_a_manifest_that_names_an_applied_contribution_agai
     params = {s.name: torch.zeros(s.shape) for s in rig.layout.fragments[0]}
     write_version(rig.store, rig.keys, fragment=0, version=head + 1, params=params, state=NesterovState(),
                   inputs=merged.inputs, refused=(), settings=merged.settings, epoch=rig.coord.epoch)
-    heads = roll_forward(rig.store, rig.bus, 2, rig.coord.epoch, keep_applied=5)
+    heads = roll_forward(rig.store, rig.bus, range(2), rig.coord.epoch, keep_applied=5)
     assert heads[0] == rig.head(0) == head + 1
 
 

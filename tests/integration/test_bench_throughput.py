@@ -36,4 +36,10 @@ def test_bench_coordinator_merges_every_contribution_once_and_writes_its_figures
         for phase in ("get", "verify", "merge", "outer", "encode", "put", "manifest", "commit"):
             assert r["phases_s"][phase][0] > 0, phase
     assert result["median"]["ratio"] > 0
+    # The same workload drained by 1 and by 2 coordinator processes (`--shards 1,2`, the default).
+    assert [r["shards"] for r in result["sharded"]] == [1, 2, 1, 2] and "x K=1" in done.stdout
+    for r in result["sharded"]:
+        assert r["consistent"] and r["merged"] == r["merged_distinct"] == 6 and r["foreign_writes"] == 0
+        assert r["contributions_per_s"] > 0 and r["ratio"] > 0
+    assert set(result["by_shards"]) == {"1", "2"} and result["by_shards"]["1"]["x_one"] == 1
     assert set(result["phases_median"]) >= {"get", "verify", "merge", "commit"}
