@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from diloco.storage.errors import ConfigError
+
 
 @dataclass
 class ChaosConfig:
@@ -18,6 +20,9 @@ class ChaosConfig:
     """Learner processes (each restarted after a kill or a preemption)."""
     slowdown: float = 3.0
     """Step-time multiplier of every learner: keeps the fleet from saturating a small machine."""
+    shards: int = 1
+    """Coordinator shards (`diloco coordinator --shards`), each with its standbys; coordinator kills go to
+    the shards in turn. At most 2 (the chaos run has two fragments)."""
     lease_s: float = 2.0
     """Coordinator lease: a killed coordinator's standby takes over after this long."""
     restart_delay_s: float = 1.0
@@ -26,3 +31,7 @@ class ChaosConfig:
     """At the end: how long the coordinator may take to merge or refuse what is still pending."""
     run: str = "chaos"
     """Run id."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.shards <= 2:
+            raise ConfigError(f"shards must be 1 or 2 (the chaos run has two fragments), got {self.shards}")

@@ -5,8 +5,9 @@
 - judges every process that exited by what it was sent: a SIGTERMed learner must exit 143 (or 0 if it had finished), a
   coordinator armed with a crash point must die there, anything unasked for is a failure;
 - restarts learners (same id, next data seed) `restart_delay_s` after they exited;
-- keeps one coordinator holding the run and standbys waiting (every coordinator is started with
-  `--standby`, so the first one simply takes the free lease). A coordinator fault that is near gets
+- keeps, for each coordinator shard (`--shards`), one coordinator holding it and standbys waiting (every
+  coordinator is started with `--standby`, so the first one simply takes the free lease). Coordinator
+  faults go to the shards in turn. A coordinator fault that is near gets
   a standby started with `DILOCO_CRASH_AT=<step>:1`; when it is due and a plain coordinator holds
   the run, the holder is SIGKILLed, the armed standby takes over once the lease lapses and dies at
   that commit step of its first merge. Several faults near together get several armed standbys,
@@ -30,6 +31,7 @@ from diloco.infra.chaos.config import ChaosConfig
 from diloco.infra.chaos.faults import Fault
 from diloco.infra.local.fleet import Exit, Supervisor, Member, Proc, diloco_command, learner_argv
 from diloco.storage.crashpoints import ENV as CRASH_ENV
+from diloco.storage.keys import RunKeys, Shard
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class CoordinatorProc:
     proc: Proc
     fault: Fault | None
     """The coordinator fault it is armed for: it SIGKILLs itself at that commit step (DILOCO_CRASH_AT)."""
+    shard: int = 0
     ready: bool = False
 
     @property
@@ -113,9 +116,11 @@ class LearnerSlot:
 
 
 class ChaosSupervisor:
-    def __init__(self, cfg: ChaosConfig, env: dict[str, str], quick: redis.Redis, lease_key: str,
+    def __init__(self, cfg: ChaosConfig, env: dict[str, str], quick: redis.Redis, keys: RunKeys,
                  task_path: Path, tally: Tally) -> None:
-        self.cfg, self.quick, self.lease_key, self.task_path = cfg, quick, lease_key, task_path
+        self.cfg, self.quick, self.task_path = cfg, quick, task_path
+        self.shards = Shard(0, cfg.shards).layout()
+        self.lease_keys = [keys.lease_of(s) for s in self.shards]
         self.tally = tally
         self.fleet = Supervisor(env, cfg.out / "logs", term_timeout_s=TERM_TIMEOUT_S)
         self.coordinators: list[CoordinatorProc] = []
@@ -126,6 +131,8 @@ class ChaosSupervisor:
             service=True, restart_after_s=cfg.restart_delay_s, start=False)) for i in range(cfg.learners)]
         self.coordinator_faults: list[Fault] = []
         """Coordinator faults that have not fired yet, by time."""
+        self.fault_shard: dict[int, int] = {}
+        """The shard each coordinator fault kills (by the fault's id): the shards in turn."""
         self.spawned = self.deposed = 0
 
     @property
@@ -206,24 +213,32 @@ class ChaosSupervisor:
         else:
             self.tally.fail(f"{c.name} exited {rc}:\n{done.tail}")
 
+    def shard_of(self, fault: Fault) -> int:
+        return self.fault_shard.setdefault(id(fault), len(self.fault_shard) % len(self.shards))
+
     def _keep_coordinators(self, elapsed: float, arming: bool, may_kill: bool) -> None:
         try:
-            holder = self.holder()
+            holders = [self.holder(k) for k in range(len(self.shards))]
         except redis.RedisError:
             return  # Redis is restarting: decide on the next tick
-        live = [c for c in self.coordinators if c.proc.alive() and not c.stopping]
-        faults = self.coordinator_faults if arming else []
+        for k, holder in enumerate(holders):
+            self._keep_shard(k, holder, elapsed, arming, may_kill)
+
+    def _keep_shard(self, shard: int, holder: CoordinatorProc | None, elapsed: float, arming: bool,
+                    may_kill: bool) -> None:
+        live = [c for c in self.coordinators if c.proc.alive() and not c.stopping and c.shard == shard]
+        faults = [f for f in self.coordinator_faults if self.shard_of(f) == shard] if arming else []
         assigned = [c.fault for c in live if c.fault is not None]
         for fault in faults:
             if fault.at_s <= elapsed + ARM_LEAD_S and not any(f is fault for f in assigned):
-                live.append(self._spawn_coordinator(fault))
+                live.append(self._spawn_coordinator(fault, shard))
         standbys = [c for c in live if c is not holder]
         plain = [c for c in standbys if c.fault is None]
         if len(plain) < len(standbys):
             for c in plain:  # it would race the armed ones for the lease
                 self.fleet.term(c.name)
         elif not standbys:
-            self._spawn_coordinator(None)
+            self._spawn_coordinator(None, shard)
         due = faults[0] if faults and faults[0].at_s <= elapsed else None
         if due is None or holder is None or holder.fault is not None or not may_kill:
             return  # nothing due, or the previous coordinator fault is still playing out
@@ -233,24 +248,25 @@ class ChaosSupervisor:
                      ", ".join(c.name for c in ready))
             self.fleet.kill(holder.name)
 
-    def _spawn_coordinator(self, fault: Fault | None) -> CoordinatorProc:
+    def _spawn_coordinator(self, fault: Fault | None, shard: int) -> CoordinatorProc:
         point = None if fault is None else fault.target
-        name = f"coordinator-{self.spawned}" + (f"-dies-at-{point}" if point else "")
+        name = (f"coordinator-{self.spawned}" + (f"-shard{shard}" if len(self.shards) > 1 else "")
+                + (f"-dies-at-{point}" if point else ""))
         self.spawned += 1
         argv = diloco_command("coordinator", "--run", self.cfg.run, "--fragments", "2", "--sync-every", "10",
                               "--overlap-steps", "5", "--codec", "int8", "--lease-s", str(self.cfg.lease_s),
-                              "--standby")
+                              "--standby", "--shards", str(len(self.shards)), "--shard", str(shard))
         env = self.fleet.env | ({CRASH_ENV: f"{point}:1"} if point else {})
         member = self.fleet.add(name, argv, env=env, service=True)
         log.info("chaos: started %s", name)
         assert member.proc is not None
-        self.coordinators.append(CoordinatorProc(member, member.proc, fault))
+        self.coordinators.append(CoordinatorProc(member, member.proc, fault, shard))
         return self.coordinators[-1]
 
-    def holder(self) -> CoordinatorProc | None:
-        """Our live coordinator process that holds the lease, if any. Raises redis errors. The
+    def holder(self, shard: int) -> CoordinatorProc | None:
+        """Our live coordinator process that holds `shard`'s lease, if any. Raises redis errors. The
         holder's name (coordinator.leadership.holder_name) is host-pid-suffix."""
-        raw = self.quick.get(self.lease_key)
+        raw = self.quick.get(self.lease_keys[shard])
         if raw is None:
             return None
         parts = raw.decode().rsplit("-", 2)
@@ -258,20 +274,22 @@ class ChaosSupervisor:
         return next((c for c in self.coordinators if c.proc.pid == pid and c.proc.alive()), None)
 
     def coordinator_settled(self) -> bool:
-        """A plain coordinator holds the run: no coordinator fault is playing out."""
+        """A plain coordinator holds every shard: no coordinator fault is playing out."""
         try:
-            holder = self.holder()
+            holders = [self.holder(k) for k in range(len(self.shards))]
         except redis.RedisError:
             return False
-        return holder is not None and holder.fault is None
+        return all(h is not None and h.fault is None for h in holders)
 
     def stop_coordinators(self) -> None:
-        """SIGTERM the standbys, then the active one, which must exit 0."""
-        holder = self.holder()
-        codes = self.fleet.stop([c.name for c in sorted(self.coordinators, key=lambda c: c is holder)],
+        """SIGTERM the standbys, then the active ones, which must exit 0."""
+        holders = [h for k in range(len(self.shards)) if (h := self.holder(k)) is not None]
+        codes = self.fleet.stop([c.name for c in sorted(self.coordinators, key=lambda c: c in holders)],
                                 timeout_s=30.0)
-        if holder is not None and codes[holder.name] != 0:
-            self.tally.fail(f"{holder.name} (active) exited {codes[holder.name]} on SIGTERM:\n{holder.proc.tail(15)}")
+        for holder in holders:
+            if codes[holder.name] != 0:
+                self.tally.fail(f"{holder.name} (active) exited {codes[holder.name]} on SIGTERM:\n"
+                                f"{holder.proc.tail(15)}")
         self._judge(self.fleet.watch(restart=False))
 
     def kill_all(self) -> None:

@@ -210,8 +210,7 @@ class Chaos:
         self.tally = Tally()
         # Processes restarted during a server's outage wait it out (its restart included), however slow the machine.
         env = process_env(stack.env() | {"DILOCO_REACH_TIMEOUT_S": "120"})
-        self.fleet = ChaosSupervisor(cfg, env, self.quick, self.bus.keys.lease,
-                                cfg.out / "task.json", self.tally)
+        self.fleet = ChaosSupervisor(cfg, env, self.quick, self.bus.keys, cfg.out / "task.json", self.tally)
         self.forged: dict[str, str] = {}
         self.hostile = HostileLearner(self.bus, self.store, stack.endpoints, tokens_per_step=TASK.tokens_per_step())
         self.hostile_inputs: list[HostileInput] = []

@@ -23,8 +23,10 @@ SEED = 5
 
 
 @pytest.mark.slow  # make test-slow (CI runs it after make test)
-def test_every_contribution_is_accounted_for_under_every_kind_of_fault(tmp_path):
-    report = run_chaos(ChaosConfig(out=tmp_path, seconds=SECONDS, seed=SEED))
+@pytest.mark.parametrize("shards", [1, 2], ids=["one-coordinator", "two-shards"])
+def test_every_contribution_is_accounted_for_under_every_kind_of_fault(tmp_path, shards):
+    """With two shards, the coordinator kills go to each shard in turn: each is replaced by its standby."""
+    report = run_chaos(ChaosConfig(out=tmp_path, seconds=SECONDS, seed=SEED, shards=shards))
     print(report.line())
     led, figures = report.ledger, report.figures()
     assert not report.failures, "\n\n".join(report.failures)  # every process exited as it was told to
