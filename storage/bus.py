@@ -33,6 +33,8 @@ from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import MovedError, RedisClusterException
 from redis.retry import Retry
 from tenacity import retry, retry_if_exception, stop_after_delay, wait_random_exponential
 
@@ -113,6 +115,9 @@ def redis_retry(method: F) -> F:
         except redis.RedisError as exc:
             if (what := access_refused(exc)) is not None:
                 raise ConfigError(f"Redis at {self.url} {what}") from exc
+            if isinstance(exc, MovedError):
+                raise ConfigError(f"Redis at {self.url} is a node of a Redis Cluster: use redis+cluster:// "
+                                  f"(rediss+cluster://) in {ENV_REDIS_URL}") from exc
             if (isinstance(exc.__context__, ConnectionResetError) and self.url.startswith("redis://")
                     and not getattr(exc, "__notes__", None)):
                 exc.add_note(f"{self.url}: a Redis that speaks TLS only resets plaintext connections; "
@@ -322,10 +327,22 @@ def _block(block_ms: int) -> int | None:
 def connect(url: str, timeout_s: float = SOCKET_TIMEOUT_S) -> redis.Redis:
     """A client that does not retry by itself (we retry, bounded, in one place). Over TLS
     (`rediss://`) it checks the server certificate's hostname, whatever the installed redis-py's
-    default (older releases did not); the URL's own `ssl_check_hostname=` query still decides."""
+    default (older releases did not); the URL's own `ssl_check_hostname=` query still decides.
+    `redis+cluster://` (`rediss+cluster://`) is a Redis Cluster, found through the node the URL names:
+    the client follows the cluster's slots (its own redirections), and a run's keys share one slot."""
+    given, cluster = url, url.startswith(("redis+cluster://", "rediss+cluster://"))
+    url = url.replace("+cluster://", "://", 1) if cluster else url
     tls = {"ssl_check_hostname": True} if url.startswith("rediss://") else {}
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=min(timeout_s, 5.0),
-                                retry=Retry(NoBackoff(), 0), health_check_interval=30, **tls)
+    timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": min(timeout_s, 5.0)}
+    if cluster:
+        try:  # it reads the cluster's map at once
+            return RedisCluster.from_url(url, **timeouts, health_check_interval=30, **tls)  # type: ignore[return-value]
+        except RedisClusterException as exc:
+            if "not enabled" in str(exc):
+                raise ConfigError(f"Redis at {redact_url(given)} is not a Redis Cluster node: use redis:// (rediss://) "
+                                  f"in {ENV_REDIS_URL}, not +cluster") from None
+            raise redis.ConnectionError(f"Redis Cluster at {redact_url(given)}: {exc}") from exc
+    return redis.Redis.from_url(url, **timeouts, retry=Retry(NoBackoff(), 0), health_check_interval=30, **tls)
 
 
 Entry = tuple[str, "Announcement | Refused"]
@@ -723,15 +740,21 @@ class Bus:
         """Redis has lost the run's keys: this shard's fencing epoch key is gone (restarted empty, or flushed)."""
         return not self.r.exists(self.epoch_key)
 
+    def _run_node(self) -> dict[str, Any]:
+        """In a Redis Cluster, a command that names no key goes to the node that holds the run's keys."""
+        if isinstance(self.r, RedisCluster):
+            return {"target_nodes": self.r.get_node_from_key(self.keys.heads)}
+        return {}
+
     @redis_retry
     def server_run_id(self) -> str:
-        """The Redis server's run id: a new one after every restart of the server."""
-        return str(self.r.info("server").get("run_id", ""))
+        """The Redis server's run id (of the run's node in a cluster): a new one after every restart."""
+        return str(self.r.info("server", **self._run_node()).get("run_id", ""))
 
     @redis_retry
     def server_time(self) -> float:
-        """Redis server time, unix seconds: the one clock every process agrees on."""
-        sec, usec = self.r.time()
+        """Redis server time, unix seconds: the one clock every process agrees on (the run's node's in a cluster)."""
+        sec, usec = self.r.time(**self._run_node())
         return sec + usec / 1e6
 
     @redis_retry

@@ -20,8 +20,8 @@ Integers are zero-padded so that lexicographic listing order is numeric order
 Version objects carry the writer's fencing epoch, so a deposed coordinator racing the current one
 never overwrites the objects that a committed manifest points to.
 
-Redis keys are `diloco:{prefix}/{run}:...` (the same prefix as in S3, so deployments that share a
-Redis do not collide); see `RunKeys`.
+Redis keys are `diloco:{<prefix>/<run>}:...` (the same prefix as in S3, so deployments that share a
+Redis do not collide); the braces are a Redis Cluster hash tag: a run's keys share one slot. See `RunKeys`.
 """
 
 from __future__ import annotations
@@ -198,7 +198,9 @@ class RunKeys:
     # ---- Redis ----------------------------------------------------------------------------
     @property
     def _r(self) -> str:
-        return f"diloco:{self.prefix}/{self.run}:" if self.prefix else f"diloco:{self.run}:"
+        # One hash tag per run ({...}): in a Redis Cluster every key of a run is in one slot, so that the
+        # scripts and transactions, which touch several of them, run there.
+        return f"diloco:{{{self.prefix}/{self.run}}}:" if self.prefix else f"diloco:{{{self.run}}}:"
 
     @property
     def announcements(self) -> str:

@@ -87,7 +87,7 @@ def redis_problem(exc: BaseException, url: str) -> Problem:
     """What a failed PING of the Redis at `url` means (the URL is only parsed, never shown with its password)."""
     where = f"Redis at {redact_url(url)}"
     parts = urlsplit(url)
-    host, port, tls = parts.hostname or "", parts.port or 6379, parts.scheme == "rediss"
+    host, port, tls = parts.hostname or "", parts.port or 6379, parts.scheme.startswith("rediss")
     if (refused := access_refused(exc)) is not None:
         return Problem(f"{where} {refused}", lasting=True)
     if isinstance(exc, (redis.exceptions.InvalidResponse, redis.exceptions.ResponseError)):
@@ -114,7 +114,12 @@ def redis_problem(exc: BaseException, url: str) -> Problem:
 
 def check_redis(url: str) -> Problem | None:
     """PING the Redis at `url` once; None if it answered."""
-    client = connect(url, timeout_s=TRY_S)
+    try:
+        client = connect(url, timeout_s=TRY_S)
+    except redis.RedisError as exc:  # a cluster's map is read at once
+        return replace(redis_problem(exc, url), cause=exc)
+    except ConfigError as exc:  # a +cluster URL names a server that is not in a cluster
+        return Problem(str(exc), lasting=True, cause=exc)
     try:
         client.ping()
         return None

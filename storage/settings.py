@@ -42,10 +42,16 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{location}{question}{'&'.join(params)}{hash_ and '#' + REDACTED}"
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+"""The Redis URLs a run may name: one server (TCP, TLS, a socket), or a Redis Cluster through any of
+its nodes (`+cluster`: every key of a run shares one hash tag, so each run lives on one node's slot)."""
+
+
 @dataclass(frozen=True, slots=True, repr=False)
 class Endpoints:
     redis_url: str
-    """Redis URL, e.g. redis://localhost:6379/0 or rediss://:password@host:6380/0; "" for a process that
+    """Redis URL, e.g. redis://localhost:6379/0, rediss://:password@host:6380/0 or, for a Redis Cluster
+    through one of its nodes, redis+cluster://host:7000; "" for a process that
     reads S3 only (`diloco replay`), which then cannot open a `Bus`."""
     bucket: str
     """S3 bucket that holds every run's objects."""
@@ -57,8 +63,8 @@ class Endpoints:
     """S3 region (signature v4 needs one even for MinIO)."""
 
     def __post_init__(self) -> None:
-        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"{ENV_REDIS_URL} must be a redis://, rediss:// or unix:// URL, "
+        if self.redis_url and not self.redis_url.startswith(REDIS_SCHEMES):
+            raise ConfigError(f"{ENV_REDIS_URL} must be a {', '.join(REDIS_SCHEMES)} URL, "
                               f"got {redact_url(self.redis_url)!r}")
         if not self.bucket:
             raise ConfigError(f"no bucket: set {ENV_S3_BUCKET}")

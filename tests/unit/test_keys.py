@@ -27,7 +27,7 @@ def test_keys_live_under_the_run_and_parse_back():
     assert k.parse_genesis_key(k.genesis_params("l0", 5)) == ("l0", 5)
     assert k.parse_genesis_key(k.genesis_layout("l0")) is None
     assert k.collection(2) == "p/run-1/collections/0000000002" and k.collection(2).startswith(k.collections_prefix())
-    assert k.announcements == "diloco:p/run-1:announcements"
+    assert k.announcements == "diloco:{p/run-1}:announcements"
     assert RunKeys("p", "run-2").heads != k.heads
 
 

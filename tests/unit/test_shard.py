@@ -18,12 +18,12 @@ def test_shards_of_a_run_split_its_fragments_between_them_round_robin():
 
 def test_a_run_of_one_shard_keeps_the_names_it_always_had():
     keys = RunKeys("p", "r")
-    assert keys.lease_of(Shard()) == keys.lease == "diloco:p/r:lease"
-    assert keys.epoch_of(Shard()) == keys.epoch == "diloco:p/r:epoch"
+    assert keys.lease_of(Shard()) == keys.lease == "diloco:{p/r}:lease"
+    assert keys.epoch_of(Shard()) == keys.epoch == "diloco:{p/r}:epoch"
     assert RunKeys.group_of(Shard()) == RunKeys.GROUP == "coordinator"
     two = Shard(1, 2)
     assert (keys.lease_of(two), keys.epoch_of(two), RunKeys.group_of(two)) == (
-        "diloco:p/r:lease:1of2", "diloco:p/r:epoch:1of2", "coordinator:1of2")
+        "diloco:{p/r}:lease:1of2", "diloco:{p/r}:epoch:1of2", "coordinator:1of2")
     assert len({keys.epoch_of(s) for n in (1, 2, 3) for s in Shard(0, n).layout()}) == 6  # no two counts share one
 
 

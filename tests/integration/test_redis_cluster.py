@@ -1,0 +1,134 @@
+"""A run on a real Redis Cluster: three masters started here as `redis-server --cluster-enabled yes`.
+
+Every key of a run shares one hash tag (`diloco:{<prefix>/<run>}:...`), so the Lua scripts and
+transactions, which touch several keys at once, run on the node that holds the run's slot. The URL
+(`redis+cluster://`) names another node on purpose: the client must follow the cluster's map. Two
+coordinator shards and two learners then run a whole run on it, exactly once, to its end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+
+from diloco.infra.local.fleet import Proc
+from diloco.infra.local.stack import find_redis_server, free_ports
+from diloco.infra.watch.status import read_status
+from diloco.storage.bus import Bus
+from diloco.storage.errors import ConfigError
+from diloco.storage.keys import RunKeys, Shard
+from diloco.storage.objects import ObjectStore
+from diloco.storage.reach import check_redis
+from diloco.storage.settings import Endpoints
+from harness import announcements, make_coordinator, merged_ids, serving, tiny_learner, train
+
+SLOTS = 16384
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[list[int]]:
+    """Three cluster masters on free ports, each with a third of the slots; their ports."""
+    ports, procs = free_ports(3), []
+    try:
+        for port in ports:
+            data = tmp_path / f"node-{port}"
+            data.mkdir()
+            procs.append(Proc(f"redis-{port}", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+                                                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                                "--save", "", "--appendonly", "no", "--dir", str(data)],
+                              data / "redis.log").start())
+        nodes = [redis.Redis(port=p, socket_timeout=5) for p in ports]
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if all(n.ping() for n in nodes):
+                    break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "the cluster's nodes did not start"
+                time.sleep(0.1)
+        third = SLOTS // 3
+        for i, node in enumerate(nodes):
+            node.execute_command("CLUSTER ADDSLOTS", *range(i * third, SLOTS if i == 2 else (i + 1) * third))
+        for port in ports[1:]:
+            nodes[0].execute_command("CLUSTER MEET", "127.0.0.1", port)
+        while not all(n.cluster("info")["cluster_state"] == "ok" for n in nodes):
+            assert time.monotonic() < deadline, [n.cluster("info")["cluster_state"] for n in nodes]
+            time.sleep(0.1)
+        yield ports
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def _owner(ports: list[int], slot: int) -> int:
+    third = SLOTS // 3
+    return ports[min(2, slot // third)]
+
+
+def test_a_run_with_two_shards_on_a_redis_cluster_merges_every_piece_once_and_ends(cluster, endpoints, run_id):
+    keys = RunKeys(endpoints.prefix, run_id)
+    slot = key_slot(keys.heads.encode())
+    assert {key_slot(k.encode()) for k in (keys.announcements, keys.lease_of(Shard(1, 2)), keys.applied_log(3),
+                                           keys.learners, keys.finished)} == {slot}  # one hash tag
+    home = _owner(cluster, slot)
+    elsewhere = next(p for p in cluster if p != home)
+    on_cluster = dataclasses.replace(endpoints, redis_url=f"redis+cluster://127.0.0.1:{elsewhere}")
+    assert isinstance(Bus(on_cluster, run_id).r, RedisCluster)
+
+    shards = [make_coordinator(on_cluster, run_id, shards=2, shard=k) for k in range(2)]
+    learners = []
+    with serving(shards[0]), serving(shards[1]):
+        for name in ("l0", "l1"):
+            learner, opt = tiny_learner(on_cluster, run_id, name)
+            learner.start()
+            learners.append((learner, opt))
+        for _ in range(3):
+            for learner, opt in learners:
+                train(learner, opt, 4)
+        status = read_status(Bus(on_cluster, run_id), ObjectStore(on_cluster))
+        assert [r.holder for r in status.coordinator.shards] == [c.leadership.holder for c in shards]
+        assert {row.learner for row in status.learners} == {"l0", "l1"}
+        for learner, _ in learners:
+            learner.finish()
+        bus = Bus(on_cluster, run_id)
+        deadline = time.monotonic() + 60
+        while bus.run_end() is None:
+            assert time.monotonic() < deadline, (bus.heads(), bus.pending_count())
+            time.sleep(0.1)
+    for learner, _ in learners:
+        learner.close()
+
+    heads = bus.heads()
+    assert bus.run_end().versions == (heads[0], heads[1]) and min(heads.values()) >= 2
+    deltas = [a.contribution_id for _, a in announcements(bus) if a.kind == "delta"]
+    merged = [cid for cid in merged_ids(on_cluster, run_id) if cid in set(deltas)]
+    refused = bus.refusals()
+    assert {r.code for r in refused} <= {"stale"}, refused
+    assert Counter(merged + [r.contribution_id for r in refused]) == Counter(deltas)
+    # Every key of the run is on the node that holds its slot, none on the others.
+    for port in cluster:
+        found = redis.Redis(port=port).keys(f"diloco:{{{endpoints.prefix}/{run_id}}}:*")
+        assert bool(found) == (port == home), (port, home, found)
+
+
+def test_a_url_of_the_wrong_kind_for_the_server_says_which_to_use(cluster, stack, endpoints, run_id):
+    """A plain URL naming a cluster node, a +cluster URL naming a plain Redis, an unknown scheme: each
+    refused with the URL that works, at once (a setting, not an outage)."""
+    plain_to_cluster = dataclasses.replace(endpoints, redis_url=f"redis://127.0.0.1:{cluster[0]}")
+    keys = RunKeys(endpoints.prefix, run_id)
+    if _owner(cluster, key_slot(keys.heads.encode())) == cluster[0]:
+        plain_to_cluster = dataclasses.replace(endpoints, redis_url=f"redis://127.0.0.1:{cluster[1]}")
+    with pytest.raises(ConfigError, match=r"a node of a Redis Cluster: use redis\+cluster://"):
+        Bus(plain_to_cluster, run_id).heads()
+    problem = check_redis(stack.redis_url.replace("redis://", "redis+cluster://", 1))
+    assert problem is not None and problem.lasting and "not a Redis Cluster node: use redis://" in problem.what
+    with pytest.raises(ConfigError, match=r"redis\+cluster://"):
+        Endpoints(redis_url="cluster://127.0.0.1:7000", bucket="b")
