@@ -73,6 +73,7 @@ def _owner(ports: list[int], slot: int) -> int:
     return ports[min(2, slot // third)]
 
 
+@pytest.mark.slow  # 15 s: make test-slow
 def test_a_run_with_two_shards_on_a_redis_cluster_merges_every_piece_once_and_ends(cluster, endpoints, run_id):
     keys = RunKeys(endpoints.prefix, run_id)
     slot = key_slot(keys.heads.encode())

@@ -90,6 +90,7 @@ def test_a_coordinator_of_another_shard_count_is_refused_while_a_shard_lives(end
     live.close()
 
 
+@pytest.mark.slow  # make test-slow; the two shards' whole run stays in make test
 def test_changing_the_shard_count_fences_the_old_shards_and_loses_no_announcement(endpoints, run_id):
     """Two shards, then one coordinator for the run: a shard of the old count that wakes up late cannot
     commit, and a piece it had read but not merged is merged by the new coordinator."""
