@@ -662,13 +662,16 @@ class Bus:
 
     @redis_retry
     def pending_count(self) -> int:
-        """The announcements some shard has not dealt with yet: pending in its group, or not read by it
-        (counted as 1 per group that has any). 0 without a stream or a group."""
-        waiting = 0
-        for group in self._groups().values():
-            waiting += int(group["pending"])
-            after = "(" + _text(group["last-delivered-id"])
-            waiting += len(self.r.xrange(self.keys.announcements, min=after, count=1))
+        """The announcements not dealt with yet, up to where this shard has read: pending in any group
+        (delivered, not acknowledged), and 1 for each other shard's group that has not read as far as
+        this one's (a run of one shard: its pending entries). What was announced after this shard's
+        last read is not counted: the caller's read tells it. 0 without a stream or a group."""
+        groups = self._groups()
+        waiting = sum(int(g["pending"]) for g in groups.values())
+        if (mine := groups.get(self.group)) is not None:
+            ours = _stream_id(_text(mine["last-delivered-id"]))
+            waiting += sum(1 for name, g in groups.items()
+                           if name != self.group and _stream_id(_text(g["last-delivered-id"])) < ours)
         return waiting
 
     # ---- versions (coordinator -> learners) ---------------------------------------------

@@ -9,6 +9,8 @@ coordinator shards and two learners then run a whole run on it, exactly once, to
 from __future__ import annotations
 
 import dataclasses
+import random
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from diloco.infra.local.fleet import Proc
-from diloco.infra.local.stack import find_redis_server, free_ports
+from diloco.infra.local.stack import find_redis_server
 from diloco.infra.watch.status import read_status
 from diloco.storage.bus import Bus
 from diloco.storage.errors import ConfigError
@@ -31,12 +33,34 @@ from diloco.storage.settings import Endpoints
 from harness import announcements, make_coordinator, merged_ids, serving, tiny_learner, train
 
 SLOTS = 16384
+BUS_OFFSET = 10_000
+"""A cluster node also listens on its port + 10000 (the cluster bus), so its port must be at most 55535."""
+
+
+def _cluster_ports(n: int) -> list[int]:
+    """`n` ports free on 127.0.0.1 a moment ago, each with its bus port (+10000) free too."""
+    rng = random.Random()
+    found: list[int] = []
+    while len(found) < n:
+        port = rng.randrange(20_000, 65_535 - BUS_OFFSET)
+        socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(2)]
+        try:
+            for sock, p in zip(socks, (port, port + BUS_OFFSET), strict=True):
+                sock.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+        if port not in found:
+            found.append(port)
+    return found
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[list[int]]:
     """Three cluster masters on free ports, each with a third of the slots; their ports."""
-    ports, procs = free_ports(3), []
+    ports, procs = _cluster_ports(3), []
     try:
         for port in ports:
             data = tmp_path / f"node-{port}"
@@ -45,13 +69,15 @@ def cluster(tmp_path: Path) -> Iterator[list[int]]:
                                                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                                 "--save", "", "--appendonly", "no", "--dir", str(data)],
                               data / "redis.log").start())
-        nodes = [redis.Redis(port=p, socket_timeout=5) for p in ports]
+        nodes = [redis.Redis(host="127.0.0.1", port=p, socket_timeout=5) for p in ports]
         deadline = time.monotonic() + 30
         while True:
             try:
                 if all(n.ping() for n in nodes):
                     break
             except redis.ConnectionError:
+                for p in procs:
+                    assert p.alive(), f"{p.name} exited:\n{p.tail(5)}"
                 assert time.monotonic() < deadline, "the cluster's nodes did not start"
                 time.sleep(0.1)
         third = SLOTS // 3
@@ -116,7 +142,7 @@ def test_a_run_with_two_shards_on_a_redis_cluster_merges_every_piece_once_and_en
     assert Counter(merged + [r.contribution_id for r in refused]) == Counter(deltas)
     # Every key of the run is on the node that holds its slot, none on the others.
     for port in cluster:
-        found = redis.Redis(port=port).keys(f"diloco:{{{endpoints.prefix}/{run_id}}}:*")
+        found = redis.Redis(host="127.0.0.1", port=port).keys(f"diloco:{{{endpoints.prefix}/{run_id}}}:*")
         assert bool(found) == (port == home), (port, home, found)
 
 
