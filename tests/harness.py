@@ -6,7 +6,8 @@ import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -136,6 +137,42 @@ def merged_ids(endpoints: Endpoints, run_id: str) -> list[str]:
     layout = read_layout(store, keys)
     return [c.contribution_id for f in range(len(layout.fragments) if layout else 0)
             for v in list_versions(store, keys, f) for c in read_manifest(store, keys, f, v).inputs]
+
+
+def two_shards_run(endpoints: Endpoints, run_id: str,
+                   while_training: Callable[[list[Coordinator]], None] = lambda shards: None
+                   ) -> tuple[list[Coordinator], Bus]:
+    """A whole run of two coordinator shards (in-process, serving) and two tiny learners that train 3 x 4
+    steps each and finish; `while_training` looks at it once the learners have joined. Returns once
+    the run has ended."""
+    shards = [make_coordinator(endpoints, run_id, shards=2, shard=k) for k in range(2)]
+    learners = []
+    with serving(shards[0]), serving(shards[1]):
+        for name in ("l0", "l1"):
+            learner, opt = tiny_learner(endpoints, run_id, name)
+            learner.start()  # joins once each shard has published its fragment's version 0
+            learners.append((learner, opt))
+        while_training(shards)
+        for _ in range(3):
+            for learner, opt in learners:
+                train(learner, opt, 4)
+        for learner, _ in learners:
+            learner.finish()
+        bus = Bus(endpoints, run_id)
+        assert wait_until(lambda: bus.run_end() is not None, 60), (bus.heads(), bus.pending_count())
+    for learner, _ in learners:
+        learner.close()
+    return shards, bus
+
+
+def assert_each_piece_merged_or_refused_stale_once(endpoints: Endpoints, run_id: str, bus: Bus) -> None:
+    """Every delta announced is an input of exactly one manifest, or refused once as stale (learners that
+    train in turns, or through a takeover, may send a piece too late): nothing lost, nothing twice."""
+    deltas = [a.contribution_id for _, a in announcements(bus) if a.kind == "delta"]
+    merged = [cid for cid in merged_ids(endpoints, run_id) if cid in set(deltas)]
+    refused = bus.refusals()
+    assert {r.code for r in refused} <= {"stale"}, refused
+    assert Counter(merged + [r.contribution_id for r in refused]) == Counter(deltas)
 
 
 # ---- real `diloco` processes on the demo task ------------------------------------------------------

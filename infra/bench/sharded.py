@@ -31,7 +31,7 @@ from diloco.infra.local.fleet import Proc, diloco_command, process_env, wait_unt
 from diloco.infra.local.stack import LocalStack
 from diloco.storage.bus import Bus
 from diloco.storage.errors import DilocoError
-from diloco.storage.history import read_manifest
+from diloco.storage.history import read_manifest, read_run_spec
 from diloco.storage.keys import Shard
 from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import Announcement
@@ -101,7 +101,9 @@ def sharded_repeat(config: ThroughputConfig, stack: LocalStack, shards: int, log
                     config.fragments)
         announced = deltas_announced(bus)
         keys, nbytes = [a.object_key for a in announced], sum(a.size_bytes for a in announced)
-        max_bytes = 1 << 31
+        spec = read_run_spec(store, bus.keys)
+        assert spec is not None  # the shards created the run before taking their leases
+        max_bytes = spec.max_object_bytes
         raw_s = raw_get(store, keys, max_bytes, config.fetch_threads, nbytes)
         before = bus.counters()
         t0 = time.perf_counter()

@@ -292,7 +292,7 @@ def _coordinator(bus: Bus, store: Store, now: float, num_fragments: int) -> Coor
     keys = bus.keys
     layout = Shard(0, bus.shard_count() or 1).layout()
     rows = [ShardStatus(s.index, s.fragments(num_fragments), *bus.leadership(s)) for s in layout]
-    epoch, holder, expires_in_s = bus.leadership(layout[0])
+    epoch, holder, expires_in_s = rows[0].epoch, rows[0].holder, rows[0].lease_expires_in_s
     since = None
     if epoch is not None:
         claim = keys.epoch_claim(epoch)

@@ -12,7 +12,6 @@ import dataclasses
 import random
 import socket
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from diloco.storage.keys import RunKeys, Shard
 from diloco.storage.objects import ObjectStore
 from diloco.storage.reach import check_redis
 from diloco.storage.settings import Endpoints
-from harness import announcements, make_coordinator, merged_ids, serving, tiny_learner, train
+from harness import assert_each_piece_merged_or_refused_stale_once, two_shards_run
 
 SLOTS = 16384
 BUS_OFFSET = 10_000
@@ -110,36 +109,15 @@ def test_a_run_with_two_shards_on_a_redis_cluster_merges_every_piece_once_and_en
     on_cluster = dataclasses.replace(endpoints, redis_url=f"redis+cluster://127.0.0.1:{elsewhere}")
     assert isinstance(Bus(on_cluster, run_id).r, RedisCluster)
 
-    shards = [make_coordinator(on_cluster, run_id, shards=2, shard=k) for k in range(2)]
-    learners = []
-    with serving(shards[0]), serving(shards[1]):
-        for name in ("l0", "l1"):
-            learner, opt = tiny_learner(on_cluster, run_id, name)
-            learner.start()
-            learners.append((learner, opt))
-        for _ in range(3):
-            for learner, opt in learners:
-                train(learner, opt, 4)
+    def status_reads_the_cluster(shards: list) -> None:
         status = read_status(Bus(on_cluster, run_id), ObjectStore(on_cluster))
         assert [r.holder for r in status.coordinator.shards] == [c.leadership.holder for c in shards]
         assert {row.learner for row in status.learners} == {"l0", "l1"}
-        for learner, _ in learners:
-            learner.finish()
-        bus = Bus(on_cluster, run_id)
-        deadline = time.monotonic() + 60
-        while bus.run_end() is None:
-            assert time.monotonic() < deadline, (bus.heads(), bus.pending_count())
-            time.sleep(0.1)
-    for learner, _ in learners:
-        learner.close()
 
+    _, bus = two_shards_run(on_cluster, run_id, status_reads_the_cluster)
     heads = bus.heads()
     assert bus.run_end().versions == (heads[0], heads[1]) and min(heads.values()) >= 2
-    deltas = [a.contribution_id for _, a in announcements(bus) if a.kind == "delta"]
-    merged = [cid for cid in merged_ids(on_cluster, run_id) if cid in set(deltas)]
-    refused = bus.refusals()
-    assert {r.code for r in refused} <= {"stale"}, refused
-    assert Counter(merged + [r.contribution_id for r in refused]) == Counter(deltas)
+    assert_each_piece_merged_or_refused_stale_once(on_cluster, run_id, bus)
     # Every key of the run is on the node that holds its slot, none on the others.
     for port in cluster:
         found = redis.Redis(host="127.0.0.1", port=port).keys(f"diloco:{{{endpoints.prefix}/{run_id}}}:*")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 
 import pytest
 
@@ -22,10 +21,10 @@ from diloco.storage.bus import Bus
 from diloco.storage.errors import ConfigError
 from diloco.storage.history import list_versions, read_manifest
 from diloco.storage.keys import RunKeys, Shard
-from diloco.storage.objects import ObjectStore
 from diloco.infra.local.fleet import Proc
-from harness import (announcements, make_coordinator, merged_ids, serving, spawn_coordinator, spawn_learner,
-                     tiny_learner, train, wait_all, wait_for)
+from diloco.storage.objects import ObjectStore
+from harness import (announcements, assert_each_piece_merged_or_refused_stale_once, make_coordinator, merged_ids,
+                     spawn_coordinator, spawn_learner, tiny_learner, train, two_shards_run, wait_all, wait_for)
 
 
 def _groups(bus: Bus) -> set[str]:
@@ -33,34 +32,17 @@ def _groups(bus: Bus) -> set[str]:
 
 
 def test_two_shards_each_merge_their_own_fragments_exactly_once_and_the_run_ends(endpoints, run_id):
-    shards = [make_coordinator(endpoints, run_id, shards=2, shard=k) for k in range(2)]
-    assert [c.owned for c in shards] == [[0], [1]]
-    assert shards[0].epoch != shards[1].epoch  # epochs stay unique across shards: version objects never collide
-    learners = []
-    with serving(shards[0]), serving(shards[1]):
-        for name in ("l0", "l1"):
-            learner, opt = tiny_learner(endpoints, run_id, name)
-            learner.start()  # joins once each shard has published its fragment's version 0
-            learners.append((learner, opt))
-        status = read_status(Bus(endpoints, run_id), ObjectStore(endpoints))  # `diloco status` shows the shards
+    def status_shows_the_shards(shards: list) -> None:  # `diloco status`
+        assert [c.owned for c in shards] == [[0], [1]]
+        assert shards[0].epoch != shards[1].epoch  # epochs stay unique across shards: version objects never collide
+        status = read_status(Bus(endpoints, run_id), ObjectStore(endpoints))
         assert [(r.shard, r.fragments, r.epoch, r.holder) for r in status.coordinator.shards] == [
             (k, [k], c.epoch, c.leadership.holder) for k, c in enumerate(shards)]
         lines = coordinator_lines(status)
         assert lines[0] == "coordinator: 2 shards" and lines[2].startswith(
             f"  shard 1 (fragments 1): epoch {shards[1].epoch}, lease held by {shards[1].leadership.holder}"), lines
-        for _ in range(3):
-            for learner, opt in learners:
-                train(learner, opt, 4)
-        for learner, _ in learners:
-            learner.finish()
-        bus = Bus(endpoints, run_id)
-        deadline = time.monotonic() + 60
-        while bus.run_end() is None:
-            assert time.monotonic() < deadline, (bus.heads(), bus.pending_count())
-            time.sleep(0.1)
-    for learner, _ in learners:
-        learner.close()
 
+    shards, bus = two_shards_run(endpoints, run_id, status_shows_the_shards)
     store = ObjectStore(endpoints)
     end, heads = bus.run_end(), bus.heads()
     assert end is not None and end.versions == (heads[0], heads[1]) and end.epoch == shards[0].epoch
@@ -68,12 +50,7 @@ def test_two_shards_each_merge_their_own_fragments_exactly_once_and_the_run_ends
         assert heads[fragment] >= 2, heads
         epochs = {read_manifest(store, bus.keys, fragment, v).epoch for v in list_versions(store, bus.keys, fragment)}
         assert epochs == {coord.epoch}, (fragment, epochs)  # only its own shard wrote it
-    deltas = [a.contribution_id for _, a in announcements(bus) if a.kind == "delta"]
-    merged = [cid for cid in merged_ids(endpoints, run_id) if cid in set(deltas)]
-    refused = bus.refusals()
-    # Every piece merged once or refused once (the learners train in turns: a piece may come in stale).
-    assert Counter(merged + [r.contribution_id for r in refused]) == Counter(deltas)
-    assert {r.code for r in refused} <= {"stale"}, refused
+    assert_each_piece_merged_or_refused_stale_once(endpoints, run_id, bus)
     assert _groups(bus) == {"coordinator:0of2", "coordinator:1of2"}
     assert bus.pending_count() == 0
     assert bus.shard_count() == 2
@@ -174,8 +151,4 @@ def test_a_killed_shard_is_replaced_by_its_standby_and_the_others_carry_on(endpo
     store = ObjectStore(endpoints)
     epochs_of_1 = {read_manifest(store, bus.keys, 1, v).epoch for v in range(heads[1] + 1)}
     assert len(epochs_of_1) == 2 and zero_epoch not in epochs_of_1  # shard 1's two coordinators, not shard 0
-    deltas = [a.contribution_id for _, a in announcements(bus) if a.kind == "delta"]
-    merged = [cid for cid in merged_ids(endpoints, run_id) if cid in set(deltas)]
-    refused = bus.refusals()
-    assert {r.code for r in refused} <= {"stale"}, refused
-    assert Counter(merged + [r.contribution_id for r in refused]) == Counter(deltas)
+    assert_each_piece_merged_or_refused_stale_once(endpoints, run_id, bus)
