@@ -1,5 +1,7 @@
-"""Checking one announced contribution before it may touch the global state.
+"""Announcements in: checking each contribution before it may touch the global state.
 
+`Intake` takes the entries the loop reads, checks each and fetches its object on the fetch threads,
+and adds each piece that passes to its fragment's open round (`rounds.Rounds` merges it).
 `check_announcement` is pure: it decides from the announcement and what the coordinator knows
 (run, layout, head, applied ids) whether the contribution may be fetched. `fetch_tensors`
 (`fetch_checked` for a delta, which keeps the checked object rather than its tensors) then
@@ -11,20 +13,34 @@ records it and the run goes on.
 
 from __future__ import annotations
 
+import logging
 import math
-
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
+from diloco.coordinator.influence import plausible_deadline
+from diloco.coordinator.outer import NesterovState
 from diloco.coordinator.policy import Arrival, RoundConfig, staleness_verdict
 from diloco.coordinator.timing import Timed, untimed
 from diloco.storage import codecs
-from diloco.storage.errors import Refused
-from diloco.storage.history import sha256_hex
+from diloco.storage.errors import Conflict, Refused, StorageUnavailable
+from diloco.storage.history import read_layout, sha256_hex
 from diloco.storage.keys import SEQ_DIGITS, RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
-from diloco.storage.protocol import Announcement, Layout, RunSpec
+from diloco.storage.protocol import MAX_RECORD_BYTES, Announcement, Layout, RunSpec
+
+if TYPE_CHECKING:
+    from diloco.coordinator.recovery import Recovery
+    from diloco.coordinator.rounds import Rounds
+    from diloco.coordinator.state import ShardState
+
+log = logging.getLogger(__name__)
+
+MAX_RECOVERED_IDS = 100_000
+"""How many contribution ids announced again from S3 the coordinator remembers (`Intake._recovered`)."""
 
 
 @dataclass
@@ -158,3 +174,204 @@ def to_arrival(a: Announcement, arrived_at: float) -> Arrival:
     return Arrival(contribution_id=a.contribution_id, learner=a.learner, base_version=a.base_version, tokens=a.tokens,
                    steps=a.steps, arrived_at=arrived_at, step_time_s=a.step_time_s, deadline=a.deadline,
                    final=a.final)
+
+
+class Intake:
+    """Announcements in: each one this shard deals with is checked, its object fetched and checked on
+    the fetch threads, and the piece added to its fragment's open round, or refused with a reason.
+    Another shard's entries are acknowledged at once (it reads them through its own group)."""
+
+    def __init__(self, state: ShardState, rounds: Rounds, recovery: Recovery, fetch_threads: int) -> None:
+        self.state, self.rounds, self.recovery = state, rounds, recovery
+        self.retry: list[tuple[str, Announcement]] = []
+        """Entries whose object S3 could not serve: fetched again with the next read."""
+        self._recovered: dict[str, None] = {}
+        """Contribution ids taken in from a `recovered` announcement (bounded): the learner's own copy,
+        should it come too, is acknowledged as repeated."""
+        self._pool = ThreadPoolExecutor(fetch_threads, thread_name_prefix="fetch")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _mine(self, item: Announcement | Refused) -> bool:
+        """Whether this shard deals with an entry: one for a fragment it owns; shard 0 also refuses the
+        ones that name no fragment of the run or do not decode."""
+        s = self.state
+        if isinstance(item, Refused) or not 0 <= item.fragment < s.spec.num_fragments:
+            return s.shard.leads
+        return s.shard.owns(item.fragment)
+
+    def take(self, entries: list) -> None:
+        """Deal with stream entries (`Bus.read_announcements`: an announcement, or the Refused of one
+        that does not decode): those of this shard's fragments go into their rounds or are refused."""
+        self._fetch_all(self._checked(entries))
+
+    def _checked(self, entries: list) -> list[tuple[str, Announcement]]:
+        """The entries to fetch: every check that needs no object passed. Others are refused, left
+        pending (held already, or based on a version this process has not seen) or acknowledged
+        (another shard's, a superseded genesis, a repeated recovered one)."""
+        s = self.state
+        to_fetch: list[tuple[str, Announcement]] = []
+        foreign: list[str] = []
+        seen = {c.announcement.contribution_id for f in s.fragments.values() for c in f.round}
+        held = {c.entry_id for f in s.fragments.values() for c in f.round}
+        with s.timing("check"):
+            ids = [item.contribution_id for _, item in entries if not isinstance(item, Refused)]
+            # Applied: what Redis says, and what this process committed (in S3, whatever Redis forgot).
+            ours = set().union(*(c for frag in s.fragments.values() for c in frag.committed))
+            applied = s.bus.applied_among(ids) | (ours & set(ids))
+            for entry_id, item in entries:
+                if entry_id in held:
+                    # The same entry again (the re-read of our pending entries after a restart or a
+                    # Redis outage, a claim) while its contribution waits in an open round or in this
+                    # batch: not a duplicate to refuse and acknowledge, which would leave the
+                    # contribution in memory only. It stays pending until its round commits.
+                    continue
+                held.add(entry_id)
+                if not self._mine(item):
+                    foreign.append(entry_id)
+                    continue
+                if isinstance(item, Refused):
+                    s.refuse(entry_id, None, item)
+                    continue
+                if item.kind == "genesis" and (frag := s.fragments.get(item.fragment)) is not None and frag.head >= 0:
+                    self._superseded(entry_id, item)
+                    continue
+                try:
+                    self._check(item, seen, applied)
+                except Refused as exc:
+                    if exc.code == "duplicate" and (item.recovered or item.contribution_id in self._recovered):
+                        self._repeated(entry_id, item)
+                    elif exc.code == "future_base" and self._behind(item):
+                        pass  # left pending: read again once this process has caught up
+                    else:
+                        s.refuse(entry_id, item, exc)
+                    continue
+                seen.add(item.contribution_id)
+                if item.recovered:
+                    self._recovered[item.contribution_id] = None
+                    while len(self._recovered) > MAX_RECOVERED_IDS:
+                        del self._recovered[next(iter(self._recovered))]
+                to_fetch.append((entry_id, item))
+            s.bus.ack(foreign)  # another shard's: it reads them through its own group
+        return to_fetch
+
+    def _fetch_all(self, to_fetch: list[tuple[str, Announcement]]) -> None:
+        """Fetch and check the objects on the fetch threads; each piece joins its round, in order."""
+        s = self.state
+        futures = [(eid, a, self._pool.submit(self._fetch, a)) for eid, a in to_fetch]
+        for entry_id, a, future in futures:
+            try:
+                with s.timing("fetch_wait"):
+                    fetched = future.result()
+            except Refused as exc:
+                s.refuse(entry_id, a, exc)
+                continue
+            except StorageUnavailable as exc:
+                log.warning("S3 unavailable reading %s, will retry: %s", a.object_key, exc)
+                self.retry.append((entry_id, a))
+                continue
+            except Exception as exc:  # noqa: BLE001
+                # Whatever one learner's object does, the coordinator goes on: refused, logged with
+                # its traceback; every later coordinator would otherwise die on the same entry.
+                log.exception("reading %s from %s failed unexpectedly", a.object_key, a.learner)
+                s.refuse(entry_id, a, Refused("unreadable_object", f"{a.object_key} could not be read: "
+                                              f"{type(exc).__name__}: {exc}"))
+                continue
+            if a.kind == "genesis":
+                self._genesis(entry_id, a, fetched)
+            else:
+                blob, norm = fetched
+                now = s.now()
+                arrival = to_arrival(a, now)
+                arrival = replace(arrival, norm=norm, deadline=plausible_deadline(
+                    arrival.deadline, now=now, cadence=s.cadence, fragment=a.fragment,
+                    num_fragments=s.spec.num_fragments, final=a.final))
+                s.view.sent(a.learner, now)
+                s.fragments[a.fragment].round.append(PendingDelta(entry_id, a, arrival, blob))
+            s.metrics.accepted(a)
+
+    def _behind(self, a: Announcement) -> bool:
+        """A base ahead of our head is a version this process has not seen: forged, or published by
+        a coordinator that took the run over (raises Fenced), or committed again from S3 since.
+        True (and Redis is brought up to S3 before reading on) if Redis's head has it."""
+        s = self.state
+        s.check_epoch(f"{a.learner} sent a piece based on its version {a.base_version} of fragment {a.fragment}")
+        if s.bus.heads().get(a.fragment, -1) < a.base_version:
+            return False
+        self.recovery.reconcile_due = s.read_pending = True
+        return True
+
+    def _check(self, a: Announcement, seen: set[str], applied: set[str]) -> None:
+        """Refuse a duplicate (`seen` in an open round or this batch, or `applied`), then whatever
+        `check_announcement` refuses."""
+        s = self.state
+        if a.contribution_id in seen or a.contribution_id in applied:
+            where = "is already in an open round" if a.contribution_id in seen else "was applied in a committed version"
+            raise Refused("duplicate", f"contribution {a.contribution_id} from {a.learner} {where}: this is "
+                          "the same announcement delivered again, and it is applied at most once")
+        if s.ended is not None:
+            raise Refused("run_finished", f"run {s.spec.run!r} is finished ({s.ended.reason}): nothing is "
+                          f"merged after its final versions {list(s.ended.versions)}")
+        frag = s.fragments.get(a.fragment)
+        head = None if frag is None or frag.head < 0 else frag.head
+        check_announcement(a, spec=s.spec, keys=s.keys, head=head, cfg=s.round_cfg)
+
+    def _fetch(self, a: Announcement) -> dict[str, torch.Tensor] | tuple[bytes, float]:
+        """A genesis proposal's tensors (published as it arrives), or a delta's checked object, which
+        waits in its round as it travelled (`PendingDelta.blob`), and its norm."""
+        s = self.state
+        layout = s.layout
+        if a.kind == "genesis" and layout is None:
+            layout = self._adopt_layout(a.learner)
+        assert layout is not None
+        fetch = fetch_tensors if a.kind == "genesis" else fetch_checked
+        return fetch(s.store, a, layout, s.spec.max_object_bytes, codec=s.spec.codec, timed=s.timing)
+
+    def _adopt_layout(self, learner: str) -> Layout:
+        """The first genesis fixes the run's layout (create-only: concurrent proposals, one winner)."""
+        s = self.state
+        try:
+            blob = s.store.get(s.keys.genesis_layout(learner), max_bytes=MAX_RECORD_BYTES)
+        except ObjectMissing:
+            raise Refused("missing_object", f"{learner} proposed version 0 but its layout "
+                          f"{s.keys.genesis_layout(learner)} does not exist") from None
+        proposed = Layout.from_wire(blob)
+        if len(proposed.fragments) != s.spec.num_fragments:
+            raise Refused("bad_layout", f"{learner} proposed {len(proposed.fragments)} fragments, "
+                          f"run {s.spec.run!r} has {s.spec.num_fragments}")
+        try:
+            s.store.put(s.keys.layout(), proposed.to_wire(), create_only=True)
+        except Conflict:
+            pass
+        layout = read_layout(s.store, s.keys)
+        assert layout is not None
+        s.layout = layout
+        return layout
+
+    def _repeated(self, entry_id: str, a: Announcement) -> None:
+        """The second copy of a contribution that was announced again from S3 (`recovery`): the learner's
+        announcement was late, not lost. Not an error: acknowledged and counted, merged once."""
+        s = self.state
+        log.info("contribution %s from %s: announced by the learner and again from S3; the second copy is "
+                 "acknowledged", a.contribution_id, a.learner)
+        s.bus.ack([entry_id])
+        s.bus.incr("repeated_after_recovery")
+        s.metrics.repeated()
+
+    def _superseded(self, entry_id: str, a: Announcement) -> None:
+        """A genesis proposal for a fragment that already has version 0: not an error, not a contribution."""
+        s = self.state
+        log.info("fragment %d already has a version; %s's initial parameters are not needed", a.fragment, a.learner)
+        s.bus.ack([entry_id])
+        s.bus.incr("genesis_superseded")
+
+    def _genesis(self, entry_id: str, a: Announcement, tensors: dict[str, torch.Tensor]) -> None:
+        s = self.state
+        frag = s.fragments[a.fragment]
+        if frag.head >= 0:
+            self._superseded(entry_id, a)
+            return
+        c = PendingDelta(entry_id, a, to_arrival(a, s.now()))
+        self.rounds.publish(a.fragment, frag, [c], [1.0], tensors, NesterovState(), self.rounds.settings("genesis"),
+                            [c.arrival])

@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 from diloco.coordinator.timing import Timed, untimed
-from diloco.storage import codecs
 from diloco.storage.protocol import VersionSettings
 from diloco.storage.updates import encode_update
 
@@ -49,7 +48,7 @@ def merge_deltas(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float
 
     `deltas` is read in order, each delta once (twice, radial_directional: its norms first), and
     accumulated as it is read: a sequence that decodes a delta when it is read (the coordinator's
-    round, `service._Pieces`) holds one decoded delta at a time, not the whole round.
+    round, `rounds._Pieces`) holds one decoded delta at a time, not the whole round.
     """
     if not deltas or len(deltas) != len(weights):
         raise ValueError(f"need one weight per delta and at least one delta, got "

@@ -26,14 +26,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from diloco.coordinator.publish import roll_forward
 from diloco.storage import codecs
 from diloco.storage.bus import Bus
-from diloco.storage.errors import Refused
+from diloco.storage.errors import ConfigError, Refused
 from diloco.storage.history import read_manifest, sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, ObjectMeta
+
+if TYPE_CHECKING:
+    from diloco.coordinator.state import ShardState
 
 log = logging.getLogger(__name__)
 
@@ -115,3 +120,127 @@ def reannounce_lost(store: ObjectStore, bus: Bus, heads: dict[int, int], *, know
         log.warning("announced %d contribution(s) again from S3 (%d unreadable) whose announcements Redis lost",
                     again, unreadable)
     return again, unreadable
+
+
+class Recovery:
+    """The coordinator's side of Redis forgetting: it notices an outage or a restart, brings Redis back
+    up to S3 before anything more is read or merged, and once every surviving announcement has been
+    read, announces again what only S3 still knows (`reannounce_lost`)."""
+
+    def __init__(self, state: ShardState) -> None:
+        self.state = state
+        self.outage_at: float | None = time.time()
+        """When this process noticed a Redis outage (unix), until the sweep for lost announcements. Its
+        start counts as one: a learner's announcement may have been lost while no coordinator ran
+        (Redis forgot its last writes then, and nobody noticed), and only S3 still knows the piece."""
+        self.reconcile_due = False
+        """Redis was unreachable or restarted: bring it up to S3 before reading on (`reconcile`)."""
+        self.drained = False
+        """The last read of the announcements stream returned nothing (the loop's)."""
+        self._redis_run_id = self._server_run_id()
+
+    def roll_forward(self) -> dict[int, int]:
+        """Bring Redis up to the manifests in S3 (`publish.roll_forward`) and take its heads: a
+        fragment whose head moved is reloaded from S3, and an open round keeps only contributions
+        not applied since."""
+        s = self.state
+        heads = roll_forward(s.store, s.bus, list(s.fragments), s.epoch, keep_applied=s.keep_applied)
+        for fragment, frag in s.fragments.items():
+            if heads.get(fragment, -1) != frag.head:
+                frag.forget_head(heads.get(fragment, -1))
+            frag.round = [c for c in frag.round if not s.bus.is_applied(c.announcement.contribution_id)]
+        return heads
+
+    def rebuild(self) -> None:
+        """Redis lost the run's keys: take the lease again, then rebuild heads, applied set, the
+        consumer group and the round clock from S3 and from what this process holds."""
+        s = self.state
+        s.epoch = s.leadership.retake()
+        s.metrics.took_lease()
+        s.bus.ensure_group()
+        heads = self.roll_forward()
+        if s.cadence is not None and s.shard.leads:
+            s.bus.set_cadence(s.cadence)
+        if s.ended is not None:
+            s.bus.set_run_end(s.ended, s.epoch)
+        again = self.announce_lost(heads)
+        self.outage_at, self._redis_run_id = None, self._server_run_id()  # the lost work is looked for already
+        s.bus.incr("redis_rebuilds")
+        log.warning("rebuilt Redis from S3 at epoch %d: heads %s, %d contribution(s) announced again", s.epoch,
+                    heads, again)
+
+    def reconcile(self) -> None:
+        """After Redis was unreachable or restarted: it may have forgotten its last writes, commits
+        included (a host crash with the AOF synced once a second, a failover to a lagging replica, a
+        restore from a snapshot). S3 is the truth: before anything more is read or merged, every
+        manifest in S3 above a Redis head is committed again, with its contributions applied and
+        their entries acknowledged, so that a forgotten commit is neither merged twice nor left
+        behind a head that moved back. Redis that came back empty is rebuilt instead."""
+        s = self.state
+        if s.bus.wiped():
+            self.rebuild()
+        else:
+            behind = {f: h for f, h in s.bus.heads().items() if f in s.fragments and h < s.fragments[f].head}
+            if behind:
+                log.warning("Redis forgot commits (heads %s, S3 has %s): committing them again from S3", behind,
+                            {f: s.fragments[f].head for f in behind})
+            self.roll_forward()
+        self.reconcile_due = False
+
+    def outage_noticed(self) -> None:
+        """Bring Redis up to S3 again at once, and sweep for lost announcements once every
+        announcement that survived has been read again."""
+        if self.outage_at is None:
+            self.outage_at = time.time()
+        self.drained = False
+        self.reconcile_due = True
+
+    def notice_restart(self) -> None:
+        """A Redis restart can be too short for any command to fail (the adapter retries): notice it
+        by the server's run id, so that the sweep for lost announcements runs after it too."""
+        if self._redis_run_id is None:
+            return
+        run_id = self.state.bus.server_run_id()
+        if run_id != self._redis_run_id:
+            log.warning("Redis restarted (server run id changed): looking for announcements it lost")
+            self.outage_noticed()
+        self._redis_run_id = run_id
+
+    def sweep_if_due(self) -> None:
+        """Redis came back with its data, but it may have lost its last writes (append-only file synced
+        once a second): an announcement a learner made just before the crash is then gone, while its
+        object is in S3. Once every surviving announcement has been read (`drained`), announce again
+        the objects stored before the outage was noticed that nothing accounts for. If Redis came back
+        empty, rebuild."""
+        if self.outage_at is None or not self.drained:
+            return
+        if self.state.bus.wiped():
+            self.rebuild()
+            return
+        again = self.announce_lost(self.state.heads(), before=self.outage_at)
+        self.outage_at = None
+        self.state.bus.incr("outage_sweeps")
+        log.info("after the Redis outage: %d lost announcement(s) found in S3 and made again", again)
+
+    def announce_lost(self, heads: dict[int, int], before: float | None = None) -> int:
+        """Announce again the recent contribution objects that no manifest, open round or pending
+        refusal accounts for (`reannounce_lost`); only those stored before `before` if given."""
+        s = self.state
+        known = {c.announcement.object_key for f in s.fragments.values() for c in f.round}
+        known |= {r.object_key for f in s.fragments.values() for r in f.refused}
+        known |= {r.object_key for r in s.unplaced}
+        again, unreadable = reannounce_lost(s.store, s.bus, heads, known=known, keep=s.keep_applied,
+                                            max_bytes=s.spec.max_object_bytes, before=before, fragments=list(s.fragments))
+        s.read_pending = True
+        s.bus.incr("reannounced_from_s3", again)
+        s.bus.incr("unreadable_in_s3", unreadable)
+        return again
+
+    def _server_run_id(self) -> str | None:
+        """The Redis server's run id, or None where INFO is not allowed (an ACL without @dangerous):
+        restarts are then noticed only by failed commands."""
+        try:
+            return self.state.bus.server_run_id()
+        except ConfigError as exc:
+            log.warning("cannot notice short Redis restarts by the server's run id: %s", exc)
+            return None

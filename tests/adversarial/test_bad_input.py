@@ -34,9 +34,9 @@ import zstandard
 
 from diloco.coordinator.leadership import Fenced
 from diloco.coordinator.outer import NesterovState
-from diloco.coordinator.service import MAX_REASON_CHARS
 from diloco.coordinator.publish import commit, commit_existing, roll_forward, write_version
 from diloco.coordinator.recovery import reannounce_lost
+from diloco.coordinator.state import MAX_REASON_CHARS
 from diloco.storage.bus import FIELD, CommitResult
 from diloco.storage.errors import Refused
 from diloco.storage.history import read_manifest, sha256_hex
@@ -442,7 +442,7 @@ def test_a_flood_of_forged_announcements_leaves_a_manifest_of_bounded_size(make_
     `max_refusals_listed` of them (here 5), the last line counting the rest by code; each one is
     still refused, counted and on the refusals stream."""
     rig = make_rig()
-    rig.coord.config = replace(rig.coord.config, max_refusals_listed=5)
+    rig.coord.state.config = replace(rig.coord.config, max_refusals_listed=5)
     before = rig.before()
     for i in range(12):
         rig.xadd({FIELD: _wire(rig, fragment=7, contribution_id=f"{i:032x}")})  # no such fragment
@@ -487,7 +487,7 @@ def test_an_entry_delivered_again_while_its_round_is_open_stays_pending_and_merg
     eid, a = rig.send_good("good")
     rig.coord.step()
     assert rig.head(0) == before.head  # the round is open, waiting for its quorum
-    rig.coord._read_pending = True  # what the coordinator sets after a Redis outage: re-read our pending entries
+    rig.coord.state.read_pending = True  # what the coordinator sets after a Redis outage: re-read our pending entries
     rig.coord.step()
     pending = rig.bus.r.xpending_range(rig.keys.announcements, rig.keys.GROUP, "-", "+", 10)
     assert [p["message_id"].decode() for p in pending] == [eid]  # still pending: not acknowledged as a duplicate
@@ -567,7 +567,7 @@ def test_a_sweep_for_lost_announcements_makes_none_again_for_pieces_merged_long_
     merged further back within that margin are accounted for by their manifests, not by Redis's
     applied set (which keeps only the last versions' ids): nothing is announced again."""
     rig.advance(12)
-    assert rig.coord._announce_lost(rig.coord._heads()) == 0
+    assert rig.coord.recovery.announce_lost(rig.coord.state.heads()) == 0
     assert rig.bus.counters().get("reannounced_from_s3", 0) == 0
 
 

@@ -86,7 +86,7 @@ def test_an_overflowing_round_refuses_its_largest_piece_and_merges_the_rest(rig)
     decoded again from the round, not read again from S3, and the round merges without the culprit.
     (The norm bound would scale the culprit down first: lifted here, as in a run whose
     --max-norm-ratio is huge.)"""
-    rig.coord.round_cfg = dataclasses.replace(rig.coord.round_cfg, max_norm_ratio=1e300)
+    rig.coord.state.round_cfg = dataclasses.replace(rig.coord.round_cfg, max_norm_ratio=1e300)
     rig.advance(1)
     gets: Counter = Counter()
     rig.store._s3.meta.events.register("provide-client-params.s3.GetObject",
