@@ -19,7 +19,7 @@ from diloco.storage.bus import LEARNERS_FORGOTTEN_S
 from diloco.storage.errors import ConfigError
 from diloco.storage.keys import MAX_SHARDS, Shard
 from diloco.storage.codecs import CODECS
-from diloco.storage.protocol import CadenceKind, RunSpec, TakeRule, VersionSettings
+from diloco.storage.protocol import CadenceKind, RunSpec, TakeRule, VersionSettings, check_choices
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,7 @@ class RunSettings:
     """When learners send: 'clock' (at round deadlines the coordinator publishes) or 'steps' (every H steps)."""
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.codec not in CODECS:
             raise ConfigError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
 

@@ -4,7 +4,8 @@ The loop (`service.py`) builds one `ShardState` at start-up and hands it to its 
 (`intake.Intake`: announcements in, checked and fetched), the rounds (`rounds.Rounds`: merge and
 publish), the recovery (`recovery.Recovery`: Redis brought back up to S3) and the fleet view
 (`fleet_view.FleetView`). Each part keeps what only it uses; what two of them read or change lives
-here. Not thread-safe: the loop's own (the fetch threads touch none of it).
+here. Not thread-safe: the loop's own. The fetch threads only read the run's settings and its
+layout, which the first genesis sets once (`Intake._adopt_layout`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import msgpack
 
-from diloco.storage.errors import Refused
+from diloco.storage.errors import ConfigError, Refused
 
 SCHEMA_VERSION = 3
 """What this build writes. Version 2 made `Manifest.settings` a record (`VersionSettings`); it was a
@@ -189,6 +189,24 @@ def _schema(cls: type) -> tuple[dict[str, Any], tuple[str, ...], tuple[str, ...]
     return (typing.get_type_hints(cls), tuple(f.name for f in fields),
             tuple(f.name for f in fields if f.default is dataclasses.MISSING
                   and f.default_factory is dataclasses.MISSING))
+
+
+@functools.cache
+def _choices(cls: type) -> dict[str, tuple[str, ...]]:
+    """The fields of the dataclass `cls` typed as a Literal (a choice of strings), with their choices."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(cls)
+            if typing.get_origin(hints[f.name]) is Literal}
+
+
+def check_choices(config: Any) -> None:
+    """Raise ConfigError, naming the choices, for a field of the dataclass `config` typed as a Literal
+    whose value is not one of them: a setting is checked where it is made, as the wire checks a
+    record where it is read (`_coerce`). Options take their `choices=` from the same types."""
+    for name, choices in _choices(type(config)).items():
+        value = getattr(config, name)
+        if value not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
 def _require(cond: bool, message: str) -> None:

@@ -33,6 +33,7 @@ from diloco.storage import codecs
 from diloco.storage.history import read_layout, read_manifest, read_input, list_versions, read_run_spec
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
+from diloco.storage.protocol import CADENCES
 from diloco.workers.tasks.demo import DemoTask
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sync-every", default="30,50,100", help="values of H, comma-separated (default: %(default)s)")
     parser.add_argument("--fragments", type=int, default=4, help="P (default: %(default)s, the run default)")
     parser.add_argument("--overlap-steps", type=int, default=2, help="tau (default: %(default)s, the run default)")
-    parser.add_argument("--cadence", default="clock", choices=("clock", "steps"),
+    parser.add_argument("--cadence", default="clock", choices=CADENCES,
                         help="when learners send (default: %(default)s, the run default; steps makes rounds of one or "
                              "two learners on a busy machine, each version downloaded by every learner)")
     parser.add_argument("--codecs", default=",".join(codecs.CODECS), help="codecs to run (default: %(default)s)")

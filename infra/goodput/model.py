@@ -20,7 +20,7 @@ from typing import Literal
 
 from diloco.coordinator.policy import RoundConfig
 from diloco.storage.errors import ConfigError
-from diloco.storage.protocol import CadenceKind
+from diloco.storage.protocol import CadenceKind, check_choices
 
 YEAR_S = 365.25 * 86400.0
 
@@ -112,10 +112,7 @@ class Model:
             raise ConfigError("sync_every, checkpoint_every and slice_chips must be at least 1")
         if not 0 <= self.overlap_steps < self.sync_every:
             raise ConfigError(f"overlap_steps must be in [0, sync_every), got {self.overlap_steps}")
-        if self.cadence not in ("clock", "steps"):
-            raise ConfigError(f"cadence must be 'clock' or 'steps', got {self.cadence!r}")
-        if self.learner_failure not in ("rescale", "restart"):
-            raise ConfigError(f"learner_failure must be 'rescale' or 'restart', got {self.learner_failure!r}")
+        check_choices(self)
         if self.speeds and (len(self.speeds) != self.learners or min(self.speeds) <= 0):
             raise ConfigError(f"speeds must be {self.learners} positive multipliers, got {list(self.speeds)}")
 

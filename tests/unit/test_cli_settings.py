@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from diloco import __version__
-from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.policy import RoundConfig
 from diloco.infra.cli import build_parser, every_setting, main
 from diloco.infra.options import KNOWN_SETTINGS, build
@@ -129,3 +129,20 @@ def test_diloco_help_names_every_benchmark():
 
     [said] = [text for name, _room, text in COMMANDS if name == "bench"]
     assert said.endswith(": " + ", ".join(BENCHES)), said
+
+
+def test_a_choice_outside_its_choices_is_refused_wherever_it_is_set(tmp_path, monkeypatch):
+    """A choice from the environment or a file is checked as the command line's is (the choices come
+    from the field's Literal type); one made in Python is checked where the settings are made
+    (`check_choices`). Each error names the choices."""
+    with pytest.raises(ConfigError, match="DILOCO_CADENCE: 'hourly' is not one of clock, steps"):
+        parse(["coordinator", "--run", "r"], monkeypatch, {"DILOCO_CADENCE": "hourly"})
+    monkeypatch.delenv("DILOCO_CADENCE")
+    config = tmp_path / "run.toml"
+    config.write_text("[coordinator]\nmerge_rule = \"average\"\n")
+    with pytest.raises(ConfigError, match="merge_rule: 'average' is not one of adopt, rebase, mix"):
+        parse(["coordinator", "--run", "r", "--config", str(config)], monkeypatch)
+    with pytest.raises(ConfigError, match="cadence must be one of 'clock', 'steps', got 'hourly'"):
+        RunSettings(cadence="hourly")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="merge_rule must be one of 'adopt', 'rebase', 'mix', got 'average'"):
+        RunSettings(merge_rule="average")  # type: ignore[arg-type]
