@@ -73,6 +73,9 @@ ANNOUNCEMENTS_KEPT = 10_000
 """`trim_announcements` keeps at least the last this many announcements (for people and tools that
 read the stream), beside every entry still pending or not yet delivered (what recovery needs)."""
 
+QUICK_TIMEOUT_S = 2.0
+"""A `quick` Bus's socket timeout (`Bus(..., quick=True)`)."""
+
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
@@ -111,7 +114,7 @@ def redis_retry(method: F) -> F:
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return retried(self, *args, **kwargs)
+            return (method if getattr(self, "quick", False) else retried)(self, *args, **kwargs)
         except redis.RedisError as exc:
             if (what := access_refused(exc)) is not None:
                 raise ConfigError(f"Redis at {self.url} {what}") from exc
@@ -369,7 +372,9 @@ class Bus:
     """The Redis side of one run, as one coordinator `shard` of it sees it (its consumer group, its
     lease and fencing epoch; learners and tools use the default). Thread-safe (redis-py pools connections)."""
 
-    def __init__(self, endpoints: Endpoints, run: str, shard: Shard = Shard()) -> None:
+    def __init__(self, endpoints: Endpoints, run: str, shard: Shard = Shard(), *, quick: bool = False) -> None:
+        """`quick`: each call answers within QUICK_TIMEOUT_S or raises, with no retries (for a
+        supervisor's decisions taken every tick while Redis may be down)."""
         if not endpoints.redis_url:
             raise ConfigError(f"no Redis configured: set {ENV_REDIS_URL}")
         self.keys = RunKeys(endpoints.prefix, run)
@@ -380,7 +385,8 @@ class Bus:
         self.epoch_key = self.keys.epoch_of(shard)
         self.url = redact_url(endpoints.redis_url)
         """The Redis URL without its password: the only form of it that goes into messages."""
-        self.r = connect(endpoints.redis_url)
+        self.quick = quick
+        self.r = connect(endpoints.redis_url, QUICK_TIMEOUT_S if quick else SOCKET_TIMEOUT_S)
         self._commit = self.r.register_script(_COMMIT_LUA)
         self._ack = self.r.register_script(_ACK_LUA)
         self._warned: set[bytes] = set()
@@ -648,6 +654,31 @@ class Bus:
             except Refused:
                 continue
         return out
+
+    @redis_retry
+    def unfinished_entries(self, entry_ids: Sequence[str]) -> set[str]:
+        """Those of `entry_ids` not dealt with yet: pending in a group, or not yet delivered to every
+        group (all of them while no group exists). For the tools that audit a run afterwards."""
+        groups = self._groups()
+        if not groups:
+            return set(entry_ids)
+        pending: set[str] = set()
+        for name in groups:
+            try:
+                rows = self.r.xpending_range(self.keys.announcements, name, min="-", max="+",
+                                            count=len(entry_ids) + 10_000)
+            except redis.ResponseError:  # dropped meanwhile
+                continue
+            pending |= {_text(row["message_id"]) for row in rows}
+        read = min(_stream_id(_text(g["last-delivered-id"])) for g in groups.values())
+        return {e for e in entry_ids if e in pending or _stream_id(e) > read}
+
+    @redis_retry
+    def announcements_after(self, last_id: str, *, count: int = 1000, block_ms: int | None = None) -> list[Entry]:
+        """The entries after `last_id` ("0": from the start), outside any group (a tool watching the
+        stream); waits up to `block_ms` for one (None: returns at once)."""
+        reply = self.r.xread({self.keys.announcements: last_id}, count=count, block=block_ms)
+        return [self._parse(eid, fields) for _stream, entries in reply or [] for eid, fields in entries]
 
     @redis_retry
     def refused_object_keys(self, count: int = 10_000) -> set[str]:

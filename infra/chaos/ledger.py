@@ -33,10 +33,8 @@ from dataclasses import dataclass, field
 import redis
 
 from diloco.coordinator.policy import RECENT_ROUNDS
-from diloco.storage.bus import FIELD, Bus
-from diloco.storage.errors import Refused
+from diloco.storage.bus import Bus
 from diloco.storage.history import read_manifest
-from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import Announcement, Contribution, Manifest, Refusal
 
@@ -174,13 +172,6 @@ def chain_problems(ev: Evidence) -> list[str]:
 
 # ---- gathering the evidence ----------------------------------------------------------------
 
-def _announcement(fields: dict) -> Announcement | None:
-    try:
-        return Announcement.from_wire(fields.get(FIELD, b""))
-    except Refused:
-        return None
-
-
 def gather(store: ObjectStore, bus: Bus, num_fragments: int, watched: set[str]) -> Evidence:
     """Read S3 and Redis once the run has stopped (no coordinator or learner running)."""
     keys = bus.keys
@@ -193,51 +184,10 @@ def gather(store: ObjectStore, bus: Bus, num_fragments: int, watched: set[str]) 
         s3_versions[fragment] = sorted(p[1] for p in found if p and p[2] == "manifest")
         manifests[fragment] = [read_manifest(store, keys, fragment, v) for v in s3_versions[fragment]]
     refusals = bus.refusals(count=10**7)
-    pending_ids = _pending_entries(bus.r, keys) | _undelivered_entries(bus.r, keys, list(stream))
+    pending_ids = bus.unfinished_entries(list(stream))
     pending = {a.contribution_id for eid, a in stream.items() if eid in pending_ids and a is not None}
     return Evidence(announced=announced, manifests=manifests, s3_versions=s3_versions, redis_heads=bus.heads(),
                     refusals=refusals, pending=pending)
-
-
-def backlog(r: redis.Redis, keys: RunKeys) -> int:
-    """Announcements not dealt with yet: pending in a shard's consumer group, or not delivered to one."""
-    last = r.xrevrange(keys.announcements, count=1)
-    undelivered = _undelivered_entries(r, keys, [last[0][0].decode()]) if last else set()
-    return len(_pending_entries(r, keys)) + len(undelivered)
-
-
-def _groups(r: redis.Redis, keys: RunKeys) -> dict[str, tuple[int, int]] | None:
-    """Each consumer group (one per coordinator shard) and the last entry delivered to it; None without a stream."""
-    try:
-        groups = r.xinfo_groups(keys.announcements)
-    except redis.ResponseError:
-        return None
-    return {g["name"].decode(): _stream_id(g["last-delivered-id"].decode()) for g in groups}
-
-
-def _pending_entries(r: redis.Redis, keys: RunKeys) -> set[str]:
-    out: set[str] = set()
-    for group in _groups(r, keys) or {}:
-        try:
-            rows = r.xpending_range(keys.announcements, group, min="-", max="+", count=10**7)
-        except redis.ResponseError:  # dropped meanwhile
-            continue
-        out |= {row["message_id"].decode() for row in rows}
-    return out
-
-
-def _stream_id(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _undelivered_entries(r: redis.Redis, keys: RunKeys, entry_ids: list[str]) -> set[str]:
-    """The entries some group has not read yet (every entry, before any group exists)."""
-    groups = _groups(r, keys)
-    if not groups:
-        return set(entry_ids)
-    last = min(groups.values())
-    return {e for e in entry_ids if _stream_id(e) > last}
 
 
 class StreamWatcher(threading.Thread):
@@ -263,13 +213,10 @@ class StreamWatcher(threading.Thread):
                 self._halt.wait(0.5)
 
     def poll(self, block_ms: int | None = None) -> None:
-        reply = self.bus.r.xread({self.bus.keys.announcements: self._last}, count=1000, block=block_ms)
-        for _stream, entries in reply or []:
-            for eid, fields in entries:
-                self._last = eid.decode()
-                a = _announcement(fields)
-                if a is not None and a.kind == "delta":
-                    self.seen.add(a.contribution_id)
+        for eid, a in self.bus.announcements_after(self._last, count=1000, block_ms=block_ms):
+            self._last = eid
+            if isinstance(a, Announcement) and a.kind == "delta":
+                self.seen.add(a.contribution_id)
 
     def stop(self) -> set[str]:
         """Stop, after one last read to the end of the stream; what it saw."""

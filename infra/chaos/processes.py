@@ -30,8 +30,9 @@ import redis
 from diloco.infra.chaos.config import ChaosConfig
 from diloco.infra.chaos.faults import Fault
 from diloco.infra.local.fleet import Exit, Supervisor, Member, Proc, diloco_command, learner_argv
+from diloco.storage.bus import Bus
 from diloco.storage.crashpoints import ENV as CRASH_ENV
-from diloco.storage.keys import RunKeys, Shard
+from diloco.storage.keys import Shard
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +117,10 @@ class LearnerSlot:
 
 
 class ChaosSupervisor:
-    def __init__(self, cfg: ChaosConfig, env: dict[str, str], quick: redis.Redis, keys: RunKeys,
-                 task_path: Path, tally: Tally) -> None:
+    def __init__(self, cfg: ChaosConfig, env: dict[str, str], quick: Bus, task_path: Path, tally: Tally) -> None:
         self.cfg, self.quick, self.task_path = cfg, quick, task_path
+        """`quick`: a Bus that answers within seconds or raises (`Bus(..., quick=True)`)."""
         self.shards = Shard(0, cfg.shards).layout()
-        self.lease_keys = [keys.lease_of(s) for s in self.shards]
         self.tally = tally
         self.fleet = Supervisor(env, cfg.out / "logs", term_timeout_s=TERM_TIMEOUT_S)
         self.coordinators: list[CoordinatorProc] = []
@@ -266,10 +266,10 @@ class ChaosSupervisor:
     def holder(self, shard: int) -> CoordinatorProc | None:
         """Our live coordinator process that holds `shard`'s lease, if any. Raises redis errors. The
         holder's name (coordinator.leadership.holder_name) is host-pid-suffix."""
-        raw = self.quick.get(self.lease_keys[shard])
-        if raw is None:
+        _epoch, name, _expires_in_s = self.quick.leadership(self.shards[shard])
+        if name is None:
             return None
-        parts = raw.decode().rsplit("-", 2)
+        parts = name.rsplit("-", 2)
         pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
         return next((c for c in self.coordinators if c.proc.pid == pid and c.proc.alive()), None)
 

@@ -52,7 +52,7 @@ import redis
 from diloco.infra.chaos.config import ChaosConfig
 from diloco.infra.chaos.faults import BOUNDED, CORRUPTIONS, FAULT_KINDS, HEAVY, Fault, forge, labels, schedule
 from diloco.infra.chaos.hostile import HostileInput, HostileLearner, Verdict, judge_hostile
-from diloco.infra.chaos.ledger import Ledger, StreamWatcher, account, backlog, gather
+from diloco.infra.chaos.ledger import Ledger, StreamWatcher, account, gather
 from diloco.infra.chaos.processes import ChaosSupervisor, Tally
 from diloco.infra.history.task_model import global_model
 from diloco.infra.local.fleet import process_env, wait_until
@@ -206,11 +206,11 @@ class Chaos:
         self.bus = Bus(stack.endpoints, cfg.run)
         self.store = ObjectStore(stack.endpoints)
         # For decisions taken every tick: answers fast or fails fast while Redis is down.
-        self.quick = redis.Redis.from_url(stack.endpoints.redis_url, socket_timeout=2.0, socket_connect_timeout=1.0)
+        self.quick = Bus(stack.endpoints, cfg.run, quick=True)
         self.tally = Tally()
         # Processes restarted during a server's outage wait it out (its restart included), however slow the machine.
         env = process_env(stack.env() | {"DILOCO_REACH_TIMEOUT_S": "120"})
-        self.fleet = ChaosSupervisor(cfg, env, self.quick, self.bus.keys, cfg.out / "task.json", self.tally)
+        self.fleet = ChaosSupervisor(cfg, env, self.quick, cfg.out / "task.json", self.tally)
         self.forged: dict[str, str] = {}
         self.hostile = HostileLearner(self.bus, self.store, stack.endpoints, tokens_per_step=TASK.tokens_per_step())
         self.hostile_inputs: list[HostileInput] = []
@@ -228,7 +228,7 @@ class Chaos:
         faults = schedule(self.cfg.seed, self.cfg.seconds, learners=tuple(s.name for s in self.fleet.slots))
         self.fleet.coordinator_faults = [f for f in faults if f.kind == "coordinator_kill"]
         log.info("chaos: %d faults scheduled over %gs (seed %d)", len(faults), self.cfg.seconds, self.cfg.seed)
-        watcher = StreamWatcher(Bus(self.stack.endpoints, self.cfg.run))
+        watcher = StreamWatcher(Bus(self.stack.endpoints, self.cfg.run, quick=True))
         try:
             self._bring_up()
             watcher.start()
@@ -438,13 +438,13 @@ class Chaos:
     def _backlog(self) -> int:
         """Announcements the coordinator has not dealt with yet; -1 while Redis does not answer."""
         try:
-            return backlog(self.quick, self.bus.keys)
+            return self.quick.backlog().waiting
         except redis.RedisError:
             return -1
 
     def _heads(self) -> dict[int, int]:
         try:
-            return {int(k): int(v) for k, v in self.quick.hgetall(self.bus.keys.heads).items()}
+            return self.quick.heads()
         except redis.RedisError:
             return {}
 
