@@ -33,7 +33,7 @@ from diloco.storage import codecs
 from diloco.storage.history import read_layout, read_manifest, read_input, list_versions, read_run_spec
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
-from diloco.storage.protocol import CADENCES
+from diloco.storage.protocol import CADENCES, ObjectMeta
 from diloco.workers.tasks.demo import DemoTask
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,8 @@ def sent(store: ObjectStore, keys: RunKeys, fragments: int) -> tuple[int, int]:
     size = tokens = 0
     for key, n in store.list_sizes(keys.deltas_prefix()):
         size += n
-        tokens += int(codecs.read_header(store.get(key, max_bytes=n), max_bytes=1 << 30).meta["tokens"])
+        tokens += ObjectMeta.from_meta(codecs.read_header(store.get(key, max_bytes=n), max_bytes=1 << 30).meta,
+                                       key).tokens
     return size, tokens // fragments
 
 

@@ -44,7 +44,7 @@ from diloco.storage.errors import ConfigError, Conflict, Refused
 from diloco.storage.history import floors_of, read_collections, read_manifest, require_run_spec
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, Store
-from diloco.storage.protocol import Collection, Manifest
+from diloco.storage.protocol import Collection, Manifest, ObjectMeta
 
 log = logging.getLogger(__name__)
 
@@ -322,8 +322,9 @@ def header_reader(store: Store, max_bytes: int) -> Callable[[str], int | None]:
     """base_version_of for plan_gc: the base version a contribution's header names, or None."""
     def base_version(key: str) -> int | None:
         try:
-            meta = codecs.read_header(store.get(key, max_bytes=max_bytes), max_bytes=max_bytes).meta
-            return int(meta["base_version"]) if meta.get("kind") == "delta" else None
+            meta = ObjectMeta.from_meta(codecs.read_header(store.get(key, max_bytes=max_bytes),
+                                                           max_bytes=max_bytes).meta, key)
+            return meta.base_version if meta.kind == "delta" else None
         except (Refused, ObjectMissing, KeyError, ValueError, TypeError):
             return None
     return base_version
