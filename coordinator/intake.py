@@ -4,7 +4,7 @@
 and adds each piece that passes to its fragment's open round (`rounds.Rounds` merges it).
 `check_announcement` is pure: it decides from the announcement and what the coordinator knows
 (run, layout, head, applied ids) whether the contribution may be fetched. `fetch_tensors`
-(`fetch_checked` for a delta, which keeps the checked object rather than its tensors) then
+(`fetch_checked` for a delta, which keeps the checked payload rather than its tensors) then
 reads the object (size-bounded), checks its sha256 against the announcement, decodes it
 against the run and the layout (codec, shapes, finite values) and checks that its header names what
 the announcement says. Each failure is a `Refused` whose reason a person can act on; the caller
@@ -50,10 +50,11 @@ class PendingDelta:
     entry_id: str
     announcement: Announcement
     arrival: Arrival
-    blob: bytes = b""
-    """The object as read and checked (`fetch_checked`), still compressed as it travelled (int8: a
-    quarter of its decoded size, int4 an eighth): a round holds its pieces so and decodes each one
-    when the merge reads it (`decode_piece`). Empty for a genesis proposal, published as it arrives."""
+    piece: codecs.Opened | None = None
+    """The object as read and checked (`fetch_checked`): its payload decompressed, in the codec's own
+    bytes (int8: a quarter of its decoded size, int4 an eighth). A round holds its pieces so and
+    decodes each one when the merge reads it (`decode_piece`). None for a genesis proposal,
+    published as it arrives."""
 
 
 def check_announcement(a: Announcement, *, spec: RunSpec, keys: RunKeys, head: int | None,
@@ -99,19 +100,19 @@ def fetch_tensors(store: ObjectStore, a: Announcement, layout: Layout, max_bytes
     `timed` times the read ("get") and the checks and decoding ("verify")."""
     blob = _read(store, a, max_bytes, timed)
     with timed("verify"):
-        return _check_object(blob, a, layout, max_bytes, codec=codec)
+        return _check_object(blob, a, layout, max_bytes, codec=codec)[1]
 
 
 def fetch_checked(store: ObjectStore, a: Announcement, layout: Layout, max_bytes: int, *,
-                  codec: str, timed: Timed = untimed) -> tuple[bytes, float]:
-    """`fetch_tensors`' read and every one of its checks, decoding included, but the object is what
-    is returned, with the L2 norm of its delta: a delta waits for its round in the few bytes it
-    travelled in, not as a fragment's worth of fp32 tensors, and is decoded again when the round
-    merges (`decode_piece`)."""
+                  codec: str, timed: Timed = untimed) -> tuple[codecs.Opened, float]:
+    """`fetch_tensors`' read and every one of its checks, decoding included, but the checked payload
+    is what is returned, with the L2 norm of its delta: a delta waits for its round in the codec's
+    few bytes, not as a fragment's worth of fp32 tensors, and is decoded again when the round
+    merges (`decode_piece`), with nothing to decompress or hash again."""
     blob = _read(store, a, max_bytes, timed)
     with timed("verify"):
-        tensors = _check_object(blob, a, layout, max_bytes, codec=codec)
-        return blob, l2_norm(tensors)
+        opened, tensors = _check_object(blob, a, layout, max_bytes, codec=codec)
+        return opened, l2_norm(tensors)
 
 
 def l2_norm(tensors: dict[str, torch.Tensor]) -> float:
@@ -120,10 +121,10 @@ def l2_norm(tensors: dict[str, torch.Tensor]) -> float:
                                for t in tensors.values()))
 
 
-def decode_piece(blob: bytes, layout: Layout, fragment: int, max_bytes: int) -> dict[str, torch.Tensor]:
-    """The tensors of a piece `fetch_checked` returned. Decoding is deterministic and checks again
-    what it checked then (sha256 of the payload, shapes, finite values): the same tensors."""
-    return codecs.decode(blob, max_bytes=max_bytes, expect=layout.shapes(fragment))[0]
+def decode_piece(piece: codecs.Opened) -> dict[str, torch.Tensor]:
+    """The tensors of a piece `fetch_checked` returned. Decoding is deterministic and checks the
+    values again as it did then: the same tensors."""
+    return codecs.decode_opened(piece)
 
 
 def _read(store: ObjectStore, a: Announcement, max_bytes: int, timed: Timed) -> bytes:
@@ -140,8 +141,9 @@ def _read(store: ObjectStore, a: Announcement, max_bytes: int, timed: Timed) -> 
 
 
 def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, *,
-                 codec: str) -> dict[str, torch.Tensor]:
-    """The tensors of `blob`, the object `a` announces, once every check has passed (see `fetch_tensors`)."""
+                  codec: str) -> tuple[codecs.Opened, dict[str, torch.Tensor]]:
+    """`blob`, the object `a` announces, opened, and its tensors, once every check has passed (see
+    `fetch_tensors`)."""
     if len(blob) != a.size_bytes:
         raise Refused("size_mismatch", f"{a.object_key} is {len(blob)} bytes, the announcement says {a.size_bytes}")
     actual = sha256_hex(blob)
@@ -154,7 +156,8 @@ def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, 
         if header.codec != want:
             raise Refused("wrong_dtype", f"{a.kind} encoded as {header.codec}, but run {a.run!r} takes "
                           f"{a.kind}s encoded as {want!r}")
-        tensors, header = codecs.decode(blob, max_bytes=max_bytes, expect=layout.shapes(a.fragment))
+        opened = codecs.open_object(blob, max_bytes=max_bytes, expect=layout.shapes(a.fragment))
+        tensors, header = codecs.decode_opened(opened), opened.header
     except Refused as exc:
         raise Refused(exc.code, f"{a.object_key}: {exc.reason}") from None
     labels: dict[str, str | int] = {"run": a.run, "fragment": a.fragment, "learner": a.learner, "kind": a.kind}
@@ -167,7 +170,7 @@ def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, 
         if got is not None and got != want_value:
             raise Refused("misaddressed", f"{a.object_key} says {field_name}={got!r}, the announcement "
                           f"{want_value!r}: an object may only be announced as what it was encoded for")
-    return tensors
+    return opened, tensors
 
 
 def to_arrival(a: Announcement, arrived_at: float) -> Arrival:
@@ -281,14 +284,14 @@ class Intake:
             if a.kind == "genesis":
                 self._genesis(entry_id, a, fetched)
             else:
-                blob, norm = fetched
+                piece, norm = fetched
                 now = s.now()
                 arrival = to_arrival(a, now)
                 arrival = replace(arrival, norm=norm, deadline=plausible_deadline(
                     arrival.deadline, now=now, cadence=s.cadence, fragment=a.fragment,
                     num_fragments=s.spec.num_fragments, final=a.final))
                 s.view.sent(a.learner, now)
-                s.fragments[a.fragment].round.append(PendingDelta(entry_id, a, arrival, blob))
+                s.fragments[a.fragment].round.append(PendingDelta(entry_id, a, arrival, piece))
             s.metrics.accepted(a)
 
     def _behind(self, a: Announcement) -> bool:
@@ -317,9 +320,9 @@ class Intake:
         head = None if frag is None or frag.head < 0 else frag.head
         check_announcement(a, spec=s.spec, keys=s.keys, head=head, cfg=s.round_cfg)
 
-    def _fetch(self, a: Announcement) -> dict[str, torch.Tensor] | tuple[bytes, float]:
+    def _fetch(self, a: Announcement) -> dict[str, torch.Tensor] | tuple[codecs.Opened, float]:
         """A genesis proposal's tensors (published as it arrives), or a delta's checked object, which
-        waits in its round as it travelled (`PendingDelta.blob`), and its norm."""
+        waits in its round as its checked payload (`PendingDelta.piece`), and its norm."""
         s = self.state
         layout = s.layout
         if a.kind == "genesis" and layout is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -28,6 +28,7 @@ from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundS
 from diloco.coordinator.publish import commit, commit_existing, decode_state, listed_refusals, write_version
 from diloco.coordinator.recovery import Recovery
 from diloco.coordinator.state import Fragment, ShardState
+from diloco.storage import codecs
 from diloco.storage.bus import CommitResult
 from diloco.storage.crashpoints import crash_point
 from diloco.storage.errors import Conflict, Refused
@@ -52,16 +53,16 @@ def _absmax(tensors: dict[str, torch.Tensor]) -> float:
 class _Pieces(Sequence[dict[str, torch.Tensor]]):
     """A round's pieces, each decoded when it is read: `outer.merge_deltas` reads them in order and
     adds each to the sum as it comes, so a merge holds the sum and one decoded piece, while the
-    round waits with its pieces as they travelled (`PendingDelta.blob`)."""
+    round waits with its pieces in the codec's bytes (`PendingDelta.piece`)."""
 
-    def __init__(self, blobs: list[bytes], decode: Callable[[bytes], dict[str, torch.Tensor]]) -> None:
-        self._blobs, self._decode = blobs, decode
+    def __init__(self, pieces: list[codecs.Opened]) -> None:
+        self._pieces = pieces
 
     def __len__(self) -> int:
-        return len(self._blobs)
+        return len(self._pieces)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:  # type: ignore[override] (no slices)
-        return self._decode(self._blobs[i])
+        return decode_piece(self._pieces[i])
 
 
 class Rounds:
@@ -173,7 +174,7 @@ class Rounds:
         s = self.state
         settings = replace(self.settings("delta"), rate_steps=rate)
         with s.timing("merge"):
-            update = round_delta(self._pieces(fragment, contributions), weights, settings)
+            update = round_delta(self._pieces(contributions), weights, settings)
             if s.config.scale_rounds:
                 norm = update_norm(update)
                 step = round_step(round_size(ordered, norm), frag.recent, usual, interval)
@@ -184,12 +185,12 @@ class Rounds:
             del update
             return self._downstream(fragment, frag, target, state, settings), settings
 
-    def _pieces(self, fragment: int, contributions: list[PendingDelta]) -> _Pieces:
+    @staticmethod
+    def _pieces(contributions: list[PendingDelta]) -> _Pieces:
         """The pieces' deltas, decoded as they are read (`intake.decode_piece`)."""
-        s = self.state
-        layout, limit = s.layout, s.spec.max_object_bytes
-        assert layout is not None
-        return _Pieces([c.blob for c in contributions], lambda blob: decode_piece(blob, layout, fragment, limit))
+        pieces = [c.piece for c in contributions if c.piece is not None]
+        assert len(pieces) == len(contributions), "a round merges deltas: a genesis is published as it arrives"
+        return _Pieces(pieces)
 
     def _downstream(self, fragment: int, frag: Fragment, target: dict[str, torch.Tensor], state: NesterovState,
                     settings: VersionSettings) -> tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None:
@@ -217,7 +218,7 @@ class Rounds:
         """Each delta is finite, yet the outer step overflowed float32: refuse the largest one (the
         first in merge order on a tie) and let the others merge without it."""
         s = self.state
-        largest = [_absmax(delta) for delta in self._pieces(fragment, contributions)]  # one decoded at a time
+        largest = [_absmax(delta) for delta in self._pieces(contributions)]  # one decoded at a time
         culprit, absmax = max(zip(contributions, largest), key=lambda pair: pair[1])
         frag.round = [c for c in frag.round if c is not culprit]
         a = culprit.announcement

@@ -567,6 +567,44 @@ def read_header(blob: bytes, *, max_bytes: int) -> Header:
     return _parse(blob, max_bytes)[0]
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Opened:
+    """An object whose framing, header, shapes and payload sha256 have been checked (`open_object`),
+    its payload decompressed: the codec's own bytes (int8: a quarter of the fp32 tensors, int4 an
+    eighth). `decode_opened` makes the tensors of it, checking their values, as often as asked."""
+
+    header: Header
+    payload: bytearray
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload)
+
+
+def open_object(blob: bytes, *, max_bytes: int, expect: Mapping[str, tuple[int, ...]] | None = None) -> Opened:
+    """`decode`'s checks of everything but the values: framing and header (`read_header`), the
+    names and shapes against `expect` when given ("wrong_shape"), the zstd payload ("bad_payload")
+    and its sha256 ("sha256_mismatch")."""
+    header, body = _parse(blob, max_bytes)
+    if expect is not None:
+        _check_expect(header, expect)
+    buf = _decompress(header, body)
+    digest = hashlib.sha256(buf).hexdigest()
+    if digest != header.payload_sha256:
+        raise Refused("sha256_mismatch", f"payload sha256 is {digest}, header says {header.payload_sha256}: "
+                                         "the object is corrupt or was tampered with")
+    return Opened(header, buf)
+
+
+def decode_opened(opened: Opened) -> dict[str, torch.Tensor]:
+    """The float32 CPU tensors of an opened object, with `decode`'s checks of the values. fp32
+    tensors are views of the payload: read them, do not write to them."""
+    payload = _as_uint8(opened.payload)
+    codec = get(opened.header.codec)
+    block = opened.header.block_size
+    return {s.name: codec.decode(payload[s.offset:s.offset + s.nbytes], s, block) for s in opened.header.tensors}
+
+
 def decode(blob: bytes, *, max_bytes: int,
            expect: Mapping[str, tuple[int, ...]] | None = None) -> tuple[dict[str, torch.Tensor], Header]:
     """Decode an object into float32 CPU tensors (contiguous, writable, not sharing `blob`).
@@ -578,18 +616,8 @@ def decode(blob: bytes, *, max_bytes: int,
     or Inf values, or scales that are NaN/Inf or whose value * qmax overflows ("non_finite");
     negative scales, int8 -128, int4 nibble 0, int2 code 3, or a pad nibble/code that is not zero's ("bad_payload").
     """
-    header, body = _parse(blob, max_bytes)
-    if expect is not None:
-        _check_expect(header, expect)
-    buf = _decompress(header, body)
-    digest = hashlib.sha256(buf).hexdigest()
-    if digest != header.payload_sha256:
-        raise Refused("sha256_mismatch", f"payload sha256 is {digest}, header says {header.payload_sha256}: "
-                                         "the object is corrupt or was tampered with")
-    payload = _as_uint8(buf)
-    codec = get(header.codec)
-    out = {s.name: codec.decode(payload[s.offset:s.offset + s.nbytes], s, header.block_size) for s in header.tensors}
-    return out, header
+    opened = open_object(blob, max_bytes=max_bytes, expect=expect)
+    return decode_opened(opened), opened.header
 
 
 def _as_uint8(buf: bytearray) -> torch.Tensor:

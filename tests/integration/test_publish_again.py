@@ -64,7 +64,10 @@ def test_a_publish_refused_before_its_manifest_merges_again_from_s3_to_the_same_
     assert refused and rig.head() == parent
     assert frag.params is None and frag.state is None  # the parent was let go of before the publish
     assert {c.announcement.contribution_id for c in frag.round} == {a.contribution_id, b.contribution_id}
-    assert all(0 < len(c.blob) == c.announcement.size_bytes for c in frag.round)  # pieces held as they came
+    # Pieces held as checked payloads, in the codec's bytes: a fraction of their decoded size.
+    assert rig.coord.layout is not None
+    decoded = rig.coord.layout.fragment_bytes(0)
+    assert all(c.piece is not None and 0 < c.piece.nbytes < decoded for c in frag.round)
     left_behind = ObjectStore(endpoints).get(state_key, max_bytes=1 << 30)
 
     rig.coord.step()
