@@ -105,12 +105,12 @@ class CoordinatorConfig:
     batches of at most this many bytes of the largest fragment (at least one announcement, at most
     256), so a coordinator that restarts on a long backlog of large fragments does not decode it all
     into memory at once (a delta's decoded tensors are dropped once checked: its round keeps the
-    object as it travelled). Open rounds hold their contributions on top of this."""
+    checked payload, in the codec's bytes). Open rounds hold their contributions on top of this."""
     max_round_bytes: int = 2 << 30
     """The most decoded (fp32) bytes one fragment's open round may stand for: a round whose pieces
     reach it merges at once (the earliest arrivals, at most 4096 pieces), the rest wait for the next
-    round. The round holds its pieces compressed as they travelled and the merge decodes one at a
-    time, so this bounds the memory generously. With `read_batch_bytes`, it bounds the coordinator's
+    round. The round holds its pieces in the codec's bytes (int8: a quarter of the fp32) and the
+    merge decodes one at a time, so this bounds the memory generously. With `read_batch_bytes`, it bounds the coordinator's
     memory whatever a flood of valid pieces does."""
     max_refusals_listed: int = 1000
     """Refusals a version's manifest lists one by one; the rest since its parent are summed up in

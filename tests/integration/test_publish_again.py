@@ -1,7 +1,7 @@
 """A round whose publish fails before its manifest merges again, to the same bits.
 
 To keep its memory to one copy of each fragment's state, the coordinator holds a round's pieces
-as they travelled (compressed) and decodes them one at a time as the merge adds them up, and it
+in the codec's bytes (checked and decompressed) and decodes them one at a time as the merge adds them up, and it
 lets go of the parent version's params and outer state once the new version is computed. Should
 the publish fail before the manifest is written (S3 refuses a PUT, or is unavailable past the
 retries), the next step reads the parent again from S3, decodes the pieces again, and publishes the
