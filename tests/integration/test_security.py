@@ -8,6 +8,7 @@ Without one they skip, unless DILOCO_TEST_REQUIRE_TLS is set (CI sets it): then 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -77,6 +78,7 @@ def run_rounds(endpoints: Endpoints, run_id: str, rounds: int) -> tuple[Bus, dic
             time.sleep(0.05)
     finally:
         learner.close()
+        coord.close()
     return coord.bus, coord.bus.heads()
 
 
@@ -168,54 +170,59 @@ def test_stack_up_with_auth_and_tls_exports_a_working_url_and_logs_no_password(t
 
 # ---- nobody replaces another's objects ---------------------------------------------------------
 
+@contextlib.contextmanager
 def first_delta_merged(endpoints: Endpoints, run_id: str):  # noqa: ANN201
-    """A coordinator and a learner after fragment 0's first delta became version 1."""
+    """A coordinator and a learner after fragment 0's first delta became version 1 (both closed after)."""
     coord = make_coordinator(endpoints, run_id)
     learner, opt = join(endpoints, run_id, coord, "l0")
-    train(learner, opt, 4)
-    for _ in range(4):
-        coord.step(block_ms=50)
-    return coord, learner, opt
+    try:
+        train(learner, opt, 4)
+        for _ in range(4):
+            coord.step(block_ms=50)
+        yield coord, learner
+    finally:
+        learner.close()
+        coord.close()
 
 
 def test_a_second_writer_cannot_replace_a_contribution_or_a_committed_version(endpoints, run_id):
-    coord, learner, _ = first_delta_merged(endpoints, run_id)
-    learner.close()
-    keys, store = coord.keys, ObjectStore(endpoints)
-    other = ObjectStore(endpoints)  # another process with the same bucket credentials
-    _, delta = [x for x in announcements(coord.bus) if x[1].kind == "delta"][0]
-    manifest = read_manifest(store, keys, 0, 1)
-    originals = {key: store.get(key, max_bytes=1 << 20)
-                 for key in (delta.object_key, manifest.params_key, manifest.outer_state_key, keys.manifest(0, 1))}
-    for key in originals:
+    with first_delta_merged(endpoints, run_id) as (coord, learner):
+        learner.close()
+        keys, store = coord.keys, ObjectStore(endpoints)
+        other = ObjectStore(endpoints)  # another process with the same bucket credentials
+        _, delta = [x for x in announcements(coord.bus) if x[1].kind == "delta"][0]
+        manifest = read_manifest(store, keys, 0, 1)
+        originals = {key: store.get(key, max_bytes=1 << 20)
+                     for key in (delta.object_key, manifest.params_key, manifest.outer_state_key, keys.manifest(0, 1))}
+        for key in originals:
+            with pytest.raises(Conflict):
+                other.put(key, b"someone else's bytes")
+        # A coordinator that merged onto an outdated head and publishes the same version number.
+        layout = read_layout(store, keys)
+        forged = {name: torch.full(p.shape, 7.0) for name, p in read_params(store, layout, manifest).items()}
         with pytest.raises(Conflict):
-            other.put(key, b"someone else's bytes")
-    # A coordinator that merged onto an outdated head and publishes the same version number.
-    layout = read_layout(store, keys)
-    forged = {name: torch.full(p.shape, 7.0) for name, p in read_params(store, layout, manifest).items()}
-    with pytest.raises(Conflict):
-        write_version(other, keys, fragment=0, version=1, params=forged, state=NesterovState(), inputs=(),
-                      refused=(), settings=VersionSettings(kind="delta", outer_lr=0.7, outer_momentum=0.9), epoch=0)
-    assert {key: store.get(key, max_bytes=1 << 20) for key in originals} == originals
-    other.put(delta.object_key, originals[delta.object_key])  # the same bytes again: a retried write succeeds
-    assert coord.bus.heads()[0] == 1
+            write_version(other, keys, fragment=0, version=1, params=forged, state=NesterovState(), inputs=(),
+                          refused=(), settings=VersionSettings(kind="delta", outer_lr=0.7, outer_momentum=0.9), epoch=0)
+        assert {key: store.get(key, max_bytes=1 << 20) for key in originals} == originals
+        other.put(delta.object_key, originals[delta.object_key])  # the same bytes again: a retried write succeeds
+        assert coord.bus.heads()[0] == 1
 
 
 def test_announcements_of_another_learners_object_are_refused(endpoints, run_id):
-    coord, learner, opt = first_delta_merged(endpoints, run_id)
-    bus = coord.bus
-    _, delta = [x for x in announcements(bus) if x[1].kind == "delta"][0]
-    claimed = dataclasses.replace(delta, learner="mallory", contribution_id="a" * 32)  # "that object is mine"
-    replayed = dataclasses.replace(delta, contribution_id="b" * 32)  # the same object again, as new
-    bus.announce(claimed)
-    bus.announce(replayed)
-    for _ in range(4):
-        coord.step(block_ms=50)
-    learner.close()
-    refusals = {r.contribution_id: r for r in bus.refusals()}
-    assert refusals["a" * 32].code == "misaddressed"
-    assert "may only announce its own object" in refusals["a" * 32].reason
-    assert refusals["b" * 32].code == "misaddressed"
-    assert f"contribution_id={delta.contribution_id!r}" in refusals["b" * 32].reason
-    assert bus.heads()[0] == 1 and bus.pending_count() == 0
-    assert [c.contribution_id for c in read_manifest(coord.store, bus.keys, 0, 1).inputs] == [delta.contribution_id]
+    with first_delta_merged(endpoints, run_id) as (coord, learner):
+        bus = coord.bus
+        _, delta = [x for x in announcements(bus) if x[1].kind == "delta"][0]
+        claimed = dataclasses.replace(delta, learner="mallory", contribution_id="a" * 32)  # "that object is mine"
+        replayed = dataclasses.replace(delta, contribution_id="b" * 32)  # the same object again, as new
+        bus.announce(claimed)
+        bus.announce(replayed)
+        for _ in range(4):
+            coord.step(block_ms=50)
+        learner.close()
+        refusals = {r.contribution_id: r for r in bus.refusals()}
+        assert refusals["a" * 32].code == "misaddressed"
+        assert "may only announce its own object" in refusals["a" * 32].reason
+        assert refusals["b" * 32].code == "misaddressed"
+        assert f"contribution_id={delta.contribution_id!r}" in refusals["b" * 32].reason
+        assert bus.heads()[0] == 1 and bus.pending_count() == 0
+        assert [c.contribution_id for c in read_manifest(coord.store, bus.keys, 0, 1).inputs] == [delta.contribution_id]
