@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
+from typing import Generic, TypeVar
 
 import redis
 
@@ -30,7 +31,6 @@ from diloco.coordinator.intake import Intake
 from diloco.coordinator.leadership import Fenced, Leadership
 from diloco.coordinator.metrics import Metrics
 from diloco.coordinator.policy import RoundConfig, budget_spent, next_cadence, run_end
-from diloco.coordinator.publish import roll_forward
 from diloco.coordinator.recovery import Recovery
 from diloco.coordinator.rounds import Rounds
 from diloco.coordinator.state import Fragment, ShardState
@@ -45,10 +45,25 @@ from diloco.storage.settings import Endpoints
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 MAX_READ = 256
 """The most announcements one read of the stream takes (`read_batch_bytes` may allow fewer)."""
 TRIM_EVERY_S = 30.0
 """How often the coordinator drops the announcements it is done with (`Bus.trim_announcements`)."""
+
+
+class _OfState(Generic[T]):
+    """An attribute of the coordinator that is its `ShardState`'s, read-only."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, coordinator: Coordinator, owner: type | None = None) -> T:
+        return getattr(coordinator.state, self.name)
+
+    def __set__(self, coordinator: Coordinator, value: T) -> None:
+        raise AttributeError(f"{self.name} is the coordinator's state's: set state.{self.name}")
 
 
 class Coordinator:
@@ -80,16 +95,16 @@ class Coordinator:
         self.leadership = Leadership(self.bus, self.store, config.lease_s)
         epoch = self.leadership.take(standby=config.standby, stop=stop or threading.Event())
         self.bus.ensure_group()
-        owned = shard.fragments(self.spec.num_fragments)
-        heads = roll_forward(self.store, self.bus, owned, epoch, keep_applied=round_cfg.max_staleness + 1)
         self.state = ShardState(
             config=config, round_cfg=round_cfg, spec=self.spec, shard=shard, store=self.store, bus=self.bus,
             leadership=self.leadership, metrics=self.metrics, timing=PhaseTimes(),
             view=FleetView(self.bus, config.gone_after_s), epoch=epoch,
-            fragments={f: Fragment(head=heads.get(f, -1)) for f in owned}, layout=read_layout(self.store, self.keys),
+            fragments={f: Fragment(head=-1) for f in shard.fragments(self.spec.num_fragments)},
+            layout=read_layout(self.store, self.keys),
             ended=read_run_end(self.store, self.keys), cadence=self.bus.cadence(),
             clock_offset_s=self.bus.server_time() - time.time())
         self.recovery = Recovery(self.state)
+        self.recovery.roll_forward()  # Redis brought up to the manifests in S3, and the heads taken from it
         self.rounds = Rounds(self.state, self.recovery)
         self.intake = Intake(self.state, self.rounds, self.recovery, config.fetch_threads)
         for fragment, frag in self.fragments.items():
@@ -106,46 +121,17 @@ class Coordinator:
                  f" ({shard})" if shard.count > 1 else "", epoch, self.spec.num_fragments,
                  {f: s.head for f, s in self.fragments.items()})
 
-    # What the tests, the benchmarks and the metrics read: the state's.
-    @property
-    def config(self) -> CoordinatorConfig:
-        return self.state.config
-
-    @property
-    def epoch(self) -> int:
-        return self.state.epoch
-
-    @property
-    def fragments(self) -> dict[int, Fragment]:
-        return self.state.fragments
-
-    @property
-    def layout(self) -> Layout | None:
-        return self.state.layout
-
-    @property
-    def ended(self) -> RunEnd | None:
-        return self.state.ended
-
-    @property
-    def cadence(self) -> Cadence | None:
-        return self.state.cadence
-
-    @property
-    def view(self) -> FleetView:
-        return self.state.view
-
-    @property
-    def timing(self) -> PhaseTimes:
-        return self.state.timing
-
-    @property
-    def shard(self) -> Shard:
-        return self.state.shard
-
-    @property
-    def round_cfg(self) -> RoundConfig:
-        return self.state.round_cfg
+    # What the tests, the benchmarks and the metrics read: the state's, read-only.
+    config = _OfState[CoordinatorConfig]()
+    epoch = _OfState[int]()
+    fragments = _OfState[dict[int, Fragment]]()
+    layout = _OfState[Layout | None]()
+    ended = _OfState[RunEnd | None]()
+    cadence = _OfState[Cadence | None]()
+    view = _OfState[FleetView]()
+    timing = _OfState[PhaseTimes]()
+    shard = _OfState[Shard]()
+    round_cfg = _OfState[RoundConfig]()
 
     def now(self) -> float:
         """Redis server time (unix seconds): the clock that arrivals, deadlines and decisions share."""

@@ -663,10 +663,12 @@ class Bus:
         if not groups:
             return set(entry_ids)
         pending: set[str] = set()
-        for name in groups:
+        for name, group in groups.items():
+            if not int(group["pending"]):
+                continue
             try:
                 rows = self.r.xpending_range(self.keys.announcements, name, min="-", max="+",
-                                            count=len(entry_ids) + 10_000)
+                                            count=int(group["pending"]))
             except redis.ResponseError:  # dropped meanwhile
                 continue
             pending |= {_text(row["message_id"]) for row in rows}
