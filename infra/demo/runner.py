@@ -27,7 +27,8 @@ from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.storage.bus import Bus
 from diloco.storage.objects import ObjectStore
 from diloco.storage.settings import Endpoints, redact_url
-from diloco.workers.tasks.demo import DemoTask, train_baseline
+from diloco.workers.tasks.base import train_baseline
+from diloco.workers.tasks.demo import DemoTask
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     say(f"baseline: single-replica AdamW, {cfg.learners * cfg.steps} steps on the same token budget...")
     torch.set_num_threads(2)
     t0 = time.monotonic()
-    curve = train_baseline(task, cfg.learners * cfg.steps, seed=0, log_every=max(1, cfg.learners * cfg.steps // 4))
+    curve = train_baseline(task, cfg.learners * cfg.steps, seed=0, eval_every=max(1, cfg.learners * cfg.steps // 4))
     baseline = curve[-1][1]
     for step, loss in curve:
         say(f"  baseline step {step}: eval {loss:.4f}")

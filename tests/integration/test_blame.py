@@ -33,6 +33,7 @@ from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
 from diloco.storage.settings import ENV_REDIS_URL, Endpoints
 from diloco.workers.learner import Learner
+from diloco.workers.tasks.base import train_step
 from harness import TASK, global_eval, serving
 
 pytestmark = pytest.mark.slow  # three trained runs: `make test-all`
@@ -62,11 +63,12 @@ def train_fleet(endpoints: Endpoints, run_id: str, poison: dict[str, str]) -> No
             learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id=name,
                               tokens_per_step=TASK.tokens_per_step())
             learner.start()
-            fleet.append((name, learner, model, opt, TASK.train_batches(i)))
+            schedule = TASK.make_lr_schedule(opt, STEPS)
+            fleet.append((name, learner, model, opt, schedule, TASK.train_batches(i)))
         try:
-            for step in range(STEPS):
-                for name, _, model, opt, batches in fleet:
-                    TASK.inner_step(model, opt, next(batches), step)
+            for _step in range(STEPS):
+                for name, _, model, opt, schedule, batches in fleet:
+                    train_step(TASK, model, opt, schedule, next(batches))
                     if poison.get(name) == "noise":
                         with torch.no_grad():
                             for p in model.parameters():

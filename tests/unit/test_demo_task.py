@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from diloco.workers.tasks.language import ByteText, MarkovLanguage
-from diloco.workers.tasks.demo import DemoTask, train_baseline
+from diloco.workers.tasks.base import train_baseline
+from diloco.workers.tasks.demo import DemoTask
 
 SMALL = DemoTask(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=16, batch_size=8, eval_tokens=2048,
                  warmup_steps=0)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from diloco.infra.bench.quality_tasks import TASKS, pick
 from diloco.workers.tasks.language import MarkovLanguage
 from diloco.workers.tasks.demo import DemoTask
-from diloco.workers.tasks.base import train_baseline
+from diloco.workers.tasks.base import TaskBase, train_baseline
 from diloco.workers.tasks.gpt2 import GPT2Task, window_nll
 from diloco.workers.tasks.kinds import KINDS, task_from_wire
 from diloco.workers.tasks.vision import VisionTask
@@ -40,6 +40,38 @@ def test_a_wire_form_without_a_kind_is_a_demo_task_and_kinds_are_checked() -> No
         VisionTask.from_wire(GPT2.to_wire())
     with pytest.raises(ValueError, match="schema"):
         task_from_wire({**VISION.to_wire(), "schema": 99})
+
+
+def _lrs(task, steps: int) -> list[float]:
+    optimizer = task.make_inner_optimizer(task.make_model(0))
+    schedule = task.make_lr_schedule(optimizer, steps)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    return lrs
+
+
+def test_every_task_shares_one_piece_for_its_batch_held_out_seed_and_inner_schedule() -> None:
+    shared = {f.name for f in dataclasses.fields(TaskBase)}
+    assert shared >= {"batch_size", "eval_seed", "lr", "weight_decay", "warmup_steps", "min_lr_ratio", "grad_clip"}
+    for cls in KINDS.values():
+        assert issubclass(cls, TaskBase) and shared <= {f.name for f in dataclasses.fields(cls)}
+    # A wire form from before the shared piece has no min_lr_ratio: gpt2 and vision read as before
+    # (cosine down to 0), the demo as before (constant after its warmup).
+    for task, floor in ((VISION, 0.0), (GPT2, 0.0), (DemoTask(), 1.0)):
+        old = {k: v for k, v in task.to_wire().items() if k != "min_lr_ratio"}
+        assert task_from_wire(old).min_lr_ratio == floor
+    # Every kind's schedule ends at its floor, min_lr_ratio x lr, and the shared checks hold for each.
+    small_demo = DemoTask(d_model=16, n_layers=1, n_heads=2, d_ff=32, seq_len=8, eval_tokens=64)
+    for task in (VISION, GPT2, small_demo):
+        task = dataclasses.replace(task, warmup_steps=2, min_lr_ratio=0.25)
+        assert _lrs(task, 40)[-1] == pytest.approx(0.25 * task.lr, rel=0.01)
+        with pytest.raises(ValueError, match="min_lr_ratio"):
+            dataclasses.replace(task, min_lr_ratio=1.5)
+        with pytest.raises(ValueError, match="batch_size"):
+            dataclasses.replace(task, batch_size=0)
 
 
 def test_vision_data_and_init_are_fixed_by_their_seeds() -> None:
@@ -72,14 +104,7 @@ def test_vision_floor_is_the_teachers_loss_and_labels_follow_the_teacher() -> No
 
 
 def test_vision_schedule_warms_up_then_decays_to_zero_and_training_learns() -> None:
-    model = VISION.make_model(0)
-    optimizer = VISION.make_inner_optimizer(model)
-    schedule = VISION.make_lr_schedule(optimizer, 20)
-    lrs = []
-    for _ in range(20):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        schedule.step()
+    lrs = _lrs(VISION, 20)
     assert lrs[0] == pytest.approx(VISION.lr / 5) and lrs[4] == pytest.approx(VISION.lr)
     assert lrs[5:] == sorted(lrs[5:], reverse=True) and lrs[-1] < 0.02 * VISION.lr
     curve = train_baseline(dataclasses.replace(VISION, lr=0.1), 60, seed=0)

@@ -15,13 +15,16 @@ One inner step is the loop a user writes (`train_step`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,101 @@ class Task(Protocol):
     def entropy_floor(self) -> float | None:
         """The best eval loss any model can reach on the held-out set; None if unknown."""
         ...
+
+
+# Generator seeds: train stream s uses 1_000_003 * (s + 1), eval set e uses 7_919 * (e + 1); both are
+# primes, so the two only meet when s + 1 is a multiple of 7_919 and e + 1 one of 1_000_003.
+_TRAIN_SEED_BASE = 1_000_003
+_EVAL_SEED_BASE = 7_919
+
+
+@dataclass(frozen=True)
+class TaskBase:
+    """What every task shares: the batch, the held-out set's seed and the inner optimizer's schedule.
+
+    A task is a dataclass that extends it with its data, model and optimizer's own fields (AdamW's
+    betas, SGD's momentum), and redeclares a field here where its default differs. The fields travel
+    in the task's wire form with the rest, flat.
+    """
+
+    kind: ClassVar[str]
+    batch_size: int = 32
+    """Sequences (or images) per inner step."""
+    eval_seed: int = 0
+    """Seed of the held-out set."""
+    lr: float = 3e-3
+    """Peak inner learning rate."""
+    weight_decay: float = 0.0
+    """The inner optimizer's weight decay (which parameters it applies to is the task's choice)."""
+    warmup_steps: int = 50
+    """Linear warmup of the inner learning rate over a learner's first steps (0 = none)."""
+    min_lr_ratio: float = 1.0
+    """After the warmup, cosine-decay the inner lr from `lr` to `min_lr_ratio * lr` at the end of a
+    learner's step budget (1 = constant, 0 = down to zero)."""
+    grad_clip: float | None = 1.0
+    """Clip each inner step's gradient to this global norm (None = no clipping)."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.lr <= 0 or self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"need batch_size >= 1, lr > 0, warmup_steps >= 0, 0 <= min_lr_ratio <= 1: {self}")
+
+    def to_wire(self) -> dict:
+        return to_wire(self)
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> Any:
+        return cls(**fields_from_wire(cls, wire))
+
+    def train_generator(self, stream_seed: int) -> torch.Generator:
+        """The generator of training stream `stream_seed` (one per learner, and per restart if it should
+        not replay data); never the held-out set's."""
+        return torch.Generator().manual_seed(_TRAIN_SEED_BASE * (stream_seed + 1))
+
+    def eval_generator(self) -> torch.Generator:
+        """The generator of the held-out set (`eval_seed`)."""
+        return torch.Generator().manual_seed(_EVAL_SEED_BASE * (self.eval_seed + 1))
+
+    def lr_factor(self, step: int, total_steps: int | None = None) -> float:
+        """The inner lr over `lr` at a learner's local step (0-based): linear warmup, then constant or
+        cosine down to `min_lr_ratio` at `total_steps` (without a budget it stays at 1)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if total_steps is None or self.min_lr_ratio == 1.0:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def make_lr_schedule(self, optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:
+        """`lr_factor` over a replica's `total_steps`, stepped once after each inner step."""
+        return LambdaLR(optimizer, functools.partial(self.lr_factor, total_steps=total_steps))
+
+
+def adamw(model: torch.nn.Module, task: Any, decays: Callable[[str, torch.Tensor], bool]) -> torch.optim.AdamW:
+    """AdamW at the task's `lr` and `betas`, its `weight_decay` on the parameters `decays(name, p)`
+    picks and none on the others."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": task.weight_decay},
+              {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=task.lr, betas=task.betas)
+
+
+@torch.no_grad()
+def mean_token_loss(model: torch.nn.Module, logits_of: Callable[[torch.Tensor], torch.Tensor],
+                    windows: torch.Tensor, batch: int = 64) -> float:
+    """Mean next-token cross-entropy (nats/token) of `logits_of(inputs)` over held-out `windows`
+    ([n, seq_len + 1]), `batch` windows at a time; restores the model's train/eval mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        total, count = 0.0, 0
+        for window in windows.split(batch):
+            logits = logits_of(window[:, :-1])
+            total += torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), window[:, 1:].flatten(), reduction="sum").item()
+            count += window[:, 1:].numel()
+        return total / count
+    finally:
+        model.train(was_training)
 
 
 def to_wire(task: Any) -> dict:

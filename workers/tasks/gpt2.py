@@ -3,7 +3,8 @@ Markov language whose floor is exact.
 
 Unlike the demo task: the model is `transformers.GPT2LMHeadModel` (tied input and output embeddings,
 `transformer.h.<i>` blocks), the optimizer decays weights, the learning rate follows
-`transformers.get_cosine_schedule_with_warmup` down to zero at the end of a replica's budget, and the
+transformers' cosine schedule with warmup (to `min_lr_ratio`, zero by default, at the end of a
+replica's budget), and the
 language is smaller and peakier (vocab 16, 3 successors per context, Dirichlet concentration below
 1). The floor is the loss of the language's own probabilities on the held-out windows: exact for
 that set (its expectation over sets is the language's window floor). `transformers` is imported
@@ -23,15 +24,11 @@ import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
 from diloco.workers.tasks.language import MarkovLanguage
-from diloco.workers.tasks.base import Batch, fields_from_wire, to_wire
-
-_EVAL_BATCH = 64
-_TRAIN_SEED_BASE = 1_000_003  # as the demo task: train stream s and eval set e never share a seed
-_EVAL_SEED_BASE = 7_919
+from diloco.workers.tasks.base import Batch, TaskBase, adamw, mean_token_loss
 
 
 @dataclass(frozen=True)
-class GPT2Task:
+class GPT2Task(TaskBase):
     kind: ClassVar[str] = "gpt2"
     # The language.
     vocab_size: int = 16
@@ -51,37 +48,23 @@ class GPT2Task:
     """Width of the residual stream."""
     n_head: int = 4
     """Attention heads per block."""
-    # Data and evaluation.
+    # Data and evaluation (the held-out seed: TaskBase).
     seq_len: int = 64
     """Tokens per training sequence (also the model's context, n_positions)."""
     batch_size: int = 16
-    """Sequences per inner step."""
     eval_tokens: int = 16_384
     """Size of the fixed held-out set (predicted tokens)."""
-    eval_seed: int = 0
-    """Seed of the held-out set."""
-    # Inner optimizer: AdamW, cosine schedule with linear warmup.
-    lr: float = 3e-3
-    """Peak inner learning rate."""
+    # Inner optimizer: AdamW, transformers' cosine schedule with linear warmup (the fields: TaskBase).
     betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas."""
+    """AdamW betas. Its weight decay is on matrices only (not biases, norms; the tied embedding included)."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay, on matrices only (not biases, norms; the tied embedding included)."""
     warmup_steps: int = 40
-    """Linear warmup over a replica's first steps, then cosine decay to 0 at the end of its budget."""
-    grad_clip: float | None = 1.0
-    """Clip each inner step's gradient to this global norm (None = no clipping)."""
+    min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.n_embd % self.n_head or self.seq_len < 2 or self.eval_tokens < self.seq_len:
             raise ValueError(f"need n_head | n_embd, seq_len >= 2, eval_tokens >= seq_len: {self}")
-
-    def to_wire(self) -> dict:
-        return to_wire(self)
-
-    @classmethod
-    def from_wire(cls, wire: dict) -> GPT2Task:
-        return cls(**fields_from_wire(cls, wire))
 
     # ---- data ----
 
@@ -93,7 +76,7 @@ class GPT2Task:
         return self.batch_size * self.seq_len
 
     def train_batches(self, stream_seed: int) -> Iterator[Batch]:
-        generator = torch.Generator().manual_seed(_TRAIN_SEED_BASE * (stream_seed + 1))
+        generator = self.train_generator(stream_seed)
         while True:
             window = self.language.windows(self.batch_size, self.seq_len + 1, generator)
             yield window[:, :-1], window[:, 1:]
@@ -126,33 +109,21 @@ class GPT2Task:
             return GPT2LMHeadModel(self.config())
 
     def make_inner_optimizer(self, model: torch.nn.Module) -> torch.optim.AdamW:
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": self.weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        return adamw(model, self, decays=lambda name, p: p.ndim >= 2)
 
     def make_lr_schedule(self, optimizer: torch.optim.Optimizer, total_steps: int) -> LambdaLR:
-        from transformers import get_cosine_schedule_with_warmup
+        """transformers' schedule (its warmup starts at 0, the shared one's at lr / warmup_steps)."""
+        from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-        return get_cosine_schedule_with_warmup(optimizer, self.warmup_steps, total_steps)
+        return get_cosine_with_min_lr_schedule_with_warmup(optimizer, self.warmup_steps, total_steps,
+                                                           min_lr_rate=self.min_lr_ratio)
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         inputs, targets = batch
         return F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), targets.flatten())
 
-    @torch.no_grad()
     def eval_loss(self, model: torch.nn.Module) -> float:
-        was_training = model.training
-        model.eval()
-        try:
-            total, count = 0.0, 0
-            for window in self.eval_set().split(_EVAL_BATCH):
-                logits = model(input_ids=window[:, :-1]).logits
-                total += F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten(), reduction="sum").item()
-                count += window[:, 1:].numel()
-            return total / count
-        finally:
-            model.train(was_training)
+        return mean_token_loss(model, lambda inputs: model(input_ids=inputs).logits, self.eval_set())
 
 
 @functools.lru_cache(maxsize=4)
@@ -194,5 +165,5 @@ def _bayes_loss(task: GPT2Task) -> float:
 
 @functools.lru_cache(maxsize=4)
 def _eval_set(task: GPT2Task) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(_EVAL_SEED_BASE * (task.eval_seed + 1))
+    generator = task.eval_generator()
     return task.language.windows(math.ceil(task.eval_tokens / task.seq_len), task.seq_len + 1, generator)

@@ -23,18 +23,14 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 
-from diloco.workers.tasks.base import Batch, fields_from_wire, to_wire
-
-_TRAIN_SEED_BASE = 1_000_003
-_EVAL_SEED_BASE = 7_919
+from diloco.workers.tasks.base import Batch, TaskBase
 _SCALE_SAMPLES = 8192
 """Images the teacher's logit scale is measured on (their own generator, from the teacher seed)."""
 
 
 @dataclass(frozen=True)
-class VisionTask:
+class VisionTask(TaskBase):
     kind: ClassVar[str] = "vision"
     # The data: noise images and the teacher that labels them.
     image_size: int = 8
@@ -52,35 +48,24 @@ class VisionTask:
     """Channels of the student's first conv layer (the second has twice as many)."""
     hidden: int = 64
     """Width of the student's hidden fully connected layer."""
-    # Data and evaluation.
+    # Data and evaluation (the held-out seed: TaskBase).
     batch_size: int = 64
-    """Images per inner step."""
     eval_samples: int = 4096
     """Size of the fixed held-out set."""
-    eval_seed: int = 0
-    """Seed of the held-out set."""
-    # Inner optimizer: SGD with Nesterov momentum and weight decay; warmup, then cosine to 0.
-    lr: float = 0.05
-    """Peak inner learning rate."""
+    # Inner optimizer: SGD with Nesterov momentum and weight decay on every parameter; warmup, then
+    # cosine to 0 (the fields: TaskBase).
     momentum: float = 0.9
     """SGD momentum (Nesterov)."""
+    lr: float = 0.05
     weight_decay: float = 5e-4
-    """L2 weight decay (SGD's, on every parameter)."""
     warmup_steps: int = 20
-    """Linear warmup over a replica's first steps, then cosine decay to 0 at the end of its budget."""
+    min_lr_ratio: float = 0.0
     grad_clip: float | None = None
-    """Clip each inner step's gradient to this global norm (None = no clipping)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.image_size < 2 or self.image_size % 2 or self.classes < 2 or self.logit_scale <= 0:
             raise ValueError(f"need an even image_size >= 2, classes >= 2, logit_scale > 0: {self}")
-
-    def to_wire(self) -> dict:
-        return to_wire(self)
-
-    @classmethod
-    def from_wire(cls, wire: dict) -> VisionTask:
-        return cls(**fields_from_wire(cls, wire))
 
     # ---- data ----
 
@@ -97,7 +82,7 @@ class VisionTask:
 
     def train_batches(self, stream_seed: int) -> Iterator[Batch]:
         """(images, labels drawn from the teacher) batches; same seed, same stream."""
-        generator = torch.Generator().manual_seed(_TRAIN_SEED_BASE * (stream_seed + 1))
+        generator = self.train_generator(stream_seed)
         while True:
             x = self.images(self.batch_size, generator)
             yield x, torch.multinomial(self.teacher_probs(x), 1, generator=generator).squeeze(1)
@@ -122,9 +107,6 @@ class VisionTask:
     def make_inner_optimizer(self, model: torch.nn.Module) -> torch.optim.SGD:
         return torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum, nesterov=True,
                                weight_decay=self.weight_decay)
-
-    def make_lr_schedule(self, optimizer: torch.optim.Optimizer, total_steps: int) -> LambdaLR:
-        return LambdaLR(optimizer, functools.partial(_warmup_cosine, warmup=self.warmup_steps, total=total_steps))
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         images, labels = batch
@@ -181,14 +163,6 @@ class _Teacher:
         return torch.softmax(self._logits(images).double() * self.scale, dim=1)
 
 
-def _warmup_cosine(step: int, *, warmup: int, total: int) -> float:
-    """The lr multiplier at `step`: linear warmup to 1 over `warmup` steps, then cosine to 0 at `total`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 @functools.lru_cache(maxsize=4)
 def _teacher(image_size: int, classes: int, width: int, seed: int, logit_scale: float) -> _Teacher:
     return _Teacher(image_size, classes, width, seed, logit_scale)
@@ -196,5 +170,5 @@ def _teacher(image_size: int, classes: int, width: int, seed: int, logit_scale: 
 
 @functools.lru_cache(maxsize=4)
 def _eval_set(task: VisionTask) -> tuple[torch.Tensor, torch.Tensor]:
-    images = task.images(task.eval_samples, torch.Generator().manual_seed(_EVAL_SEED_BASE * (task.eval_seed + 1)))
+    images = task.images(task.eval_samples, task.eval_generator())
     return images, task.teacher_probs(images).float()
