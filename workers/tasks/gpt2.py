@@ -2,11 +2,10 @@
 Markov language whose floor is exact.
 
 Unlike the demo task: the model is `transformers.GPT2LMHeadModel` (tied input and output embeddings,
-`transformer.h.<i>` blocks), the optimizer decays weights, the learning rate follows
-transformers' cosine schedule with warmup (to `min_lr_ratio`, zero by default, at the end of a
-replica's budget), and the
-language is smaller and peakier (vocab 16, 3 successors per context, Dirichlet concentration below
-1). The floor is the loss of the language's own probabilities on the held-out windows: exact for
+`transformer.h.<i>` blocks), the optimizer decays weights, the learning rate follows transformers'
+cosine schedule with warmup (to `min_lr_ratio`, zero by default, at the end of a replica's budget),
+and the language is smaller and peakier (vocab 16, 3 successors per context, Dirichlet
+concentration below 1). The floor is the loss of the language's own probabilities on the held-out windows: exact for
 that set (its expectation over sets is the language's window floor). `transformers` is imported
 only when a model or schedule is built.
 """
