@@ -144,6 +144,48 @@ class Replica:
         dist.broadcast(box, src=0, group=self._control)
         return box[1:1 + int(box[0].item())].tolist()
 
+    def share_bytes(self, data: bytes | None) -> bytes:
+        """The leader's `data` on every rank (a learner's saved state); a no-op outside an island."""
+        if not self.island:
+            assert data is not None
+            return data
+        size = torch.tensor([len(data) if self.is_leader else 0], dtype=torch.int64)  # type: ignore[arg-type]
+        dist.broadcast(size, src=0, group=self._control)
+        n = int(size.item())
+        if n == 0:
+            return b""
+        box = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_leader  # type: ignore[arg-type]
+               else torch.empty(n, dtype=torch.uint8))
+        dist.broadcast(box, src=0, group=self._control)
+        return data if self.is_leader else box.numpy().tobytes()  # type: ignore[return-value]
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank's `data`, in rank order, on the leader; None on the other ranks. [data] outside
+        an island."""
+        if not self.island:
+            return [data]
+        world = dist.get_world_size()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self._control)
+        lengths = [int(s.item()) for s in sizes]
+        box = torch.zeros(max(1, *lengths), dtype=torch.uint8)
+        if data:
+            box[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        boxes = [torch.empty_like(box) for _ in range(world)] if self.is_leader else None
+        dist.gather(box, boxes, dst=0, group=self._control)
+        if boxes is None:
+            return None
+        return [b[:n].numpy().tobytes() for b, n in zip(boxes, lengths, strict=True)]
+
+    @property
+    def world(self) -> int:
+        """Ranks in this learner (1 outside an island)."""
+        return dist.get_world_size() if self.island else 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if self.island else 0
+
     def share_plan(self, due: list[int] | None, merge: list[int] | None, num_fragments: int,
                    flags: int = 0) -> tuple[list[int], list[int], int]:
         """Rank 0's plan for this step (fragments to send, fragments to merge, and flags: the learner

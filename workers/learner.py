@@ -66,7 +66,8 @@ from diloco.workers.hostcopy import Snapshot
 from diloco.workers.island import Replica
 from diloco.workers.losses import LossRecorder
 from diloco.workers.metrics import LearnerMetrics
-from diloco.workers.state import LearnerState, Stateful, StateSaver, latest_key, misfit, optimizer_params
+from diloco.workers.state import (LearnerState, Stateful, StateSaver, full_form, latest_key, misfit,
+                                  optimizer_params, pack_tree, sharded_like, unpack_user)
 from diloco.workers.staging import Stager
 from diloco.workers.takes import Awaiting, refetch_after, wait_reason
 from diloco.workers.threads import transfer_threads, usable_cpus
@@ -110,8 +111,8 @@ class LearnerConfig:
     """Save this learner's own state (inner optimizer, LR schedule and the objects passed as `state=`,
     step and tokens) to the bucket under its id, every `state_every` sends of fragment 0 and when it
     leaves on SIGTERM, and restore it when a learner of the same id rejoins (`workers/state.py`). Off:
-    a restarted learner starts its optimizer, schedule and data afresh. Single-process learners only
-    (an island's optimizer state lives on every rank; not saved yet)."""
+    a restarted learner starts its optimizer, schedule and data afresh. An island saves one state
+    through rank 0: the optimizer's state whole (a sharded one gathered) and every rank's own objects."""
     state_every: int = 10
     """With `save_state`: save every this many sends of fragment 0 (about rounds); 0: only on SIGTERM."""
     state_max_age_s: float = 1800.0
@@ -293,7 +294,9 @@ class Learner:
         self.preempted = False
         """SIGTERM arrived (with `handle_sigterm`): the learner leaves at the end of the step in progress."""
         self._metrics: LearnerMetrics | None = None
-        self._saver: StateSaver | None = None  # rank 0 of a single-process learner with save_state
+        self._saver: StateSaver | None = None  # rank 0, with save_state
+        self._saves_state = False  # every rank: rank 0 saves states (the ranks take part in gathering them)
+        self._found_state: tuple[LearnerState, str, bytes] | None = None  # rank 0, joining: a state that fits
         self._sends_of_0 = 0
         self._state_copies: Snapshot | None = None  # a saved state's copies to the host, maybe still running
         self.restored_from: str | None = None
@@ -382,8 +385,10 @@ class Learner:
                 self._joining = False
         status = self.replica.share(None if not self.is_leader else
                                     [int(failure is not None), 0 if failure else len(self.layout.fragments),
-                                     int(not failure and self.spec.merge_rule == "rebase")], 3)
+                                     int(not failure and self.spec.merge_rule == "rebase"),
+                                     int(self._saver is not None)], 4)
         self._merges_first = bool(status[2])  # every rank runs a step's sends and merges in the same order
+        self._saves_state = bool(status[3])
         if failure is not None:
             if isinstance(failure, Preempted):
                 log.warning("%s", failure)
@@ -404,6 +409,8 @@ class Learner:
                 state.anchor = Snapshot({n: values[n] for n in state.names})  # shared with the fetcher
                 state.base_version = heads[f]
         self.replica.write(values, [n for state in self.fragments for n in state.names])
+        if self._saves_state:
+            self._resume()
         self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
         self._pre_hook = self.optimizer.register_step_pre_hook(lambda *_: self._before_step())
         if self.is_leader and self.config.metrics_port:
@@ -423,7 +430,8 @@ class Learner:
         if self._hook is None:
             return  # never joined (refused, or failed to start), or left already
         final = self._send_progress(final=True)
-        if preempted and self._saver is not None and self._run_end is None:
+        if preempted and self._saves_state and self.replica.share(
+                [int(self._run_end is None)] if self.is_leader else None, 1)[0]:
             self._save_state()  # it may come back: it resumes from here
         self.preempted |= preempted  # recorded as such on leaving (LearnerLeft)
         finished = None if preempted or self._run_end is not None else final
@@ -626,8 +634,8 @@ class Learner:
             self.fetcher.hold(fragment, version, params)  # the next versions come as updates of these
             values.update(params)
         self.stats.bytes_joined = self.store.bytes_read
-        if self.config.save_state and not self.replica.island:
-            self._restore_state(heads)
+        if self.config.save_state:
+            self._found_state = self._find_state(heads)
         self.fetcher.start()
         self.bus.join(self.learner_id)
         self._joined = True
@@ -731,7 +739,7 @@ class Learner:
         for f in () if self._merges_first else to_merge:
             self._merge(f, ready.get(f))
         mark = self._phase("merge", mark) if to_merge and not self._merges_first else mark
-        if 0 in to_send and self._saver is not None:
+        if 0 in to_send and self._saves_state:
             self._sends_of_0 += 1
             if self.config.state_every and self._sends_of_0 % self.config.state_every == 0:
                 self._save_state()
@@ -900,15 +908,34 @@ class Learner:
         return optimizer_params(self.optimizer, {id(p): n for n, p in self.replica.params.items()})
 
     def _save_state(self) -> None:
-        """Rank 0, at a step boundary: copy the state to the host now, upload it in the background."""
-        copies = self.replica.copies.tree_to_host({"optimizer": self.optimizer.state_dict(),
-                                                   "user": {k: v.state_dict() for k, v in self.user_state.items()}})
+        """At a step boundary, every rank of an island in the same one: the optimizer's state in its full
+        form and each rank's own objects to rank 0 (collectives), which copies them to the host now
+        and uploads them in the background."""
+        optimizer = full_form(self.optimizer.state_dict())  # sharded moments gathered: every rank takes part
+        user = {k: v.state_dict() for k, v in self.user_state.items()}
+        ranks: tuple[dict, ...] = ()
+        if self.replica.island:
+            try:
+                mine = b"" if self.is_leader else pack_tree(user)
+            except ValueError as exc:
+                mine = b""
+                log.warning("rank %d of learner %s: its state is not saved: %s", self.replica.rank, self.learner_id, exc)
+            parts = self.replica.gather_bytes(mine)
+            if parts is None:
+                return  # not rank 0
+            try:
+                ranks = tuple(unpack_user(part, rank) for rank, part in enumerate(parts) if rank)
+            except ValueError as exc:
+                log.warning("learner %s: state at step %d not saved: %s", self.learner_id, self.step, exc)
+                return
+        copies = self.replica.copies.tree_to_host({"optimizer": optimizer, "user": user})
         self._state_copies = copies  # the next optimizer step waits for them (on the device): `_before_step`
         host = copies.unwaited
         state = LearnerState(learner=self.learner_id, step=self.step, tokens=self.tokens,
                              versions=tuple(s.base_version for s in self.fragments), params=self._optimizer_params(),
-                             optimizer=host["optimizer"], user=host["user"], saved_at=time.time() + self._clock_offset_s)
-        self._saver.submit(state, copies)
+                             optimizer=host["optimizer"], user=host["user"], saved_at=time.time() + self._clock_offset_s,
+                             ranks=ranks)
+        self._saver.submit(state, copies)  # type: ignore[union-attr]
 
     def _before_step(self) -> None:
         """Before an optimizer step: a state copy still running keeps the step from changing its tensors."""
@@ -916,9 +943,9 @@ class Learner:
         if copies is not None:
             self.replica.copies.before_write(copies)
 
-    def _restore_state(self, heads: dict[int, int]) -> None:
-        """Rank 0, joining: resume from this learner's newest saved state if it fits (`state.misfit`),
-        and start the saver after it."""
+    def _find_state(self, heads: dict[int, int]) -> tuple[LearnerState, str, bytes] | None:
+        """Rank 0, joining: this learner's newest saved state, its key and bytes, if it fits
+        (`state.misfit`; else a line saying why); starts the saver after it."""
         keys = self.bus.keys
         key = latest_key(self.store, keys, self.learner_id)
         seq = 0 if key is None else keys.parse_learner_state_key(key)[1] + 1
@@ -926,26 +953,49 @@ class Learner:
                                  nice=self.config.transfer_nice)
         self._saver.start()
         if key is None:
-            return
+            return None
         limit = 4 * sum(p.numel() * p.element_size() for p in self.replica.params.values()) + (64 << 20)
         try:
-            saved = LearnerState.from_bytes(self.store.get(key, max_bytes=limit))
+            data = self.store.get(key, max_bytes=limit)
+            saved = LearnerState.from_bytes(data)
             now = self.bus.server_time()
-            why = misfit(saved, self._optimizer_params(), heads, now, self.config.state_max_age_s)
+            why = misfit(saved, self._optimizer_params(), heads, now, self.config.state_max_age_s,
+                         world=self.replica.world)
         except (ValueError, DilocoError) as exc:
-            saved, why = None, str(exc)
+            why = str(exc)
         if why is not None:
             log.warning("learner %s starts afresh: its saved state %s is not restored: %s", self.learner_id, key, why)
-            return
-        missing = sorted(set(self.user_state) - set(saved.user))
-        self.optimizer.load_state_dict(saved.optimizer)
-        for name, obj in self.user_state.items():
-            if name in saved.user:
-                obj.load_state_dict(saved.user[name])
-        self.step, self.tokens, self.restored_from = saved.step, saved.tokens, key
-        log.info("learner %s resumes from its state at step %d (%s, saved %.0fs ago at versions %s, now %s)%s",
+            return None
+        log.info("learner %s resumes from its state at step %d (%s, saved %.0fs ago at versions %s, now %s)",
                  self.learner_id, saved.step, key, now - saved.saved_at, list(saved.versions),
-                 [heads[f] for f in sorted(heads)], f"; not in it, left as they are: {missing}" if missing else "")
+                 [heads[f] for f in sorted(heads)])
+        return saved, key, data
+
+    def _resume(self) -> None:
+        """Every rank, joined: load the state rank 0 found (`_find_state`), if any: rank 0 hands it to
+        the other ranks of an island; each keeps its own shard of the optimizer's state and its own objects."""
+        found, self._found_state = self._found_state, None
+        if self.replica.island:
+            data = self.replica.share_bytes(None if not self.is_leader else found[2] if found else b"")
+            if not data:
+                return
+            key = self.replica.share_bytes(None if not self.is_leader else found[1].encode()).decode()  # type: ignore[index]
+            saved = found[0] if found else LearnerState.from_bytes(data)
+        elif found is None:
+            return
+        else:
+            saved, key, _ = found
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.optimizer.load_state_dict(sharded_like(saved.optimizer, params))
+        mine = saved.ranks[self.replica.rank - 1] if self.replica.rank else saved.user
+        for name, obj in self.user_state.items():
+            if name in mine:
+                obj.load_state_dict(mine[name])
+        missing = sorted(set(self.user_state) - set(mine))
+        if missing:
+            log.warning("rank %d of learner %s: not in its saved state, left as they are: %s", self.replica.rank,
+                        self.learner_id, missing)
+        self.step, self.tokens, self.restored_from = saved.step, saved.tokens, key
 
     # ---- heartbeats --------------------------------------------------------------------------
     def progress(self) -> LearnerStats:

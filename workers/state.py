@@ -18,6 +18,13 @@ version a few minutes later than they do from zero, and its step count keeps the
 where it was (a fresh optimizer warms its moments up again from zero, under a schedule whose
 warmup starts again too). The schedule, the data position and the step do not depend on the model.
 
+An island (torchrun ranks, one learner) saves one state too, through rank 0, the only rank that
+talks to the run: the optimizer's state in its full form (a sharded parameter's moments gathered
+whole, as its values are for a send; a replicated parameter's as rank 0 holds them), and each
+rank's own objects (every rank has its own data position) gathered to rank 0. On restore rank 0
+hands the state to every rank, and each keeps its own shard of the moments and its own objects. An
+island's state is restored only into an island of the same size.
+
 What is saved: `optimizer.state_dict()` and each of the user's objects' `state_dict()` (an LR
 scheduler, a data position: anything with `state_dict`/`load_state_dict`), copied to host memory
 at a step boundary without waiting (`HostCopies.tree_to_host`: on a device, into pinned memory on a
@@ -39,6 +46,7 @@ from typing import Any, Protocol
 
 import safetensors.torch
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from diloco.storage.errors import Refused
 from diloco.storage.keys import RunKeys
@@ -71,40 +79,94 @@ class LearnerState:
     params: tuple[tuple[str, tuple[int, ...]], ...]
     """The parameters' run names and shapes, in the optimizer's order: what the optimizer state fits."""
     optimizer: dict[str, Any]
+    """The optimizer's `state_dict()` in its full form (`full_form`): the same for any sharding."""
     user: dict[str, dict[str, Any]]
+    """The user's objects' state dicts (rank 0's on an island)."""
     saved_at: float
+    ranks: tuple[dict[str, dict[str, Any]], ...] = ()
+    """On an island, the user's objects' state dicts of ranks 1, 2, ...; empty for one process."""
 
     def to_bytes(self) -> bytes:
         """Raises ValueError if a state dict holds something other than tensors and plain values."""
-        tensors: dict[str, torch.Tensor] = {}
-        tree = _flatten({"format": FORMAT, "learner": self.learner, "step": self.step, "tokens": self.tokens,
-                         "versions": list(self.versions), "params": [[n, list(s)] for n, s in self.params],
-                         "optimizer": self.optimizer, "user": self.user, "saved_at": self.saved_at}, tensors, "state")
-        head = pack(tree)
-        return struct.pack("<Q", len(head)) + head + safetensors.torch.save(tensors)
+        return pack_tree({"format": FORMAT, "learner": self.learner, "step": self.step, "tokens": self.tokens,
+                          "versions": list(self.versions), "params": [[n, list(s)] for n, s in self.params],
+                          "optimizer": self.optimizer, "user": self.user, "saved_at": self.saved_at,
+                          "ranks": list(self.ranks)})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> LearnerState:
         """Raises ValueError (with the reason) for anything but a state this module wrote."""
-        try:
-            (size,) = struct.unpack_from("<Q", data)
-            if size > len(data) - 8:
-                raise ValueError(f"a header of {size} bytes in an object of {len(data)}")
-            tensors = safetensors.torch.load(bytes(data[8 + size:]))
-            d = _unflatten(unpack(data[8:8 + size], max_bytes=size), tensors)
-        except (struct.error, ValueError, Refused, KeyError, TypeError, IndexError,
-                safetensors.SafetensorError) as exc:
-            raise ValueError(f"not a readable learner state: {exc}") from exc
+        d = unpack_tree(data, "learner state")
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError(f"not a learner state of format {FORMAT}")
         try:
             return cls(learner=str(d["learner"]), step=int(d["step"]), tokens=int(d["tokens"]),
                        versions=tuple(int(v) for v in d["versions"]),
                        params=tuple((str(n), tuple(int(x) for x in s)) for n, s in d["params"]),
-                       optimizer=dict(d["optimizer"]), user={str(k): dict(v) for k, v in d["user"].items()},
-                       saved_at=float(d["saved_at"]))
+                       optimizer=dict(d["optimizer"]), user=_user(d["user"]),
+                       saved_at=float(d["saved_at"]), ranks=tuple(_user(u) for u in d.get("ranks", ())))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"a learner state with a missing or malformed field: {exc!r}") from exc
+
+
+def _user(tree: Any) -> dict[str, dict[str, Any]]:
+    return {str(k): dict(v) for k, v in tree.items()}
+
+
+def unpack_user(data: bytes, rank: int) -> dict[str, dict[str, Any]]:
+    """Rank `rank`'s objects' state dicts, as it packed them (`pack_tree`) for rank 0. Raises ValueError."""
+    if not data:
+        raise ValueError(f"rank {rank} sent no state (its objects could not be packed: see its log)")
+    try:
+        return _user(unpack_tree(data, f"state of rank {rank}"))
+    except (AttributeError, TypeError) as exc:
+        raise ValueError(f"rank {rank} sent a malformed state: {exc!r}") from exc
+
+
+def pack_tree(tree: Any) -> bytes:
+    """A tree of tensors and plain values as bytes: a length-prefixed msgpack header whose tensors are
+    references into the safetensors blob that follows it. Raises ValueError for anything else."""
+    tensors: dict[str, torch.Tensor] = {}
+    head = pack(_flatten(tree, tensors, "state"))
+    return struct.pack("<Q", len(head)) + head + safetensors.torch.save(tensors)
+
+
+def unpack_tree(data: bytes, what: str) -> Any:
+    """The tree `pack_tree` made of it: parsed, never unpickled. Raises ValueError with the reason."""
+    try:
+        (size,) = struct.unpack_from("<Q", data)
+        if size > len(data) - 8:
+            raise ValueError(f"a header of {size} bytes in an object of {len(data)}")
+        tensors = safetensors.torch.load(bytes(data[8 + size:]))
+        return _unflatten(unpack(data[8:8 + size], max_bytes=size), tensors)
+    except (struct.error, ValueError, Refused, KeyError, TypeError, IndexError, safetensors.SafetensorError) as exc:
+        raise ValueError(f"not a readable {what}: {exc}") from exc
+
+
+def full_form(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's `state_dict()` with every sharded (DTensor) tensor gathered whole: a collective
+    on an island (every rank calls it, in the same order); the others as they are."""
+    state = optimizer_state["state"]
+    full = {}
+    for index in sorted(state):
+        full[index] = {key: value.full_tensor() if isinstance(value, DTensor) else value
+                       for key, value in sorted(state[index].items())}
+    return {**optimizer_state, "state": full}
+
+
+def sharded_like(optimizer_state: dict[str, Any], params: list[torch.Tensor]) -> dict[str, Any]:
+    """A full-form optimizer state (`full_form`) made to fit `params` (the optimizer's, in its order):
+    each tensor of a sharded parameter's state with that parameter's whole shape becomes this rank's
+    shard of it, cut locally (every rank holds the whole value). The others are left as they are."""
+    state = {}
+    for index, entry in optimizer_state["state"].items():
+        p = params[int(index)]
+        if isinstance(p, DTensor):
+            entry = {key: distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+                     if isinstance(value, torch.Tensor) and value.ndim and tuple(value.shape) == tuple(p.shape)
+                     else value for key, value in entry.items()}
+        state[index] = entry
+    return {**optimizer_state, "state": state}
 
 
 def _flatten(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
@@ -145,11 +207,14 @@ def optimizer_params(optimizer: torch.optim.Optimizer, names: Mapping[int, str])
 
 
 def misfit(saved: LearnerState, params: tuple[tuple[str, tuple[int, ...]], ...], heads: Mapping[int, int],
-           now: float, max_age_s: float) -> str | None:
-    """Why `saved` cannot be restored into a learner whose optimizer holds `params` and that joins
-    at `heads` at time `now` (None: it fits)."""
+           now: float, max_age_s: float, world: int = 1) -> str | None:
+    """Why `saved` cannot be restored into a learner of `world` ranks whose optimizer holds `params`
+    and that joins at `heads` at time `now` (None: it fits)."""
     if saved.params != params:
         return "it was saved for other parameters (the model or the optimizer's groups changed)"
+    if len(saved.ranks) + 1 != world:
+        return (f"it was saved by a learner of {len(saved.ranks) + 1} rank(s), this one has {world}: each rank's "
+                "own objects (its data position) have nowhere to go")
     if len(saved.versions) != len(heads):
         return f"it was saved with {len(saved.versions)} fragments, the run has {len(heads)}"
     if now - saved.saved_at > max_age_s:

@@ -41,7 +41,8 @@ from diloco.storage.bus import Bus
 from diloco.storage.history import read_layout, read_manifest, read_params
 from diloco.storage.objects import ObjectStore
 from diloco.storage.settings import Endpoints
-from diloco.workers.learner import Learner
+from diloco.workers.learner import Learner, LearnerConfig
+from diloco.workers.state import LearnerState
 from harness import serving
 
 WORLD = 2
@@ -195,3 +196,104 @@ def test_island_ranks_stay_consistent_and_only_rank0_talks_to_the_run(mode, endp
     objects = list(store.list(bus.keys.root))
     assert any(f"/{RANK_IDS[0]}/" in key for key in objects)
     assert not [key for key in objects if RANK_IDS[1] in key]
+
+
+class Position:
+    """A rank's own place in its data: every rank of an island has its own."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.consumed = rank, 0
+
+    def state_dict(self) -> dict:
+        return {"rank": self.rank, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rank, self.consumed = state["rank"], state["consumed"]
+
+
+def optimizer_checksum(opt: torch.optim.Optimizer) -> str:
+    """This rank's own part of the optimizer's state: its shards of the moments, the step counts."""
+    h = hashlib.sha256()
+    state = opt.state_dict()["state"]
+    for index in sorted(state):
+        for key, value in sorted(state[index].items()):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            h.update(f"{index}.{key}{tuple(local.shape)}".encode())
+            h.update(local.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def state_rank_main(rank: int, phase: str, endpoints_by_rank: list[Endpoints], run_id: str, init_port: int,
+                    out_dir: str) -> None:
+    """One rank of a sharded island that trains and is preempted ("before"), or that rejoins under
+    the same id with fresh weights and a fresh optimizer and resumes ("after")."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{init_port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = build("sharded", rank + (10 if phase == "after" else 0))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        position = Position(rank)
+        learner = Learner(model, opt, run=run_id, endpoints=endpoints_by_rank[rank], learner_id=f"isle-r{rank}",
+                          tokens_per_step=8 * WORLD, state={"data": position},
+                          config=LearnerConfig(state_every=0))
+        learner.start()
+        result = {"restored": learner.restored_from, "step_at_start": learner.step,
+                  "position_at_start": position.state_dict(), "optimizer_at_start": optimizer_checksum(opt)}
+        data = torch.Generator().manual_seed(1000 + rank)
+        for _ in range(MIN_STEPS if phase == "before" else 2):
+            x = torch.randn(8, 8, generator=data)
+            position.consumed += 1 + 100 * rank  # the ranks' positions differ
+            torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+            opt.step()
+            opt.zero_grad()
+        result |= {"step": learner.step, "position": position.state_dict(), "optimizer": optimizer_checksum(opt)}
+        learner.finish(preempted=phase == "before")  # the state is saved on leaving as preempted
+        Path(out_dir, f"{phase}{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_island(target, phase: str, endpoints: Endpoints, run_id: str, out_dir: Path) -> list[dict]:
+    (init_port,) = free_ports(1)
+    ctx = mp.start_processes(target, args=(phase, [endpoints, unusable(endpoints)], run_id, init_port, str(out_dir)),
+                             nprocs=WORLD, join=False, start_method="spawn")
+    try:
+        deadline = time.monotonic() + 90
+        while not ctx.join(timeout=1.0):  # raises with the rank's traceback if one failed
+            assert time.monotonic() < deadline, f"the island ({phase}) did not finish in 90s"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [json.loads((out_dir / f"{phase}{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.slow  # two islands one after the other: `make test-all`
+def test_a_preempted_island_resumes_each_ranks_optimizer_shard_and_own_objects(endpoints, run_id, tmp_path):
+    coord = Coordinator(endpoints, run_id,
+                        settings=RunSettings(num_fragments=2, sync_every=4, overlap_steps=1, codec="fp32",
+                                             compress=False, cadence="steps"),
+                        config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0)))
+    with serving(coord):
+        before = run_island(state_rank_main, "before", endpoints, run_id, tmp_path)
+        store, keys = ObjectStore(endpoints), Bus(endpoints, run_id).keys
+        (key,) = store.list(keys.learner_states_prefix("isle-r0"))  # one state, saved on leaving, by rank 0 alone
+        saved = LearnerState.from_bytes(store.get(key, max_bytes=1 << 20))
+        after = run_island(state_rank_main, "after", endpoints, run_id, tmp_path)
+
+    # What was saved is whole, whatever the sharding: the moments have the parameters' full shapes,
+    # and rank 1's objects travel beside rank 0's.
+    shapes = dict(saved.params)
+    for index, entry in saved.optimizer["state"].items():
+        name = saved.params[int(index)][0]
+        assert tuple(entry["exp_avg"].shape) == shapes[name] and not isinstance(entry["exp_avg"], DTensor)
+    assert saved.user == {"data": before[0]["position"]} and saved.ranks == ({"data": before[1]["position"]},)
+    assert saved.step == MIN_STEPS
+    assert before[0]["optimizer"] != before[1]["optimizer"]  # each rank holds its own shard of the moments
+    for rank in range(WORLD):
+        assert before[rank]["restored"] is None and after[rank]["restored"] == key
+        assert after[rank]["step_at_start"] == MIN_STEPS
+        assert after[rank]["position_at_start"] == before[rank]["position"]  # its own, not rank 0's
+        assert after[rank]["optimizer_at_start"] == before[rank]["optimizer"]  # its own shard, bit for bit
+    assert not [k for k in store.list(keys.root) if "isle-r1" in k]  # rank 1 never talked to the run
