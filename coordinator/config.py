@@ -143,6 +143,10 @@ class CoordinatorConfig:
     standby: bool = False
     """Wait as a hot standby while another coordinator holds the run, and take over when its lease lapses.
     Without it, a coordinator that finds the lease held and renewed exits."""
+    cover_shards: bool = False
+    """With --shards > 1, also stand by for every other shard: when one's lease lapses (its coordinator
+    died) and no standby of its own takes it first, this process takes that shard's fragments over
+    too, beside its own, until the run ends. Size its memory for both."""
     keep_serving: bool = False
     """Once the run is finished, keep running (refusing what learners still send, serving metrics)
     instead of returning from `serve`: `diloco coordinator` exits 0 then, so that a Kubernetes Job or

@@ -31,7 +31,7 @@ from diloco.storage import codecs
 from diloco.storage.bus import Bus, CommitResult
 from diloco.storage.crashpoints import crash_point
 from diloco.storage.errors import Conflict, Refused
-from diloco.storage.history import latest_version, read_manifest, sha256_hex
+from diloco.storage.history import latest_version, read_manifest, read_run_end, sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import Body, ObjectStore, Store
 from diloco.storage.protocol import Contribution, Manifest, Refusal, VersionEvent, VersionSettings
@@ -163,23 +163,29 @@ def commit(bus: Bus, manifest: Manifest, *, epoch: int, ack_ids: list[str], keep
                               keep_applied=keep_applied, check_applied=check_applied)
 
 
-def commit_existing(bus: Bus, manifest: Manifest, *, epoch: int, keep_applied: int, rebuild: bool = False) -> None:
+def commit_existing(bus: Bus, manifest: Manifest, *, epoch: int, keep_applied: int,
+                    rebuild: bool = False) -> CommitResult:
     """Commit a version whose manifest is already in S3; its announcements are acknowledged as applied.
 
     S3 is the truth: the manifest is written, so the version is committed whatever Redis says of its
     contributions. Redis's applied set is not consulted (should history already name a contribution
-    twice, refusing to commit would only leave every later coordinator unable to start)."""
+    twice, refusing to commit would only leave every later coordinator unable to start). The one
+    exception: a version above the run's end (written by a shard that had not seen it) is not
+    committed, and ENDED is returned."""
     stream_ids = [c.stream_id for c in manifest.inputs if c.stream_id]
     result = commit(bus, manifest, epoch=epoch, ack_ids=stream_ids, keep_applied=keep_applied, rebuild=rebuild,
                     check_applied=False)
     if result is CommitResult.FENCED:
         raise Fenced(f"cannot commit fragment {manifest.fragment} version {manifest.version} from its manifest: "
                      f"another coordinator holds the run now (this one has epoch {epoch})")
+    if result is CommitResult.ENDED:
+        return result
     if result not in (CommitResult.COMMITTED, CommitResult.ALREADY):
         raise Conflict(f"cannot commit fragment {manifest.fragment} version {manifest.version} from its "
                        f"manifest: {result.name}")
     log.warning("committed fragment %d version %d from its manifest in S3 (%s)", manifest.fragment,
                 manifest.version, result.name)
+    return result
 
 
 def roll_forward(store: ObjectStore, bus: Bus, fragments: Iterable[int], epoch: int, *,
@@ -193,13 +199,23 @@ def roll_forward(store: ObjectStore, bus: Bus, fragments: Iterable[int], epoch: 
       version becomes the head directly, and the contributions of the `keep_applied` versions
       before it are marked applied again. Older ones cannot come back: they are staler than
       max_staleness and would be refused anyway (a commit keeps no more of them either).
+
+    Never past the run's end: a version written above a fragment's final version (by a shard that
+    had not seen the end) is not part of the run.
     """
     fragments = list(fragments)
     heads = {f: v for f, v in bus.heads().items() if f in fragments}
+    end = read_run_end(store, bus.keys)
     for fragment in fragments:
         latest = latest_version(store, bus.keys, fragment)
         if latest is None:
             continue
+        if end is not None and fragment < len(end.versions) and latest > end.versions[fragment]:
+            log.warning("fragment %d has versions up to %d in S3, written after the run's end at version %d: "
+                        "not part of the run", fragment, latest, end.versions[fragment])
+            latest = end.versions[fragment]
+            if latest < 0:
+                continue
         if fragment not in heads:
             for version in range(max(0, latest - keep_applied), latest):
                 bus.mark_applied(fragment, [c.contribution_id for c in read_manifest(store, bus.keys, fragment,

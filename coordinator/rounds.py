@@ -31,7 +31,7 @@ from diloco.coordinator.state import Fragment, ShardState
 from diloco.storage import codecs
 from diloco.storage.bus import CommitResult
 from diloco.storage.crashpoints import crash_point
-from diloco.storage.errors import Conflict, Refused
+from diloco.storage.errors import Conflict, Refused, StorageUnavailable
 from diloco.storage.history import read_manifest, read_params, read_verified
 from diloco.storage.protocol import Contribution, Manifest, VersionSettings
 
@@ -78,6 +78,8 @@ class Rounds:
         """Merge the open round of `fragment` if `policy.decide_round` says it is due, or if it holds as
         many pieces as a round may (`_round_cap`), and publish the version."""
         s = self.state
+        if s.ended is not None:
+            return  # nothing is merged after the run's end
         arrivals = tuple(c.arrival for c in frag.round)
         # The fleet is the live learners and those with a piece in the round: one that sent its piece
         # and left (its lease gone) must not stand in for one still live whose piece is on its way.
@@ -234,12 +236,36 @@ class Rounds:
         manifest = read_manifest(s.store, s.keys, fragment, version)
         log.warning("fragment %d version %d was written by the coordinator of epoch %d: adopting it", fragment,
                     version, manifest.epoch)
-        commit_existing(s.bus, manifest, epoch=s.epoch, keep_applied=s.keep_applied)
+        if commit_existing(s.bus, manifest, epoch=s.epoch, keep_applied=s.keep_applied) is CommitResult.ENDED:
+            self._withdraw(manifest, frag)
+            return
         merged = {c.contribution_id for c in manifest.inputs}
         frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
         frag.forget_head(version)
         frag.merged_tokens = manifest.merged_tokens
         s.bus.incr("versions_adopted")
+
+    def _withdraw(self, manifest: Manifest, frag: Fragment) -> None:
+        """The run ended (on shard 0) at an earlier version of this fragment while this version was
+        written: it is not part of the run. Its objects are deleted (a reader takes the end's versions
+        anyway, and a roll-forward stops at them), the round's pieces are refused as the run's end
+        refuses any (`run_finished`), and this shard stops merging."""
+        s = self.state
+        s.ended = s.bus.run_end()
+        for c in frag.round:
+            s.refuse(c.entry_id, c.announcement, Refused(
+                "run_finished", f"run {s.spec.run!r} ended before the round of fragment {manifest.fragment} that "
+                                f"holds it was committed"))
+        frag.round = []
+        keys = [s.keys.manifest(manifest.fragment, manifest.version), manifest.params_key, manifest.outer_state_key,
+                *([manifest.update_key] if manifest.update_key else [])]
+        try:
+            s.store.delete(keys)
+        except StorageUnavailable as exc:
+            log.warning("could not delete fragment %d version %d, written after the run's end: %s",
+                        manifest.fragment, manifest.version, exc)
+        log.info("fragment %d version %d not committed: the run ended at version %s of it", manifest.fragment,
+                 manifest.version, list(s.ended.versions)[manifest.fragment] if s.ended else "?")
 
     def _ensure_loaded(self, fragment: int, frag: Fragment) -> None:
         s = self.state
@@ -312,6 +338,9 @@ class Rounds:
             result = commit(s.bus, manifest, epoch=s.epoch, ack_ids=[c.entry_id for c in contributions],
                             keep_applied=s.keep_applied)
         crash_point("committed")
+        if result is CommitResult.ENDED:
+            self._withdraw(manifest, frag)
+            return
         if result is CommitResult.WIPED:
             self.recovery.rebuild()  # rolls our manifest forward: it is the latest in S3
         elif result is CommitResult.FENCED:

@@ -36,6 +36,7 @@ from diloco.coordinator.rounds import Rounds
 from diloco.coordinator.state import Fragment, ShardState
 from diloco.coordinator.timing import PhaseTimes
 from diloco.storage.bus import Bus, Fleet, GroupGone
+from diloco.storage.crashpoints import crash_point
 from diloco.storage.errors import ConfigError, Conflict, StorageUnavailable
 from diloco.storage.history import read_layout, read_manifest, read_run_end, read_run_spec
 from diloco.storage.keys import Shard
@@ -51,6 +52,21 @@ MAX_READ = 256
 """The most announcements one read of the stream takes (`read_batch_bytes` may allow fewer)."""
 TRIM_EVERY_S = 30.0
 """How often the coordinator drops the announcements it is done with (`Bus.trim_announcements`)."""
+
+
+def recorded_end(store: ObjectStore, bus: Bus) -> RunEnd | None:
+    """The run's end: S3's record; or Redis's, written to S3 now, when the coordinator that ended the
+    run stopped between the two (`Coordinator._end` writes Redis first)."""
+    end = read_run_end(store, bus.keys)
+    if end is not None or (end := bus.run_end()) is None:
+        return end
+    try:
+        store.put(bus.keys.finished_record(), end.to_wire(), create_only=True)
+        log.warning("run %s: its end was in Redis only (the coordinator that ended it stopped before S3): "
+                    "recorded in S3 now", bus.keys.run)
+    except Conflict:
+        end = read_run_end(store, bus.keys)
+    return end
 
 
 class _OfState(Generic[T]):
@@ -101,7 +117,7 @@ class Coordinator:
             view=FleetView(self.bus, config.gone_after_s), epoch=epoch,
             fragments={f: Fragment(head=-1) for f in shard.fragments(self.spec.num_fragments)},
             layout=read_layout(self.store, self.keys),
-            ended=read_run_end(self.store, self.keys), cadence=self.bus.cadence(),
+            ended=recorded_end(self.store, self.bus), cadence=self.bus.cadence(),
             clock_offset_s=self.bus.server_time() - time.time())
         self.recovery = Recovery(self.state)
         self.recovery.roll_forward()  # Redis brought up to the manifests in S3, and the heads taken from it
@@ -305,22 +321,39 @@ class Coordinator:
             self._end(*over)
 
     def _end(self, by: str, reason: str) -> None:
-        """Mark the run finished: `finished.msgpack` (create-only: S3 is the truth), then its copy in
-        Redis, fenced by our epoch. A coordinator that was deposed a moment ago must not end the run
-        at its stale heads: it checks its epoch first."""
+        """Mark the run finished at the heads: first in Redis, atomically with the heads (a shard's
+        commit lands before, in the end's versions, or is refused after: `Bus.end_at_heads`), then
+        `finished.msgpack` (create-only: S3 is the truth). A coordinator that was deposed a moment
+        ago must not end the run at its stale heads: the script checks its epoch."""
         if not self.state.check_epoch(f"ending the run ({reason})"):
             return  # Redis lost its data: the loop rebuilds it, then the run ends on a later step
-        # The other shards' heads are Redis's: nothing is pending in any shard's group (`_maybe_end`), so
-        # each committed its last round, the head and the acknowledgements in one script.
-        heads = {**self.bus.heads(), **{f: frag.head for f, frag in self.fragments.items()}}
+        stored = read_run_end(self.store, self.keys)  # a predecessor ended it just before it stopped
+        if stored is not None:
+            self._adopt_end(stored)
+            return
+        heads = self.bus.heads()  # this shard's and the others', committed
         end = RunEnd(run=self.spec.run, finished_at=self.now(), by=by, reason=reason,
                      versions=tuple(heads.get(f, -1) for f in range(self.spec.num_fragments)), epoch=self.epoch)
+        ended = self.bus.end_at_heads(end, self.epoch)
+        if ended is None:
+            log.info("a shard committed as the run ended: ending it at the new heads")
+            return  # the next step ends it again
+        if not ended:
+            raise self.state.deposed(f"another coordinator took run {self.spec.run!r} over while this one ended it")
+        crash_point("end_in_redis")
         try:
             self.store.put(self.keys.finished_record(), end.to_wire(), create_only=True)
-        except Conflict:
-            stored = read_run_end(self.store, self.keys)  # a predecessor ended it just before it stopped
-            assert stored is not None
-            end = stored
+        except Conflict:  # a deposed predecessor's, written since: S3's is the run's end
+            end = read_run_end(self.store, self.keys)  # type: ignore[assignment]
+            assert end is not None
+            self._adopt_end(end)
+            return
+        self.state.ended = end
+        log.info("run %s finished: %s; final versions %s", self.spec.run, end.reason,
+                 {f: v for f, v in enumerate(end.versions)})
+
+    def _adopt_end(self, end: RunEnd) -> None:
+        """The run's end as S3 records it, copied to Redis (fenced by our epoch)."""
         if not self.bus.set_run_end(end, self.epoch):
             raise self.state.deposed(f"another coordinator took run {self.spec.run!r} over while this one ended it")
         self.state.ended = end

@@ -201,10 +201,13 @@ class CommitResult(enum.Enum):
     """One of the contributions was applied in an earlier version."""
     WIPED = -5
     """The epoch key is gone: Redis lost its data (restarted empty). Rebuild from S3, then retry."""
+    ENDED = -6
+    """The run ended at an earlier version of this fragment (`Bus.end_at_heads`): nothing more is committed."""
 
 
 _COMMIT_LUA = """
--- KEYS: heads, commits, applied, epoch, versions, announcements, counters, applied_log (this fragment's)
+-- KEYS: heads, commits, applied, epoch, versions, announcements, counters, applied_log (this fragment's),
+--       final_heads
 -- ARGV: fragment, expected_head, version, params_sha, epoch, event, group, maxlen, check_applied (1/0),
 --       keep_applied, keep_commits, n_ids, ids..., n_acks, acks...
 local frag, expected, version, sha = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -213,6 +216,8 @@ if ARGV[5] ~= '' then
   if not e then return -5 end
   if e ~= ARGV[5] then return -1 end
 end
+local final = redis.call('HGET', KEYS[9], frag)
+if final and tonumber(version) > tonumber(final) then return -6 end
 local ck = frag .. ':' .. version
 local done = redis.call('HGET', KEYS[2], ck)
 if done then
@@ -308,9 +313,19 @@ return {redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%.6f', now), '+inf')
 """
 
 _SET_FINISHED_LUA = """
--- KEYS: epoch, finished; ARGV: epoch, record
+-- KEYS: epoch, finished, final_heads, heads
+-- ARGV: epoch, record, at_heads (1/0), n, fragment, version, fragment, version, ...
+-- Returns 1, 0 (nothing written) if the epoch is not ours, -2 (nothing written) if at_heads and a
+-- head is not the record's version of its fragment (a shard committed meanwhile).
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local n = tonumber(ARGV[4])
+if ARGV[3] == '1' then
+  for i = 0, n - 1 do
+    if (redis.call('HGET', KEYS[4], ARGV[5 + 2 * i]) or '-1') ~= ARGV[6 + 2 * i] then return -2 end
+  end
+end
 redis.call('SET', KEYS[2], ARGV[2])
+for i = 0, n - 1 do redis.call('HSET', KEYS[3], ARGV[5 + 2 * i], ARGV[6 + 2 * i]) end
 return 1
 """
 
@@ -721,7 +736,8 @@ class Bus:
         `check_applied` False: commit it even if Redis has one of its contributions applied (the
         version's manifest is in S3 already, so it is committed whatever Redis says)."""
         keys = [self.keys.heads, self.keys.commits, self.keys.applied, self.epoch_key, self.keys.versions,
-                self.keys.announcements, self.keys.counters, self.keys.applied_log(event.fragment)]
+                self.keys.announcements, self.keys.counters, self.keys.applied_log(event.fragment),
+                self.keys.final_heads]
         args: list[Any] = [event.fragment, "" if expected_head is None else expected_head, event.version,
                            event.params_sha256, "" if epoch is None else epoch, event.to_wire(),
                            self.group, VERSIONS_MAXLEN, int(check_applied), keep_applied, COMMITS_KEPT,
@@ -902,8 +918,22 @@ class Bus:
 
     @redis_retry
     def set_run_end(self, end: RunEnd, epoch: int) -> bool:
-        """Publish the run's end, fenced: False (nothing written) if `epoch` is not the current one."""
-        return bool(self._set_finished(keys=[self.epoch_key, self.keys.finished], args=[epoch, end.to_wire()]))
+        """Publish the run's end (the record in S3 already), fenced: False (nothing written) if `epoch`
+        is not the current one. From then on no fragment commits a version above the end's."""
+        return self._end(end, epoch, at_heads=False) == 1
+
+    @redis_retry
+    def end_at_heads(self, end: RunEnd, epoch: int) -> bool | None:
+        """End the run at `end.versions` if they are still the heads, atomically: a shard's commit
+        either came before (it is a head, in the end) or is refused after (`CommitResult.ENDED`).
+        True: ended; None: a head moved (nothing written: end at the new heads); False: fenced."""
+        result = self._end(end, epoch, at_heads=True)
+        return None if result == -2 else result == 1
+
+    def _end(self, end: RunEnd, epoch: int, *, at_heads: bool) -> int:
+        pairs = [x for f, v in enumerate(end.versions) for x in (f, v)]
+        return int(self._set_finished(keys=[self.epoch_key, self.keys.finished, self.keys.final_heads, self.keys.heads],
+                                      args=[epoch, end.to_wire(), int(at_heads), len(end.versions), *pairs]))
 
     @redis_retry
     def run_end(self) -> RunEnd | None:

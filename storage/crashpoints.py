@@ -11,6 +11,9 @@ The coordinator's points, in commit order (coordinator/publish.py):
 - `params_written`: the version's params and outer state are in S3, its manifest is not;
 - `manifest_written`: the manifest is in S3 (the version is committed), Redis does not know yet;
 - `committed`: the Redis commit is done, the coordinator's memory not yet updated.
+
+And at the run's end (coordinator/service.py), reached once a run: `end_in_redis`, the end is in
+Redis (no commit passes it), not yet in S3.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ log = logging.getLogger(__name__)
 
 ENV = "DILOCO_CRASH_AT"
 POINTS = ("fetched", "params_written", "manifest_written", "committed")
+"""The commit's points, reached every round."""
+END_POINTS = ("end_in_redis",)
 
 
 def parse(spec: str) -> dict[str, int]:
@@ -33,8 +38,8 @@ def parse(spec: str) -> dict[str, int]:
     targets: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, count = item.partition(":")
-        if name not in POINTS:
-            raise ConfigError(f"{ENV}: unknown crash point {name!r}; known: {', '.join(POINTS)}")
+        if name not in POINTS + END_POINTS:
+            raise ConfigError(f"{ENV}: unknown crash point {name!r}; known: {', '.join(POINTS + END_POINTS)}")
         if count and not (count.isdigit() and int(count) >= 1):
             raise ConfigError(f"{ENV}: {item!r}: the count after ':' must be a positive integer")
         targets[name] = int(count or 1)

@@ -293,6 +293,12 @@ class RunKeys:
         return self._r + "finished"
 
     @property
+    def final_heads(self) -> str:
+        """Hash: fragment -> its final version, set with `finished` in one script: a commit of a
+        version above it is refused (a shard that had not seen the end yet)."""
+        return self._r + "final_heads"
+
+    @property
     def counters(self) -> str:
         """Hash: counter name -> integer (contributions applied, refused:{code}, versions...)."""
         return self._r + "counters"

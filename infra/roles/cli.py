@@ -83,9 +83,38 @@ def run_coordinator(args: argparse.Namespace) -> int:
     if coordinator is None:
         log.info("stopped before taking over run %s", args.run)
         return 0
-    coordinator.serve(stop)
+    covers = _cover_other_shards(args, config, stop) if config.cover_shards else []
+    try:
+        coordinator.serve(stop)
+    finally:
+        stop.set()  # the covers stand by no longer, and one that serves another shard stops too
+        for cover in covers:
+            cover.join(timeout=config.lease_s + 30.0)
     log.info("coordinator stopped: %s", coordinator.bus.counters())
     return 0
+
+
+def _cover_other_shards(args: argparse.Namespace, config: CoordinatorConfig,
+                        stop: threading.Event) -> list[threading.Thread]:
+    """`--cover-shards`: a standby for each other shard of the run, in a thread of this process, that
+    serves the shard once its lease lapses and no other standby took it (until the run ends or `stop`)."""
+
+    def cover(shard: int) -> None:
+        mine = replace(config, shard=shard, standby=True, cover_shards=False, metrics_port=0)
+        try:
+            coordinator = _start_coordinator(args, mine, stop, Metrics.start(0, args.run))
+            if coordinator is not None:
+                log.warning("shard %d of run %s lost its coordinator: this process coordinates it too now", shard,
+                            args.run)
+                coordinator.serve(stop)
+        except Exception:  # noqa: BLE001 (a cover that fails leaves this process's own shard running)
+            log.exception("the standby for shard %d of run %s failed", shard, args.run)
+
+    threads = [threading.Thread(target=cover, args=(k,), name=f"cover-shard-{k}", daemon=True)
+               for k in range(config.shards) if k != config.shard]
+    for thread in threads:
+        thread.start()
+    return threads
 
 
 def _start_coordinator(args: argparse.Namespace, config: CoordinatorConfig, stop: threading.Event,

@@ -19,10 +19,11 @@ from diloco.infra.watch.render import coordinator_lines
 from diloco.infra.watch.status import read_status
 from diloco.storage.bus import Bus
 from diloco.storage.errors import ConfigError
-from diloco.storage.history import list_versions, read_manifest
+from diloco.storage.history import list_versions, read_manifest, read_run_end
 from diloco.storage.keys import RunKeys, Shard
 from diloco.infra.local.fleet import Proc
 from diloco.storage.objects import ObjectStore
+from diloco.storage.protocol import RunEnd
 from harness import (announcements, assert_each_piece_merged_or_refused_stale_once, make_coordinator, merged_ids,
                      spawn_coordinator, spawn_learner, tiny_learner, train, two_shards_run, wait_all, wait_for)
 
@@ -111,11 +112,13 @@ def test_changing_the_shard_count_fences_the_old_shards_and_loses_no_announcemen
     old[1].close(release=False)
 
 
-@pytest.mark.slow  # real processes and a lease running out: about 40 s
-def test_a_killed_shard_is_replaced_by_its_standby_and_the_others_carry_on(endpoints, run_id, tmp_path, fleet_env):
-    """`diloco coordinator --shards 2 --shard k` processes, a `--standby` for shard 1, two demo learners:
-    SIGKILL shard 1 mid-run. Its standby takes its lease and its fragment; shard 0 never stops; the
-    run ends, every coordinator exits 0, and every piece is merged once or refused as stale."""
+@pytest.mark.slow  # real processes and a lease running out: about 40 s each
+@pytest.mark.parametrize("replacement", ["standby", "cover"])
+def test_a_killed_shard_is_replaced_and_the_others_carry_on(replacement, endpoints, run_id, tmp_path, fleet_env):
+    """`diloco coordinator --shards 2 --shard k` processes, two demo learners: SIGKILL shard 1 mid-run.
+    Its fragment is taken over by a `--standby` of shard 1 (`standby`), or, with no standby, by shard
+    0's own process (`cover`: started with --cover-shards). Shard 0 never stops; the run ends, every
+    coordinator exits 0, and every piece is merged once or refused as stale."""
     env, procs = fleet_env
     lease_s = 2.0
 
@@ -125,11 +128,12 @@ def test_a_killed_shard_is_replaced_by_its_standby_and_the_others_carry_on(endpo
         procs.append(p)
         return p
 
-    zero, one = shard(0, "shard0"), shard(1, "shard1")
+    zero = shard(0, "shard0", *(["--cover-shards"] if replacement == "cover" else []))
+    one = shard(1, "shard1")
     bus = Bus(endpoints, run_id)
     wait_for("both shards' leases", lambda: all(bus.leadership(s)[1] for s in Shard(0, 2).layout()), [zero, one])
     killed_holder = bus.leadership(Shard(1, 2))[1]
-    standby = shard(1, "standby1", "--standby")
+    standby = shard(1, "standby1", "--standby") if replacement == "standby" else zero
     learners = [spawn_learner(run_id, env, tmp_path, f"l{i}", steps=300, seed=i, slowdown=3.0) for i in range(2)]
     procs.extend(learners)
     wait_for("two versions of each fragment", lambda: len(bus.heads()) == 2 and min(bus.heads().values()) >= 2,
@@ -140,6 +144,8 @@ def test_a_killed_shard_is_replaced_by_its_standby_and_the_others_carry_on(endpo
     wait_for("the standby of shard 1 to take over",
              lambda: (h := bus.leadership(Shard(1, 2))[1]) is not None and h != killed_holder, [zero, standby],
              timeout_s=4 * lease_s + 10)
+    if replacement == "cover":  # shard 0's process holds both leases now
+        assert f"-{zero.pid}-" in bus.leadership(Shard(1, 2))[1]
     wait_all(learners)
     assert zero.wait(60) == 0, zero.tail()  # the learners finished: shard 0 ends the run
     assert standby.wait(30) == 0, standby.tail()  # and shard 1's new coordinator sees the end and exits
@@ -152,3 +158,59 @@ def test_a_killed_shard_is_replaced_by_its_standby_and_the_others_carry_on(endpo
     epochs_of_1 = {read_manifest(store, bus.keys, 1, v).epoch for v in range(heads[1] + 1)}
     assert len(epochs_of_1) == 2 and zero_epoch not in epochs_of_1  # shard 1's two coordinators, not shard 0
     assert_each_piece_merged_or_refused_stale_once(endpoints, run_id, bus)
+
+
+def test_a_shard_that_merges_after_the_run_ended_commits_nothing_and_the_end_is_exact(endpoints, run_id):
+    """Shard 0 ends the run at the heads while shard 1 still holds a piece: shard 1's version is
+    written to S3 but its commit is refused (the end fences it), its objects are withdrawn, and a
+    later roll-forward never passes the end. Ending at heads that moved meanwhile writes nothing."""
+    shards = [make_coordinator(endpoints, run_id, shards=2, shard=k) for k in range(2)]
+    learner, opt = tiny_learner(endpoints, run_id, "l0")
+    t = threading.Thread(target=learner.start)
+    t.start()
+    while t.is_alive():
+        for coord in shards:
+            coord.step(block_ms=20)
+    train(learner, opt, 8)  # a piece of each fragment, announced
+    bus, store = shards[0].bus, ObjectStore(endpoints)
+    stale = RunEnd(run=run_id, finished_at=0.0, by="operator", reason="test", epoch=shards[0].epoch,
+                   versions=(bus.heads()[0], bus.heads()[1] - 1))
+    assert bus.end_at_heads(stale, shards[0].epoch) is None and bus.run_end() is None  # heads moved: nothing
+    shards[0]._end("operator", "ended while shard 1 holds a piece")
+    end = bus.run_end()
+    assert end is not None and end.versions == (bus.heads()[0], 0) and read_run_end(store, bus.keys) == end
+    deadline = time.monotonic() + 20
+    while shards[1].ended is None and time.monotonic() < deadline:
+        shards[1].step(block_ms=20)  # reads its piece, merges it, and its commit is refused
+    assert shards[1].ended == end
+    assert bus.heads()[1] == 0 and list_versions(store, bus.keys, 1) == [0]  # version 1 withdrawn from S3
+    assert bus.refusals()[-1].code == "run_finished" and bus.pending_count() == 0  # its piece dealt with
+    assert bus.end_at_heads(end, shards[0].epoch + 1) is False  # fenced: not shard 0's epoch
+    learner.close()
+    for coord in shards:
+        coord.close()
+    restarted = make_coordinator(endpoints, run_id, shards=2, shard=1)  # its roll-forward stops at the end
+    assert restarted.ended == end and restarted.fragments[1].head == 0
+    restarted.close()
+
+
+def test_an_end_in_redis_only_is_recorded_in_s3_by_the_next_coordinator(endpoints, run_id):
+    """The coordinator that ends a run writes Redis first, then S3: stopped in between, the next
+    coordinator records the end in S3 from Redis."""
+    coord = make_coordinator(endpoints, run_id)
+    learner, opt = tiny_learner(endpoints, run_id, "l0")
+    t = threading.Thread(target=learner.start)
+    t.start()
+    while t.is_alive():
+        coord.step(block_ms=20)
+    bus, store = coord.bus, ObjectStore(endpoints)
+    heads = bus.heads()
+    end = RunEnd(run=run_id, finished_at=1.0, by="operator", reason="test", epoch=coord.epoch,
+                 versions=(heads[0], heads[1]))
+    assert bus.end_at_heads(end, coord.epoch)  # ... and the coordinator stops here
+    learner.close()
+    coord.close()
+    assert read_run_end(store, bus.keys) is None
+    again = make_coordinator(endpoints, run_id)
+    assert again.ended == end and read_run_end(store, bus.keys) == end
+    again.close()
