@@ -112,23 +112,28 @@ def shell_script(argv: list[str]) -> str | None:
     return None
 
 
-_REFERENCE = re.compile(r"\$\((?P<paren>[^()]*)\)|\$\{(?P<brace>[^}]*)\}|\$(?P<bare>[A-Za-z_][A-Za-z0-9_]*)")
+_REFERENCE = re.compile(r"\$\(\((?P<arith>[^()]*)\)\)|\$\((?P<paren>[^()]*)\)|\$\{(?P<brace>[^}]*)\}"
+                        r"|\$(?P<bare>[A-Za-z_][A-Za-z0-9_]*)")
 
 
 def substitute(text: str, value: str = "1") -> str:
-    """Every `$(...)` (a Kubernetes variable or a shell command substitution), `${...}` and `$NAME` replaced
-    by `value`: what the CLI parses does not depend on them, and "1" is an int, a float and a str."""
+    """Every `$((...))` (shell arithmetic), `$(...)` (a Kubernetes variable or a shell command
+    substitution), `${...}` and `$NAME` replaced by `value`: what the CLI parses does not depend on
+    them, and "1" is an int, a float and a str."""
     return _REFERENCE.sub(value, text)
 
 
 def referenced_names(script: str) -> set[str]:
-    """Variable names a shell script reads: `$NAME`, `${NAME...}`; `$(command)` is not a variable."""
+    """Variable names a shell script reads: `$NAME`, `${NAME...}`, the names in `$((...))`; `$(command)`
+    is not a variable."""
     names = set()
     for m in _REFERENCE.finditer(script):
         if m["bare"]:
             names.add(m["bare"])
         elif m["brace"]:
             names.add(re.match(r"[A-Za-z_][A-Za-z0-9_]*", m["brace"])[0])
+        elif m["arith"]:
+            names |= set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", m["arith"]))
     return names
 
 
@@ -384,7 +389,8 @@ def test_the_coordinator_job_runs_a_leader_and_a_standby_and_completes_with_the_
     # Two pods at once, done when one succeeds: the coordinator exits 0 once the run is finished.
     assert job["kind"] == "Job" and job["spec"]["parallelism"] == 2 and "completions" not in job["spec"]
     assert pod_spec(job)["restartPolicy"] == "OnFailure"
-    (pdb,) = [doc for _p, doc in k8s_docs() if doc["kind"] == "PodDisruptionBudget"]
+    (pdb,) = [doc for _p, doc in k8s_docs() if doc["kind"] == "PodDisruptionBudget"
+              and doc["metadata"]["name"] == "diloco-coordinator"]
     assert pdb["spec"]["selector"]["matchLabels"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
     for _path, doc, _spec, container in k8s_containers():
         if doc is job:
@@ -393,6 +399,54 @@ def test_the_coordinator_job_runs_a_leader_and_a_standby_and_completes_with_the_
             assert "--standby" in argv, "without --standby the second replica exits while the first holds the lease"
     for path, argv in ((p, a) for _l, p, a in invocations() if a and a[0] == "coordinator"):
         assert "--standby" in argv, f"{path.name}: a restarted coordinator should wait for the old lease"
+
+
+def argv_as_bash_runs_it(script: str, env: dict[str, str]) -> list[str]:
+    """The argv after `diloco` that bash gives the one `diloco` command of `script` in `env`."""
+    shown = re.sub(r"\bdiloco\b", lambda _: "printf '%s\\n'", script, count=1)
+    out = subprocess.run(["bash", "-c", shown], env={"PATH": os.environ["PATH"], **env}, capture_output=True,
+                         text=True, check=True)
+    return out.stdout.splitlines()
+
+
+def without_shard(argv: list[str]) -> list[str]:
+    out = list(argv)
+    for flag in ("--shards", "--shard"):
+        if flag in out:
+            i = out.index(flag)
+            del out[i:i + 2]
+    return out
+
+
+@needs_yaml
+def test_the_sharded_coordinator_job_runs_a_leader_and_a_standby_of_every_shard_with_the_same_settings():
+    job = workload("diloco-coordinator-shards")
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    assert pod_spec(job)["restartPolicy"] == "OnFailure"
+    (pdb,) = [doc for _p, doc in k8s_docs() if doc["kind"] == "PodDisruptionBudget"
+              and doc["metadata"]["name"] == "diloco-coordinator-shards"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    script = shell_script(container_argv(pod_spec(job)["containers"][0]))
+    single = container_argv(pod_spec(workload("diloco-coordinator"))["containers"][0])[1:]
+    shards = []
+    for index in range(spec["completions"]):
+        argv = argv_as_bash_runs_it(script, {"JOB_COMPLETION_INDEX": str(index)})
+        args = parse_with_the_cli(argv)
+        assert args.standby and args.shards * 2 == spec["completions"] and args.shards <= args.num_fragments, argv
+        assert without_shard(argv) == single, "every shard runs the single coordinator's settings and flags"
+        shards.append(args.shard)
+    assert sorted(shards) == sorted(list(range(len(shards) // 2)) * 2), shards  # each shard: a leader, a standby
+
+
+@needs_yaml
+def test_the_skypilot_coordinator_is_one_shard_of_as_many_as_its_envs_say():
+    (task,) = [t for p, t in sky_tasks() if p.name == "coordinator.yaml"]
+    assert (task["envs"]["SHARDS"], task["envs"]["SHARD"]) == ("1", "0")  # one coordinator unless launched as shards
+    script = next(line for line in logical_lines(task["run"]) if "diloco coordinator" in line)
+    for shards, shard in (("1", "0"), ("2", "1")):
+        args = parse_with_the_cli(argv_as_bash_runs_it(script, {**task["envs"], "SHARDS": shards, "SHARD": shard}))
+        assert (args.shards, args.shard, args.standby) == (int(shards), int(shard), True)
 
 
 @needs_yaml

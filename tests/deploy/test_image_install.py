@@ -33,7 +33,7 @@ from diloco.infra.local.stack import LocalStack, free_ports
 from diloco.storage.settings import Endpoints
 from harness import fresh_endpoints, merged_ids, wait_for
 from test_deploy_files import (GCP_SPOT_NOTICE_S, K8S, SKYPILOT, build_context, container_argv, doc_invocations,
-                               dockerfile_instructions, dockerignore_rules, k8s_docs, k8s_env, option, pip_installs,
+                               dockerfile_instructions, dockerignore_rules, k8s_env, option, pip_installs,
                                pod_spec, workload, yaml)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(yaml is None, reason="pyyaml is not installed"),
