@@ -911,7 +911,7 @@ class Learner:
         """At a step boundary, every rank of an island in the same one: the optimizer's state in its full
         form and each rank's own objects to rank 0 (collectives), which copies them to the host now
         and uploads them in the background."""
-        optimizer = full_form(self.optimizer.state_dict())  # sharded moments gathered: every rank takes part
+        optimizer = full_form(self.optimizer.state_dict(), keep=self.is_leader)  # every rank takes part
         user = {k: v.state_dict() for k, v in self.user_state.items()}
         ranks: tuple[dict, ...] = ()
         if self.replica.island:

@@ -143,14 +143,21 @@ def unpack_tree(data: bytes, what: str) -> Any:
         raise ValueError(f"not a readable {what}: {exc}") from exc
 
 
-def full_form(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+def full_form(optimizer_state: dict[str, Any], *, keep: bool = True) -> dict[str, Any]:
     """An optimizer's `state_dict()` with every sharded (DTensor) tensor gathered whole: a collective
-    on an island (every rank calls it, in the same order); the others as they are."""
+    on an island (every rank calls it, in the same order); the others as they are. A gathered tensor
+    goes to host memory at once on the rank that `keep`s it (dropped on the others), one at a time:
+    a device holds one whole tensor beside its shards at most."""
     state = optimizer_state["state"]
     full = {}
     for index in sorted(state):
-        full[index] = {key: value.full_tensor() if isinstance(value, DTensor) else value
-                       for key, value in sorted(state[index].items())}
+        entry = {}
+        for key, value in sorted(state[index].items()):
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+                value = value.cpu() if keep else None
+            entry[key] = value
+        full[index] = entry
     return {**optimizer_state, "state": full}
 
 
