@@ -52,7 +52,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("import", "history", "copy a run's history from an export directory back into the bucket the environment names"),
     ("chaos", "chaos", "a run of real processes on a local stack under a seeded schedule of faults, then an audit "
      "of every contribution"),
-    ("bench", "bench", "benchmarks on real processes and servers: quality, takes, failures, comm, stall, "
+    ("bench", "bench", "benchmarks on real processes and servers: quality, takes, rejoin, failures, comm, stall, "
      "coordinator, hetero, wan, scale, device, flood"),  # the rooms import no room: a test holds it to bench's BENCHES
 ]
 

@@ -11,7 +11,7 @@ from diloco.infra.output import write_json
 
 log = logging.getLogger(__name__)
 
-BENCHES = ("quality", "takes", "failures", "comm", "stall", "coordinator", "hetero", "wan", "scale", "device", "flood")
+BENCHES = ("quality", "takes", "rejoin", "failures", "comm", "stall", "coordinator", "hetero", "wan", "scale", "device", "flood")
 """Benchmark names; `diloco bench coordinator` lives in `infra.bench.throughput` (no clash with the package)."""
 
 MODULES = {"coordinator": "throughput"}

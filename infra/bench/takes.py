@@ -95,16 +95,23 @@ class Replicas:
         self.momentum = {n: torch.zeros_like(p) for n, p in self.globals.items()}
         self.anchors = [{n: p.detach().clone() for n, p in ps.items()} for ps in params]
         self.takes: dict[int, list[int]] = {}  # step -> fragments taken after it
+        self.away: set[int] = set()
+        """Replicas that are not in the run (`bench rejoin`): they send no piece and take no version, but
+        the last piece of each fragment in `leaving` (the progress a preempted learner sends as it leaves)."""
+        self.leaving: dict[int, set[int]] = {}
 
     @torch.no_grad()
     def send(self, fragment: int, step: int) -> None:
         """Every replica's piece of the fragment, merged into the next version; each takes it k steps later."""
-        names, m = self.names[fragment], len(self.models)
+        names = self.names[fragment]
+        live = [i for i in range(len(self.models)) if i not in self.away or fragment in self.leaving.get(i, ())]
+        for i in live:
+            self.leaving.get(i, set()).discard(fragment)
         for n in names:
-            delta = sum(self.anchors[i][n] - self.params[i][n] for i in range(m)) / m
+            delta = sum(self.anchors[i][n] - self.params[i][n] for i in live) / len(live)
             buf = self.momentum[n].mul_(self.args.outer_momentum).add_(delta)
             self.globals[n] -= self.args.outer_lr * (delta + self.args.outer_momentum * buf)
-            for i in range(m):
+            for i in live:
                 self.anchors[i][n] = self.params[i][n].detach().clone()  # what was sent: the next piece starts here
         self.takes.setdefault(step + self.setting.lag, []).append(fragment)
 
@@ -113,7 +120,7 @@ class Replicas:
         rule, alpha = self.setting.rule, self.args.alpha
         for n in self.names[fragment]:
             g = self.globals[n]
-            for i in range(len(self.models)):
+            for i in (i for i in range(len(self.models)) if i not in self.away):
                 p, anchor = self.params[i][n], self.anchors[i][n]
                 if rule == "rebase":
                     p += g - anchor  # the steps since the send, on top of the version
