@@ -183,6 +183,10 @@ FLAG_LEAVE = 2
 
 WAIT_LOG_S = 5.0
 """While joining, how often a learner says what it is waiting for."""
+GENESIS_GRACE_S = 20.0
+"""A fragment still without version 0 this long after a joining learner found the run's layout: the
+learner that proposed the layout left before proposing that fragment (the first fragment's proposal
+fixes the layout), and this learner proposes it (a proposal that comes second is superseded)."""
 
 PREEMPTED_EXIT = 143
 """The exit code of a learner that left on SIGTERM: 128 + 15, as a process SIGTERM killed."""
@@ -612,6 +616,7 @@ class Learner:
                                     lambda: time.time() + self._clock_offset_s, self._stop,
                                     base_s=self.config.heartbeat_s)
         self._losses.start()
+        proposed = [layout is None]  # our own proposals are on their way: never proposed twice
         if layout is None:
             self._propose_genesis(mine, initial)
             layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout")
@@ -619,7 +624,19 @@ class Learner:
         if problem:
             raise ConfigError(f"this model does not fit run {self.run!r}: {problem}")
         self.layout = layout
-        heads = self._wait(lambda: self._all_heads(layout), deadline, "version 0 of every fragment")
+        found_at = time.monotonic()
+
+        def heads_or_propose() -> dict[int, int] | None:
+            heads = self._all_heads(layout)
+            if heads is None and not proposed[0] and time.monotonic() - found_at > GENESIS_GRACE_S:
+                missing = [f for f in range(len(layout.fragments)) if f not in self.bus.heads()]
+                log.warning("learner %s: fragment(s) %s have no version 0 %.0fs after the run's layout was fixed "
+                            "(their proposer left first): proposing them", self.learner_id, missing, GENESIS_GRACE_S)
+                self._propose_genesis(layout, initial, missing)
+                proposed[0] = True
+            return heads
+
+        heads = self._wait(heads_or_propose, deadline, "version 0 of every fragment")
         self._stager = Stager(self.replica.copies, self._anchor_for, threads=self._threads,
                               nice=self.config.transfer_nice)
         self._stager.start()
@@ -647,9 +664,13 @@ class Learner:
         heads = self.bus.heads()
         return heads if all(f in heads for f in range(len(layout.fragments))) else None
 
-    def _propose_genesis(self, layout: Layout, initial: dict[str, torch.Tensor]) -> None:
+    def _propose_genesis(self, layout: Layout, initial: dict[str, torch.Tensor],
+                         fragments: list[int] | None = None) -> None:
+        """Propose this learner's initial values as version 0 of `fragments` (every one by default)."""
         self.store.put(self.bus.keys.genesis_layout(self.learner_id), layout.to_wire(), create_only=False)
         for f, specs in enumerate(layout.fragments):
+            if fragments is not None and f not in fragments:
+                continue
             tensors = {s.name: initial[s.name] for s in specs}
             self.uploader.submit(UploadJob(f, tensors, base_version=-1, tokens=0, steps=0, step_time_s=0.0,
                                            kind="genesis"))
