@@ -265,7 +265,7 @@ class Rounds:
             log.warning("could not delete fragment %d version %d, written after the run's end: %s",
                         manifest.fragment, manifest.version, exc)
         log.info("fragment %d version %d not committed: the run ended at version %s of it", manifest.fragment,
-                 manifest.version, list(s.ended.versions)[manifest.fragment] if s.ended else "?")
+                 manifest.version, s.ended.versions[manifest.fragment] if s.ended else "?")
 
     def _ensure_loaded(self, fragment: int, frag: Fragment) -> None:
         s = self.state

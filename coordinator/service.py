@@ -344,18 +344,19 @@ class Coordinator:
         try:
             self.store.put(self.keys.finished_record(), end.to_wire(), create_only=True)
         except Conflict:  # a deposed predecessor's, written since: S3's is the run's end
-            end = read_run_end(self.store, self.keys)  # type: ignore[assignment]
-            assert end is not None
-            self._adopt_end(end)
+            stored = read_run_end(self.store, self.keys)
+            assert stored is not None
+            self._adopt_end(stored)
             return
-        self.state.ended = end
-        log.info("run %s finished: %s; final versions %s", self.spec.run, end.reason,
-                 {f: v for f, v in enumerate(end.versions)})
+        self._ended(end)
 
     def _adopt_end(self, end: RunEnd) -> None:
         """The run's end as S3 records it, copied to Redis (fenced by our epoch)."""
         if not self.bus.set_run_end(end, self.epoch):
             raise self.state.deposed(f"another coordinator took run {self.spec.run!r} over while this one ended it")
+        self._ended(end)
+
+    def _ended(self, end: RunEnd) -> None:
         self.state.ended = end
         log.info("run %s finished: %s; final versions %s", self.spec.run, end.reason,
                  {f: v for f, v in enumerate(end.versions)})

@@ -920,17 +920,17 @@ class Bus:
     def set_run_end(self, end: RunEnd, epoch: int) -> bool:
         """Publish the run's end (the record in S3 already), fenced: False (nothing written) if `epoch`
         is not the current one. From then on no fragment commits a version above the end's."""
-        return self._end(end, epoch, at_heads=False) == 1
+        return self._write_end(end, epoch, at_heads=False) == 1
 
     @redis_retry
     def end_at_heads(self, end: RunEnd, epoch: int) -> bool | None:
         """End the run at `end.versions` if they are still the heads, atomically: a shard's commit
         either came before (it is a head, in the end) or is refused after (`CommitResult.ENDED`).
         True: ended; None: a head moved (nothing written: end at the new heads); False: fenced."""
-        result = self._end(end, epoch, at_heads=True)
+        result = self._write_end(end, epoch, at_heads=True)
         return None if result == -2 else result == 1
 
-    def _end(self, end: RunEnd, epoch: int, *, at_heads: bool) -> int:
+    def _write_end(self, end: RunEnd, epoch: int, *, at_heads: bool) -> int:
         pairs = [x for f, v in enumerate(end.versions) for x in (f, v)]
         return int(self._set_finished(keys=[self.epoch_key, self.keys.finished, self.keys.final_heads, self.keys.heads],
                                       args=[epoch, end.to_wire(), int(at_heads), len(end.versions), *pairs]))

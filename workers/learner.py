@@ -616,7 +616,7 @@ class Learner:
                                     lambda: time.time() + self._clock_offset_s, self._stop,
                                     base_s=self.config.heartbeat_s)
         self._losses.start()
-        proposed = [layout is None]  # our own proposals are on their way: never proposed twice
+        proposed = layout is None  # our own proposals are on their way: never proposed twice
         if layout is None:
             self._propose_genesis(mine, initial)
             layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout")
@@ -627,13 +627,14 @@ class Learner:
         found_at = time.monotonic()
 
         def heads_or_propose() -> dict[int, int] | None:
+            nonlocal proposed
             heads = self._all_heads(layout)
-            if heads is None and not proposed[0] and time.monotonic() - found_at > GENESIS_GRACE_S:
+            if heads is None and not proposed and time.monotonic() - found_at > GENESIS_GRACE_S:
                 missing = [f for f in range(len(layout.fragments)) if f not in self.bus.heads()]
                 log.warning("learner %s: fragment(s) %s have no version 0 %.0fs after the run's layout was fixed "
                             "(their proposer left first): proposing them", self.learner_id, missing, GENESIS_GRACE_S)
                 self._propose_genesis(layout, initial, missing)
-                proposed[0] = True
+                proposed = True
             return heads
 
         heads = self._wait(heads_or_propose, deadline, "version 0 of every fragment")
@@ -990,7 +991,7 @@ class Learner:
         log.info("learner %s resumes from its state at step %d (%s, saved %.0fs ago at versions %s, now %s)",
                  self.learner_id, saved.step, key, now - saved.saved_at, list(saved.versions),
                  [heads[f] for f in sorted(heads)])
-        return saved, key, data
+        return saved, key, data if self.replica.island else b""  # the bytes only to hand to the other ranks
 
     def _resume(self) -> None:
         """Every rank, joined: load the state rank 0 found (`_find_state`), if any: rank 0 hands it to
