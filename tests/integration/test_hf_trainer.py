@@ -15,6 +15,7 @@ pytest.importorskip("accelerate")  # the Trainer needs it (the hf extra)
 transformers = pytest.importorskip("transformers")
 
 from diloco.hf import DilocoCallback  # noqa: E402
+from diloco.storage.history import read_manifest  # noqa: E402
 from diloco.workers.learner import LearnerConfig  # noqa: E402
 from diloco.workers.losses import read_losses  # noqa: E402
 from harness import make_coordinator, serving, wait_for  # noqa: E402
@@ -56,13 +57,17 @@ def test_a_trainer_trains_as_a_learner_of_a_run(endpoints, run_id, tmp_path):
             # The learner finished: the coordinator merges its final pieces, then ends the run.
             wait_for("the run's end", lambda: coord.ended is not None, timeout_s=60)
             heads = coord.bus.heads()
+            merged = {f: read_manifest(coord.store, coord.keys, f, v).merged_tokens for f, v in heads.items()}
             finished = coord.bus.finished_learners()
     finally:
         coord.close()
 
     learner = callback.learner
     assert learner.step == STEPS and learner.tokens == STEPS * 4 * SEQ  # the Trainer's own token count
-    assert min(heads.values()) >= 2, heads  # versions merged from the Trainer's pieces
+    # Every token the Trainer trained reached every fragment, in versions merged from its pieces (how
+    # many versions depends on the clock's rounds: a regular piece and the final one may share one).
+    assert min(heads.values()) >= 1, heads
+    assert merged == {f: STEPS * 4 * SEQ for f in heads}, merged
     assert finished["trainer"].steps == STEPS
     [series], problems = read_losses(coord.store, coord.keys)
     assert problems == [] and series.learner == "trainer" and series.steps[-1] == STEPS
