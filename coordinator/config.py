@@ -147,6 +147,11 @@ class CoordinatorConfig:
     """With --shards > 1, also stand by for every other shard: when one's lease lapses (its coordinator
     died) and no standby of its own takes it first, this process takes that shard's fragments over
     too, beside its own, until the run ends. Size its memory for both."""
+    hold_state: bool = True
+    """Keep each fragment's params and outer state (its momentum and downstream residual: three fp32
+    copies of the fragment) in memory between its rounds. --no-hold-state reads them back from S3
+    at each merge instead: memory per shard for one fragment at a time, not the whole model, for a
+    GET of three fragments' worth per round (a 1B model on one machine: docs/benchmarks.md)."""
     keep_serving: bool = False
     """Once the run is finished, keep running (refusing what learners still send, serving metrics)
     instead of returning from `serve`: `diloco coordinator` exits 0 then, so that a Kubernetes Job or

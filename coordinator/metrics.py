@@ -129,6 +129,11 @@ class _CountingStore:
         self._read(object_kind(self._keys, key), len(blob))
         return blob
 
+    def get_buffer(self, key: str, *, max_bytes: int) -> bytearray:
+        blob = self._store.get_buffer(key, max_bytes=max_bytes)
+        self._read(object_kind(self._keys, key), len(blob))
+        return blob
+
     def put(self, key: str, data: bytes, *, create_only: bool = True) -> None:
         self._store.put(key, data, create_only=create_only)
         self._written(object_kind(self._keys, key), len(data))

@@ -276,7 +276,7 @@ class Rounds:
         frag.params = read_params(s.store, s.layout, manifest)
         limit = 2 * s.layout.fragment_bytes(fragment) + (1 << 20)
         frag.state = decode_state(read_verified(s.store, manifest.outer_state_key, manifest.outer_state_sha256,
-                                                max_bytes=limit), limit)
+                                                max_bytes=limit, buffer=True), limit)
         if not frag.recent:
             self.load_recent(fragment, frag, manifest)
 
@@ -367,7 +367,9 @@ class Rounds:
             frag.claims = [*frag.claims, tuple(Claim(a.learner, a.tokens, a.steps, a.norm) for a in counted)
                            ][-RECENT_ROUNDS:]
         frag.committed = [*frag.committed, frozenset(merged)][-(s.round_cfg.max_staleness + 1):]
-        frag.head, frag.params, frag.state, frag.wake_at = version, params, state, None
+        frag.head, frag.wake_at = version, None
+        # Without hold_state, the next merge reads them back (`_ensure_loaded`).
+        frag.params, frag.state = (params, state) if s.config.hold_state else (None, None)
         frag.merged_tokens = manifest.merged_tokens
         elapsed = time.monotonic() - t0
         self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed

@@ -574,21 +574,25 @@ class Opened:
     eighth). `decode_opened` makes the tensors of it, checking their values, as often as asked."""
 
     header: Header
-    payload: bytearray
+    payload: bytearray | memoryview
 
     @property
     def nbytes(self) -> int:
         return len(self.payload)
 
 
-def open_object(blob: bytes, *, max_bytes: int, expect: Mapping[str, tuple[int, ...]] | None = None) -> Opened:
+def open_object(blob: bytes | bytearray, *, max_bytes: int, expect: Mapping[str, tuple[int, ...]] | None = None,
+                in_place: bool = False) -> Opened:
     """`decode`'s checks of everything but the values: framing and header (`read_header`), the
     names and shapes against `expect` when given ("wrong_shape"), the zstd payload ("bad_payload")
-    and its sha256 ("sha256_mismatch")."""
+    and its sha256 ("sha256_mismatch"). `in_place`: see `decode`."""
     header, body = _parse(blob, max_bytes)
     if expect is not None:
         _check_expect(header, expect)
-    buf = _decompress(header, body)
+    if in_place and header.compression == "none" and isinstance(blob, bytearray):
+        buf: bytearray | memoryview = body  # a writable view of the caller's buffer
+    else:
+        buf = _decompress(header, body)
     digest = hashlib.sha256(buf).hexdigest()
     if digest != header.payload_sha256:
         raise Refused("sha256_mismatch", f"payload sha256 is {digest}, header says {header.payload_sha256}: "
@@ -605,9 +609,13 @@ def decode_opened(opened: Opened) -> dict[str, torch.Tensor]:
     return {s.name: codec.decode(payload[s.offset:s.offset + s.nbytes], s, block) for s in opened.header.tensors}
 
 
-def decode(blob: bytes, *, max_bytes: int,
-           expect: Mapping[str, tuple[int, ...]] | None = None) -> tuple[dict[str, torch.Tensor], Header]:
+def decode(blob: bytes | bytearray, *, max_bytes: int, expect: Mapping[str, tuple[int, ...]] | None = None,
+           in_place: bool = False) -> tuple[dict[str, torch.Tensor], Header]:
     """Decode an object into float32 CPU tensors (contiguous, writable, not sharing `blob`).
+
+    `in_place` (`blob` a bytearray the caller hands over, such as `Store.get_buffer`'s): an
+    uncompressed fp32 object's tensors are views of `blob`, not of a copy of its payload: a version's
+    params are held once, not twice, while read.
 
     `max_bytes` bounds both the blob and its decompressed payload. On top of `read_header`'s
     checks, refuses: names/shapes other than `expect` when given ("wrong_shape"); a zstd payload
@@ -616,11 +624,11 @@ def decode(blob: bytes, *, max_bytes: int,
     or Inf values, or scales that are NaN/Inf or whose value * qmax overflows ("non_finite");
     negative scales, int8 -128, int4 nibble 0, int2 code 3, or a pad nibble/code that is not zero's ("bad_payload").
     """
-    opened = open_object(blob, max_bytes=max_bytes, expect=expect)
+    opened = open_object(blob, max_bytes=max_bytes, expect=expect, in_place=in_place)
     return decode_opened(opened), opened.header
 
 
-def _as_uint8(buf: bytearray) -> torch.Tensor:
+def _as_uint8(buf: bytearray | memoryview) -> torch.Tensor:
     """A writable uint8 tensor sharing `buf`'s memory (torch.frombuffer refuses empty buffers)."""
     return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
 

@@ -69,8 +69,10 @@ def read_manifest(store: Store, keys: RunKeys, fragment: int, version: int) -> M
     return manifest
 
 
-def read_verified(store: Store, key: str, sha256: str, *, max_bytes: int) -> bytes:
-    blob = store.get(key, max_bytes=max_bytes)
+def read_verified(store: Store, key: str, sha256: str, *, max_bytes: int, buffer: bool = False) -> bytes | bytearray:
+    """The object at `key`, refused unless its sha256 is `sha256`; `buffer`: read into one writable
+    buffer (`Store.get_buffer`), for `codecs.decode(in_place=True)`."""
+    blob = store.get_buffer(key, max_bytes=max_bytes) if buffer else store.get(key, max_bytes=max_bytes)
     actual = sha256_hex(blob)
     if actual != sha256:
         raise Refused("sha256_mismatch", f"{key}: sha256 {actual[:12]}... does not match the recorded {sha256[:12]}...")
@@ -78,10 +80,11 @@ def read_verified(store: Store, key: str, sha256: str, *, max_bytes: int) -> byt
 
 
 def read_params(store: Store, layout: Layout, manifest: Manifest) -> dict[str, torch.Tensor]:
-    """The global parameters of a committed version, checked against manifest and layout."""
+    """The global parameters of a committed version, checked against manifest and layout: views of
+    the one buffer the object was read into (fp32, uncompressed)."""
     limit = params_limit(layout, manifest.fragment)
-    blob = read_verified(store, manifest.params_key, manifest.params_sha256, max_bytes=limit)
-    tensors, _ = codecs.decode(blob, max_bytes=limit, expect=layout.shapes(manifest.fragment))
+    blob = read_verified(store, manifest.params_key, manifest.params_sha256, max_bytes=limit, buffer=True)
+    tensors, _ = codecs.decode(blob, max_bytes=limit, expect=layout.shapes(manifest.fragment), in_place=True)
     return tensors
 
 

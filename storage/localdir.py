@@ -84,6 +84,21 @@ class DirStore:
             raise Refused("too_large", f"{path} is over the {max_bytes}-byte limit")
         return data
 
+    def get_buffer(self, key: str, *, max_bytes: int) -> bytearray:
+        path = self._path(key)
+        try:
+            with path.open("rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > max_bytes:
+                    raise Refused("too_large", f"{path} is {size} bytes, over the {max_bytes}-byte limit")
+                data = bytearray(size)
+                got = f.readinto(data)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectMissing(f"{path} does not exist") from None
+        if got != size:
+            raise Refused("bad_framing", f"{path}: read {got} of its {size} bytes (changed while read?)")
+        return data
+
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 

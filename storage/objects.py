@@ -75,6 +75,22 @@ def views_of(data: bytes | Body) -> tuple[memoryview, ...]:
     return data.views
 
 
+def _read_into(buf: bytearray, chunks: Iterator[bytes], where: str) -> bytearray:
+    """Fill `buf` (the object's announced size) from `chunks`; a body of another size is a broken
+    read (ResponseStreamingError: retried)."""
+    got = 0
+    with memoryview(buf) as view:
+        for chunk in chunks:
+            if got + len(chunk) > len(buf):
+                break
+            view[got:got + len(chunk)] = chunk
+            got += len(chunk)
+        else:
+            if got == len(buf):
+                return buf
+    raise bexc.ResponseStreamingError(error=f"{where}: the body is not the {len(buf)} bytes its length says")
+
+
 class Store(Protocol):
     """What the history tools need of a bucket: `ObjectStore` (S3) or `storage.localdir.DirStore` (an export)."""
 
@@ -83,6 +99,7 @@ class Store(Protocol):
     def url(self, key: str) -> str: ...
     def put(self, key: str, data: bytes | Body, *, create_only: bool = True) -> None: ...
     def get(self, key: str, *, max_bytes: int) -> bytes: ...
+    def get_buffer(self, key: str, *, max_bytes: int) -> bytearray: ...
     def exists(self, key: str) -> bool: ...
     def list(self, prefix: str) -> Iterator[str]: ...
     def list_modified(self, prefix: str) -> Iterator[tuple[str, float]]: ...
@@ -121,6 +138,7 @@ MAX_PART_BYTES = 5 * _GiB
 """S3's largest part, and its largest single PUT."""
 MAX_PARTS = 10_000
 _COMPARE_CHUNK = 8 * _MiB
+_READ_CHUNK = 1 * _MiB
 _SETTLE_S = 1.0
 """How long a create-only multipart put waits after completing before it checks the object is
 still its own (see `ObjectStore._put_multipart`)."""
@@ -482,23 +500,35 @@ class ObjectStore:
 
     def get(self, key: str, *, max_bytes: int) -> bytes:
         with self._reading(key):
-            data = self._get(key, max_bytes)
+            data = self._get(key, max_bytes, False)
+        with self._counting:
+            self.bytes_read += len(data)
+        return data
+
+    def get_buffer(self, key: str, *, max_bytes: int) -> bytearray:
+        """`get` into one writable buffer of the object's size, filled chunk by chunk: a large object
+        is held once while it is read, not twice (an uncompressed one then decodes into views of it,
+        `codecs.decode(in_place=True)`)."""
+        with self._reading(key):
+            data = self._get(key, max_bytes, True)
         with self._counting:
             self.bytes_read += len(data)
         return data
 
     @_retry
-    def _get(self, key: str, max_bytes: int) -> bytes:
+    def _get(self, key: str, max_bytes: int, into_buffer: bool) -> bytes | bytearray:
         resp = self._s3.get_object(Bucket=self.bucket, Key=key)
         body = resp["Body"]
         try:
             length = int(resp.get("ContentLength", -1))
             if length > max_bytes:
                 raise Refused("too_large", f"s3://{self.bucket}/{key} is {length} bytes, over the {max_bytes}-byte limit")
+            if into_buffer and length >= 0:
+                return _read_into(bytearray(length), body.iter_chunks(_READ_CHUNK), f"s3://{self.bucket}/{key}")
             data = body.read(max_bytes + 1)
             if len(data) > max_bytes:
                 raise Refused("too_large", f"s3://{self.bucket}/{key} is over the {max_bytes}-byte limit")
-            return data
+            return bytearray(data) if into_buffer else data
         finally:
             body.close()
 

@@ -89,7 +89,7 @@ class DeviceStreams:
 
 
 class Snapshot:
-    """Host fp32 copies of some parameters (or a state tree's tensors: `HostCopies.tree_to_host`),
+    """Host copies of some parameters (or a state tree's tensors: `HostCopies.tree_to_host`),
     possibly still on their way from the device. Read them with `wait()` (from any thread); never
     changed in place once taken."""
 
@@ -128,9 +128,9 @@ class HostCopies:
         self.streams = streams if streams is not None or device.type == "cpu" else DeviceStreams(device)
 
     def snapshot(self, clones: Mapping[str, torch.Tensor]) -> Snapshot:
-        """Host copies of `clones`: fp32 tensors that the caller made for this (device-side clones
-        of parameters, queued on the compute stream) and does not use again. On the CPU they are
-        the snapshot."""
+        """Host copies of `clones`: tensors that the caller made for this (device-side clones of
+        parameters, queued on the compute stream) and does not use again, each copied in its own
+        dtype. On the CPU they are the snapshot."""
         streams = self.streams
         if streams is None:
             return Snapshot(dict(clones))
@@ -139,7 +139,7 @@ class HostCopies:
         host: dict[str, torch.Tensor] = {}
         with streams.using(side):
             for name, clone in clones.items():
-                buffer = streams.host_empty(tuple(clone.shape))
+                buffer = streams.host_empty(tuple(clone.shape), clone.dtype)
                 buffer.copy_(clone, non_blocking=True)
                 streams.keep_alive(clone, side)
                 host[name] = buffer
@@ -177,13 +177,14 @@ class HostCopies:
         if self.streams is not None and event is not None:
             self.streams.wait(self.streams.current(), event)
 
-    def reserve(self, shapes: Iterable[tuple[int, ...]], sets: int = 2) -> None:
-        """Pinned host memory for `sets` snapshots of tensors of `shapes`, allocated now and handed
-        back to torch's pinned-memory cache: the step hook's snapshots then reuse it instead of
-        allocating pinned memory on the training thread (a fresh 100 MB of it takes tens of ms)."""
+    def reserve(self, tensors: Iterable[torch.Tensor], sets: int = 2) -> None:
+        """Pinned host memory for `sets` snapshots of `tensors` (their shapes and dtypes), allocated
+        now and handed back to torch's pinned-memory cache: the step hook's snapshots then reuse it
+        instead of allocating pinned memory on the training thread (a fresh 100 MB of it takes tens
+        of ms)."""
         if self.streams is None:
             return
-        held = [self.streams.host_empty(tuple(shape)) for _ in range(sets) for shape in shapes]
+        held = [self.streams.host_empty(tuple(t.shape), t.dtype) for _ in range(sets) for t in tensors]
         del held
 
     def host_empty(self, shape: tuple[int, ...]) -> torch.Tensor:

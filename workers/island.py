@@ -1,7 +1,7 @@
 """A learner's view of its parameters: one process, or a torchrun island of several ranks.
 
-The learner reads and writes parameters only through `Replica`, as full, unsharded host fp32
-tensors that exist on the leader (rank 0) alone; the other ranks take part in the collectives and
+The learner reads and writes parameters only through `Replica`, as full, unsharded host tensors
+(read in the parameters' dtype, written from fp32) that exist on the leader (rank 0) alone; the other ranks take part in the collectives and
 get `None`. What a read or a write costs depends on how a parameter is held:
 
 - plain tensors, one process: a local copy;
@@ -54,8 +54,10 @@ class Replica:
 
     @torch.no_grad()
     def snapshot(self, names: Iterable[str]) -> Snapshot | None:
-        """Full values of `names` as host fp32 copies on the leader, taken now but possibly still on
-        their way from the device (`workers.hostcopy`); None on the other ranks."""
+        """Full values of `names` as host copies on the leader, in the parameters' own dtype (a bf16
+        parameter's copy is bf16: exact, half an fp32 one), taken now but possibly still on their way
+        from the device (`workers.hostcopy`); None on the other ranks. Whoever subtracts them does
+        so in fp32."""
         clones: dict[str, torch.Tensor] = {}
         for name in names:
             p = self.params[name]
@@ -67,11 +69,11 @@ class Replica:
             else:
                 continue
             if self.is_leader:
-                clones[name] = value.to(torch.float32, copy=not fresh)  # on the device, in queue order
+                clones[name] = value if fresh else value.clone()  # on the device, in queue order
         return self.copies.snapshot(clones) if self.is_leader else None
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor] | None:
-        """Full values of `names` as host fp32 copies on the leader, None on the other ranks; waits
+        """Full values of `names` as host copies (`snapshot`) on the leader, None on the other ranks; waits
         for them (joining; `snapshot` is the step hook's way)."""
         snapshot = self.snapshot(names)
         return None if snapshot is None else snapshot.wait()

@@ -407,7 +407,7 @@ class Learner:
         if values is not None:  # rank 0
             # Pinned memory for two snapshots of every parameter, and for a saved state (AdamW: two
             # moments each) when states are saved: allocated here, not in a step.
-            self.replica.copies.reserve([tuple(p.shape) for p in self.replica.params.values()],
+            self.replica.copies.reserve(list(self.replica.params.values()),
                                         sets=4 if self._saver is not None else 2)
             for f, state in enumerate(self.fragments):
                 state.anchor = Snapshot({n: values[n] for n in state.names})  # shared with the fetcher

@@ -67,7 +67,10 @@ class UploadJob:
     """Where the object is stored, once stored: from then on only the announcement is retried."""
     residual: dict[str, torch.Tensor] | None = None
     """What the codec lost of this delta (error feedback), carried by the fragment's next send once
-    this one is stored."""
+    this one is stored: in each parameter's own dtype (a bf16 model's residual is bf16, half the
+    memory of a float32 one; the codec's loss is well above bf16's rounding)."""
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    """The parameters' dtypes, from their snapshots (`settle`)."""
     seq: int = 0
     attempts: int = 0
     pending: list[tuple[Snapshot, Snapshot]] = field(default_factory=list)
@@ -88,10 +91,11 @@ class UploadJob:
     def _settle_one(self) -> None:
         anchor, local = (s.wait() for s in self.pending.pop(0))
         for name, value in local.items():
+            self.dtypes[name] = value.dtype
             if name in self.delta:
                 self.delta[name].add_(anchor[name]).sub_(value)
             else:
-                self.delta[name] = anchor[name] - value
+                self.delta[name] = anchor[name].float() - value  # in fp32, whatever the model's dtype
 
     def absorb(self, newer: UploadJob) -> None:
         """Take in a newer job of the same fragment, on the training thread (`Uploader.submit`), so
@@ -279,8 +283,9 @@ class Uploader(threading.Thread):
             return codecs.encode(job.delta, codec, compress=compress, meta=meta)
         # Error feedback: what the codec lost of the previous sends of this fragment goes out with
         # this one; what it loses of this one waits for the next (kept once the object is stored).
-        blob, _, job.residual = encode_carrying(job.delta, self._residual.get(job.fragment, {}), codec,
-                                                compress=compress, meta=meta)
+        blob, _, residual = encode_carrying(job.delta, self._residual.get(job.fragment, {}), codec,
+                                            compress=compress, meta=meta)
+        job.residual = {n: r.to(job.dtypes.get(n, r.dtype)) for n, r in residual.items()}
         return blob
 
     def _store(self, job: UploadJob) -> None:

@@ -69,12 +69,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step (default: %(default)s)")
     parser.add_argument("--n-layer", type=int, default=12, help="blocks (default: %(default)s, GPT-2 small)")
+    parser.add_argument("--n-embd", type=int, default=768, help="width (default: %(default)s, GPT-2 small)")
+    parser.add_argument("--n-head", type=int, default=12, help="attention heads (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the learners' parameters (default: %(default)s); the global model is float32. "
+                             "About 1B parameters: --n-layer 18 --n-embd 2048 --n-head 16 --dtype bfloat16")
 
 
 def scale_task(args: argparse.Namespace):  # noqa: ANN201 (a GPT2Task)
     from diloco.workers.tasks.gpt2 import GPT2Task
 
-    return GPT2Task(vocab_size=50257, order=1, branching=3, n_layer=args.n_layer, n_embd=768, n_head=12,
+    return GPT2Task(vocab_size=50257, order=1, branching=3, n_layer=args.n_layer, n_embd=args.n_embd,
+                    n_head=args.n_head, dtype=args.dtype,
                     seq_len=args.seq_len, batch_size=args.batch_size, eval_tokens=args.seq_len, warmup_steps=2)
 
 
@@ -209,7 +215,7 @@ class ScaleResult:
                          human_bytes(int(s.get("bytes_uploaded", 0))), human_bytes(int(s.get("bytes_downloaded", 0)))])
         coord = self.usage.get("coordinator", Usage())
         publish = sorted(self.publish_s)
-        head = (f"scale: {self.params:,} parameters (GPT-2 small shape), P = {self.fragments}, M = {self.learners}, "
+        head = (f"scale: {self.params:,} parameters, P = {self.fragments}, M = {self.learners}, "
                 f"{self.steps} steps per learner, {self.codec} both ways; a contribution "
                 f"{human_bytes(self.sizes.get('contribution', 0))}, an update {human_bytes(self.sizes.get('update', 0))}, "
                 f"a params object {human_bytes(self.sizes.get('params', 0))} (one fragment)")
@@ -235,7 +241,10 @@ def _mean(xs: list[float]) -> float:
 
 def run(args: argparse.Namespace) -> ScaleResult:
     task = scale_task(args)
-    params = sum(p.numel() for p in task.make_model(0).parameters())
+    import torch
+
+    with torch.device("meta"):  # counted without building it
+        params = sum(p.numel() for p in task.make_model(0).parameters())
     args.out.mkdir(parents=True, exist_ok=True)
     task_path = args.out / "task.json"
     task_path.write_text(json.dumps(task.to_wire()))

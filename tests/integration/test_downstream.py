@@ -24,8 +24,8 @@ from harness import TINY_RUN, join, make_coordinator, train, wait_for
 INT8_RUN = dataclasses.replace(TINY_RUN, codec="int8", compress=True, cadence="steps")
 
 
-def trained_run(endpoints, run_id, rounds: int = 4, *, between=None):  # noqa: ANN001, ANN201
-    coord = make_coordinator(endpoints, run_id, settings=INT8_RUN)
+def trained_run(endpoints, run_id, rounds: int = 4, *, between=None, hold_state: bool = True):  # noqa: ANN001, ANN201
+    coord = make_coordinator(endpoints, run_id, settings=INT8_RUN, hold_state=hold_state)
     l0, opt0 = join(endpoints, run_id, coord, "l0")
     l1, opt1 = join(endpoints, run_id, coord, "l1")
     try:
@@ -46,8 +46,16 @@ def trained_run(endpoints, run_id, rounds: int = 4, *, between=None):  # noqa: A
         raise
 
 
-def test_learners_take_updates_and_hold_the_committed_params_bit_for_bit(endpoints, run_id):
-    coord, learners = trained_run(endpoints, run_id)
+@pytest.mark.parametrize("hold_state", [True, False], ids=["held", "read-back"])
+def test_learners_take_updates_and_hold_the_committed_params_bit_for_bit(endpoints, run_id, hold_state):
+    """Also with --no-hold-state: the coordinator holds no fragment's params or outer state between
+    its rounds, and each merge reads them back from S3 (in place, views of one buffer): the same
+    versions, to the bit, as the learners' own chains of updates and the replay say."""
+    def holds_nothing(_k, coord):  # noqa: ANN001
+        assert all(f.params is None and f.state is None for f in coord.fragments.values())
+
+    coord, learners = trained_run(endpoints, run_id, hold_state=hold_state,
+                                  between=None if hold_state else holds_nothing)
     store, keys = ObjectStore(endpoints), RunKeys(endpoints.prefix, run_id)
     layout = read_layout(store, keys)
     try:

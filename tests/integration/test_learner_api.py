@@ -131,3 +131,37 @@ def test_gradient_accumulation_and_bf16_autocast_count_optimizer_steps_and_their
     sent = {a.contribution_id for _, a in announcements(coord.bus) if a.learner == "accumulating"}
     assert sent <= set(merged_ids(endpoints, run_id)), "every piece merged"
     coord.close()
+
+
+def test_a_bf16_model_trains_in_a_run_whose_global_model_is_fp32(endpoints, run_id):
+    """Parameters that are bf16 themselves (half the memory of weights, gradients and moments): the
+    run's layout records them as such, the global model stays fp32, the learner's pieces merge, its
+    error-feedback residual is kept in bf16 (half the memory of an fp32 one), and it takes versions."""
+    coord = make_coordinator(endpoints, run_id, settings=dataclasses.replace(STEPS_RUN, codec="int8"))
+    torch.manual_seed(0)
+    model = Tiny().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id="bf16", tokens_per_step=10)
+    start_beside(coord, learner)
+    with learner:
+        for step in range(12):
+            model.zero_grad()
+            forward(model, torch.randn(10, 4, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+            if step % 4 == 3:
+                assert learner.uploader.flush(30)
+                for _ in range(6):
+                    coord.step(block_ms=50)
+        residuals = learner.uploader._residual  # noqa: SLF001 (what the learner holds)
+        assert residuals and all(r.dtype == torch.bfloat16 for res in residuals.values() for r in res.values())
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        assert learner.adopted >= 1
+    for _ in range(10):  # the final pieces
+        coord.step(block_ms=50)
+    assert {p.dtype for specs in coord.layout.fragments for p in specs} == {"bfloat16"}
+    assert all(h >= 2 for h in coord.bus.heads().values()), coord.bus.heads()
+    held = learner.global_state_dict()
+    assert all(t.dtype == torch.float32 for t in held.values())
+    sent = {a.contribution_id for _, a in announcements(coord.bus) if a.learner == "bf16"}
+    assert sent <= set(merged_ids(endpoints, run_id)), "every piece merged"
+    coord.close()

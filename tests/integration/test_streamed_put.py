@@ -46,6 +46,32 @@ def test_a_params_object_put_from_its_tensors_reads_back_as_the_encoded_bytes(en
     assert all(torch.equal(back[n], t) for n, t in tensors.items())
 
 
+def test_a_params_object_read_into_one_buffer_decodes_into_views_of_it(endpoints, tmp_path):
+    """How a version's params are read (`history.read_params`): the object once in memory, not
+    twice. `get_buffer` gives the very bytes of `get`, writable; decoded in place, every tensor is a
+    view of that buffer; a compressed object decodes into memory of its own, as before."""
+    from diloco.storage.localdir import DirStore
+
+    tensors = fragment(1)
+    plain = codecs.encode(tensors, "fp32", meta={"kind": "params"})
+    packed = codecs.encode(tensors, "int8", compress=True, meta={"kind": "params"})
+    for store in (ObjectStore(endpoints), DirStore(tmp_path)):
+        for name, blob in (("plain", plain), ("packed", packed)):
+            key = f"{endpoints.prefix}/buffer/{name}"
+            store.put(key, blob)
+            buf = store.get_buffer(key, max_bytes=len(blob))
+            assert isinstance(buf, bytearray) and buf == store.get(key, max_bytes=len(blob)) == blob
+            start = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+            back, _ = codecs.decode(buf, max_bytes=len(plain), in_place=True)
+            inside = [start <= t.data_ptr() < start + len(buf) for t in back.values()]
+            assert all(inside) if name == "plain" else not any(inside), (name, store)
+            assert back.keys() == tensors.keys()
+            if name == "plain":
+                assert all(torch.equal(back[n], t) for n, t in tensors.items())
+            with pytest.raises(codecs.Refused, match="too_large"):
+                store.get_buffer(key, max_bytes=len(blob) - 1)
+
+
 def test_a_streamed_object_over_the_threshold_goes_up_in_parts_cut_across_its_tensors(endpoints):
     store = small_store(endpoints)
     key = f"{endpoints.prefix}/versions/0/1/outer_state"

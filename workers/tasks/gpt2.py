@@ -26,6 +26,9 @@ from diloco.workers.tasks.language import MarkovLanguage
 from diloco.workers.tasks.base import Batch, TaskBase, adamw, mean_token_loss
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class GPT2Task(TaskBase):
     kind: ClassVar[str] = "gpt2"
@@ -47,6 +50,9 @@ class GPT2Task(TaskBase):
     """Width of the residual stream."""
     n_head: int = 4
     """Attention heads per block."""
+    dtype: str = "float32"
+    """The parameters' dtype: "float32", or "bfloat16" (half the memory of the weights, their
+    gradients and AdamW's moments; the run's global model stays float32)."""
     # Data and evaluation (the held-out seed: TaskBase).
     seq_len: int = 64
     """Tokens per training sequence (also the model's context, n_positions)."""
@@ -64,6 +70,8 @@ class GPT2Task(TaskBase):
         super().__post_init__()
         if self.n_embd % self.n_head or self.seq_len < 2 or self.eval_tokens < self.seq_len:
             raise ValueError(f"need n_head | n_embd, seq_len >= 2, eval_tokens >= seq_len: {self}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(_DTYPES)}")
 
     # ---- data ----
 
@@ -105,7 +113,7 @@ class GPT2Task(TaskBase):
 
         with torch.random.fork_rng(devices=[]):  # transformers initializes from the global RNG
             torch.manual_seed(seed)
-            return GPT2LMHeadModel(self.config())
+            return GPT2LMHeadModel(self.config()).to(_DTYPES[self.dtype])
 
     def make_inner_optimizer(self, model: torch.nn.Module) -> torch.optim.AdamW:
         return adamw(model, self, decays=lambda name, p: p.ndim >= 2)
