@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 from importlib import metadata
 import sys
 from collections.abc import Callable
@@ -158,5 +159,23 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The `diloco` command: `main`, then exit with its code. A learner that left threads behind at its
+    deadline (`workers.threads.lingering`: an upload still encoding) exits at once, its logs flushed:
+    an interpreter torn down under a thread inside a torch op aborts (SIGABRT) instead of exiting with
+    the command's code, and a scheduler counts that as a failure."""
+    code = main()
+    if "diloco.workers.threads" in sys.modules:
+        from diloco.workers.threads import lingering
+
+        if names := lingering():
+            log.warning("leaving without waiting for thread(s) %s", ", ".join(names))
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -70,7 +70,7 @@ from diloco.workers.state import (LearnerState, Stateful, StateSaver, full_form,
                                   optimizer_params, pack_tree, sharded_like, unpack_user)
 from diloco.workers.staging import Stager
 from diloco.workers.takes import Awaiting, refetch_after, wait_reason
-from diloco.workers.threads import transfer_threads, usable_cpus
+from diloco.workers.threads import abandon, transfer_threads, usable_cpus
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
 log = logging.getLogger(__name__)
@@ -300,6 +300,7 @@ class Learner:
         self._metrics: LearnerMetrics | None = None
         self._saver: StateSaver | None = None  # rank 0, with save_state
         self._saves_state = False  # every rank: rank 0 saves states (the ranks take part in gathering them)
+        self._leave_by: float | None = None  # finish(): when sending the last pieces and leaving must be done
         self._found_state: tuple[LearnerState, str, bytes] | None = None  # rank 0, joining: a state that fits
         self._sends_of_0 = 0
         self._state_copies: Snapshot | None = None  # a saved state's copies to the host, maybe still running
@@ -433,6 +434,7 @@ class Learner:
         Does nothing if the learner has not joined or has left already."""
         if self._hook is None:
             return  # never joined (refused, or failed to start), or left already
+        self._leave_by = time.monotonic() + self.config.close_timeout_s  # sending and leaving, together
         final = self._send_progress(final=True)
         if preempted and self._saves_state and self.replica.share(
                 [int(self._run_end is None)] if self.is_leader else None, 1)[0]:
@@ -467,7 +469,14 @@ class Learner:
                 for f, state in enumerate(self.fragments) if state.steps > 0}
         to_send, _, _ = self.replica.share_plan(None if due is None else list(due), None if due is None else [],
                                                 len(self.fragments))
-        sent = [self._send(f, due.get(f, 0.0) if due else 0.0, final=final) for f in to_send]
+        sent = []
+        flush_by = self._leave_by or time.monotonic() + self.config.close_timeout_s
+        for f in to_send:
+            sent.append(self._send(f, due.get(f, 0.0) if due else 0.0, final=final))
+            if final and self.is_leader:
+                # One fragment's snapshot and delta at a time, not every fragment's at once: leaving
+                # must not take more memory than training (a 1B model: docs/benchmarks.md).
+                self.uploader.flush(max(0.0, flush_by - time.monotonic()))
         if to_send:
             log.info("sent the progress since the last send of fragment(s) %s%s", to_send,
                      " as final pieces" if final else "")
@@ -483,8 +492,8 @@ class Learner:
         self._restore_sigterm_handler()
         if not self.is_leader:
             return
-        deadline = time.monotonic() + self.config.close_timeout_s
-        if not self.uploader.flush(self.config.close_timeout_s):
+        deadline = self._leave_by or time.monotonic() + self.config.close_timeout_s
+        if not self.uploader.flush(max(0.0, deadline - time.monotonic())):
             log.warning("leaving with %d contribution(s) not uploaded after %.0fs: abandoned", self.uploader.pending(),
                         self.config.close_timeout_s)
         if self._saver is not None and not self._saver.flush(max(0.0, deadline - time.monotonic())):
@@ -502,6 +511,8 @@ class Learner:
         for thread in (self.uploader, self.fetcher, self._stager, self._heartbeat_thread, self._losses, self._saver):
             if thread is not None:
                 thread.join(timeout=max(0.5, deadline - time.monotonic()))
+                if thread.is_alive():
+                    abandon(thread)
         # Leaving is best effort (the lease expires anyway) and must not outlast the deadline
         # while Redis is unreachable: it runs in a thread that is abandoned then.
         leaving = threading.Thread(target=self._leave, args=(finished,), name="leave", daemon=True)

@@ -27,6 +27,7 @@ the training thread (`Slot.pending`); past that, or if the anchor still differs,
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -40,6 +41,11 @@ from diloco.workers.threads import lower_this_thread
 
 log = logging.getLogger(__name__)
 
+POOL_BYTES = 256 << 20
+"""At most this much of the CPU path's staged buffers is kept for reuse, over all fragments: a
+fresh buffer costs its page faults on the stager's thread, not the loop's, and one per fragment
+kept for good would be a second fp32 copy of the model (4 GB at 1B parameters)."""
+
 CHUNK_ELEMS = 1 << 22
 """Elements per pinned chunk (16 MiB of fp32): large enough for full-speed copies, small enough that
 two of them are nothing beside the model."""
@@ -52,14 +58,14 @@ class Staged:
     __slots__ = ("version", "anchor", "values", "_pool")
 
     def __init__(self, version: int, anchor: Snapshot | None, values: dict[str, torch.Tensor],
-                 pool: list[dict[str, torch.Tensor]] | None = None) -> None:
+                 pool: Callable[[dict[str, torch.Tensor]], None] | None = None) -> None:
         self.version, self.anchor, self.values, self._pool = version, anchor, values, pool
 
     def release(self) -> None:
-        """The values were blended (or will not be): a reused buffer goes back to its fragment."""
+        """The values were blended (or will not be): a reused buffer goes back to its fragment's pool."""
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.append(self.values)
+            pool(self.values)
 
 
 class Slot:
@@ -144,6 +150,7 @@ class Stager(threading.Thread):
         self._chunks: list[torch.Tensor] = []  # two pinned buffers, allocated on first use
         self._events: list[Any] = [None, None]  # the copy out of each chunk buffer, still running
         self._pools: dict[int, list[dict[str, torch.Tensor]]] = {}  # CPU: fragment -> buffers free for reuse
+        self._pooled_bytes = 0  # in all of them, at most POOL_BYTES
         self._lock = threading.Lock()
 
     def submit(self, fragment: int, version: int, params: Mapping[str, torch.Tensor], slot: Slot) -> None:
@@ -210,11 +217,19 @@ class Stager(threading.Thread):
         with self._lock:
             pool = self._pools.setdefault(fragment, [])
             out = pool.pop() if pool else None
+            self._pooled_bytes -= _nbytes(out)
         if out is None or any(out[n].shape != params[n].shape for n in names):
             out = {n: torch.empty(params[n].shape, dtype=torch.float32) for n in names}
         for n in names:
             torch.sub(params[n], base[n], out=out[n])
-        return Staged(version, anchor, out, pool)
+        return Staged(version, anchor, out, functools.partial(self._give_back, pool))
+
+    def _give_back(self, pool: list[dict[str, torch.Tensor]], values: dict[str, torch.Tensor]) -> None:
+        """A released buffer goes back to its fragment's pool while the pools hold under POOL_BYTES."""
+        with self._lock:
+            if self._pooled_bytes + _nbytes(values) <= POOL_BYTES:
+                pool.append(values)
+                self._pooled_bytes += _nbytes(values)
 
     def _to_device(self, value: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
         """`value - base` (or `value`) in a new fp32 tensor on the device, through the pinned chunks."""
@@ -241,3 +256,8 @@ class Stager(threading.Thread):
                 flat_out[start:stop].copy_(chunk, non_blocking=True)
                 self._events[i] = streams.record(side)
         return out
+
+
+def _nbytes(values: dict[str, torch.Tensor] | None) -> int:
+    return sum(t.nbytes for t in values.values()) if values else 0
+

@@ -94,3 +94,20 @@ def _openmp() -> ctypes.CDLL | None:
         except (OSError, AttributeError):
             continue
     return None
+
+
+_abandoned: list[threading.Thread] = []
+
+
+def abandon(thread: threading.Thread) -> None:
+    """`thread` outlived its deadline and is left running (an upload still encoding when the learner
+    left): `lingering` names it to the process's exit."""
+    _abandoned.append(thread)
+
+
+def lingering() -> list[str]:
+    """The abandoned threads still running. A process that lets the interpreter tear down under
+    one inside a torch op aborts (SIGABRT) instead of exiting with its own code: `diloco`'s commands
+    then leave at once (`infra.cli.run`)."""
+    return [t.name for t in _abandoned if t.is_alive()]
+

@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-layer", type=int, default=12, help="blocks (default: %(default)s, GPT-2 small)")
     parser.add_argument("--n-embd", type=int, default=768, help="width (default: %(default)s, GPT-2 small)")
     parser.add_argument("--n-head", type=int, default=12, help="attention heads (default: %(default)s)")
+    parser.add_argument("--hold-state", action=argparse.BooleanOptionalAction, default=True,
+                        help="the coordinator's --hold-state (default: on, the coordinator's default); "
+                             "--no-hold-state: one fragment in its memory at a time")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the learners' parameters (default: %(default)s); the global model is float32. "
                              "About 1B parameters: --n-layer 18 --n-embd 2048 --n-head 16 --dtype bfloat16")
@@ -258,9 +261,12 @@ def run(args: argparse.Namespace) -> ScaleResult:
             fleet.add("coordinator", diloco_command(
                 "coordinator", "--run", run_id, "--fragments", str(args.fragments), "--sync-every",
                 str(args.sync_every), "--overlap-steps", "1", "--codec", args.codec, "--cadence", "steps",
-                "--min-quorum", str(args.learners), "--max-grace-s", "30"), service=True)
+                "--min-quorum", str(args.learners), "--max-grace-s", "30",
+                *([] if args.hold_state else ["--no-hold-state"])), service=True)
             for i, name in enumerate(names):
-                fleet.add(name, learner_argv(run_id, name, task_path, steps=args.steps, data_seed=i))
+                # A large model's last pieces take a while to encode and upload on one thread.
+                fleet.add(name, learner_argv(run_id, name, task_path, steps=args.steps, data_seed=i,
+                                             extra=["--close-timeout-s", "600"]))
             bus = Bus(stack.endpoints, run_id)
             sampler = Sampler(fleet, ["coordinator", *names],
                               lambda: {k: v.step for k, v in bus.learner_stats().items()})

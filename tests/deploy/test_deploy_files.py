@@ -869,4 +869,4 @@ def test_the_build_context_holds_what_pip_install_needs_and_little_else(tmp_path
     names = zipfile.ZipFile(wheel).namelist()
     assert "diloco/infra/cli.py" in names and "diloco/workers/learner.py" in names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "diloco = diloco.infra.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "diloco = diloco.infra.cli:run" in zipfile.ZipFile(wheel).read(entry_points).decode()

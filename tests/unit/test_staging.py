@@ -10,6 +10,7 @@ import time
 import torch
 
 from diloco.workers.hostcopy import HostCopies, Snapshot
+from diloco.workers import staging
 from diloco.workers.staging import Slot, Staged, Stager
 from hoststreams import RecordingStreams
 
@@ -69,6 +70,20 @@ def _wait(predicate, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
             return False
         time.sleep(0.005)
     return True
+
+
+def test_on_the_cpu_the_buffers_kept_for_reuse_stay_under_pool_bytes_over_all_fragments(monkeypatch):
+    """One buffer kept per fragment would be a second fp32 copy of the model: past POOL_BYTES (here
+    two fragments' worth), a released buffer is freed instead of kept."""
+    monkeypatch.setattr(staging, "POOL_BYTES", 2 * 64 * 4)
+    stager = Stager(HostCopies(torch.device("cpu")))
+    g = {"w": torch.randn(64)}
+    staged = [stager.stage(f, 1, g, ["w"], Snapshot({"w": torch.ones(64)})) for f in range(3)]
+    ptrs = [s.values["w"].data_ptr() for s in staged]
+    for s in staged:
+        s.release()
+    again = [stager.stage(f, 2, g, ["w"], Snapshot({"w": torch.ones(64)})).values["w"].data_ptr() for f in range(3)]
+    assert again[:2] == ptrs[:2] and stager._pooled_bytes == 0  # noqa: SLF001 (the two kept are in use again)
 
 
 def test_a_version_asked_again_after_a_send_is_made_ready_against_the_new_anchor_and_the_old_value_freed():
