@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.infra.local.stack import LocalStack, create_bucket
 from diloco.infra.options import require_at_least
 from diloco.storage.bus import Bus
@@ -41,8 +41,8 @@ class ThroughputConfig:
     contributions: int = 128
     """N: contributions the learners send in total, spread over learners and fragments (the coordinator
     reads up to 256 announcements at a time, so the default backlog is one batch)."""
-    codec: str = "int8"
-    """Codec of the contributions (one of `storage.codecs.CODECS`)."""
+    codec: str = RunSettings().codec
+    """Codec of the contributions (one of `storage.codecs.CODECS`; the run default)."""
     compress: bool = True
     """zstd on top of the codec (the run default)."""
     fetch_threads: int = CoordinatorConfig().fetch_threads
