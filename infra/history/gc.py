@@ -17,6 +17,9 @@ What stays, per fragment whose latest listed manifest is version H:
 - every object younger than `min_age_s`: a margin for readers in flight (a learner still
   downloading a version that was just superseded) and for what gc cannot see (a coordinator
   restarted with a larger max_staleness).
+Once the run is finished, a version above its end (written as the run ended, withdrawn, its delete
+failed) is not part of the run: all of it goes, its manifest too, and so do contributions no
+manifest merged (none can be merged any more).
 What goes: the params, outer state and update objects of older versions, version objects of another epoch than
 the one their manifest names (a deposed or crashed coordinator's), contributions merged only by
 older versions, genesis proposals that version 0 did not take, and unmerged contributions too
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 from diloco.infra.output import human_bytes
 from diloco.storage import codecs
 from diloco.storage.errors import ConfigError, Conflict, Refused
-from diloco.storage.history import floors_of, read_collections, read_manifest, require_run_spec
+from diloco.storage.history import floors_of, read_collections, read_manifest, read_run_end, require_run_spec
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, Store
 from diloco.storage.protocol import Collection, Manifest, ObjectMeta
@@ -62,6 +65,8 @@ DELETED = {
     "stale_contributions": "contributions no manifest merged, too stale to be merged any more",
     "unreadable_contributions": "objects under fragments/ whose header does not describe a contribution",
     "old_learner_states": "learners' saved states older than each learner's newest, or all of them once the run is finished",
+    "withdrawn_versions": "every object of a version above the run's end, manifest included (not part of the run)",
+    "unmerged_at_end": "contributions no manifest merged, left when the run ended",
 }
 """What gc deletes, by kind."""
 
@@ -154,6 +159,8 @@ class _Planner:
     """Merged into a version older than the kept range."""
     newest_states: dict[str, int] = field(default_factory=dict)
     """Per learner, the seq of its newest saved state (what it resumes from); empty once the run is finished."""
+    end: Mapping[int, int] | None = None
+    """Per fragment, the run's final version (`RunEnd.versions`) once it is finished; None before."""
 
     def __post_init__(self) -> None:
         for (f, v), m in self.manifests.items():
@@ -169,6 +176,8 @@ class _Planner:
         if item.key in self.kept_names:
             return None
         if (version_key := self.keys.parse_version_key(item.key)) is not None:
+            if withdrawn(self.end, version_key[0], version_key[1]):
+                return "withdrawn_versions"
             return self._version_object(*version_key)
         if (delta := self.keys.parse_delta_key(item.key)) is not None:
             return self._contribution(item, delta[0])
@@ -198,6 +207,8 @@ class _Planner:
             return "old_inputs"
         if item.age_s < self.min_age_s:
             return "young"  # and its header need not be read
+        if self.end is not None:
+            return "unmerged_at_end"
         base = self.base_version_of(item.key)
         if base is None:
             return "unreadable_contributions"
@@ -213,21 +224,30 @@ class _Planner:
         return m.settings.max_staleness if m is not None else None
 
 
+def withdrawn(end: Mapping[int, int] | None, fragment: int, version: int) -> bool:
+    """Whether `version` of `fragment` lies above the run's end (not part of the run)."""
+    return end is not None and end.get(fragment, -1) >= 0 and version > end[fragment]
+
+
 def plan_gc(keys: RunKeys, listed: list[Listed], committed: Mapping[int, set[int]],
             manifests: Mapping[tuple[int, int], Manifest], previous: Mapping[int, int], *, keep_last: int,
-            min_age_s: float, base_version_of: Callable[[str], int | None]) -> GcPlan:
+            min_age_s: float, base_version_of: Callable[[str], int | None],
+            end: Mapping[int, int] | None = None) -> GcPlan:
     """What to delete and what to keep (see the module docstring). `committed` is
     `committed_versions(keys, listed)`; `manifests` holds at least those `manifests_to_read` names;
     `previous` is each fragment's first replayable version after the earlier passes;
     `base_version_of(key)` reads a contribution's header (None if it does not describe a delta) and
-    is called only for unmerged contributions old enough to be deleted."""
+    is called only for unmerged contributions old enough to be deleted. `end`: the run's final
+    versions (`RunEnd.versions`) once it is finished."""
+    committed = {f: {v for v in vs if not withdrawn(end, f, v)} for f, vs in committed.items()}
+    manifests = {(f, v): m for (f, v), m in manifests.items() if not withdrawn(end, f, v)}
     target = kept_from(committed, previous, keep_last)
-    planner = _Planner(keys, committed, target, manifests, min_age_s, base_version_of)
-    if not any(item.key == keys.finished_record() for item in listed):  # a finished run resumes nobody
+    planner = _Planner(keys, committed, target, manifests, min_age_s, base_version_of, end=end)
+    if end is None and not any(item.key == keys.finished_record() for item in listed):  # a finished run resumes nobody
         for item in listed:
             if (state := keys.parse_learner_state_key(item.key)) is not None:
                 planner.newest_states[state[0]] = max(state[1], planner.newest_states.get(state[0], -1))
-    plan = GcPlan(heads={f: max(vs) for f, vs in committed.items()}, first_replayable={})
+    plan = GcPlan(heads={f: max(vs) for f, vs in committed.items() if vs}, first_replayable={})
     for item in listed:
         what = planner.label(item)
         if what in DELETED and item.age_s < min_age_s:
@@ -351,8 +371,10 @@ def collect(store: Store, keys: RunKeys, *, keep_last: int, min_age_s: float = D
         manifests[f, v] = read_manifest(store, keys, f, v)
         if progress is not None:
             progress(i + 1, len(wanted))
+    end = read_run_end(store, keys)
     plan = plan_gc(keys, listed, committed, manifests, previous, keep_last=keep_last, min_age_s=min_age_s,
-                   base_version_of=header_reader(store, spec.max_object_bytes))
+                   base_version_of=header_reader(store, spec.max_object_bytes),
+                   end=dict(enumerate(end.versions)) if end is not None else None)
     result = GcResult(keys.run, keep_last, min_age_s, dry_run, plan, None, 0.0)
     if not dry_run and plan.deletions:
         result.record_key = _record(store, keys, collections, result, spec.num_fragments, previous)

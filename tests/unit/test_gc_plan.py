@@ -71,6 +71,7 @@ def test_keeps_the_last_n_versions_their_parent_and_every_manifest_and_deletes_t
         "stale_contributions": {K.delta(0, "l2", 7)},
         "unreadable_contributions": {K.delta(0, "l2", 9)},
         "old_learner_states": {K.learner_state("l0", 3)},  # each learner's newest stays: what a restart resumes from
+        "withdrawn_versions": set(), "unmerged_at_end": set(),  # the run is not finished
     }
     assert p.kept == {"may_merge": [K.delta(0, "l2", 8)], "young": [], "uncommitted_version": [K.params(0, 6, 2)]}
     gone = {d.key for d in p.deletions}
@@ -87,6 +88,25 @@ def test_keeps_the_last_n_versions_their_parent_and_every_manifest_and_deletes_t
 def test_once_the_run_is_finished_no_learner_state_is_kept():
     p, _ = plan(listing() + [Listed(K.finished_record(), 100, OLD)])
     assert kinds(p)["old_learner_states"] == {K.learner_state("l0", s) for s in (3, 4)} | {K.learner_state("l1", 1)}
+
+
+def test_a_version_above_the_runs_end_goes_whole_and_nothing_unmerged_waits_once_it_is_finished():
+    """The run ended at version 4 while version 5 was written (withdrawn, its delete failed): version 5
+    is not part of the run, manifest and all; the kept range ends at 4; no contribution can merge."""
+    listed = listing() + [Listed(K.finished_record(), 100, OLD)]
+    p = plan_gc(K, listed, committed_versions(K, listed), MANIFESTS, {}, keep_last=2, min_age_s=60.0,
+                base_version_of=BASES.__getitem__, end={0: 4})
+    got = kinds(p)
+    assert got["withdrawn_versions"] == {K.manifest(0, 5), K.params(0, 5, 1), K.outer_state(0, 5, 1),
+                                         K.update(0, 5, 1), K.params(0, 5, 2), K.params(0, 6, 2)}
+    assert got["unmerged_at_end"] == {K.delta(0, "l0", 5)} | set(BASES)
+    assert p.heads == {0: 4} and p.first_replayable == {0: 3}
+    assert got["old_params"] == {K.params(0, v, 1) for v in (0, 1)} | {K.params(0, 1, 2)}
+    gone = {d.key for d in p.deletions}
+    assert not gone & {K.manifest(0, v) for v in range(5)}
+    assert not gone & {key for v in (2, 3, 4) for key in (K.params(0, v, 1), K.outer_state(0, v, 1))}
+    assert K.delta(0, "l0", 4) not in gone and REFUSED not in gone
+    assert p.kept["may_merge"] == []
 
 
 def test_young_objects_are_kept_and_the_versions_they_leave_replayable_are_recorded_as_such():
