@@ -9,8 +9,8 @@ busy is one it may be descheduled from. There they get a share of the cores
 capping the transfers lengthens the loop's parallel sections instead (each waits for the thread
 that shares its core with a transfer): there they keep torch's setting unless told otherwise.
 
-The cap is the OpenMP thread count of the calling thread only (`omp_set_num_threads` is per
-thread; `torch.set_num_threads` would also become the default of every thread started later).
+The cap is the OpenMP thread count of the calling thread only (`storage.intraop.cap_this_thread`;
+the coordinator's fetch threads use it too).
 
 The transfer threads also run at a lower priority than the loop (`LearnerConfig.transfer_nice`:
 on Linux a thread has a nice value of its own, and the OpenMP threads it starts inherit it): when
@@ -21,18 +21,16 @@ nice 19, which kept 75-95% of its own throughput.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
+
+from diloco.storage.intraop import cap_this_thread
 
 log = logging.getLogger(__name__)
 
 GPU_SHARE = 4
 """Beside a GPU, the transfer threads each get 1 / GPU_SHARE of the CPUs (at least one)."""
-
-_OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
-
 
 def transfer_threads(setting: int, device_type: str, cpus: int) -> int | None:
     """The intra-op threads each transfer thread may use: `setting` when > 0 (at most `cpus`);
@@ -61,39 +59,6 @@ def lower_this_thread(threads: int | None, nice: int = 0) -> bool:
         except (AttributeError, OSError) as exc:  # not Linux, or not allowed
             log.debug("transfer thread keeps its priority: %s", exc)
     return cap_this_thread(threads)
-
-
-def cap_this_thread(threads: int | None) -> bool:
-    """Limit torch's intra-op threads for ops started by the calling thread to `threads` (None:
-    leave them). False when torch's OpenMP runtime cannot be found (e.g. a non-OpenMP build)."""
-    if threads is None:
-        return True
-    import torch
-
-    torch.get_num_threads()  # torch sets this thread's count on its first parallel op: do that first
-    runtime = _openmp()
-    if runtime is None:
-        log.debug("no OpenMP runtime found: transfer threads keep torch's thread count")
-        return False
-    runtime.omp_set_num_threads(threads)
-    return True
-
-
-def _openmp() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch loaded (already in this process: found in its memory map)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if any(n in line for n in _OPENMP_NAMES)}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            runtime = ctypes.CDLL(path)
-            runtime.omp_set_num_threads  # noqa: B018 (present, or AttributeError)
-            return runtime
-        except (OSError, AttributeError):
-            continue
-    return None
 
 
 _abandoned: list[threading.Thread] = []
