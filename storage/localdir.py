@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from diloco.storage.errors import Conflict, Refused
 from diloco.storage.objects import Body, ObjectMissing, same_stream, views_of
@@ -71,32 +72,30 @@ class DirStore:
             return same_stream(f.read, views_of(data))
 
     def get(self, key: str, *, max_bytes: int) -> bytes:
+        return self._read(key, max_bytes, lambda f, _size: f.read(max_bytes + 1))
+
+    def get_buffer(self, key: str, *, max_bytes: int) -> bytearray:
+        def into_buffer(f: BinaryIO, size: int) -> bytearray:
+            data = bytearray(size)
+            if f.readinto(data) != size:
+                raise Refused("bad_framing", f"{self._path(key)}: shorter than its {size} bytes (changed while read?)")
+            return data
+
+        return self._read(key, max_bytes, into_buffer)
+
+    def _read(self, key: str, max_bytes: int, read: Callable[[BinaryIO, int], Any]) -> Any:
+        """`read(file, size)` of the file at `key`, refused if it is (or grew to) over `max_bytes`."""
         path = self._path(key)
         try:
             with path.open("rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size > max_bytes:
                     raise Refused("too_large", f"{path} is {size} bytes, over the {max_bytes}-byte limit")
-                data = f.read(max_bytes + 1)
+                data = read(f, size)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise ObjectMissing(f"{path} does not exist") from None
         if len(data) > max_bytes:
             raise Refused("too_large", f"{path} is over the {max_bytes}-byte limit")
-        return data
-
-    def get_buffer(self, key: str, *, max_bytes: int) -> bytearray:
-        path = self._path(key)
-        try:
-            with path.open("rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size > max_bytes:
-                    raise Refused("too_large", f"{path} is {size} bytes, over the {max_bytes}-byte limit")
-                data = bytearray(size)
-                got = f.readinto(data)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise ObjectMissing(f"{path} does not exist") from None
-        if got != size:
-            raise Refused("bad_framing", f"{path}: read {got} of its {size} bytes (changed while read?)")
         return data
 
     def exists(self, key: str) -> bool:

@@ -1,8 +1,8 @@
 """A learner's view of its parameters: one process, or a torchrun island of several ranks.
 
 The learner reads and writes parameters only through `Replica`, as full, unsharded host tensors
-(read in the parameters' dtype, written from fp32) that exist on the leader (rank 0) alone; the other ranks take part in the collectives and
-get `None`. What a read or a write costs depends on how a parameter is held:
+(read in the parameters' dtype, written from fp32) that exist on the leader (rank 0) alone; the
+other ranks take part in the collectives and get `None`. What a read or a write costs depends on how a parameter is held:
 
 - plain tensors, one process: a local copy;
 - plain tensors in an island (DDP-style: every rank holds the same values): reads are local to

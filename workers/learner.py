@@ -470,13 +470,12 @@ class Learner:
         to_send, _, _ = self.replica.share_plan(None if due is None else list(due), None if due is None else [],
                                                 len(self.fragments))
         sent = []
-        flush_by = self._leave_by or time.monotonic() + self.config.close_timeout_s
         for f in to_send:
             sent.append(self._send(f, due.get(f, 0.0) if due else 0.0, final=final))
-            if final and self.is_leader:
+            if final and self.is_leader and self._leave_by is not None:  # leaving (`finish`)
                 # One fragment's snapshot and delta at a time, not every fragment's at once: leaving
                 # must not take more memory than training (a 1B model: docs/benchmarks.md).
-                self.uploader.flush(max(0.0, flush_by - time.monotonic()))
+                self.uploader.flush(max(0.0, self._leave_by - time.monotonic()))
         if to_send:
             log.info("sent the progress since the last send of fragment(s) %s%s", to_send,
                      " as final pieces" if final else "")

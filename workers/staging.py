@@ -55,17 +55,17 @@ class Staged:
     """Values to blend into one fragment: where the parameters live, ready to use. `anchor` is the
     snapshot they were computed against (None: the fetched values themselves)."""
 
-    __slots__ = ("version", "anchor", "values", "_pool")
+    __slots__ = ("version", "anchor", "values", "_give_back")
 
     def __init__(self, version: int, anchor: Snapshot | None, values: dict[str, torch.Tensor],
-                 pool: Callable[[dict[str, torch.Tensor]], None] | None = None) -> None:
-        self.version, self.anchor, self.values, self._pool = version, anchor, values, pool
+                 give_back: Callable[[dict[str, torch.Tensor]], None] | None = None) -> None:
+        self.version, self.anchor, self.values, self._give_back = version, anchor, values, give_back
 
     def release(self) -> None:
         """The values were blended (or will not be): a reused buffer goes back to its fragment's pool."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool(self.values)
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back(self.values)
 
 
 class Slot:
