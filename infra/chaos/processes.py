@@ -205,7 +205,7 @@ class ChaosSupervisor:
             if c.fault in self.coordinator_faults:
                 self.coordinator_faults.remove(c.fault)
             log.info("chaos: %s died at crash point %s", c.name, c.point)
-        elif done.sent is not None and rc in (0, -signal.SIGKILL, -signal.SIGTERM):
+        elif done.sent is not None and rc in (0, 128 + signal.SIGTERM, -signal.SIGKILL, -signal.SIGTERM):
             pass
         elif rc == 1 and ("another coordinator" in tail or "FENCED" in tail):
             self.deposed += 1  # it lost the lease (e.g. across a Redis restart) and stopped: by design
@@ -282,12 +282,13 @@ class ChaosSupervisor:
         return all(h is not None and h.fault is None for h in holders)
 
     def stop_coordinators(self) -> None:
-        """SIGTERM the standbys, then the active ones, which must exit 0."""
+        """SIGTERM the standbys, then the active ones, which must exit 143 (stopped while the run goes on) or 0
+        (the run had ended)."""
         holders = [h for k in range(len(self.shards)) if (h := self.holder(k)) is not None]
         codes = self.fleet.stop([c.name for c in sorted(self.coordinators, key=lambda c: c in holders)],
                                 timeout_s=30.0)
         for holder in holders:
-            if codes[holder.name] != 0:
+            if codes[holder.name] not in (0, 128 + signal.SIGTERM):
                 self.tally.fail(f"{holder.name} (active) exited {codes[holder.name]} on SIGTERM:\n"
                                 f"{holder.proc.tail(15)}")
         self._judge(self.fleet.watch(restart=False))

@@ -425,8 +425,9 @@ def _judge(m: Member, rc: int) -> str | None:
     """Why `m`'s exit with `rc` is a failure, or None: judged by what we sent it."""
     if m.sent == signal.SIGKILL:
         return None
-    if m.sent == signal.SIGTERM:  # a service stops with 0; a learner that left on it exits 143 (restart me),
-        # as does one the signal killed before Python could handle it (-15 here; 143 in a container)
+    if m.sent == signal.SIGTERM:  # a learner that left on it, or a service stopped before its run ended,
+        # exits 143 (restart me), as does one the signal killed before Python could handle it (-15 here; 143 in a
+        # container); a service whose run had ended exits 0
         return None if rc in (0, 143, -signal.SIGTERM) else f"{m.name} exited {rc} after SIGTERM, not 0 or 143"
     if m.service:  # exit 0 on its own: done (a coordinator whose run is finished)
         return None if rc == 0 else f"{m.name} exited {rc} on its own"

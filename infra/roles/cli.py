@@ -63,8 +63,10 @@ class _Interrupted(BaseException):
 def run_coordinator(args: argparse.Namespace) -> int:
     config = build(CoordinatorConfig, args, round=build(RoundConfig, args, overlap_steps=args.overlap_steps))
     stop, starting = threading.Event(), threading.Event()
+    signalled: list[int] = []
 
-    def on_signal(*_: object) -> None:
+    def on_signal(signum: int, _frame: object) -> None:
+        signalled.append(signum)
         stop.set()
         if starting.is_set():  # nothing to finish yet: a start-up ended by a signal is retried by whoever sent it
             starting.clear()
@@ -82,7 +84,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         starting.clear()
     if coordinator is None:
         log.info("stopped before taking over run %s", args.run)
-        return 0
+        return _stopped_code(signalled)
     covers = _cover_other_shards(args, config, stop) if config.cover_shards else []
     try:
         coordinator.serve(stop)
@@ -91,7 +93,14 @@ def run_coordinator(args: argparse.Namespace) -> int:
         for cover in covers:
             cover.join(timeout=config.lease_s + 30.0)
     log.info("coordinator stopped: %s", coordinator.bus.counters())
-    return 0
+    return 0 if coordinator.ended is not None else _stopped_code(signalled)
+
+
+def _stopped_code(signalled: list[int]) -> int:
+    """A coordinator stopped by a signal before its run ended exits as that signal would (143 for
+    SIGTERM, 130 for SIGINT), so that a Job or a managed job counts it as stopped, not done: exit 0
+    means the run is finished (a Kubernetes Job with one pod succeeded starts no new pods)."""
+    return 128 + signalled[0] if signalled else 0
 
 
 def _cover_other_shards(args: argparse.Namespace, config: CoordinatorConfig,

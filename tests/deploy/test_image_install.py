@@ -196,9 +196,10 @@ def test_the_files_run_a_coordinator_and_learners_that_leave_on_sigterm(
         assert rc == 143, f"{p.name} exited {rc} within {grace_s} s of SIGTERM (143: restart me):\n{p.tail(30)}"
     if platform == "k8s":
         run_the_docs_tools(env, tmp_path)  # `diloco finish` among them: the run ends, its coordinator exits 0
+        assert coordinator.wait(60) == 0, coordinator.tail(30)
     else:
-        coordinator.send(signal.SIGTERM)
-    assert coordinator.wait(60) == 0, coordinator.tail(30)
+        coordinator.send(signal.SIGTERM)  # stopped while the run goes on: 143, relaunch me
+        assert coordinator.wait(60) == 143, coordinator.tail(30)
 
 
 def run_the_docs_tools(env: dict[str, str], cwd: Path) -> None:

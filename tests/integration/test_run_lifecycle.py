@@ -1,6 +1,6 @@
 """A run's life as processes see it: a learner waiting to join leaves on SIGTERM at once, says what
-it waits for meanwhile; the coordinator exits 0 once the run is finished; a learner started after
-the end exits 0 saying so. Real `diloco` processes, real Redis and S3."""
+it waits for meanwhile; the coordinator exits 143 on SIGTERM while its run goes on and 0 once the
+run is finished; a learner started after the end exits 0 saying so. Real `diloco` processes, real Redis and S3."""
 
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ def test_a_learner_waiting_to_join_says_so_and_leaves_on_sigterm_at_once(endpoin
 def test_the_coordinator_exits_0_once_the_run_is_finished_and_a_learner_started_later_exits_0(
         endpoints, run_id, tmp_path, fleet_env):
     env, procs = fleet_env
+    stopped = spawn_coordinator(run_id, env, tmp_path)  # stopped (a node drained) while the run goes on
+    procs.append(stopped)
+    wait_for("the coordinator to hold the lease", lambda: Bus(endpoints, run_id).leadership()[1] is not None, [stopped],
+             timeout_s=60)
+    stopped.send(signal.SIGTERM)
+    assert stopped.wait(30) == 143, stopped.tail(20)  # not 0: a Job counts it as stopped, not done
     coordinator = spawn_coordinator(run_id, env, tmp_path)
     procs.append(coordinator)
     learner = spawn_learner(run_id, env, tmp_path, "only", steps=30)
