@@ -14,7 +14,6 @@ records it and the run goes on.
 from __future__ import annotations
 
 import logging
-import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -101,25 +100,27 @@ def fetch_tensors(store: ObjectStore, a: Announcement, layout: Layout, max_bytes
     `timed` times the read ("get") and the checks and decoding ("verify")."""
     blob = _read(store, a, max_bytes, timed)
     with timed("verify"):
-        return _check_object(blob, a, layout, max_bytes, codec=codec)[1]
+        opened = _check_object(blob, a, layout, max_bytes, codec=codec)
+        try:
+            return codecs.decode_opened(opened)
+        except Refused as exc:
+            raise Refused(exc.code, f"{a.object_key}: {exc.reason}") from None
 
 
 def fetch_checked(store: ObjectStore, a: Announcement, layout: Layout, max_bytes: int, *,
                   codec: str, timed: Timed = untimed) -> tuple[codecs.Opened, float]:
-    """`fetch_tensors`' read and every one of its checks, decoding included, but the checked payload
-    is what is returned, with the L2 norm of its delta: a delta waits for its round in the codec's
-    few bytes, not as a fragment's worth of fp32 tensors, and is decoded again when the round
-    merges (`decode_piece`), with nothing to decompress or hash again."""
+    """`fetch_tensors`' read and every one of its checks, but the checked payload is what is
+    returned, with the L2 norm of its delta (`codecs.checked_norm`: the values checked as it is
+    taken, and not kept): a delta waits for its round in the codec's few bytes, not as a fragment's
+    worth of fp32 tensors, and is decoded when the round merges (`decode_piece`), with nothing to
+    decompress or hash again."""
     blob = _read(store, a, max_bytes, timed)
     with timed("verify"):
-        opened, tensors = _check_object(blob, a, layout, max_bytes, codec=codec)
-        return opened, l2_norm(tensors)
-
-
-def l2_norm(tensors: dict[str, torch.Tensor]) -> float:
-    """The L2 norm of a piece's tensors together, in float64."""
-    return math.sqrt(math.fsum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
-                               for t in tensors.values()))
+        opened = _check_object(blob, a, layout, max_bytes, codec=codec)
+        try:
+            return opened, codecs.checked_norm(opened)  # every value checked on the way
+        except Refused as exc:
+            raise Refused(exc.code, f"{a.object_key}: {exc.reason}") from None
 
 
 def decode_piece(piece: codecs.Opened) -> dict[str, torch.Tensor]:
@@ -141,9 +142,8 @@ def _read(store: ObjectStore, a: Announcement, max_bytes: int, timed: Timed) -> 
                           "a learner must store its objects so that the run's readers can read them") from None
 
 
-def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, *,
-                  codec: str) -> tuple[codecs.Opened, dict[str, torch.Tensor]]:
-    """`blob`, the object `a` announces, opened, and its tensors, once every check has passed (see
+def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, *, codec: str) -> codecs.Opened:
+    """`blob`, the object `a` announces, opened, once every check but the values' has passed (see
     `fetch_tensors`)."""
     if len(blob) != a.size_bytes:
         raise Refused("size_mismatch", f"{a.object_key} is {len(blob)} bytes, the announcement says {a.size_bytes}")
@@ -158,7 +158,7 @@ def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, 
             raise Refused("wrong_dtype", f"{a.kind} encoded as {header.codec}, but run {a.run!r} takes "
                           f"{a.kind}s encoded as {want!r}")
         opened = codecs.open_object(blob, max_bytes=max_bytes, expect=layout.shapes(a.fragment))
-        tensors, header = codecs.decode_opened(opened), opened.header
+        header = opened.header
     except Refused as exc:
         raise Refused(exc.code, f"{a.object_key}: {exc.reason}") from None
     labels: dict[str, str | int] = {"run": a.run, "fragment": a.fragment, "learner": a.learner, "kind": a.kind}
@@ -171,7 +171,7 @@ def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, 
         if got is not None and got != want_value:
             raise Refused("misaddressed", f"{a.object_key} says {field_name}={got!r}, the announcement "
                           f"{want_value!r}: an object may only be announced as what it was encoded for")
-    return opened, tensors
+    return opened
 
 
 def to_arrival(a: Announcement, arrived_at: float) -> Arrival:

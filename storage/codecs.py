@@ -150,6 +150,10 @@ class Codec:
         Refused for bytes no encoder writes."""
         raise NotImplementedError
 
+    def squares(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> float:
+        """The sum of the squared decoded values, in float64, with `decode`'s checks."""
+        return float(torch.linalg.vector_norm(self.decode(seg, spec, block), dtype=torch.float64)) ** 2
+
 
 @dataclass(frozen=True, slots=True)
 class Floats(Codec):
@@ -220,18 +224,10 @@ class Blocks(Codec):
         out[4 * blocks:].copy_(_pack_codes(q, self.bits, self.zero))
 
     def decode(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> torch.Tensor:
-        n, qmax = math.prod(spec.shape), self.qmax
-        blocks = -(-n // block)
-        scales = seg[:4 * blocks].clone().view(torch.float32)  # clone: aligned copy, scales are small
-        if not _all_finite(scales * qmax):
-            raise _refused("non_finite", spec, f"NaN/Inf scales, or scales above float32 max / {qmax}")
-        if (scales < 0).any():
-            raise _refused("bad_payload", spec, "negative scales (an encoder writes absmax / qmax >= 0)")
-        q = self._values(seg[4 * blocks:], spec, n)
-        # float32(value * scale): the int8 -> float32 cast is exact, so casting first and multiplying in
-        # float32 gives the same bits as a mixed int8 x float32 multiply, on ATen's fast same-dtype kernel
-        # (the mixed one is ~6x slower).
-        values = q.to(torch.float32)
+        n = math.prod(spec.shape)
+        scales, values = self._scales_and_values(seg, spec, block)
+        # float32(value * scale): the values are whole numbers in float32 (exact), so this gives the
+        # same bits as a mixed int8 x float32 multiply, on ATen's fast same-dtype kernel.
         full = n // block * block
         if full:
             values[:full].view(-1, block).mul_(scales[:full // block, None])
@@ -239,11 +235,74 @@ class Blocks(Codec):
             values[full:].mul_(scales[-1])
         return values.view(spec.shape)
 
-    def _values(self, codes: torch.Tensor, spec: TensorSpec, n: int) -> torch.Tensor:
-        """The int8 values of the codes; Refused for a code or a pad no encoder writes."""
+    def squares(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> float:
+        """From the whole-number values and the scales: per block the sum of the squared values
+        (exact: float32 holds it while block * qmax^2 < 2^24, else float64), times its scale squared
+        (exact in float64), summed. The same whatever the summation order, and without the products."""
+        n = math.prod(spec.shape)
+        scales, values = self._scales_and_values(seg, spec, block)
+        sums_dtype = torch.float32 if block * self.qmax ** 2 < 1 << 24 else torch.float64
+        squared = values.square_()
+        full = n // block * block
+        sums = torch.empty(-(-n // block), dtype=torch.float64)
+        if full:
+            sums[:full // block] = squared[:full].view(-1, block).sum(1, dtype=sums_dtype)
+        if n > full:
+            sums[-1] = squared[full:].sum(dtype=torch.float64)
+        return float(torch.dot(sums, scales.double().square_()))
+
+    def _scales_and_values(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checked scales and the values as whole numbers in float32 (flat); Refused for a scale,
+        a code or a pad no encoder writes."""
+        n = math.prod(spec.shape)
+        blocks = -(-n // block)
+        scales = _checked_scales(seg[:4 * blocks].clone().view(torch.float32), self.qmax, spec)  # clone: aligned
+        codes = seg[4 * blocks:]
         if self.bits == 8:
-            return _checked(codes.view(torch.int8), self.name, 0, self.qmax, spec)
-        return _unpack_codes(codes, self.name, self.bits, self.zero, self.qmax, n, spec)
+            return scales, _checked(codes.view(torch.int8), self.name, 0, self.qmax, spec).to(torch.float32)
+        return scales, _values(codes, self.name, self.bits, self.zero, self.qmax, n, spec)
+
+
+def _checked_scales(scales: torch.Tensor, qmax: int, spec: TensorSpec) -> torch.Tensor:
+    """`scales`, each finite, >= 0 and with scale * qmax finite in float32; Refused otherwise."""
+    if scales.numel():
+        lo, hi = (float(v) for v in torch.aminmax(scales))  # NaN propagates
+        if not (math.isfinite(lo) and math.isfinite(hi) and hi * qmax < _FLOAT32_OVERFLOW):
+            raise _refused("non_finite", spec, f"NaN/Inf scales, or scales above float32 max / {qmax}")
+        if lo < 0:
+            raise _refused("bad_payload", spec, "negative scales (an encoder writes absmax / qmax >= 0)")
+    return scales
+
+
+_FLOAT32_OVERFLOW = 2.0**128 * (1 - 2.0**-25)
+"""The least real number that float32 rounds (to nearest) to Inf: float32 max plus half its ulp."""
+
+_SPREAD = {4: (torch.int16, (4,), 0x0F0F), 2: (torch.int32, (6, 12, 18), 0x03030303)}
+"""Packed codes spread one to a byte by shifts within a wider integer (little-endian): its dtype,
+the shifts that bring code j to byte j, and the mask of each byte's code bits."""
+
+
+def _values(packed: torch.Tensor, name: str, bits: int, zero: int, qmax: int, n: int, spec: TensorSpec) -> torch.Tensor:
+    """The `n` values `_pack_codes` wrote into `packed`, as whole numbers in float32 (exact); Refused
+    for a code or a pad no encoder writes."""
+    unpacked = _unpack_codes(packed, bits)
+    if (unpacked[n:] != zero).any():
+        raise _refused("bad_payload", spec, f"{name} pad codes other than {zero} (the codes past the last "
+                                            f"element stand for 0)")
+    return _checked(unpacked[:n], name, zero, qmax, spec).to(torch.float32).sub_(zero)
+
+
+def _unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes `_pack_codes` wrote, one per byte (uint8), the pad codes included."""
+    if sys.byteorder == "little":
+        dtype, shifts, mask = _SPREAD[bits]
+        wide = packed.to(dtype)
+        spread = wide.clone()
+        for shift in shifts:
+            spread.bitwise_or_(wide << shift)
+        return spread.bitwise_and_(mask).view(torch.uint8)
+    per_byte, low = 8 // bits, (1 << bits) - 1
+    return torch.stack([(packed >> (bits * j)) & low for j in range(per_byte)], dim=1).view(-1)
 
 
 def _pack_codes(q: torch.Tensor, bits: int, zero: int) -> torch.Tensor:
@@ -260,18 +319,9 @@ def _pack_codes(q: torch.Tensor, bits: int, zero: int) -> torch.Tensor:
     return packed
 
 
-def _unpack_codes(packed: torch.Tensor, name: str, bits: int, zero: int, qmax: int, n: int, spec: TensorSpec) -> torch.Tensor:
-    """The `n` int8 values `_pack_codes` wrote into `packed`; Refused for a code or a pad no encoder writes."""
-    mask, per_byte = (1 << bits) - 1, 8 // bits
-    unpacked = torch.stack([(packed >> (bits * j)) & mask for j in range(per_byte)], dim=1).view(-1)
-    if (unpacked[n:] != zero).any():
-        raise _refused("bad_payload", spec, f"{name} pad codes other than {zero} (the codes past the last "
-                                            f"element stand for 0)")
-    return _checked(unpacked[:n].view(torch.int8), name, zero, qmax, spec).sub_(zero)
-
-
 def _checked(codes: torch.Tensor, name: str, zero: int, qmax: int, spec: TensorSpec) -> torch.Tensor:
-    """`codes` (int8), each within zero +- qmax; Refused naming the first that is not."""
+    """`codes` (int8, or uint8 codes of packed values), each within zero +- qmax; Refused naming the
+    first that is not."""
     if codes.numel():
         lo, hi = (int(v) for v in torch.aminmax(codes))
         if lo < zero - qmax or hi > zero + qmax:
@@ -346,11 +396,7 @@ class Sparse(Codec):
             return out.view(spec.shape)
         full, k, k_last = self.kept(n, block)
         blocks, kk = full + (k_last > 0), full * k + k_last
-        scales = seg[:4 * blocks].clone().view(torch.float32)
-        if not _all_finite(scales * self.qmax):
-            raise _refused("non_finite", spec, f"NaN/Inf scales, or scales above float32 max / {self.qmax}")
-        if (scales < 0).any():
-            raise _refused("bad_payload", spec, "negative scales (an encoder writes absmax / qmax >= 0)")
+        scales = _checked_scales(seg[:4 * blocks].clone().view(torch.float32), self.qmax, spec)
         at, pairs = 4 * blocks, -(-kk // 2)
         groups = seg[at:at + 3 * pairs].view(-1, 3).to(torch.int32)
         group = groups[:, 0] | (groups[:, 1] << 8) | (groups[:, 2] << 16)
@@ -359,7 +405,7 @@ class Sparse(Codec):
         if kk % 2 and idx[-1] != 0:
             raise _refused("bad_payload", spec, "sparse pad index other than 0")
         idx = idx[:kk]
-        q = _unpack_codes(seg[at + 3 * pairs:], self.name, 4, 8, self.qmax, kk, spec)
+        q = _values(seg[at + 3 * pairs:], self.name, 4, 8, self.qmax, kk, spec)
         # Positions: within their block, ascending, inside the block (the short last one's length too).
         rows = ([(idx[:full * k].view(full, k), block)] if full else []) + \
             ([(idx[full * k:].view(1, k_last), n - full * block)] if k_last else [])
@@ -368,7 +414,7 @@ class Sparse(Codec):
                 raise _refused("bad_payload", spec, f"sparse indices not ascending within a block of {length} "
                                                     f"elements, or past its end (largest {int(r.max())})")
         which = torch.cat([torch.arange(full).repeat_interleave(k), torch.full((k_last,), full, dtype=torch.long)])
-        values = q.to(torch.float32).mul_(scales[which])
+        values = q.mul_(scales[which])
         out[which * block + idx.long()] = values
         return out.view(spec.shape)
 
@@ -607,6 +653,16 @@ def decode_opened(opened: Opened) -> dict[str, torch.Tensor]:
     codec = get(opened.header.codec)
     block = opened.header.block_size
     return {s.name: codec.decode(payload[s.offset:s.offset + s.nbytes], s, block) for s in opened.header.tensors}
+
+
+def checked_norm(opened: Opened) -> float:
+    """`decode_opened`'s checks of the values, and the L2 norm of them all together (float64), one
+    tensor at a time, without keeping them (a blocked codec's from its values and scales, `Codec.squares`)."""
+    payload = _as_uint8(opened.payload)
+    codec = get(opened.header.codec)
+    block = opened.header.block_size
+    return math.sqrt(math.fsum(codec.squares(payload[s.offset:s.offset + s.nbytes], s, block)
+                               for s in opened.header.tensors))
 
 
 def decode(blob: bytes | bytearray, *, max_bytes: int, expect: Mapping[str, tuple[int, ...]] | None = None,
