@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from diloco.coordinator.policy import RoundConfig
 from diloco.storage.bus import LEARNERS_FORGOTTEN_S
 from diloco.storage.errors import ConfigError
+from diloco.storage.intraop import usable_cpus
 from diloco.storage.keys import MAX_SHARDS, Shard
 from diloco.storage.codecs import CODECS
 from diloco.storage.protocol import CadenceKind, RunSpec, TakeRule, VersionSettings, check_choices
@@ -98,8 +99,9 @@ class CoordinatorConfig:
     fleet reporting absurdly short steps; above it, a round is H steps of the fastest learner)."""
     consumer: str = "coordinator"
     """Consumer name in the announcements group; a restarted coordinator re-reads its own pending entries."""
-    fetch_threads: int = 8
-    """Parallel S3 GETs when verifying a batch of contributions."""
+    fetch_threads: int = min(8, 2 * usable_cpus())
+    """Parallel S3 GETs and checks of a batch of contributions (default: twice the CPUs this
+    process may use, at most 8: beyond that the checks wait on each other for the GIL and the cores)."""
     read_batch_bytes: int = 2 << 30
     """The most decoded (fp32) bytes one read of the announcements takes in: a backlog is read in
     batches of at most this many bytes of the largest fragment (at least one announcement, at most

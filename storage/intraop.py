@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
 _OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def cap_this_thread(threads: int | None) -> bool:

@@ -70,7 +70,8 @@ from diloco.workers.state import (LearnerState, Stateful, StateSaver, full_form,
                                   optimizer_params, pack_tree, sharded_like, unpack_user)
 from diloco.workers.staging import Stager
 from diloco.workers.takes import Awaiting, refetch_after, wait_reason
-from diloco.workers.threads import abandon, transfer_threads, usable_cpus
+from diloco.storage.intraop import usable_cpus
+from diloco.workers.threads import abandon, transfer_threads
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
 log = logging.getLogger(__name__)

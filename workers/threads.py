@@ -42,14 +42,6 @@ def transfer_threads(setting: int, device_type: str, cpus: int) -> int | None:
     return None if device_type == "cpu" else max(1, cpus // GPU_SHARE)
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def lower_this_thread(threads: int | None, nice: int = 0) -> bool:
     """Run the calling thread `nice` steps below its priority (Linux: this thread only; elsewhere
     not at all) and cap its torch ops' intra-op threads (`cap_this_thread`)."""
