@@ -7,7 +7,10 @@ of a run served by a coordinator process on a local stack (or the stack the envi
 every other command reads it: DILOCO_REDIS_URL, DILOCO_S3_BUCKET...). The run has every default
 (P, H, tau, codec, cadence) unless a flag changes it; one learner, so the coordinator's quorum is 1.
 The coordinator and the local stack's servers run at nice 19 (their scheduling groups too): in a
-deployment they have machines of their own.
+deployment they have machines of their own. On the CPU they also get CPUs of their own
+(`--helpers-cpus`, default 1 of at least 2): pinned to the last CPUs, while both arms' loops (and
+the Learner's threads) run on the others; the coordinator's merges and the servers' hashing and
+writes of whole versions would otherwise take cores and memory bandwidth from the very loop measured.
 
 Each arm runs `--warmup` steps (a Learner arm then trains on until it has taken as many versions
 as there are fragments, so that the timed window is the steady state with merges in it), then
@@ -64,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--helpers-nice", type=int, default=19,
                         help="nice value of the coordinator and the local stack's servers and of their scheduling "
                              "groups, so that the figures are the learner's (default: %(default)s; 0: left as they are)")
+    parser.add_argument("--helpers-cpus", type=int, default=None,
+                        help="CPUs of their own for the coordinator and the local stack's servers, pinned to the last "
+                             "ones; the loop (both arms) runs on the others (default: 1 on the CPU with at least 2 CPUs, "
+                             "0 on a GPU; 0: no pinning)")
     parser.add_argument("--settle-s", type=float, default=300.0,
                         help="before timing a Learner arm, train on (untimed) until it has taken as many versions as "
                              "there are fragments, at most this long (default: %(default)s)")
@@ -292,9 +299,16 @@ def run(args: argparse.Namespace) -> DeviceResult:
     args.warmup = args.warmup if args.warmup is not None else (20 if gpu else 10)
     args.batch_size = args.batch_size or (16 if gpu else 1)
     args.seq_len = args.seq_len or (256 if gpu else 64)
+    helpers = _helper_cpus(args.helpers_cpus, gpu)
+    if helpers:
+        loop_cpus = sorted(set(_cpus()) - set(helpers))
+        _pin(os.getpid(), loop_cpus)
+        torch.set_num_threads(len(loop_cpus))
+        log.info("the loop on CPUs %s, the coordinator and the servers on %s", loop_cpus, helpers)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} ({torch.get_num_threads()} threads)"
     settings = {"P": args.fragments, "H": args.sync_every, "codec": args.codec, "batch": args.batch_size,
-                "seq": args.seq_len, "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__}
+                "seq": args.seq_len, "steps": args.steps, "warmup": args.warmup, "helper CPUs": len(helpers),
+                "torch": torch.__version__}
 
     loop = Loop(args, device)
     params = sum(p.numel() for p in loop.model.parameters())
@@ -317,10 +331,12 @@ def run(args: argparse.Namespace) -> DeviceResult:
             for server in (local.redis_server, local.s3_server):
                 if server is not None and server.pid > 0:
                     _lowest_priority(server.pid, args.helpers_nice)
+                    _pin(server.pid, helpers)
         fleet = stack.enter_context(Supervisor(process_env(endpoints.to_env() | _credentials()), args.out / "logs"))
         for n in threads:
             name = "learner" if len(threads) == 1 else f"learner t={n}"
-            result.arms.append(_learner_arm(name, args, device, endpoints, fleet, LearnerConfig(transfer_threads=n)))
+            result.arms.append(_learner_arm(name, args, device, endpoints, fleet, LearnerConfig(transfer_threads=n),
+                                            helpers))
             log.info("%s", result.arms[-1].summary(result.arms[0]))  # a run cut short still tells its arms
             if gpu:
                 torch.get_device_module(device).empty_cache()
@@ -338,7 +354,7 @@ def _thread_settings(text: str) -> list[int]:
 
 
 def _learner_arm(name: str, args: argparse.Namespace, device, endpoints: Endpoints, fleet,  # noqa: ANN001
-                 config) -> Arm:  # noqa: ANN001
+                 config, helpers: list[int]) -> Arm:  # noqa: ANN001
     """One Learner arm: a run of its own, served by a coordinator started for it."""
     from diloco.infra.local.fleet import diloco_command, wait_until
     from diloco.storage.bus import Bus
@@ -352,6 +368,7 @@ def _learner_arm(name: str, args: argparse.Namespace, device, endpoints: Endpoin
         "coordinator", "--run", run_id, "--fragments", str(args.fragments), "--sync-every", str(args.sync_every),
         "--codec", args.codec, "--min-quorum", "1"), service=True)
     _lowest_priority(member.proc.pid, args.helpers_nice)
+    _pin(member.proc.pid, helpers)  # while it starts: the threads it starts later inherit the CPUs
     loop = Loop(args, device)
     learner = Learner(loop.model, loop.optimizer, run=run_id, endpoints=endpoints, learner_id="device",
                       tokens_per_step=args.batch_size * args.seq_len, config=config)
@@ -376,6 +393,37 @@ def _lowest_priority(pid: int, nice: int) -> None:
             group.write_text(str(nice))
     except OSError as exc:  # not Linux, or not allowed: the figures then include their share
         log.warning("could not lower the priority of process %d: %s", pid, exc)
+
+
+def _cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _helper_cpus(asked: int | None, gpu: bool) -> list[int]:
+    """The CPUs the helpers get (the last `asked`; default: 1 on the CPU with at least 2, none on a GPU)."""
+    cpus = _cpus()
+    count = asked if asked is not None else (0 if gpu or len(cpus) < 2 else 1)
+    if count < 0 or (count and count >= len(cpus)):
+        raise ConfigError(f"--helpers-cpus {count}: this process may use {len(cpus)} CPUs, the loop needs one")
+    return cpus[len(cpus) - count:] if count else []
+
+
+def _pin(pid: int, cpus: list[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (threads it starts later inherit their starter's)."""
+    if not cpus:
+        return
+    try:
+        tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tasks = [pid]
+    for tid in tasks:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except (AttributeError, OSError) as exc:  # gone, not Linux or not allowed: the figures then share the CPUs
+            log.warning("could not pin thread %d of process %d to CPUs %s: %s", tid, pid, cpus, exc)
 
 
 def _credentials() -> dict[str, str]:
