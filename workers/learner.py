@@ -66,8 +66,8 @@ from diloco.workers.hostcopy import Snapshot
 from diloco.workers.island import Replica
 from diloco.workers.losses import LossRecorder
 from diloco.workers.metrics import LearnerMetrics
-from diloco.workers.state import (LearnerState, Stateful, StateSaver, full_form, latest_key, misfit,
-                                  optimizer_params, pack_tree, sharded_like, unpack_user)
+from diloco.workers.keeper import StateKeeper
+from diloco.workers.state import Stateful
 from diloco.workers.staging import Stager
 from diloco.workers.takes import Awaiting, refetch_after, wait_reason
 from diloco.storage.intraop import usable_cpus
@@ -244,11 +244,9 @@ class Learner:
                               f"{tokens_per_step!r}: it weighs this learner's contributions")
         self.model = model
         self.optimizer = optimizer
-        self.user_state = dict(state or {})
-        """Objects saved and restored with the learner's own state (`LearnerConfig.save_state`): an LR
-        scheduler, a data position, anything with `state_dict()` and `load_state_dict()`."""
-        bad = [k for k, v in self.user_state.items() if not (callable(getattr(v, "state_dict", None))
-                                                             and callable(getattr(v, "load_state_dict", None)))]
+        user_state = dict(state or {})
+        bad = [k for k, v in user_state.items() if not (callable(getattr(v, "state_dict", None))
+                                                        and callable(getattr(v, "load_state_dict", None)))]
         if bad:
             raise ConfigError(f"state= objects need state_dict() and load_state_dict(): {bad} lack them")
         self.run = check_id("run", run)
@@ -274,6 +272,9 @@ class Learner:
         # learner and a plain one train the same run.
         self.replica = Replica(run_parameters(model))
         self.is_leader = self.replica.is_leader
+        self.keeper = StateKeeper(self.learner_id, optimizer, self.replica, user_state)
+        """The learner's own state (`LearnerConfig.save_state`): the optimizer's, and that of the `state=`
+        objects (an LR scheduler, a data position: anything with `state_dict()` and `load_state_dict()`)."""
         self.fragments: list[FragmentState] = []
         """Per fragment (index = fragment), set when joining."""
         self._pending_tokens: int | None = None
@@ -299,12 +300,9 @@ class Learner:
         self.preempted = False
         """SIGTERM arrived (with `handle_sigterm`): the learner leaves at the end of the step in progress."""
         self._metrics: LearnerMetrics | None = None
-        self._saver: StateSaver | None = None  # rank 0, with save_state
         self._saves_state = False  # every rank: rank 0 saves states (the ranks take part in gathering them)
         self._leave_by: float | None = None  # finish(): when sending the last pieces and leaving must be done
-        self._found_state: tuple[LearnerState, str, bytes] | None = None  # rank 0, joining: a state that fits
         self._sends_of_0 = 0
-        self._state_copies: Snapshot | None = None  # a saved state's copies to the host, maybe still running
         self.restored_from: str | None = None
         """The saved state this learner resumed from when it joined (its key), None if it started afresh."""
         self._sigterm_previous = None
@@ -392,7 +390,7 @@ class Learner:
         status = self.replica.share(None if not self.is_leader else
                                     [int(failure is not None), 0 if failure else len(self.layout.fragments),
                                      int(not failure and self.spec.merge_rule == "rebase"),
-                                     int(self._saver is not None)], 4)
+                                     int(self.keeper.saver is not None)], 4)
         self._merges_first = bool(status[2])  # every rank runs a step's sends and merges in the same order
         self._saves_state = bool(status[3])
         if failure is not None:
@@ -410,15 +408,15 @@ class Learner:
             # Pinned memory for two snapshots of every parameter, and for a saved state (AdamW: two
             # moments each) when states are saved: allocated here, not in a step.
             self.replica.copies.reserve(list(self.replica.params.values()),
-                                        sets=4 if self._saver is not None else 2)
+                                        sets=4 if self.keeper.saver is not None else 2)
             for f, state in enumerate(self.fragments):
                 state.anchor = Snapshot({n: values[n] for n in state.names})  # shared with the fetcher
                 state.base_version = heads[f]
         self.replica.write(values, [n for state in self.fragments for n in state.names])
-        if self._saves_state:
-            self._resume()
+        if self._saves_state and (restored := self.keeper.restore()) is not None:
+            self.step, self.tokens, self.restored_from = restored
         self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
-        self._pre_hook = self.optimizer.register_step_pre_hook(lambda *_: self._before_step())
+        self._pre_hook = self.optimizer.register_step_pre_hook(lambda *_: self.keeper.before_step())
         if self.is_leader and self.config.metrics_port:
             self._metrics = LearnerMetrics.start(self, self.config.metrics_port)
 
@@ -496,7 +494,7 @@ class Learner:
         if not self.uploader.flush(max(0.0, deadline - time.monotonic())):
             log.warning("leaving with %d contribution(s) not uploaded after %.0fs: abandoned", self.uploader.pending(),
                         self.config.close_timeout_s)
-        if self._saver is not None and not self._saver.flush(max(0.0, deadline - time.monotonic())):
+        if self.keeper.saver is not None and not self.keeper.saver.flush(max(0.0, deadline - time.monotonic())):
             log.warning("leaving without the learner's state saved after %.0fs: a restart starts afresh",
                         self.config.close_timeout_s)
         self._stop.set()
@@ -504,11 +502,12 @@ class Learner:
         self.fetcher.close()
         if self._stager is not None:
             self._stager.close()
-        if self._saver is not None:
-            self._saver.close()
+        if self.keeper.saver is not None:
+            self.keeper.saver.close()
         # Join before the interpreter tears down: a daemon thread inside a torch op at exit aborts the
         # process. A thread stuck on an unreachable server is abandoned at the deadline.
-        for thread in (self.uploader, self.fetcher, self._stager, self._heartbeat_thread, self._losses, self._saver):
+        saver = self.keeper.saver
+        for thread in (self.uploader, self.fetcher, self._stager, self._heartbeat_thread, self._losses, saver):
             if thread is not None:
                 thread.join(timeout=max(0.5, deadline - time.monotonic()))
                 if thread.is_alive():
@@ -541,8 +540,8 @@ class Learner:
         The learner never joined, so it neither sends nor finishes anything."""
         self._stop.set()
         self._restore_sigterm_handler()
-        threads = [t for t in (getattr(self, n, None) for n in ("uploader", "fetcher", "_stager",
-                                                                  "_heartbeat_thread", "_losses", "_saver")) if t is not None]
+        threads = [t for t in (*(getattr(self, n, None) for n in ("uploader", "fetcher", "_stager", "_heartbeat_thread",
+                                                                   "_losses")), self.keeper.saver) if t is not None]
         for thread in threads:
             if hasattr(thread, "close"):
                 thread.close()
@@ -664,7 +663,8 @@ class Learner:
             values.update(params)
         self.stats.bytes_joined = self.store.bytes_read
         if self.config.save_state:
-            self._found_state = self._find_state(heads)
+            self.keeper.find(self.store, keys, heads, self.bus.server_time, max_age_s=self.config.state_max_age_s,
+                             threads=self._threads, nice=self.config.transfer_nice)
         self.fetcher.start()
         self.bus.join(self.learner_id)
         self._joined = True
@@ -936,99 +936,10 @@ class Learner:
         if staged is not None:
             staged.release()
 
-    # ---- the learner's own state across preemption (workers/state.py) -----------------------------
-    def _optimizer_params(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        return optimizer_params(self.optimizer, {id(p): n for n, p in self.replica.params.items()})
-
+    # ---- the learner's own state across preemption (workers/keeper.py) ----------------------------
     def _save_state(self) -> None:
-        """At a step boundary, every rank of an island in the same one: the optimizer's state in its full
-        form and each rank's own objects to rank 0 (collectives), which copies them to the host now
-        and uploads them in the background."""
-        optimizer = full_form(self.optimizer.state_dict(), keep=self.is_leader)  # every rank takes part
-        user = {k: v.state_dict() for k, v in self.user_state.items()}
-        ranks: tuple[dict, ...] = ()
-        if self.replica.island:
-            try:
-                mine = b"" if self.is_leader else pack_tree(user)
-            except ValueError as exc:
-                mine = b""
-                log.warning("rank %d of learner %s: its state is not saved: %s", self.replica.rank, self.learner_id, exc)
-            parts = self.replica.gather_bytes(mine)
-            if parts is None:
-                return  # not rank 0
-            try:
-                ranks = tuple(unpack_user(part, rank) for rank, part in enumerate(parts) if rank)
-            except ValueError as exc:
-                log.warning("learner %s: state at step %d not saved: %s", self.learner_id, self.step, exc)
-                return
-        copies = self.replica.copies.tree_to_host({"optimizer": optimizer, "user": user})
-        self._state_copies = copies  # the next optimizer step waits for them (on the device): `_before_step`
-        host = copies.unwaited
-        state = LearnerState(learner=self.learner_id, step=self.step, tokens=self.tokens,
-                             versions=tuple(s.base_version for s in self.fragments), params=self._optimizer_params(),
-                             optimizer=host["optimizer"], user=host["user"], saved_at=time.time() + self._clock_offset_s,
-                             ranks=ranks)
-        self._saver.submit(state, copies)  # type: ignore[union-attr]
-
-    def _before_step(self) -> None:
-        """Before an optimizer step: a state copy still running keeps the step from changing its tensors."""
-        copies, self._state_copies = self._state_copies, None
-        if copies is not None:
-            self.replica.copies.before_write(copies)
-
-    def _find_state(self, heads: dict[int, int]) -> tuple[LearnerState, str, bytes] | None:
-        """Rank 0, joining: this learner's newest saved state, its key and bytes, if it fits
-        (`state.misfit`; else a line saying why); starts the saver after it."""
-        keys = self.bus.keys
-        key = latest_key(self.store, keys, self.learner_id)
-        seq = 0 if key is None else keys.parse_learner_state_key(key)[1] + 1
-        self._saver = StateSaver(self.store, keys, self.learner_id, next_seq=seq, threads=self._threads,
-                                 nice=self.config.transfer_nice)
-        self._saver.start()
-        if key is None:
-            return None
-        limit = 4 * sum(p.numel() * p.element_size() for p in self.replica.params.values()) + (64 << 20)
-        try:
-            data = self.store.get(key, max_bytes=limit)
-            saved = LearnerState.from_bytes(data)
-            now = self.bus.server_time()
-            why = misfit(saved, self._optimizer_params(), heads, now, self.config.state_max_age_s,
-                         world=self.replica.world)
-        except (ValueError, DilocoError) as exc:
-            why = str(exc)
-        if why is not None:
-            log.warning("learner %s starts afresh: its saved state %s is not restored: %s", self.learner_id, key, why)
-            return None
-        log.info("learner %s resumes from its state at step %d (%s, saved %.0fs ago at versions %s, now %s)",
-                 self.learner_id, saved.step, key, now - saved.saved_at, list(saved.versions),
-                 [heads[f] for f in sorted(heads)])
-        return saved, key, data if self.replica.island else b""  # the bytes only to hand to the other ranks
-
-    def _resume(self) -> None:
-        """Every rank, joined: load the state rank 0 found (`_find_state`), if any: rank 0 hands it to
-        the other ranks of an island; each keeps its own shard of the optimizer's state and its own objects."""
-        found, self._found_state = self._found_state, None
-        if self.replica.island:
-            data = self.replica.share_bytes(None if not self.is_leader else found[2] if found else b"")
-            if not data:
-                return
-            key = self.replica.share_bytes(None if not self.is_leader else found[1].encode()).decode()  # type: ignore[index]
-            saved = found[0] if found else LearnerState.from_bytes(data)
-        elif found is None:
-            return
-        else:
-            saved, key, _ = found
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self.optimizer.load_state_dict(sharded_like(saved.optimizer, params))
-        mine = saved.ranks[self.replica.rank - 1] if self.replica.rank else saved.user
-        for name, obj in self.user_state.items():
-            if name in mine:
-                obj.load_state_dict(mine[name])
-        missing = sorted(set(self.user_state) - set(mine))
-        if missing:
-            log.warning("rank %d of learner %s: not in its saved state, left as they are: %s", self.replica.rank,
-                        self.learner_id, missing)
-        self.step, self.tokens, self.restored_from = saved.step, saved.tokens, key
+        self.keeper.save(self.step, self.tokens, [s.base_version for s in self.fragments],
+                         saved_at=time.time() + self._clock_offset_s)
 
     # ---- heartbeats --------------------------------------------------------------------------
     def progress(self) -> LearnerStats:
