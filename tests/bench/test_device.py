@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from diloco.infra.bench import device
 from diloco.infra.bench.device import Arm, DeviceResult, _thread_settings
 from diloco.storage.errors import ConfigError
 
@@ -43,13 +44,16 @@ def test_the_verdict_holds_the_mean_to_2_percent_on_a_gpu_and_5_on_the_cpu_and_n
 
 
 # About two minutes: a stack, a coordinator and two arms of a small model. The coordinator keeps its
-# priority: at nice 19 (and its scheduling group) beside a loop that fills both cores it barely ran.
+# priority and shares both cores: at nice 19 (and its scheduling group) beside a loop that fills both
+# cores it barely ran, and alone on one core beside the servers it merged too slowly for this model's
+# millisecond steps to see two takes in 16 of them.
 @pytest.mark.slow
 def test_a_small_run_on_the_cpu_times_both_arms_in_the_steady_state_and_every_take_is_made_ready_off_the_loop(tmp_path):
     out = tmp_path / "device.json"
     done = subprocess.run([sys.executable, "-m", "diloco.infra.cli", "bench", "device", "--device", "cpu",
                            "--n-layer", "1", "--steps", "16", "--warmup", "1", "--seq-len", "16", "--batch-size", "1",
-                           "--sync-every", "4", "--transfer-threads", "2", "--helpers-nice", "0", "--out", str(tmp_path / "run"), "--json", str(out)],
+                           "--sync-every", "4", "--transfer-threads", "2", "--helpers-nice", "0", "--helpers-cpus", "0",
+                           "--out", str(tmp_path / "run"), "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -63,3 +67,41 @@ def test_a_small_run_on_the_cpu_times_both_arms_in_the_steady_state_and_every_ta
     # may come first); the deterministic same-step test holds every take there to the stager's value.
     assert learner["taken"] >= 2 and 2 * learner["taken_ready"] >= learner["taken"]
     assert "mean ratio" in done.stdout and "against the plain loop" in done.stdout
+
+
+def test_the_helpers_get_the_last_cpus_on_the_cpu_and_none_on_a_gpu(monkeypatch) -> None:
+    monkeypatch.setattr(device, "_cpus", lambda: [0, 1, 2, 3])
+    assert device._helper_cpus(None, gpu=False) == [3]
+    assert device._helper_cpus(None, gpu=True) == []
+    assert device._helper_cpus(2, gpu=True) == [2, 3]
+    assert device._helper_cpus(0, gpu=False) == []
+    with pytest.raises(ConfigError, match="the loop needs one"):
+        device._helper_cpus(4, gpu=False)
+    monkeypatch.setattr(device, "_cpus", lambda: [0])
+    assert device._helper_cpus(None, gpu=False) == []  # one CPU: nothing to give away
+
+
+def test_pinning_a_process_pins_every_thread_of_it() -> None:
+    import os
+    import threading
+
+    cpus = sorted(os.sched_getaffinity(0))
+    started, stop = threading.Event(), threading.Event()
+    seen: list[set[int]] = []
+
+    def worker() -> None:
+        started.set()
+        stop.wait(10)
+        seen.append(os.sched_getaffinity(0))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    started.wait(10)
+    try:
+        device._pin(os.getpid(), cpus[:1])
+        assert os.sched_getaffinity(0) == set(cpus[:1])
+    finally:
+        stop.set()
+        thread.join()
+        device._pin(os.getpid(), cpus)
+    assert seen == [set(cpus[:1])]  # a thread started before the pin is pinned too
