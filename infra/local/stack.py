@@ -191,8 +191,10 @@ def _redis_config(data_dir: Path, port: int, *, user: str | None = None, passwor
     else:  # TLS only: no plaintext port at all
         lines += ["port 0", f"tls-port {port}", f'tls-cert-file "{certs.cert}"', f'tls-key-file "{certs.key}"',
                   f'tls-ca-cert-file "{certs.ca}"', "tls-auth-clients no"]
-    if password and user:  # an ACL user with every right; the password-less default user is switched off
-        lines += ["user default off", f"user {user} on >{password} ~* &* +@all"]
+    if password and user:  # an ACL user with every right, and the default user behind the same password. Not
+        # switched off: Redis replays its append-only file as the default user and re-checks each MULTI/EXEC
+        # against its rights (redis/redis#14541): off, every transaction and script of a run was dropped on restart.
+        lines += [f"user default on >{password} ~* &* +@all", f"user {user} on >{password} ~* &* +@all"]
     elif password:
         lines.append(f"requirepass {password}")
     return "\n".join([*lines, ""])

@@ -168,6 +168,37 @@ def test_stack_up_with_auth_and_tls_exports_a_working_url_and_logs_no_password(t
     assert down.returncode == 0, down.stderr
 
 
+@pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
+def test_a_stack_with_auth_restarted_keeps_what_transactions_and_scripts_wrote(tmp_path):
+    """Redis replays its append-only file as the default user, and re-checks a MULTI/EXEC's commands
+    against that user's rights (redis/redis#14541, valkey-io/valkey#3983): with the default user
+    switched off and a new password at the next `stack up`, every transaction and every script of
+    more than one write (a run's commits) was dropped from the data on restart, without an error."""
+    d = tmp_path / "stack"
+
+    def up() -> redis.Redis:
+        started = _cli("stack", "up", "--redis-auth", "--dir", str(d))
+        assert started.returncode == 0, started.stderr
+        env = dict(shlex.split(line)[1].split("=", 1) for line in started.stdout.splitlines())
+        return redis.Redis.from_url(env["DILOCO_REDIS_URL"])
+
+    try:
+        client = up()
+        pipe = client.pipeline(transaction=True)
+        pipe.set("tx", 1)
+        pipe.set("tx2", 2)
+        pipe.execute()
+        client.eval("redis.call('HSET', KEYS[1], 'a', 1) redis.call('HSET', KEYS[1], 'b', 2) return 1", 1, "script")
+        client.close()
+        assert _cli("stack", "down", "--dir", str(d)).returncode == 0
+        client = up()  # a new password: the ACL rules changed since the file was written
+        assert [client.exists(k) for k in ("tx", "tx2", "script")] == [1, 1, 1]
+        client.close()
+    finally:
+        _cli("stack", "down", "--dir", str(d))
+    assert "NOPERM" not in (d / "redis" / "redis.log").read_text()
+
+
 # ---- nobody replaces another's objects ---------------------------------------------------------
 
 @contextlib.contextmanager
