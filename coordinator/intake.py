@@ -14,9 +14,10 @@ records it and the run goes on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from diloco.coordinator.state import ShardState
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MAX_RECOVERED_IDS = 100_000
 """How many contribution ids announced again from S3 the coordinator remembers (`Intake._recovered`)."""
@@ -100,11 +103,7 @@ def fetch_tensors(store: ObjectStore, a: Announcement, layout: Layout, max_bytes
     `timed` times the read ("get") and the checks and decoding ("verify")."""
     blob = _read(store, a, max_bytes, timed)
     with timed("verify"):
-        opened = _check_object(blob, a, layout, max_bytes, codec=codec)
-        try:
-            return codecs.decode_opened(opened)
-        except Refused as exc:
-            raise Refused(exc.code, f"{a.object_key}: {exc.reason}") from None
+        return _check_object(blob, a, layout, max_bytes, codec=codec, values=codecs.decode_opened)[1]
 
 
 def fetch_checked(store: ObjectStore, a: Announcement, layout: Layout, max_bytes: int, *,
@@ -116,11 +115,7 @@ def fetch_checked(store: ObjectStore, a: Announcement, layout: Layout, max_bytes
     decompress or hash again."""
     blob = _read(store, a, max_bytes, timed)
     with timed("verify"):
-        opened = _check_object(blob, a, layout, max_bytes, codec=codec)
-        try:
-            return opened, codecs.checked_norm(opened)  # every value checked on the way
-        except Refused as exc:
-            raise Refused(exc.code, f"{a.object_key}: {exc.reason}") from None
+        return _check_object(blob, a, layout, max_bytes, codec=codec, values=codecs.checked_norm)
 
 
 def decode_piece(piece: codecs.Opened) -> dict[str, torch.Tensor]:
@@ -142,9 +137,10 @@ def _read(store: ObjectStore, a: Announcement, max_bytes: int, timed: Timed) -> 
                           "a learner must store its objects so that the run's readers can read them") from None
 
 
-def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, *, codec: str) -> codecs.Opened:
-    """`blob`, the object `a` announces, opened, once every check but the values' has passed (see
-    `fetch_tensors`)."""
+def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, *, codec: str,
+                  values: Callable[[codecs.Opened], T]) -> tuple[codecs.Opened, T]:
+    """`blob`, the object `a` announces, opened, and what `values` makes of it (which checks the values),
+    once every check has passed (see `fetch_tensors`)."""
     if len(blob) != a.size_bytes:
         raise Refused("size_mismatch", f"{a.object_key} is {len(blob)} bytes, the announcement says {a.size_bytes}")
     actual = sha256_hex(blob)
@@ -158,7 +154,7 @@ def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, 
             raise Refused("wrong_dtype", f"{a.kind} encoded as {header.codec}, but run {a.run!r} takes "
                           f"{a.kind}s encoded as {want!r}")
         opened = codecs.open_object(blob, max_bytes=max_bytes, expect=layout.shapes(a.fragment))
-        header = opened.header
+        made, header = values(opened), opened.header
     except Refused as exc:
         raise Refused(exc.code, f"{a.object_key}: {exc.reason}") from None
     labels: dict[str, str | int] = {"run": a.run, "fragment": a.fragment, "learner": a.learner, "kind": a.kind}
@@ -171,7 +167,7 @@ def _check_object(blob: bytes, a: Announcement, layout: Layout, max_bytes: int, 
         if got is not None and got != want_value:
             raise Refused("misaddressed", f"{a.object_key} says {field_name}={got!r}, the announcement "
                           f"{want_value!r}: an object may only be announced as what it was encoded for")
-    return opened
+    return opened, made
 
 
 def to_arrival(a: Announcement, arrived_at: float) -> Arrival:

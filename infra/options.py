@@ -301,6 +301,17 @@ def _finite(raw: str) -> float:
     return value
 
 
+def whole_numbers(text: str, option: str) -> list[int]:
+    """A comma-separated list of whole numbers (`--shards 1,2,4`; blank: none); ConfigError naming
+    `option` for anything else, an empty item included."""
+    if not text.strip():
+        return []
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{option} takes comma-separated whole numbers, got {text!r}") from None
+
+
 _origins: dict[str, str] = {}
 """Field name -> where its default came from (a DILOCO_* variable or the config file), for errors."""
 

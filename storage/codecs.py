@@ -65,7 +65,7 @@ import math
 import re
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -649,20 +649,21 @@ def open_object(blob: bytes | bytearray, *, max_bytes: int, expect: Mapping[str,
 def decode_opened(opened: Opened) -> dict[str, torch.Tensor]:
     """The float32 CPU tensors of an opened object, with `decode`'s checks of the values. fp32
     tensors are views of the payload: read them, do not write to them."""
-    payload = _as_uint8(opened.payload)
-    codec = get(opened.header.codec)
-    block = opened.header.block_size
-    return {s.name: codec.decode(payload[s.offset:s.offset + s.nbytes], s, block) for s in opened.header.tensors}
+    return {spec.name: codec.decode(seg, spec, block) for codec, seg, spec, block in _segments(opened)}
 
 
 def checked_norm(opened: Opened) -> float:
     """`decode_opened`'s checks of the values, and the L2 norm of them all together (float64), one
     tensor at a time, without keeping them (a blocked codec's from its values and scales, `Codec.squares`)."""
+    return math.sqrt(math.fsum(codec.squares(seg, spec, block) for codec, seg, spec, block in _segments(opened)))
+
+
+def _segments(opened: Opened) -> Iterator[tuple[Codec, torch.Tensor, TensorSpec, int]]:
+    """Each tensor of an opened object: its codec, its bytes (a view of the payload), spec and block size."""
     payload = _as_uint8(opened.payload)
     codec = get(opened.header.codec)
-    block = opened.header.block_size
-    return math.sqrt(math.fsum(codec.squares(payload[s.offset:s.offset + s.nbytes], s, block)
-                               for s in opened.header.tensors))
+    for spec in opened.header.tensors:
+        yield codec, payload[spec.offset:spec.offset + spec.nbytes], spec, opened.header.block_size
 
 
 def decode(blob: bytes | bytearray, *, max_bytes: int, expect: Mapping[str, tuple[int, ...]] | None = None,

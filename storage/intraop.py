@@ -18,12 +18,17 @@ log = logging.getLogger(__name__)
 _OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, not the machine's count)."""
+def usable_cpu_ids() -> list[int]:
+    """The CPUs this process may run on (its affinity, not the machine's), in order."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may run on."""
+    return len(usable_cpu_ids())
 
 
 def cap_this_thread(threads: int | None) -> bool:

@@ -13,7 +13,7 @@ import torch
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.infra.local.stack import LocalStack, create_bucket
-from diloco.infra.options import require_at_least
+from diloco.infra.options import require_at_least, whole_numbers
 from diloco.storage.bus import Bus
 from diloco.storage.codecs import CODECS
 from diloco.storage.errors import ConfigError, DilocoError
@@ -58,17 +58,13 @@ class ThroughputConfig:
 
     @property
     def shard_counts(self) -> tuple[int, ...]:
-        return tuple(int(k) for k in self.shards.split(",") if k.strip())
+        return tuple(whole_numbers(self.shards, "--shards"))
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
             raise ConfigError(f"--codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
         require_at_least(self, tensors=2, fragments=1, learners=1, contributions=1, fetch_threads=1, repeats=1)
-        try:
-            counts = self.shard_counts
-        except ValueError:
-            raise ConfigError(f"--shards must be a comma-separated list of whole numbers, got {self.shards!r}") from None
-        if any(not 1 <= k <= min(self.fragments, MAX_SHARDS) for k in counts):
+        if any(not 1 <= k <= min(self.fragments, MAX_SHARDS) for k in self.shard_counts):
             raise ConfigError(f"--shards: each count must be 1 to --fragments ({self.fragments}), got {self.shards!r}")
         if not self.fragment_mb * MB / 4 >= 1024 * self.tensors:
             raise ConfigError(f"--fragment-mb {self.fragment_mb} is too small for {self.tensors} tensors")

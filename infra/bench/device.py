@@ -39,8 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.coordinator.config import RunSettings
+from diloco.infra.options import whole_numbers
 from diloco.infra.output import figures_table
 from diloco.storage.errors import ConfigError
+from diloco.storage.intraop import usable_cpu_ids
 from diloco.storage.settings import ENV_REDIS_URL, Endpoints
 
 log = logging.getLogger(__name__)
@@ -301,7 +303,7 @@ def run(args: argparse.Namespace) -> DeviceResult:
     args.seq_len = args.seq_len or (256 if gpu else 64)
     helpers = _helper_cpus(args.helpers_cpus, gpu)
     if helpers:
-        loop_cpus = sorted(set(_cpus()) - set(helpers))
+        loop_cpus = sorted(set(usable_cpu_ids()) - set(helpers))
         _pin(os.getpid(), loop_cpus)
         torch.set_num_threads(len(loop_cpus))
         log.info("the loop on CPUs %s, the coordinator and the servers on %s", loop_cpus, helpers)
@@ -344,10 +346,7 @@ def run(args: argparse.Namespace) -> DeviceResult:
 
 
 def _thread_settings(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"--transfer-threads takes comma-separated whole numbers, got {text!r}") from None
+    values = whole_numbers(text, "--transfer-threads")
     if not values or min(values) < 0:
         raise ConfigError(f"--transfer-threads takes numbers >= 0 (0: the learner's default), got {text!r}")
     return values
@@ -395,16 +394,9 @@ def _lowest_priority(pid: int, nice: int) -> None:
         log.warning("could not lower the priority of process %d: %s", pid, exc)
 
 
-def _cpus() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
-
-
 def _helper_cpus(asked: int | None, gpu: bool) -> list[int]:
     """The CPUs the helpers get (the last `asked`; default: 1 on the CPU with at least 2, none on a GPU)."""
-    cpus = _cpus()
+    cpus = usable_cpu_ids()
     count = asked if asked is not None else (0 if gpu or len(cpus) < 2 else 1)
     if count < 0 or (count and count >= len(cpus)):
         raise ConfigError(f"--helpers-cpus {count}: this process may use {len(cpus)} CPUs, the loop needs one")

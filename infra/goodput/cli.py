@@ -26,7 +26,7 @@ from diloco.infra.goodput.model import Model
 from diloco.infra.goodput.shards import ShardLoad, shard_loads, shards_needed
 from diloco.infra.goodput.sweep import plot, point_table, simulate, sweep, sweep_table, to_json
 from diloco.infra.goodput.timings import Timings, project
-from diloco.infra.options import add_options, build
+from diloco.infra.options import add_options, build, whole_numbers
 from diloco.infra.output import figures_table, write_json
 from diloco.storage.codecs import CODECS
 from diloco.storage.errors import ConfigError
@@ -103,12 +103,8 @@ def _shards(args: argparse.Namespace, model: Model) -> list[ShardLoad]:
     """Print and return the busiest shard's load per shard count."""
     if args.shard_mb_s is None:
         raise ConfigError("--params needs --shard-mb-s: one shard's rate, from `diloco bench coordinator`")
-    try:
-        counts = ([int(k) for k in args.shards.split(",")] if args.shards else
-                  sorted({*(2 ** i for i in range(args.fragments.bit_length()) if 2 ** i <= args.fragments),
-                          args.fragments}))
-    except ValueError:
-        raise ConfigError(f"--shards takes comma-separated whole numbers, got {args.shards!r}") from None
+    counts = (whole_numbers(args.shards, "--shards") if args.shards else
+              sorted({*(2 ** i for i in range(args.fragments.bit_length()) if 2 ** i <= args.fragments), args.fragments}))
     loads = shard_loads(params=int(args.params), fragments=args.fragments, learners=model.learners,
                         period_s=model.period_s, codec=args.codec, shard_mb_s=args.shard_mb_s, shards=counts)
     print(f"coordinator shards for {args.params:,.0f} parameters, P {args.fragments}, {model.learners} learners, "

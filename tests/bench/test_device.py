@@ -70,14 +70,14 @@ def test_a_small_run_on_the_cpu_times_both_arms_in_the_steady_state_and_every_ta
 
 
 def test_the_helpers_get_the_last_cpus_on_the_cpu_and_none_on_a_gpu(monkeypatch) -> None:
-    monkeypatch.setattr(device, "_cpus", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(device, "usable_cpu_ids", lambda: [0, 1, 2, 3])
     assert device._helper_cpus(None, gpu=False) == [3]
     assert device._helper_cpus(None, gpu=True) == []
     assert device._helper_cpus(2, gpu=True) == [2, 3]
     assert device._helper_cpus(0, gpu=False) == []
     with pytest.raises(ConfigError, match="the loop needs one"):
         device._helper_cpus(4, gpu=False)
-    monkeypatch.setattr(device, "_cpus", lambda: [0])
+    monkeypatch.setattr(device, "usable_cpu_ids", lambda: [0])
     assert device._helper_cpus(None, gpu=False) == []  # one CPU: nothing to give away
 
 
