@@ -657,11 +657,17 @@ class Learner:
         for fragment, version in heads.items():
             what = f"version {version} of fragment {fragment}"
             manifest = self._wait(lambda f=fragment, v=version: read_manifest(self.store, keys, f, v), deadline, what)
-            params = self._wait(lambda m=manifest: read_params(self.store, layout, m), deadline, what)
+            own = {s.name: initial[s.name].float() for s in layout.fragments[fragment]}
+            params = self.fetcher.from_own(manifest, own)
+            if params is None:
+                params = self._wait(lambda m=manifest: read_params(self.store, layout, m), deadline, what)
             self.fetcher.note(manifest)
             self.fetcher.hold(fragment, version, params)  # the next versions come as updates of these
             values.update(params)
         self.stats.bytes_joined = self.store.bytes_read
+        if self.stats.joined_own:
+            log.info("learner %s: its initial values are version 0 of %d of %d fragment(s): their params were "
+                     "not downloaded", self.learner_id, self.stats.joined_own, len(heads))
         if self.config.save_state:
             self.keeper.find(self.store, keys, heads, self.bus.server_time, max_age_s=self.config.state_max_age_s,
                              threads=self._threads, nice=self.config.transfer_nice)

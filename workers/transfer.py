@@ -132,6 +132,9 @@ class TransferStats:
     """Bytes of every object read from S3 (down): versions' updates, params and manifests, the run's records at join."""
     bytes_joined: int = 0
     """Of those, what joining read (the run's records and every fragment's params)."""
+    joined_own: int = 0
+    """Fragments joined at without downloading their params: the learner's own initial values were
+    version 0 (`Fetcher.from_own`)."""
     fetched: int = 0
     """Versions fetched, by either way below."""
     fetched_updates: int = 0
@@ -525,6 +528,30 @@ class Fetcher(threading.Thread):
             replaced.release()
         self.stats.fetched += 1
         self.stats.fetch_s += time.monotonic() - t0
+
+    def from_own(self, manifest: Manifest, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The params of `manifest`'s version with nothing downloaded but manifests and updates, when
+        `own` (a learner's initial values of the fragment, fp32) is version 0 bit for bit, as for
+        learners built from the same seed as the proposer: `own` at version 0, else the update
+        objects from version 0 on while they are fewer bytes than the params (`_by_updates`). None
+        otherwise: the params are downloaded."""
+        fragment, keys = manifest.fragment, self.bus.keys
+        try:
+            genesis = manifest if manifest.version == 0 else read_manifest(self.store, keys, fragment, 0)
+        except (Refused, ObjectMissing, ObjectUnreadable):
+            genesis = None
+        if genesis is None:  # a history without its version 0 (pruned, or unreadable): download
+            return None
+        if sha256_hex(params_body(own, keys, fragment, 0)) != genesis.params_sha256:
+            return None
+        if manifest.version == 0:
+            self.stats.joined_own += 1
+            return own
+        self.hold(fragment, 0, own)
+        params = self._by_updates(fragment, manifest)
+        if params is not None:
+            self.stats.joined_own += 1
+        return params
 
     def _by_updates(self, fragment: int, manifest: Manifest) -> dict[str, torch.Tensor] | None:
         """The params of `manifest`'s version from the version held and the update objects in between

@@ -19,7 +19,8 @@ from diloco.storage.history import read_layout, read_manifest, read_params
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats
-from harness import TINY_RUN, join, make_coordinator, train, wait_for
+from diloco.workers.learner import Learner
+from harness import TINY_RUN, join, make_coordinator, start_beside, train, wait_for
 
 INT8_RUN = dataclasses.replace(TINY_RUN, codec="int8", compress=True, cadence="steps")
 
@@ -127,4 +128,66 @@ def test_a_damaged_update_costs_a_download_of_the_params(endpoints, run_id):
         fetched, stats = fetch_from(head - 2)
         assert fetched.version == head and (stats.fetched_updates, stats.fetched_params) == (0, 1)
     finally:
+        coord.close()
+
+
+class Wide(torch.nn.Module):
+    """Two 64 x 64 layers: a fragment's int4 update is a fraction of its params, so a chain of a few pays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(2))
+
+
+def wide_learner(endpoints, run_id, name: str, seed: int) -> tuple[Learner, torch.optim.Optimizer]:  # noqa: ANN001
+    torch.manual_seed(seed)
+    model = Wide()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return Learner(model, opt, run=run_id, endpoints=endpoints, learner_id=name, tokens_per_step=10), opt
+
+
+def test_a_learner_built_like_the_proposer_downloads_no_params_at_join(endpoints, run_id):
+    """A learner whose initial values are version 0 bit for bit (built from the proposer's seed)
+    downloads no params: at version 0 it starts from its own values, later from them and the update
+    objects since; one built otherwise downloads them. Each ends on the committed params to the bit."""
+    coord = make_coordinator(endpoints, run_id, settings=dataclasses.replace(INT8_RUN, codec="int4"))
+    store, keys = ObjectStore(endpoints), RunKeys(endpoints.prefix, run_id)
+    learners: list[Learner] = []
+
+    def joined(name: str, seed: int) -> tuple[Learner, torch.optim.Optimizer]:
+        learner, opt = wide_learner(endpoints, run_id, name, seed)
+        learners.append(learner)
+        start_beside(coord, learner)
+        layout = read_layout(store, keys)
+        for f in range(len(layout.fragments)):  # what it holds is the committed version, to the bit
+            held = learner.fetcher.held(f)
+            committed = read_params(store, layout, read_manifest(store, keys, f, held.version))
+            assert all(torch.equal(held.params[n], committed[n]) for n in committed)
+            assert all(torch.equal(p.detach(), committed[n]) for n, p in learner.model.named_parameters()
+                       if n in committed)
+        return learner, opt
+
+    try:
+        proposer, opt = joined("l0", seed=0)
+        same, _ = joined("l1", seed=0)
+        other, _ = joined("l2", seed=1)
+        for learner in (proposer, same):
+            assert (learner.stats.joined_own, learner.stats.fetched_params) == (2, 0), learner.stats
+        assert other.stats.joined_own == 0
+        assert same.stats.bytes_joined < other.stats.bytes_joined / 4, (same.stats, other.stats)
+
+        for _ in range(8):  # a few versions of each fragment past version 0
+            train(proposer, opt, 4)
+            for _ in range(4):
+                coord.step(block_ms=50)
+            if all(v >= 2 for v in coord.bus.heads().values()):
+                break
+        heads = coord.bus.heads()
+        assert all(2 <= v <= 4 for v in heads.values()), heads  # int4: a chain of 4 is half the params
+        late, _ = joined("l3", seed=0)
+        assert late.stats.joined_own == 2 and late.stats.fetched_updates == sum(heads.values()), late.stats
+        assert late.stats.bytes_joined < other.stats.bytes_joined, (late.stats, other.stats)
+    finally:
+        for learner in learners:
+            learner.close()
         coord.close()
