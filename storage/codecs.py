@@ -18,11 +18,11 @@ Framing integers are big-endian; payload numbers are little-endian.
 
 The header map has exactly these keys:
 
-    codec           str    "fp32" | "bf16" | "int8" | "int4" | "int2" | "sparse" | "sparse16"
+    codec           str    "fp32" | "bf16" | "int8" | "int4" | "int2" | "sparse" | "sparse16" | "sign8"
     compression     str    "none" | "zstd"
     payload_bytes   int    size of the decompressed payload
     payload_sha256  str    64 lowercase hex digits: sha256 of the decompressed payload
-    block_size      int    quantization block in elements: 0 for fp32/bf16, 1..2^20 for int8/int4/int2,
+    block_size      int    quantization block in elements: 0 for fp32/bf16, 1..2^20 for int8/int4/int2/sign8,
                            1..4096 for sparse and sparse16
     meta            map    str -> str | int | float (run, fragment, learner...)
     tensors         array  of maps {"name": str, "shape": [int, ...], "offset": int, "nbytes": int}
@@ -50,6 +50,11 @@ row-major order, and nb = ceil(n / block_size) blocks, a tensor's bytes are:
             within their block, ascending per block, blocks in order; indices 2i and 2i+1 are the
             low and high 12 bits of the little-endian 24-bit group i (for odd K the last high index
             is 0). Values are int4's nibbles in the same order. Every other element decodes to 0.
+    sign8   int2's bytes. Per block the ceil(len_j / 8) elements of largest |x| (ties: the lower
+            index) have value sign(x), every other 0; the scale is the mean |x| of the nonzero
+            ones kept (each |x| / absmax rounded to 31-bit fixed point and summed as integers,
+            scaled back in float64: the same bits on any machine). A block with more nonzero
+            values than it keeps is refused.
 
 Block j covers elements [j * block_size, (j + 1) * block_size) of its tensor (the last block
 may be short). Its scale is absmax / 127 (int8), absmax / 7 (int4, sparse) or absmax (int2) in float32,
@@ -263,6 +268,67 @@ class Blocks(Codec):
         return scales, _values(codes, self.name, self.bits, self.zero, self.qmax, n, spec)
 
 
+@dataclass(frozen=True, slots=True)
+class Signs(Blocks):
+    """int2's bytes, written another way: per block the ceil(len / keep_one_in) elements of largest
+    |x| (ties to the lower index) as their signs, the others 0, and as the scale the mean |x| of the
+    nonzero ones kept. Decoding refuses a block with more nonzero codes than that."""
+
+    keep_one_in: int = 8
+    default_block = 4096
+
+    def kept(self, length: int) -> int:
+        """Elements kept of a block of `length`."""
+        return -(-length // self.keep_one_in)
+
+    def error_bound(self, absmax: float) -> float:
+        # A dropped element is at most the block's absmax; a kept one is off by at most as much.
+        return absmax * (1 + 2.0**-10) + 2.0**-126
+
+    def encode_into(self, out: torch.Tensor, x: torch.Tensor, block: int, name: str) -> None:
+        n = x.numel()
+        if n == 0:
+            return
+        full, rest = divmod(n, block)
+        parts = ([x[:full * block].view(full, block)] if full else []) + ([x[full * block:].view(1, -1)] if rest else [])
+        values, scales = [], []
+        for rows in parts:
+            absmax = rows.abs().amax(dim=1)
+            if not _all_finite(absmax):
+                raise Refused("non_finite", f"tensor {name!r} has NaN or Inf values")
+            idx, top = _top(rows, self.kept(rows.shape[1]))
+            signs = torch.zeros_like(rows).scatter_(1, idx, torch.sign(top))
+            values.append(signs.view(-1))
+            scales.append(_mean_abs(top, absmax))
+        out[:4 * len(torch.cat(scales))].copy_(torch.cat(scales).view(torch.uint8))
+        out[4 * -(-n // block):].copy_(_pack_codes(torch.cat(values), self.bits, self.zero))
+
+    def _scales_and_values(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scales, values = Blocks._scales_and_values(self, seg, spec, block)
+        n = values.numel()
+        full = n // block
+        nonzero = values != 0
+        counts = [(nonzero[:full * block].view(full, block).sum(dim=1), self.kept(block))] if full else []
+        if n > full * block:
+            counts.append((nonzero[full * block:].sum().view(1), self.kept(n - full * block)))
+        for count, k in counts:
+            if bool((count > k).any()):
+                raise _refused("bad_payload", spec, f"{self.name}: a block with {int(count.max())} nonzero values "
+                                                    f"(at most {k} kept)")
+        return scales, values
+
+
+def _mean_abs(top: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """Per row, the mean |x| of the nonzero elements of `top` (0 for none), the same bits on every
+    machine: each |x| / absmax in 31-bit fixed point, summed exactly as integers (no summation
+    order to differ), scaled back in float64."""
+    mags = top.abs()
+    unit = torch.where(absmax > 0, absmax, torch.ones_like(absmax)).unsqueeze(1)
+    fixed = (mags / unit).mul_(2.0**31).round_().to(torch.int64).sum(dim=1)
+    count = (mags > 0).sum(dim=1).clamp_(min=1)
+    return (fixed.double() * absmax.double() / (2.0**31 * count.double())).float()
+
+
 def _checked_scales(scales: torch.Tensor, qmax: int, spec: TensorSpec) -> torch.Tensor:
     """`scales`, each finite, >= 0 and with scale * qmax finite in float32; Refused otherwise."""
     if scales.numel():
@@ -463,6 +529,7 @@ register(Blocks("int4", qmax=7, bits=4, zero=8))
 register(Blocks("int2", qmax=1, bits=2, zero=1))
 register(Sparse("sparse", keep_one_in=64))
 register(Sparse("sparse16", keep_one_in=16))
+register(Signs("sign8", qmax=1, bits=2, zero=1, keep_one_in=8))
 CODECS = tuple(_REGISTRY)
 """The registered codecs' names, fp32 first."""
 

@@ -15,8 +15,20 @@ version exactly k steps after its send (`--lags`), by the rule under test:
 - adopt: local = the version; those steps are dropped and never sent;
 - mix: local = alpha x local + (1 - alpha) x the version (`--alpha`).
 
+With `--codecs` other than fp32 the pieces and the versions travel as a run's do: each replica's
+piece through the codec with error feedback (`storage.updates.encode_carrying`, zstd on), each
+version as an update of its parent in the downstream codec with the coordinator's residual
+(`encode_update`; `--downstream`, default the same codec). `--unsent` says what a replica does
+with what its codec dropped of a piece:
+
+- carry: it goes out with the next piece, and the take rebases the model onto the version without
+  it (the learner's way today);
+- keep: it stays in the model (the take rebases by version - anchor - dropped) and, being in the
+  model, in the next piece; nothing is carried beside the model.
+
 Everything is deterministic: the same seeds give the same figures. Prints the global model's eval
-loss at the end and at `--mid` of the budget, per rule and k.
+loss at the end and at `--mid` of the budget, and the bits per parameter of a piece and of a
+version (zstd included), per setting.
 """
 
 from __future__ import annotations
@@ -28,15 +40,20 @@ from dataclasses import dataclass
 import torch
 
 from diloco.infra.bench.quality_tasks import TASKS
+from diloco.infra.options import whole_numbers
 from diloco.infra.output import figures_table
+from diloco.storage import codecs
+from diloco.storage.updates import encode_carrying, encode_update
 from diloco.workers.fragments import due_fragments, model_params, plan_layout
 from diloco.workers.tasks.base import Task, train_step
 
 log = logging.getLogger(__name__)
 
 NAME = "takes"
-HELP = "in one process: the take rules (rebase, adopt, mix) k steps after each send, against waiting for every merge"
+HELP = ("in one process: the take rules (rebase, adopt, mix) k steps after each send, against waiting for every merge, "
+        "and the codecs both ways")
 RULES = ("wait", "rebase", "adopt", "mix")
+UNSENT = ("carry", "keep")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,29 +69,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mid", type=float, default=0.6, help="also evaluate at this share of the budget")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--codecs", default="fp32", help=f"comma-separated codecs of the pieces, of {', '.join(codecs.CODECS)} "
+                                                         "(default: %(default)s, no codec: the take rules alone)")
+    parser.add_argument("--downstream", default="run", help="codec of the versions: run (each setting's own codec, "
+                                                            "as a run's default) or a codec (default: %(default)s)")
+    parser.add_argument("--unsent", default="carry", help=f"comma-separated subset of {','.join(UNSENT)}: what a "
+                                                          "replica does with what its codec dropped (default: carry)")
 
 
 @dataclass(frozen=True, slots=True)
 class Setting:
     rule: str
     lag: int
+    codec: str = "fp32"
+    downstream: str = "fp32"
+    unsent: str = "carry"
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    setting: Setting
+    mid: float
+    """Eval of the global model at the mid point."""
+    final: float
+    up_bits: float
+    """Bits per parameter of a piece, zstd included (32 in fp32)."""
+    down_bits: float
+    """Bits per parameter of a version's update."""
 
 
 @dataclass
 class TakesResult:
     task: str
-    rows: list[tuple[Setting, float, float]]
-    """(rule and k, eval at the mid point, final eval)."""
+    rows: list[Row]
     mid_step: int
 
     def table(self) -> str:
         head = f"takes: {self.task}, eval of the global model at step {self.mid_step} and at the end"
-        rows = [[s.rule, s.lag, mid, final] for s, mid, final in self.rows]
-        return "\n".join([head, figures_table(["rule", "k", f"step {self.mid_step}", "final"], rows)])
+        rows = [[r.setting.rule, r.setting.lag, r.setting.codec, r.setting.downstream, r.setting.unsent,
+                 r.up_bits, r.down_bits, r.mid, r.final] for r in self.rows]
+        return "\n".join([head, figures_table(["rule", "k", "codec", "down", "unsent", "bits up", "bits down",
+                                               f"step {self.mid_step}", "final"], rows)])
 
     def to_json(self) -> dict:
         return {"bench": NAME, "task": self.task, "mid_step": self.mid_step,
-                "runs": [{"rule": s.rule, "k": s.lag, "mid": mid, "final": final} for s, mid, final in self.rows]}
+                "runs": [{"rule": r.setting.rule, "k": r.setting.lag, "codec": r.setting.codec,
+                          "downstream": r.setting.downstream, "unsent": r.setting.unsent, "up_bits": r.up_bits,
+                          "down_bits": r.down_bits, "mid": r.mid, "final": r.final} for r in self.rows]}
 
 
 class Replicas:
@@ -94,6 +135,10 @@ class Replicas:
         self.globals = {n: p.detach().clone() for n, p in params[0].items()}
         self.momentum = {n: torch.zeros_like(p) for n, p in self.globals.items()}
         self.anchors = [{n: p.detach().clone() for n, p in ps.items()} for ps in params]
+        self.dropped: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in models]
+        """Per replica and fragment, what its codec dropped of its last piece (error feedback)."""
+        self.down_residual: dict[int, dict[str, torch.Tensor]] = {}
+        self.bits = {"up": [0, 0], "down": [0, 0]}  # bytes and parameters sent each way
         self.takes: dict[int, list[int]] = {}  # step -> fragments taken after it
         self.away: set[int] = set()
         """Replicas that are not in the run (`bench rejoin`): they send no piece and take no version, but
@@ -107,23 +152,54 @@ class Replicas:
         live = [i for i in range(len(self.models)) if i not in self.away or fragment in self.leaving.get(i, ())]
         for i in live:
             self.leaving.get(i, set()).discard(fragment)
+        pieces = [self._piece(i, fragment) for i in live]
+        target = {}
         for n in names:
-            delta = sum(self.anchors[i][n] - self.params[i][n] for i in live) / len(live)
+            delta = sum(piece[n] for piece in pieces) / len(live)
             buf = self.momentum[n].mul_(self.args.outer_momentum).add_(delta)
-            self.globals[n] -= self.args.outer_lr * (delta + self.args.outer_momentum * buf)
+            target[n] = self.globals[n] - self.args.outer_lr * (delta + self.args.outer_momentum * buf)
             for i in live:
                 self.anchors[i][n] = self.params[i][n].detach().clone()  # what was sent: the next piece starts here
+        down = self.setting.downstream
+        if down != "fp32":
+            parent = {n: self.globals[n] for n in names}
+            blob, target, self.down_residual[fragment] = encode_update(
+                parent, target, self.down_residual.get(fragment, {}), down, compress=True)
+            self._count("down", blob, parent)
+        for n in names:
+            self.globals[n].copy_(target[n])
         self.takes.setdefault(step + self.setting.lag, []).append(fragment)
+
+    def _piece(self, i: int, fragment: int) -> dict[str, torch.Tensor]:
+        """Replica i's piece of the fragment as the coordinator decodes it: through the codec, with
+        what the codec dropped of its last piece when that is carried."""
+        delta = {n: self.anchors[i][n] - self.params[i][n] for n in self.names[fragment]}
+        if self.setting.codec == "fp32":
+            return delta
+        carried = self.dropped[i].get(fragment, {}) if self.setting.unsent == "carry" else {}
+        blob, decoded, self.dropped[i][fragment] = encode_carrying(delta, carried, self.setting.codec, compress=True)
+        self._count("up", blob, delta)
+        return decoded
+
+    def _count(self, way: str, blob: bytes, tensors: dict[str, torch.Tensor]) -> None:
+        self.bits[way][0] += len(blob)
+        self.bits[way][1] += sum(t.numel() for t in tensors.values())
+
+    def bits_per_param(self, way: str) -> float:
+        sent, params = self.bits[way]
+        return 8 * sent / params if params else 32.0
 
     @torch.no_grad()
     def take(self, fragment: int) -> None:
         rule, alpha = self.setting.rule, self.args.alpha
-        for n in self.names[fragment]:
-            g = self.globals[n]
-            for i in (i for i in range(len(self.models)) if i not in self.away):
-                p, anchor = self.params[i][n], self.anchors[i][n]
+        for i in (i for i in range(len(self.models)) if i not in self.away):
+            kept = self.dropped[i].pop(fragment, {}) if self.setting.unsent == "keep" else {}
+            for n in self.names[fragment]:
+                g, p, anchor = self.globals[n], self.params[i][n], self.anchors[i][n]
                 if rule == "rebase":
                     p += g - anchor  # the steps since the send, on top of the version
+                    if n in kept:
+                        p -= kept[n]  # what the codec dropped stays in the model
                 elif rule == "mix":
                     p.mul_(alpha).add_(g, alpha=1 - alpha)
                 else:  # wait (k = 0) and adopt
@@ -138,7 +214,7 @@ class Replicas:
         return self.task.eval_loss(model)
 
 
-def run_setting(task: Task, args: argparse.Namespace, setting: Setting, mid_step: int) -> tuple[float, float]:
+def run_setting(task: Task, args: argparse.Namespace, setting: Setting, mid_step: int) -> Row:
     fleet = Replicas(task, args, setting)
     mid = float("nan")
     for step in range(1, args.steps + 1):
@@ -150,7 +226,7 @@ def run_setting(task: Task, args: argparse.Namespace, setting: Setting, mid_step
             fleet.take(fragment)
         if step == mid_step:
             mid = fleet.eval_global()
-    return mid, fleet.eval_global()
+    return Row(setting, mid, fleet.eval_global(), fleet.bits_per_param("up"), fleet.bits_per_param("down"))
 
 
 def run(args: argparse.Namespace) -> TakesResult:
@@ -160,14 +236,24 @@ def run(args: argparse.Namespace) -> TakesResult:
     unknown = set(rules) - set(RULES)
     if unknown:
         raise SystemExit(f"unknown rule(s) {sorted(unknown)}: choose from {', '.join(RULES)}")
-    lags = [int(k) for k in args.lags.split(",") if k.strip()]
+    lags = whole_numbers(args.lags, "--lags")
     if any(k < 1 or k >= args.sync_every for k in lags):
         raise SystemExit(f"every k must be in [1, H), got {lags}")
-    settings = [Setting(r, 0) if r == "wait" else Setting(r, k) for r in rules for k in ([0] if r == "wait" else lags)]
+    names = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    unsent = [u.strip() for u in args.unsent.split(",") if u.strip()]
+    for name in [*names, *([] if args.downstream == "run" else [args.downstream])]:
+        if name not in codecs.CODECS:
+            raise SystemExit(f"unknown codec {name!r}: choose from {', '.join(codecs.CODECS)}")
+    if not names or not unsent or set(unsent) - set(UNSENT):
+        raise SystemExit(f"--codecs needs a codec and --unsent a subset of {','.join(UNSENT)}, got {args.unsent!r}")
+    settings = [Setting(r, 0 if r == "wait" else k, c, c if args.downstream == "run" else args.downstream, u)
+                for c in names for u in unsent for r in rules for k in ([0] if r == "wait" else lags)]
     mid_step = max(1, round(args.mid * args.steps))
     rows = []
     for setting in settings:
-        mid, final = run_setting(task, args, setting, mid_step)
-        log.info("takes %s k=%d: step %d %.4f, final %.4f", setting.rule, setting.lag, mid_step, mid, final)
-        rows.append((setting, mid, final))
+        row = run_setting(task, args, setting, mid_step)
+        log.info("takes %s k=%d %s/%s %s: step %d %.4f, final %.4f (%.2f / %.2f bits)", setting.rule, setting.lag,
+                 setting.codec, setting.downstream, setting.unsent, mid_step, row.mid, row.final, row.up_bits,
+                 row.down_bits)
+        rows.append(row)
     return TakesResult(args.task, rows, mid_step)

@@ -170,7 +170,7 @@ def test_decoded_tensors_are_writable_and_do_not_alias_the_input() -> None:
         blob = bytearray(encode({"w": torch.ones(100)}, codec))
         out, _ = decode(blob, max_bytes=LIMIT)
         before = out["w"].clone()
-        assert torch.equal(before, torch.ones(100)) or codec.startswith("sparse")  # sparse keeps 2 of the 100
+        assert torch.equal(before, torch.ones(100)) or codec.startswith(("sparse", "sign"))  # they keep some of the 100
         blob[-200:] = bytes(200)  # scribble over the source buffer
         assert torch.equal(out["w"], before)
         out["w"].add_(1)  # writable
@@ -410,7 +410,7 @@ def test_a_codec_is_one_registered_object_every_reader_then_knows() -> None:
     with pytest.raises(Refused) as refused:
         read_header(blob, max_bytes=1 << 20)
     assert refused.value.code == "bad_header" and "unknown codec 'fp16'" in refused.value.reason
-    with pytest.raises(ValueError, match="unknown codec 'fp16'; this build has fp32, bf16, int8, int4, int2, sparse, sparse16"):
+    with pytest.raises(ValueError, match="unknown codec 'fp16'; this build has fp32, bf16, int8, int4, int2, sparse, sparse16, sign8"):
         encode(x, "fp16")
 
 
@@ -488,3 +488,56 @@ def test_sparse_block_size_is_at_most_4096() -> None:
     assert header["block_size"] == 4096
     header["block_size"] = 8192
     assert "1..4096" in _refused(_frame(header, body), "bad_header").reason
+
+
+# --- the sign codec --------------------------------------------------------------------------------
+
+
+def test_sign8_keeps_the_largest_eighth_of_each_block_as_signs_times_their_mean_magnitude() -> None:
+    x = torch.zeros(20)
+    x[[1, 5, 10, 17]] = torch.tensor([-4.0, 2.0, 1.0, -3.0])  # block 8: keep 1, 1, then ceil(4/8) = 1
+    blob = encode({"v": x}, "sign8", block_size=8)
+    _, body = _split(blob)
+    assert struct.unpack("<3f", body[:12]) == (4.0, 1.0, 3.0)  # the mean |x| of each block's kept
+    # int2's bytes: codes value + 1, four to a byte, element j of a byte in bits 2j..2j+1; pad code 1.
+    assert body[12:] == bytes([0b01010001, 0b01010101, 0b01100101, 0b01010101, 0b01010001])
+    out, _ = decode(blob, max_bytes=LIMIT)
+    expected = torch.zeros(20)
+    expected[[1, 10, 17]] = torch.tensor([-4.0, 1.0, -3.0])  # 5 (2.0) lost to 1 (-4.0) in block 0
+    assert torch.equal(out["v"], expected)
+    assert codecs.tensor_nbytes("sign8", (4096 * 256,), 4096) == 256 * (4 + 1024)  # 2 bits, before zstd
+
+
+def test_sign8_scale_is_the_mean_of_the_kept_and_breaks_ties_toward_the_lower_position() -> None:
+    x = torch.tensor([1.0, -3.0, 3.0, 0.5, 2.0, 0.0, 0.0, 0.0] * 2 + [5.0] * 16)
+    out, _ = decode(encode({"v": x}, "sign8", block_size=16), max_bytes=LIMIT)
+    # Block 0 keeps 2 of 16: the two 3.0s at 1 and 2 (not those at 9 and 10); block 1 keeps 2 of sixteen 5.0s.
+    assert out["v"].nonzero().view(-1).tolist() == [1, 2, 16, 17]
+    assert out["v"][[1, 2, 16, 17]].tolist() == [-3.0, 3.0, 5.0, 5.0]
+
+
+def test_sign8_is_under_a_bit_an_element_with_zstd_and_carries_what_it_drops() -> None:
+    from diloco.storage.updates import encode_carrying
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1 << 18, generator=gen)
+    assert 8 * len(encode({"w": x}, "sign8", compress=True)) < 0.9 * x.numel()
+    sent, got, residual = torch.zeros(8192), torch.zeros(8192), {}
+    for _ in range(200):
+        x = torch.randn(8192, generator=gen)
+        _, decoded, residual = encode_carrying({"w": x}, residual, "sign8", compress=True)
+        sent += x
+        got += decoded["w"]
+    assert torch.allclose(got + residual["w"], sent, atol=1e-3)
+    assert float(residual["w"].norm()) < 0.3 * float(sent.norm())
+
+
+def test_sign8_refuses_a_block_with_more_nonzero_codes_than_it_keeps() -> None:
+    x = torch.zeros(16)
+    x[3] = 1.0  # one block of 16 keeps 2
+    blob = encode({"v": x}, "sign8", block_size=16)
+    assert _split(blob)[1][4:] == bytes([0b10010101, 0b01010101, 0b01010101, 0b01010101])
+    ok = _reseal(blob, lambda p: p.__setitem__(5, 0b01010110))  # a second sign: 2 of 2
+    assert decode(ok, max_bytes=LIMIT)[0]["v"].count_nonzero() == 2
+    three = _reseal(ok, lambda p: p.__setitem__(6, 0b01010100))
+    assert "3 nonzero values (at most 2 kept)" in _refused(three, "bad_payload").reason

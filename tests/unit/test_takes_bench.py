@@ -51,3 +51,32 @@ def test_a_round_is_the_mean_piece_and_each_rule_folds_the_version_in_as_the_lea
             expected = {"rebase": g + (before[n] - sent[0][n]), "adopt": g, "mix": 0.5 * before[n] + 0.5 * g}[rule]
             torch.testing.assert_close(p, expected)
             torch.testing.assert_close(fleet.anchors[0][n], g)  # the next piece is the progress from the version
+
+
+def test_a_codec_piece_is_decoded_and_what_it_dropped_is_carried_or_kept_in_the_model() -> None:
+    from diloco.storage.updates import encode_carrying
+
+    task = TASKS["fast"].task
+    a = args(learners=2, fragments=2, steps=10, outer_lr=1.0, outer_momentum=0.0)
+    for unsent in ("carry", "keep"):
+        fleet = takes.Replicas(task, a, takes.Setting("rebase", 3, "sign8", "fp32", unsent))
+        names = fleet.names[0]
+        start = {n: fleet.globals[n].clone() for n in names}
+        trained(fleet, 4)
+        sent = [snapshot(fleet, i, names) for i in range(2)]
+        pieces = [encode_carrying({n: start[n] - sent[i][n] for n in names}, {}, "sign8", compress=True)
+                  for i in range(2)]
+        fleet.send(0, step=4)
+        for n in names:  # outer lr 1, no momentum: the version moves by the mean decoded piece
+            torch.testing.assert_close(fleet.globals[n], start[n] - (pieces[0][1][n] + pieces[1][1][n]) / 2)
+        dropped = pieces[0][2]
+        assert all(float(dropped[n].abs().sum()) > 0 for n in names)  # sign8 keeps one in eight
+        trained(fleet, 3)
+        before = snapshot(fleet, 0, names)
+        fleet.take(0)
+        for n in names:
+            kept = dropped[n] if unsent == "keep" else 0
+            torch.testing.assert_close(fleet.params[0][n], fleet.globals[n] + (before[n] - sent[0][n]) - kept)
+        # carry: the next piece carries it; keep: the model holds it, nothing is carried beside it.
+        assert (0 in fleet.dropped[0]) == (unsent == "carry")
+    assert fleet.bits_per_param("up") < 1.5 and fleet.bits_per_param("down") == 32.0
