@@ -106,8 +106,14 @@ class LearnerConfig:
     metrics_port: int = 0
     """Serve this learner's Prometheus metrics on this port at /metrics, rank 0 (0: off; docs/metrics.md)."""
     error_feedback: bool = True
-    """With a lossy codec (int8, int4, bf16): what the codec loses of a fragment's delta is added to
-    the fragment's next send, so that no progress is lost to quantization over the run."""
+    """With a lossy codec (int8, int4, bf16, sparse, sign8): what the codec loses of a fragment's delta
+    is added to the fragment's next send, so that no progress is lost to quantization over the run."""
+    keep_dropped: bool = False
+    """With error feedback and the rebase rule: what the codec loses of a piece stays in this model
+    (the take after the send subtracts it from the rebase) and reaches the next piece from there,
+    instead of being carried beside a model rebased without it. For codecs that drop most of a piece
+    (sign8, sparse), whose dropped progress would otherwise be trained again and then sent twice
+    (docs/benchmarks.md, "Codecs"). A piece stored after its take falls back to carrying."""
     save_state: bool = True
     """Save this learner's own state (inner optimizer, LR schedule and the objects passed as `state=`,
     step and tokens) to the bucket under its id, every `state_every` sends of fragment 0 and when it
@@ -266,6 +272,8 @@ class Learner:
         self.taken_staged = 0
         """Of `adopted`, versions taken with what the stager's thread had made ready (`workers.staging`):
         the others' arithmetic ran in the step hook."""
+        self.kept_dropped = 0
+        """Takes that left what the codec dropped of the piece in the model (`keep_dropped`)."""
         self._stager: Stager | None = None
         self.stats = TransferStats()
         # Names without the prefixes of DDP, torch.compile and other wrappers: a DDP island, a compiled
@@ -617,6 +625,7 @@ class Learner:
         self._threads = transfer_threads(self.config.transfer_threads, self.replica.device.type, usable_cpus())
         self.uploader = Uploader(self.store, self.bus, self.spec, self.learner_id, self.stats,
                                  deadline_s=self.config.upload_deadline_s, error_feedback=self.config.error_feedback,
+                                 keep_dropped=self.config.keep_dropped and self.spec.merge_rule == "rebase",
                                  threads=self._threads, nice=self.config.transfer_nice)
         self.uploader.start()
         self._heartbeat()
@@ -928,6 +937,10 @@ class Learner:
                           for n in names}
             else:
                 values = g
+            if rebase and self.uploader.keep_dropped and (dropped := self.uploader.taken(fragment)) is not None:
+                for n, d in dropped.items():  # what the codec dropped of the piece stays in the model
+                    values[n].sub_(d if values[n].device == d.device else self.replica.copies.to_device(d))
+                self.kept_dropped += 1
             if self.spec.merge_rule == "adopt":
                 # Steps computed from a model G replaced: dropped, so the next piece neither carries nor counts them.
                 keep, add = 0.0, 1.0

@@ -71,6 +71,11 @@ class UploadJob:
     memory of a float32 one; the codec's loss is well above bf16's rounding)."""
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     """The parameters' dtypes, from their snapshots (`settle`)."""
+    takes_seen: int = 0
+    """With `keep_dropped`: the fragment's takes (`Uploader.taken`) when it was sent."""
+    untaken: dict[str, torch.Tensor] = field(default_factory=dict)
+    """With `keep_dropped`: what the codec dropped of the fragment's previous piece that no take left
+    in the model (no take came between the two sends): it goes out with this piece."""
     seq: int = 0
     attempts: int = 0
     pending: list[tuple[Snapshot, Snapshot]] = field(default_factory=list)
@@ -114,6 +119,7 @@ class UploadJob:
             self.delta[name] = self.delta[name].add_(t) if name in self.delta else t.clone()
         self.tokens += newer.tokens
         self.steps += newer.steps
+        self.takes_seen = newer.takes_seen
         self.step_time_s = newer.step_time_s
         self.deadline = newer.deadline
         self.final = self.final or newer.final
@@ -158,8 +164,8 @@ class Uploader(threading.Thread):
     RETRY_PAUSE_S = 1.0
 
     def __init__(self, store: ObjectStore, bus: Bus, spec: RunSpec, learner: str, stats: TransferStats, *,
-                 deadline_s: float = 120.0, error_feedback: bool = True, threads: int | None = None,
-                 nice: int = 0) -> None:
+                 deadline_s: float = 120.0, error_feedback: bool = True, keep_dropped: bool = False,
+                 threads: int | None = None, nice: int = 0) -> None:
         super().__init__(name=f"uploader-{learner}", daemon=True)
         self.threads, self.nice = threads, nice
         """torch's intra-op threads for this thread's ops, and how far below the loop's priority it
@@ -167,7 +173,15 @@ class Uploader(threading.Thread):
         self.store, self.bus, self.spec, self.learner, self.stats = store, bus, spec, learner, stats
         self.deadline_s = deadline_s
         self.error_feedback = error_feedback
+        self.keep_dropped = error_feedback and keep_dropped
+        """What the codec drops of a piece stays in the learner's model: the first take of the
+        fragment after the send subtracts it from the version's rebase (`taken`), and the next piece,
+        measured from the model, carries it. Stored after that take (the model rebased without it),
+        it is carried as without `keep_dropped`."""
         self._residual: dict[int, dict[str, torch.Tensor]] = {}  # fragment -> what the codec lost of its sends
+        self._dropped: dict[int, dict[str, torch.Tensor]] = {}  # fragment -> its last piece's loss, for the take
+        self._takes: dict[int, int] = {}  # fragment -> takes so far (`taken`)
+        self._ef_lock = threading.Lock()
         self.keys = RunKeys(bus.keys.prefix, spec.run)
         self._jobs: list[UploadJob] = []  # FIFO
         self._cv = threading.Condition()
@@ -179,6 +193,8 @@ class Uploader(threading.Thread):
     def submit(self, job: UploadJob) -> str:
         """Queue `job`; returns the contribution id it goes out under (an earlier queued delta of the
         same fragment that has not been stored yet absorbs it and keeps its own id)."""
+        with self._ef_lock:
+            job.takes_seen = self._takes.get(job.fragment, 0)
         with self._cv:
             open_job = next((q for q in self._jobs if q.fragment == job.fragment and q.key is None
                              and q.kind == "delta"), None)
@@ -286,8 +302,13 @@ class Uploader(threading.Thread):
             return codecs.encode(job.delta, codec, compress=compress, meta=meta)
         # Error feedback: what the codec lost of the previous sends of this fragment goes out with
         # this one; what it loses of this one waits for the next (kept once the object is stored).
-        blob, _, residual = encode_carrying(job.delta, self._residual.get(job.fragment, {}), codec,
-                                            compress=compress, meta=meta)
+        carried = self._residual.get(job.fragment, {})
+        if self.keep_dropped:
+            with self._ef_lock:
+                untaken = self._dropped.pop(job.fragment, {})
+            job.untaken = _summed(job.untaken, untaken)  # kept across a re-encode
+            carried = _summed(carried, job.untaken)
+        blob, _, residual = encode_carrying(job.delta, carried, codec, compress=compress, meta=meta)
         job.residual = {n: r.to(job.dtypes.get(n, r.dtype)) for n, r in residual.items()}
         return blob
 
@@ -308,8 +329,29 @@ class Uploader(threading.Thread):
                     break
                 continue  # a sequence number from an earlier incarnation: take the next one
         job.key, job.seq = key, self._seq
-        if job.residual is not None:
+        if job.residual is None:
+            return
+        if not self.keep_dropped:
             self._residual[job.fragment] = job.residual
+            return
+        with self._ef_lock:
+            if self._takes.get(job.fragment, 0) == job.takes_seen:  # its take is still to come: left to it
+                self._dropped[job.fragment] = job.residual
+                self._residual.pop(job.fragment, None)
+            else:
+                self._residual[job.fragment] = job.residual
+
+    def taken(self, fragment: int) -> dict[str, torch.Tensor] | None:
+        """The training thread takes a version of `fragment` (rebase): what the codec dropped of the
+        last piece, to leave in the model (None: nothing, or not stored yet, then carried instead)."""
+        with self._ef_lock:
+            self._takes[fragment] = self._takes.get(fragment, 0) + 1
+            return self._dropped.pop(fragment, None)
+
+
+def _summed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """a + b by name (a name in one only: its tensor)."""
+    return {n: a[n] + b[n] if n in a and n in b else a[n] if n in a else b[n] for n in a.keys() | b.keys()}
 
 
 @dataclass

@@ -1,0 +1,56 @@
+"""What a codec drops of a piece stays in the learner's model (`LearnerConfig.keep_dropped`), against
+the real Redis and S3 servers.
+
+A lone learner, a coordinator stepping by 1 with no momentum and versions downloaded in fp32: each
+version is the previous one less the learner's decoded piece. Rebasing onto it without the dropped
+part moves the model back by what sign8 dropped (it keeps one element in eight); keeping it leaves
+the model where its own optimizer put it, take after take, and the next pieces send the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from diloco.workers.learner import Learner, LearnerConfig
+from harness import TINY_RUN, Tiny, make_coordinator, start_beside
+
+SIGN8_RUN = dataclasses.replace(TINY_RUN, codec="sign8", compress=True, cadence="steps")
+
+
+def trained(endpoints, run_id, keep: bool) -> tuple[float, Learner]:  # noqa: ANN001
+    """The largest |model - plain SGD| over 16 steps, and the learner (closed)."""
+    coord = make_coordinator(endpoints, run_id, settings=SIGN8_RUN, outer_lr=1.0, outer_momentum=0.0,
+                             downstream_codec="fp32", scale_rounds=False)
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id="l0", tokens_per_step=10,
+                      config=LearnerConfig(keep_dropped=keep))
+    gen = torch.Generator().manual_seed(1)
+    try:
+        start_beside(coord, learner)
+        plain = {n: p.detach().clone() for n, p in model.named_parameters()}
+        worst = 0.0
+        for _ in range(16):
+            for n, p in model.named_parameters():
+                p.grad = torch.randn(p.shape, generator=gen)
+                plain[n] -= 0.1 * p.grad
+            opt.step()  # sends and takes in its hook
+            worst = max(worst, *(float((p.detach() - plain[n]).abs().max()) for n, p in model.named_parameters()))
+            assert learner.uploader.flush(30)
+            for _ in range(3):
+                coord.step(block_ms=50)
+        assert learner.adopted >= 4, learner.adopted
+        return worst, learner
+    finally:
+        learner.close()
+        coord.close()
+
+
+def test_kept_dropped_progress_stays_in_the_model_and_carried_progress_leaves_it(endpoints, run_id):
+    kept, learner = trained(endpoints, run_id, keep=True)
+    assert kept < 1e-5 and learner.kept_dropped >= 4, (kept, learner.kept_dropped)
+    carried, learner = trained(endpoints, run_id + "-carry", keep=False)
+    assert carried > 1e-2 and learner.kept_dropped == 0, carried
