@@ -19,6 +19,7 @@ from diloco.storage.bus import LEARNERS_FORGOTTEN_S
 from diloco.storage.errors import ConfigError
 from diloco.storage.intraop import usable_cpus
 from diloco.storage.keys import MAX_SHARDS, Shard
+from diloco.storage import codecs
 from diloco.storage.codecs import CODECS
 from diloco.storage.protocol import CadenceKind, RunSpec, TakeRule, VersionSettings, check_choices
 
@@ -70,6 +71,10 @@ def settings_differ(spec: RunSpec, settings: RunSettings) -> dict[str, tuple[obj
             if getattr(spec, f.name) != getattr(given, f.name)}
 
 
+DROPPING_DOWNSTREAM = "int4"
+"""The codec of the versions of a run whose pieces drop most of their elements (`Codec.drops`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     outer_lr: float = 0.7
@@ -89,7 +94,10 @@ class CoordinatorConfig:
     """The codec learners download new versions in: each version is also stored as an update of its
     parent in this codec, its quantization error carried into the next version (error feedback), and
     learners one or a few versions behind take the updates instead of the fp32 params. 'run': the
-    run's outer-gradient codec; 'fp32': learners download the params (no update objects)."""
+    run's outer-gradient codec, but int4 for one that drops most of a piece (sign8, sparse:
+    `Codec.drops`; the outer step's update is dense, and re-sparsifying it with error feedback under
+    outer momentum lost the run: docs/benchmarks.md, "Codecs"); 'fp32': learners download the params
+    (no update objects)."""
     round: RoundConfig = field(default_factory=RoundConfig)
     """Quorum, grace window and staleness rules."""
     round_s: float = 0.0
@@ -213,7 +221,9 @@ class CoordinatorConfig:
     def settings(self, r: RoundConfig, kind: str, run_codec: str) -> VersionSettings:
         """What the manifest of a version of this `kind` records about how it was made, and on which
         kernels (replay needs them); a delta's merge is configured by it."""
-        downstream = run_codec if self.downstream_codec == "run" else self.downstream_codec
+        downstream = self.downstream_codec
+        if downstream == "run":
+            downstream = DROPPING_DOWNSTREAM if codecs.get(run_codec).drops else run_codec
         return VersionSettings(kind=kind, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
                                outer="fractional_nesterov" if self.scale_rounds else "nesterov",
                                merge="radial_directional" if self.radial_directional else "weighted_mean",

@@ -136,6 +136,10 @@ class Codec:
     in the header; 0: not blocked, block_size is 0."""
     default_block: int
     """The block size `encode` uses unless told otherwise (0: not blocked)."""
+    drops = False
+    """It sends a few elements of each block and drops the rest (sparse, sign8): a learner keeps
+    what it drops in its model (`LearnerConfig.dropped`), versions go down in int4
+    (`CoordinatorConfig.downstream_codec`)."""
 
     def nbytes(self, n: int, block: int) -> int:
         """Payload bytes of a tensor of `n` elements."""
@@ -276,6 +280,7 @@ class Signs(Blocks):
 
     keep_one_in: int = 8
     default_block = 4096
+    drops = True
 
     def kept(self, length: int) -> int:
         """Elements kept of a block of `length`."""
@@ -411,6 +416,7 @@ class Sparse(Codec):
     max_block = 1 << INDEX_BITS
     default_block = 1 << INDEX_BITS
     qmax = 7
+    drops = True
 
     def kept(self, n: int, block: int) -> tuple[int, int, int]:
         """(full blocks, elements kept per full block, elements kept in the short last block)."""

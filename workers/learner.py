@@ -108,12 +108,13 @@ class LearnerConfig:
     error_feedback: bool = True
     """With a lossy codec (int8, int4, bf16, sparse, sign8): what the codec loses of a fragment's delta
     is added to the fragment's next send, so that no progress is lost to quantization over the run."""
-    keep_dropped: bool = False
-    """With error feedback and the rebase rule: what the codec loses of a piece stays in this model
-    (the take after the send subtracts it from the rebase) and reaches the next piece from there,
-    instead of being carried beside a model rebased without it. For codecs that drop most of a piece
-    (sign8, sparse), whose dropped progress would otherwise be trained again and then sent twice
-    (docs/benchmarks.md, "Codecs"). A piece stored after its take falls back to carrying."""
+    dropped: str = "auto"
+    """With error feedback and the rebase rule, what the codec loses of a piece: 'keep' it in this
+    model (the take after the send subtracts it from the rebase) to reach the next piece from there;
+    'carry' it beside a model rebased without it, into the next piece; 'auto': keep for codecs that
+    drop most of a piece (sign8, sparse: `Codec.drops`), whose dropped progress is otherwise trained
+    again and then sent twice (docs/benchmarks.md, "Codecs"), carry for the others. A piece stored
+    after its take is carried."""
     save_state: bool = True
     """Save this learner's own state (inner optimizer, LR schedule and the objects passed as `state=`,
     step and tokens) to the bucket under its id, every `state_every` sends of fragment 0 and when it
@@ -148,6 +149,8 @@ class LearnerConfig:
                               f"{self.state_every}")
         if not 0 <= self.transfer_nice <= 19:
             raise ConfigError(f"transfer_nice must be in 0..19, got {self.transfer_nice}")
+        if self.dropped not in ("auto", "keep", "carry"):
+            raise ConfigError(f"dropped must be auto, keep or carry, got {self.dropped!r}")
         if self.transfer_threads < 0:
             raise ConfigError(f"transfer_threads must be >= 0 (0: chosen for the device), got {self.transfer_threads}")
         if self.lease_s <= self.heartbeat_s or not self.lease_s <= MAX_LEASE_S:
@@ -273,7 +276,7 @@ class Learner:
         """Of `adopted`, versions taken with what the stager's thread had made ready (`workers.staging`):
         the others' arithmetic ran in the step hook."""
         self.kept_dropped = 0
-        """Takes that left what the codec dropped of the piece in the model (`keep_dropped`)."""
+        """Takes that left what the codec dropped of the piece in the model (`LearnerConfig.dropped`)."""
         self._stager: Stager | None = None
         self.stats = TransferStats()
         # Names without the prefixes of DDP, torch.compile and other wrappers: a DDP island, a compiled
@@ -625,7 +628,7 @@ class Learner:
         self._threads = transfer_threads(self.config.transfer_threads, self.replica.device.type, usable_cpus())
         self.uploader = Uploader(self.store, self.bus, self.spec, self.learner_id, self.stats,
                                  deadline_s=self.config.upload_deadline_s, error_feedback=self.config.error_feedback,
-                                 keep_dropped=self.config.keep_dropped and self.spec.merge_rule == "rebase",
+                                 keep_dropped=self._keeps_dropped(),
                                  threads=self._threads, nice=self.config.transfer_nice)
         self.uploader.start()
         self._heartbeat()
@@ -686,6 +689,12 @@ class Learner:
         log.info("learner %s joined run %s at versions %s", self.learner_id, self.run,
                  [heads[f] for f in sorted(heads)])
         return values, heads
+
+    def _keeps_dropped(self) -> bool:
+        """Whether what the codec loses of a piece stays in the model (`LearnerConfig.dropped`)."""
+        if self.spec.merge_rule != "rebase" or self.config.dropped == "carry":
+            return False
+        return self.config.dropped == "keep" or codecs.get(self.spec.codec).drops
 
     def _all_heads(self, layout: Layout) -> dict[int, int] | None:
         heads = self.bus.heads()

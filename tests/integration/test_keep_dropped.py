@@ -1,4 +1,4 @@
-"""What a codec drops of a piece stays in the learner's model (`LearnerConfig.keep_dropped`), against
+"""What a codec drops of a piece stays in the learner's model (`LearnerConfig.dropped`), against
 the real Redis and S3 servers.
 
 A lone learner, a coordinator stepping by 1 with no momentum and versions downloaded in fp32: each
@@ -19,7 +19,7 @@ from harness import TINY_RUN, Tiny, make_coordinator, start_beside
 SIGN8_RUN = dataclasses.replace(TINY_RUN, codec="sign8", compress=True, cadence="steps")
 
 
-def trained(endpoints, run_id, keep: bool) -> tuple[float, Learner]:  # noqa: ANN001
+def trained(endpoints, run_id, dropped: str) -> tuple[float, Learner]:  # noqa: ANN001
     """The largest |model - plain SGD| over 16 steps, and the learner (closed)."""
     coord = make_coordinator(endpoints, run_id, settings=SIGN8_RUN, outer_lr=1.0, outer_momentum=0.0,
                              downstream_codec="fp32", scale_rounds=False)
@@ -27,7 +27,7 @@ def trained(endpoints, run_id, keep: bool) -> tuple[float, Learner]:  # noqa: AN
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     learner = Learner(model, opt, run=run_id, endpoints=endpoints, learner_id="l0", tokens_per_step=10,
-                      config=LearnerConfig(keep_dropped=keep))
+                      config=LearnerConfig(dropped=dropped))
     gen = torch.Generator().manual_seed(1)
     try:
         start_beside(coord, learner)
@@ -50,7 +50,7 @@ def trained(endpoints, run_id, keep: bool) -> tuple[float, Learner]:  # noqa: AN
 
 
 def test_kept_dropped_progress_stays_in_the_model_and_carried_progress_leaves_it(endpoints, run_id):
-    kept, learner = trained(endpoints, run_id, keep=True)
+    kept, learner = trained(endpoints, run_id, dropped="auto")  # sign8 drops: kept
     assert kept < 1e-5 and learner.kept_dropped >= 4, (kept, learner.kept_dropped)
-    carried, learner = trained(endpoints, run_id + "-carry", keep=False)
+    carried, learner = trained(endpoints, run_id + "-carry", dropped="carry")
     assert carried > 1e-2 and learner.kept_dropped == 0, carried

@@ -134,3 +134,16 @@ def test_a_learner_carrying_what_the_codec_lost_sends_its_whole_progress(codec):
     assert lost < 1e-4  # fp32 rounding of the sums only
     assert error <= max(float(r.abs().max()) for r in residual.values()) + 1e-4
     assert error_plain > 1.5 * error
+
+
+def test_versions_of_a_run_whose_codec_drops_elements_go_down_in_int4_unless_told_otherwise() -> None:
+    from diloco.coordinator.config import CoordinatorConfig
+    from diloco.coordinator.policy import RoundConfig
+
+    def downstream(config: CoordinatorConfig, run_codec: str) -> str:
+        return config.settings(RoundConfig(), "delta", run_codec).downstream
+
+    assert [downstream(CoordinatorConfig(), c) for c in ("fp32", "int4", "int8", "sign8", "sparse")] == \
+        ["fp32", "int4", "int8", "int4", "int4"]
+    assert downstream(CoordinatorConfig(downstream_codec="sign8"), "sign8") == "sign8"
+    assert CoordinatorConfig().settings(RoundConfig(), "genesis", "sign8").downstream == "fp32"
