@@ -670,7 +670,7 @@ class Learner:
             what = f"version {version} of fragment {fragment}"
             manifest = self._wait(lambda f=fragment, v=version: read_manifest(self.store, keys, f, v), deadline, what)
             own = {s.name: initial[s.name].float() for s in layout.fragments[fragment]}
-            params = self.fetcher.from_own(manifest, own)
+            params = self._wait(lambda m=manifest, o=own: self.fetcher.from_own(m, o), deadline, what, found=False)
             if params is None:
                 params = self._wait(lambda m=manifest: read_params(self.store, layout, m), deadline, what)
             self.fetcher.note(manifest)
