@@ -27,7 +27,13 @@ from diloco.workers.tasks.base import Task, train_step
 log = logging.getLogger(__name__)
 
 DP_OVERRUN_S = 60.0
-"""Data-parallel workers still running this long after their budget are killed (a stuck rendezvous)."""
+"""Data-parallel workers still running this long after their budget, and after the all-reduces a
+step begun just before it needs on these links, are killed (a stuck rendezvous)."""
+
+
+def ring_bytes(params: float, learners: int, bytes_per_param: float) -> float:
+    """Bytes one learner sends (and receives) in a ring all-reduce of `params` gradients."""
+    return 2 * (learners - 1) / learners * bytes_per_param * params
 
 
 def _dp_worker(argv: Sequence[str]) -> NoReturn:
@@ -159,6 +165,9 @@ def run_dp(net: WanNet, task: DemoTask, out: Path, *, steps: int, budget_s: floa
     port = free_ports(1)[0]
     store = dist.TCPStore("0.0.0.0", port, world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=120))
+    params = sum(p.numel() for p in task.make_model(0).parameters())
+    allreduce_s = ring_bytes(params, world, 4) * 8 / (min(rate.up_mbit, rate.down_mbit) * 1e6)
+    overrun_s = DP_OVERRUN_S + 3 * allreduce_s  # the last step's all-reduce, and the one the ranks stop by
     before = net.counters()
     launched = time.time()
     started = time.monotonic()
@@ -176,9 +185,9 @@ def run_dp(net: WanNet, task: DemoTask, out: Path, *, steps: int, budget_s: floa
             while fleet.busy(names):
                 time.sleep(0.2)
                 fleet.check()
-                if time.monotonic() - started > budget_s + DP_OVERRUN_S:
-                    raise ProcessError(f"data-parallel workers still running {DP_OVERRUN_S:.0f}s after their budget: "
-                                       f"see {out / 'logs'}")
+                if time.monotonic() - started > budget_s + overrun_s:
+                    raise ProcessError(f"data-parallel workers still running {overrun_s:.0f}s after their budget "
+                                       f"({allreduce_s:.1f} s per all-reduce): see {out / 'logs'}")
         finally:
             fleet.stop(names, timeout_s=5)
             del store

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.coordinator.config import RunSettings
-from diloco.infra.bench.dataparallel import DpRun, _dp_worker, dp_equivalent_curve, run_dp
+from diloco.infra.bench.dataparallel import DpRun, _dp_worker, dp_equivalent_curve, ring_bytes, run_dp
 from diloco.infra.bench.netns import (Rates, WanNet, _sigterm_interrupts, entered, feasibility, netns_exec,
                                       remove_leftovers)
 from diloco.infra.bench.trial import LearnerPlan, Placement, Trial, TrialResult, run_trial, sync_trial, time_to
@@ -78,10 +78,6 @@ ARMS = ("decoupled", "sync", "dp", "mixed")
 # ---------------------------------------------------------------------------------------------
 # The scaling.
 
-
-def ring_bytes(params: float, learners: int, bytes_per_param: float) -> float:
-    """Bytes one learner sends (and receives) in a ring all-reduce of `params` gradients."""
-    return 2 * (learners - 1) / learners * bytes_per_param * params
 
 
 @dataclass(frozen=True, slots=True)
