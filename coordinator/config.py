@@ -20,7 +20,6 @@ from diloco.storage.errors import ConfigError
 from diloco.storage.intraop import usable_cpus
 from diloco.storage.keys import MAX_SHARDS, Shard
 from diloco.storage import codecs
-from diloco.storage.codecs import CODECS
 from diloco.storage.protocol import CadenceKind, RunSpec, TakeRule, VersionSettings, check_choices
 
 
@@ -54,8 +53,8 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        if self.codec not in CODECS:
-            raise ConfigError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        if self.codec not in codecs.CODECS:
+            raise ConfigError(f"codec must be one of {', '.join(codecs.CODECS)}, got {self.codec!r}")
 
     def spec(self, run: str) -> RunSpec:
         return RunSpec(run=run, num_fragments=self.num_fragments, sync_every=self.sync_every,
@@ -207,8 +206,8 @@ class CoordinatorConfig:
             raise ConfigError(f"shard must be 0 to shards - 1 ({self.shards - 1}), got {self.shard}")
         if not self.lease_s >= 1.0:
             raise ConfigError(f"lease_s must be at least 1 second, got {self.lease_s}")
-        if self.downstream_codec not in ("run", *CODECS):
-            raise ConfigError(f"downstream_codec must be 'run' or one of {', '.join(CODECS)}, got {self.downstream_codec!r}")
+        if self.downstream_codec not in ("run", *codecs.CODECS):
+            raise ConfigError(f"downstream_codec must be 'run' or one of {', '.join(codecs.CODECS)}, got {self.downstream_codec!r}")
         if self.token_budget < 0:
             raise ConfigError(f"token_budget must be >= 0 (0: no budget), got {self.token_budget}")
         if not 0 <= self.metrics_port <= 65535:

@@ -316,6 +316,16 @@ _origins: dict[str, str] = {}
 """Field name -> where its default came from (a DILOCO_* variable or the config file), for errors."""
 
 
+def chosen(text: str, option: str, choices: Sequence[str]) -> list[str]:
+    """A comma-separated list of some of `choices` (`--codecs int4,sign8`), at least one; ConfigError
+    naming `option` and the choices otherwise."""
+    picked = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in picked if c not in choices]
+    if unknown or not picked:
+        raise ConfigError(f"{option} takes a comma-separated subset of {','.join(choices)}, got {text!r}")
+    return picked
+
+
 def require_at_least(config: object, **least: int) -> None:
     """ConfigError naming the option (`--made-up-ids`) of the first field of `config` below its least value."""
     for name, bound in least.items():

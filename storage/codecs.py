@@ -272,15 +272,12 @@ class Blocks(Codec):
         return scales, _values(codes, self.name, self.bits, self.zero, self.qmax, n, spec)
 
 
-@dataclass(frozen=True, slots=True)
-class Signs(Blocks):
-    """int2's bytes, written another way: per block the ceil(len / keep_one_in) elements of largest
-    |x| (ties to the lower index) as their signs, the others 0, and as the scale the mean |x| of the
-    nonzero ones kept. Decoding refuses a block with more nonzero codes than that."""
+class _Dropping:
+    """What the codecs that keep a few elements of each block share (sparse, sign8)."""
 
-    keep_one_in: int = 8
-    default_block = 4096
+    __slots__ = ()
     drops = True
+    keep_one_in: int
 
     def kept(self, length: int) -> int:
         """Elements kept of a block of `length`."""
@@ -290,14 +287,29 @@ class Signs(Blocks):
         # A dropped element is at most the block's absmax; a kept one is off by at most as much.
         return absmax * (1 + 2.0**-10) + 2.0**-126
 
+
+def _rows(x: torch.Tensor, block: int) -> list[torch.Tensor]:
+    """Flat `x` as rows of blocks: the full blocks (one 2-D view), then the short last one, if any."""
+    full = x.numel() // block
+    return ([x[:full * block].view(full, block)] if full else []) + \
+        ([x[full * block:].view(1, -1)] if x.numel() > full * block else [])
+
+
+@dataclass(frozen=True, slots=True)
+class Signs(_Dropping, Blocks):
+    """int2's bytes, written another way: per block the ceil(len / keep_one_in) elements of largest
+    |x| (ties to the lower index) as their signs, the others 0, and as the scale the mean |x| of the
+    nonzero ones kept. Decoding refuses a block with more nonzero codes than that."""
+
+    keep_one_in: int = 8
+    default_block = 4096
+
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, block: int, name: str) -> None:
         n = x.numel()
         if n == 0:
             return
-        full, rest = divmod(n, block)
-        parts = ([x[:full * block].view(full, block)] if full else []) + ([x[full * block:].view(1, -1)] if rest else [])
         values, scales = [], []
-        for rows in parts:
+        for rows in _rows(x, block):
             absmax = rows.abs().amax(dim=1)
             if not _all_finite(absmax):
                 raise Refused("non_finite", f"tensor {name!r} has NaN or Inf values")
@@ -305,18 +317,14 @@ class Signs(Blocks):
             signs = torch.zeros_like(rows).scatter_(1, idx, torch.sign(top))
             values.append(signs.view(-1))
             scales.append(_mean_abs(top, absmax))
-        out[:4 * len(torch.cat(scales))].copy_(torch.cat(scales).view(torch.uint8))
-        out[4 * -(-n // block):].copy_(_pack_codes(torch.cat(values), self.bits, self.zero))
+        block_scales = torch.cat(scales)
+        out[:4 * block_scales.numel()].copy_(block_scales.view(torch.uint8))
+        out[4 * block_scales.numel():].copy_(_pack_codes(torch.cat(values), self.bits, self.zero))
 
     def _scales_and_values(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         scales, values = Blocks._scales_and_values(self, seg, spec, block)
-        n = values.numel()
-        full = n // block
-        nonzero = values != 0
-        counts = [(nonzero[:full * block].view(full, block).sum(dim=1), self.kept(block))] if full else []
-        if n > full * block:
-            counts.append((nonzero[full * block:].sum().view(1), self.kept(n - full * block)))
-        for count, k in counts:
+        for rows in _rows(values != 0, block):
+            count, k = rows.sum(dim=1), self.kept(rows.shape[1])
             if bool((count > k).any()):
                 raise _refused("bad_payload", spec, f"{self.name}: a block with {int(count.max())} nonzero values "
                                                     f"(at most {k} kept)")
@@ -406,7 +414,7 @@ INDEX_BITS = 12
 
 
 @dataclass(frozen=True, slots=True)
-class Sparse(Codec):
+class Sparse(_Dropping, Codec):
     """Top-k per block: the ceil(len / keep_one_in) elements of largest |x| of each block (ties to
     the lower index), their 12-bit positions and their int4 values against the block's absmax / 7.
     The dropped elements are what error feedback carries to the next send."""
@@ -416,29 +424,23 @@ class Sparse(Codec):
     max_block = 1 << INDEX_BITS
     default_block = 1 << INDEX_BITS
     qmax = 7
-    drops = True
 
-    def kept(self, n: int, block: int) -> tuple[int, int, int]:
+    def counts(self, n: int, block: int) -> tuple[int, int, int]:
         """(full blocks, elements kept per full block, elements kept in the short last block)."""
         full, rest = divmod(n, block)
-        return full, -(-block // self.keep_one_in), -(-rest // self.keep_one_in)
+        return full, self.kept(block), self.kept(rest)
 
     def nbytes(self, n: int, block: int) -> int:
-        full, k, k_last = self.kept(n, block)
+        full, k, k_last = self.counts(n, block)
         return 4 * -(-n // block) + 4 * -(-(full * k + k_last) // 2)
-
-    def error_bound(self, absmax: float) -> float:
-        # A dropped element is at most the block's absmax; a kept one is off by half a step.
-        return absmax * (1 + 2.0**-10) + 2.0**-126
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, block: int, name: str) -> None:
         n = x.numel()
         if n == 0:
             return
-        full, k, k_last = self.kept(n, block)
+        full, k, k_last = self.counts(n, block)
         blocks = full + (k_last > 0)
-        parts = ([(x[:full * block].view(full, block), k)] if full else []) + \
-            ([(x[full * block:].view(1, -1), k_last)] if k_last else [])
+        parts = [(rows, self.kept(rows.shape[1])) for rows in _rows(x, block)]
         absmax = torch.cat([rows.abs().amax(dim=1) for rows, _ in parts])
         if not _all_finite(absmax):
             raise Refused("non_finite", f"tensor {name!r} has NaN or Inf values")
@@ -466,7 +468,7 @@ class Sparse(Codec):
         out = torch.zeros(n, dtype=torch.float32)
         if n == 0:
             return out.view(spec.shape)
-        full, k, k_last = self.kept(n, block)
+        full, k, k_last = self.counts(n, block)
         blocks, kk = full + (k_last > 0), full * k + k_last
         scales = _checked_scales(seg[:4 * blocks].clone().view(torch.float32), self.qmax, spec)
         at, pairs = 4 * blocks, -(-kk // 2)

@@ -165,7 +165,8 @@ def run_dp(net: WanNet, task: DemoTask, out: Path, *, steps: int, budget_s: floa
     port = free_ports(1)[0]
     store = dist.TCPStore("0.0.0.0", port, world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=120))
-    params = sum(p.numel() for p in task.make_model(0).parameters())
+    model = task.make_model(0)  # its parameters' count now, the data-parallel run's final values at the end
+    params = sum(p.numel() for p in model.parameters())
     allreduce_s = ring_bytes(params, world, 4) * 8 / (min(rate.up_mbit, rate.down_mbit) * 1e6)
     overrun_s = DP_OVERRUN_S + 3 * allreduce_s  # the last step's all-reduce, and the one the ranks stop by
     before = net.counters()
@@ -193,7 +194,6 @@ def run_dp(net: WanNet, task: DemoTask, out: Path, *, steps: int, budget_s: floa
             del store
     after = net.counters()
     rec = json.loads((out / "dp-rank0.json").read_text())
-    model = task.make_model(0)
     final = load_file(str(out / "dp-final.safetensors"))
     with torch.no_grad():
         for name, q in model.named_parameters():

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.infra.bench.quality_tasks import TASKS
-from diloco.infra.options import whole_numbers
+from diloco.infra.options import chosen, whole_numbers
 from diloco.infra.output import figures_table
 from diloco.storage import codecs
 from diloco.storage.updates import encode_carrying, encode_update
@@ -232,20 +232,14 @@ def run_setting(task: Task, args: argparse.Namespace, setting: Setting, mid_step
 def run(args: argparse.Namespace) -> TakesResult:
     torch.set_num_threads(1)
     task = TASKS[args.task].task
-    rules = [r.strip() for r in args.rules.split(",") if r.strip()]
-    unknown = set(rules) - set(RULES)
-    if unknown:
-        raise SystemExit(f"unknown rule(s) {sorted(unknown)}: choose from {', '.join(RULES)}")
+    rules = chosen(args.rules, "--rules", RULES)
     lags = whole_numbers(args.lags, "--lags")
     if any(k < 1 or k >= args.sync_every for k in lags):
         raise SystemExit(f"every k must be in [1, H), got {lags}")
-    names = [c.strip() for c in args.codecs.split(",") if c.strip()]
-    unsent = [u.strip() for u in args.unsent.split(",") if u.strip()]
-    for name in [*names, *([] if args.downstream == "run" else [args.downstream])]:
-        if name not in codecs.CODECS:
-            raise SystemExit(f"unknown codec {name!r}: choose from {', '.join(codecs.CODECS)}")
-    if not names or not unsent or set(unsent) - set(UNSENT):
-        raise SystemExit(f"--codecs needs a codec and --unsent a subset of {','.join(UNSENT)}, got {args.unsent!r}")
+    names = chosen(args.codecs, "--codecs", codecs.CODECS)
+    unsent = chosen(args.unsent, "--unsent", UNSENT)
+    if args.downstream != "run":
+        chosen(args.downstream, "--downstream", codecs.CODECS)
     settings = [Setting(r, 0 if r == "wait" else k, c, c if args.downstream == "run" else args.downstream, u)
                 for c in names for u in unsent for r in rules for k in ([0] if r == "wait" else lags)]
     mid_step = max(1, round(args.mid * args.steps))

@@ -146,3 +146,16 @@ def test_a_choice_outside_its_choices_is_refused_wherever_it_is_set(tmp_path, mo
         RunSettings(cadence="hourly")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="merge_rule must be one of 'adopt', 'rebase', 'mix', got 'average'"):
         RunSettings(merge_rule="average")  # type: ignore[arg-type]
+
+
+def test_comma_lists_of_numbers_and_of_choices_refuse_what_they_cannot_take() -> None:
+    from diloco.infra.options import chosen, whole_numbers
+    from diloco.storage.errors import ConfigError
+
+    assert whole_numbers("1,2,4", "--shards") == [1, 2, 4] and whole_numbers(" ", "--shards") == []
+    assert chosen("int4, sign8", "--codecs", ("fp32", "int4", "sign8")) == ["int4", "sign8"]
+    for text, call in (("1,,2", lambda t: whole_numbers(t, "--lags")), ("two", lambda t: whole_numbers(t, "--lags")),
+                       ("int4,fp16", lambda t: chosen(t, "--codecs", ("fp32", "int4"))),
+                       ("", lambda t: chosen(t, "--codecs", ("fp32", "int4")))):
+        with pytest.raises(ConfigError, match="--(lags|codecs) takes"):
+            call(text)
