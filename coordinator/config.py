@@ -74,6 +74,14 @@ DROPPING_DOWNSTREAM = "int4"
 """The codec of the versions of a run whose pieces drop most of their elements (`Codec.drops`)."""
 
 
+def downstream_of(downstream_codec: str, run_codec: str) -> str:
+    """The codec versions go down in (`CoordinatorConfig.downstream_codec`): 'run' is the run's codec,
+    or `DROPPING_DOWNSTREAM` for a codec that drops most of a piece."""
+    if downstream_codec != "run":
+        return downstream_codec
+    return DROPPING_DOWNSTREAM if codecs.get(run_codec).drops else run_codec
+
+
 @dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     outer_lr: float = 0.7
@@ -220,9 +228,7 @@ class CoordinatorConfig:
     def settings(self, r: RoundConfig, kind: str, run_codec: str) -> VersionSettings:
         """What the manifest of a version of this `kind` records about how it was made, and on which
         kernels (replay needs them); a delta's merge is configured by it."""
-        downstream = self.downstream_codec
-        if downstream == "run":
-            downstream = DROPPING_DOWNSTREAM if codecs.get(run_codec).drops else run_codec
+        downstream = downstream_of(self.downstream_codec, run_codec)
         return VersionSettings(kind=kind, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
                                outer="fractional_nesterov" if self.scale_rounds else "nesterov",
                                merge="radial_directional" if self.radial_directional else "weighted_mean",

@@ -18,7 +18,8 @@ version exactly k steps after its send (`--lags`), by the rule under test:
 With `--codecs` other than fp32 the pieces and the versions travel as a run's do: each replica's
 piece through the codec with error feedback (`storage.updates.encode_carrying`, zstd on), each
 version as an update of its parent in the downstream codec with the coordinator's residual
-(`encode_update`; `--downstream`, default the same codec). `--unsent` says what a replica does
+(`encode_update`; `--downstream`, default as a run's coordinator chooses: the same codec, int4 for
+sign8 and sparse). `--unsent` says what a replica does
 with what its codec dropped of a piece:
 
 - carry: it goes out with the next piece, and the take rebases the model onto the version without
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco.coordinator.config import downstream_of
 from diloco.infra.bench.quality_tasks import TASKS
 from diloco.infra.options import chosen, whole_numbers
 from diloco.infra.output import figures_table
@@ -71,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--codecs", default="fp32", help=f"comma-separated codecs of the pieces, of {', '.join(codecs.CODECS)} "
                                                          "(default: %(default)s, no codec: the take rules alone)")
-    parser.add_argument("--downstream", default="run", help="codec of the versions: run (each setting's own codec, "
-                                                            "as a run's default) or a codec (default: %(default)s)")
+    parser.add_argument("--downstream", default="run", help="codec of the versions: run (as a run's coordinator "
+                                                            "chooses by default: the setting's own codec, int4 for "
+                                                            "sign8 and sparse) or a codec (default: %(default)s)")
     parser.add_argument("--unsent", default="carry", help=f"comma-separated subset of {','.join(UNSENT)}: what a "
                                                           "replica does with what its codec dropped (default: carry)")
 
@@ -240,7 +243,7 @@ def run(args: argparse.Namespace) -> TakesResult:
     unsent = chosen(args.unsent, "--unsent", UNSENT)
     if args.downstream != "run":
         chosen(args.downstream, "--downstream", codecs.CODECS)
-    settings = [Setting(r, 0 if r == "wait" else k, c, c if args.downstream == "run" else args.downstream, u)
+    settings = [Setting(r, 0 if r == "wait" else k, c, downstream_of(args.downstream, c), u)
                 for c in names for u in unsent for r in rules for k in ([0] if r == "wait" else lags)]
     mid_step = max(1, round(args.mid * args.steps))
     rows = []

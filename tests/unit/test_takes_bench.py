@@ -80,3 +80,12 @@ def test_a_codec_piece_is_decoded_and_what_it_dropped_is_carried_or_kept_in_the_
         # carry: the next piece carries it; keep: the model holds it, nothing is carried beside it.
         assert (0 in fleet.dropped[0]) == (unsent == "carry")
     assert fleet.bits_per_param("up") < 1.5 and fleet.bits_per_param("down") == 32.0
+
+
+def test_versions_go_down_as_a_runs_coordinator_sends_them_unless_told() -> None:
+    small = dict(task="fast", learners=2, fragments=2, steps=4, sync_every=2, lags="1", rules="rebase", codecs="sign8,int4")
+    rows = takes.run(args(**small)).rows
+    assert [(r.setting.codec, r.setting.downstream) for r in rows] == [("sign8", "int4"), ("int4", "int4")]
+    assert all(r.down_bits < 32 for r in rows)
+    rows = takes.run(args(**small, downstream="fp32")).rows
+    assert [r.setting.downstream for r in rows] == ["fp32", "fp32"] and all(r.down_bits == 32 for r in rows)
