@@ -54,3 +54,38 @@ def test_kept_dropped_progress_stays_in_the_model_and_carried_progress_leaves_it
     assert kept < 1e-5 and learner.kept_dropped >= 4, (kept, learner.kept_dropped)
     carried, learner = trained(endpoints, run_id + "-carry", dropped="carry")
     assert carried > 1e-2 and learner.kept_dropped == 0, carried
+
+
+def test_a_dropped_part_no_take_claimed_goes_with_the_next_piece_and_one_stored_after_its_take_is_carried(
+        endpoints, run_id):
+    """The uploader's bookkeeping, one piece at a time on this thread (the uploader not started)."""
+    from diloco.storage.objects import ObjectStore
+    from diloco.workers.transfer import TransferStats, Uploader, UploadJob
+
+    coord = make_coordinator(endpoints, run_id, settings=SIGN8_RUN)
+    uploader = Uploader(ObjectStore(endpoints), coord.bus, coord.spec, "l0", TransferStats(), keep_dropped=True)
+    gen = torch.Generator().manual_seed(2)
+
+    def sent() -> UploadJob:
+        job = UploadJob(0, {"w": torch.randn(64, generator=gen)}, base_version=0, tokens=10, steps=1, step_time_s=0.1)
+        uploader.submit(job)
+        uploader._send(uploader._jobs.pop(0))
+        return job
+
+    try:
+        first = sent()  # no take yet: its dropped part waits for one
+        assert uploader._dropped[0] is first.residual and float(first.residual["w"].abs().sum()) > 0
+        second = sent()  # no take came between the two sends: the first's dropped part goes with the second
+        assert torch.equal(second.untaken["w"], first.residual["w"])
+        assert uploader._dropped[0] is second.residual
+        third = UploadJob(0, {"w": torch.randn(64, generator=gen)}, base_version=0, tokens=10, steps=1,
+                          step_time_s=0.1)
+        uploader.submit(third)
+        assert uploader.taken(0) is second.residual  # the take after the second send claims its part
+        uploader._send(uploader._jobs.pop(0))  # the third is stored after that take: carried instead
+        assert 0 not in uploader._dropped and uploader._residual[0] is third.residual
+        fourth = sent()
+        assert not fourth.untaken and 0 not in uploader._residual and uploader._dropped[0] is fourth.residual
+    finally:
+        uploader.close()
+        coord.close()
