@@ -590,10 +590,11 @@ def encode(tensors: Mapping[str, torch.Tensor], codec: str = "fp32", *, compress
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Streamed:
-    """An uncompressed fp32 object as consecutive byte views, not joined: its framing and header, then
-    each tensor's own memory. A `storage.objects.Body`: `ObjectStore.put` sends it and
-    `history.sha256_hex` hashes it from the views, so a version's params and outer state go up
-    without a copy of them; `bytes(...)` joins it (one copy) where bytes are needed.
+    """An object as consecutive byte views, not joined: its framing and header, then each tensor's own
+    memory (an uncompressed fp32 object here; a learner's saved state in `workers.state`). A
+    `storage.objects.Body`: `ObjectStore.put` sends it and `history.sha256_hex` hashes it from the
+    views, so a version's params and outer state go up without a copy of them; `bytes(...)` joins it
+    (one copy) where bytes are needed.
 
     It holds the tensors it views: they must not change while it is in use (a published version's
     tensors never do)."""
@@ -601,7 +602,7 @@ class Streamed:
     views: tuple[memoryview, ...]
     """The object's bytes in order: framing and header, then one read-only view per non-empty tensor."""
     tensors: tuple[torch.Tensor, ...]
-    """The flat contiguous fp32 CPU tensors the views point into (each view holds its own too)."""
+    """The contiguous CPU tensors the views point into (each view holds its own too)."""
     nbytes: int
 
     def __len__(self) -> int:
@@ -629,13 +630,13 @@ def encode_streamed(tensors: Mapping[str, torch.Tensor], *,
             raise Refused("non_finite", f"tensor {spec.name!r} has NaN/Inf values (or values beyond the fp32 range)")
         flat.append(x)
         if x.numel():
-            payload.update(_bytes_of(x))
+            payload.update(byte_view(x))
     head = _framed_header("fp32", "none", sum(s.nbytes for s in specs), payload.hexdigest(), 0, meta_map, specs)
-    views = (memoryview(head), *(_bytes_of(x) for x in flat if x.numel()))
+    views = (memoryview(head), *(byte_view(x) for x in flat if x.numel()))
     return Streamed(views, tuple(flat), sum(v.nbytes for v in views))
 
 
-def _bytes_of(x: torch.Tensor) -> memoryview:
+def byte_view(x: torch.Tensor) -> memoryview:
     """A read-only byte view of contiguous CPU tensor `x`'s memory (torch tensors have no buffer
     protocol of their own). The view keeps `x` alive: it can outlive whatever held the tensor."""
     raw = (ctypes.c_ubyte * (x.numel() * x.element_size())).from_address(x.data_ptr())

@@ -91,6 +91,8 @@ class Arm:
     hook_s: float = 0.0
     hook_steps_s: list[float] = field(default_factory=list)
     """The Learner's step hook's share of each timed step."""
+    step_marks: list[str] = field(default_factory=list)
+    """What the Learner did during each timed step (`MARKS`, comma-separated; "" for none)."""
     phases: dict = field(default_factory=dict)
     """The hook's phases (`Learner.hook_phases`): name -> [total s, longest s], over the whole arm."""
     taken: int = 0
@@ -133,13 +135,16 @@ class Arm:
 
     def details(self) -> str:
         """A Learner arm's slow steps with their hook share, its sends, and the hook's phases."""
-        slow = [(s, h) for s, h in zip(self.steps_s, self.hook_steps_s) if s > SPIKE * self.median]
+        marks = self.step_marks or [""] * len(self.steps_s)
+        slow = [(i, s, h, m) for i, (s, h, m) in enumerate(zip(self.steps_s, self.hook_steps_s, marks))
+                if s > SPIKE * self.median]
         lines = [f"timed from {self.settle_steps} steps after the warmup (the first takes); {self.sent} pieces "
                  f"uploaded and {self.taken} versions taken in the timed window, {self.coalesced} sends absorbed "
                  f"into a queued one"]
         if slow:
-            lines.append("slow steps (ms, of which in the hook): "
-                         + ", ".join(f"{1e3 * s:.0f} ({1e3 * h:.0f})" for s, h in slow))
+            lines.append("slow steps (#index: ms, of which in the hook; what the Learner did meanwhile): "
+                         + ", ".join(f"#{i}: {1e3 * s:.0f} ({1e3 * h:.0f}{'; ' + m if m else ''})"
+                                     for i, s, h, m in slow))
         if self.phases:
             lines.append("hook phases over the arm (total / longest ms): "
                          + ", ".join(f"{k} {1e3 * v[0]:.0f} / {1e3 * v[1]:.0f}" for k, v in sorted(self.phases.items())))
@@ -235,17 +240,19 @@ class Loop:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def timed(self, steps: int, learner=None) -> tuple[list[float], list[float]]:  # noqa: ANN001
-        """Each step's time, and the Learner's hook's part of it."""
-        times, hooks = [], []
+    def timed(self, steps: int, learner=None) -> tuple[list[float], list[float], list[str]]:  # noqa: ANN001
+        """Each step's time, the Learner's hook's part of it, and what its threads did meanwhile (`_marks`)."""
+        times, hooks, marks = [], [], []
         for _ in range(steps):
             hook0 = learner.sync_s if learner is not None else 0.0
+            seen = _marks(learner)
             t0 = time.perf_counter()
             self.step()
             self.sync()
             times.append(time.perf_counter() - t0)
             hooks.append(learner.sync_s - hook0 if learner is not None else 0.0)
-        return times, hooks
+            marks.append(",".join(name for name, a, b in zip(MARKS, seen, _marks(learner)) if a != b))
+        return times, hooks, marks
 
     def unsynced(self, steps: int) -> float:
         self.sync()
@@ -254,6 +261,20 @@ class Loop:
             self.step()
         self.sync()
         return (time.perf_counter() - t0) / steps
+
+
+MARKS = ("take", "sent", "uploaded", "download", "fetched", "saved")
+"""What a Learner did during a step, named beside its slow steps: a version taken (in the hook), a
+piece queued (in the hook), a piece stored and announced, bytes read from S3, a version fetched,
+its state saved (the last four on its threads)."""
+
+
+def _marks(learner) -> tuple:  # noqa: ANN001
+    if learner is None:
+        return ()
+    stats, saver = learner.stats, learner.keeper.saver
+    return (learner.adopted, tuple(f.sent_id for f in learner.fragments), stats.uploaded + stats.coalesced, learner.store.bytes_read,
+            stats.fetched, saver.saved if saver is not None else 0)
 
 
 def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm:  # noqa: ANN001
@@ -272,8 +293,9 @@ def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm: 
     taken0 = (learner.adopted, learner.taken_staged) if learner else (0, 0)
     cpu0, transfer0 = time.process_time(), learner.transfer_cpu_s if learner else 0.0
     sent0 = (learner.stats.uploaded, learner.stats.coalesced) if learner else (0, 0)
-    steps, hooks = loop.timed(args.steps, learner)
-    arm = Arm(name, steps, process_cpu_s=time.process_time() - cpu0, hook_steps_s=hooks, settle_steps=settle)
+    steps, hooks, marks = loop.timed(args.steps, learner)
+    arm = Arm(name, steps, process_cpu_s=time.process_time() - cpu0, hook_steps_s=hooks, settle_steps=settle,
+              step_marks=marks)
     if learner is not None:
         arm.hook_s = learner.sync_s - hook0
         arm.taken, arm.taken_ready = learner.adopted - taken0[0], learner.taken_staged - taken0[1]
@@ -338,8 +360,7 @@ def run(args: argparse.Namespace) -> DeviceResult:
         for n in threads:
             name = "learner" if len(threads) == 1 else f"learner t={n}"
             result.arms.append(_learner_arm(name, args, device, endpoints, fleet, LearnerConfig(transfer_threads=n),
-                                            helpers))
-            log.info("%s", result.arms[-1].summary(result.arms[0]))  # a run cut short still tells its arms
+                                            helpers, result.arms[0]))
             if gpu:
                 torch.get_device_module(device).empty_cache()
     return result
@@ -353,8 +374,10 @@ def _thread_settings(text: str) -> list[int]:
 
 
 def _learner_arm(name: str, args: argparse.Namespace, device, endpoints: Endpoints, fleet,  # noqa: ANN001
-                 config, helpers: list[int]) -> Arm:  # noqa: ANN001
-    """One Learner arm: a run of its own, served by a coordinator started for it."""
+                 config, helpers: list[int], plain: Arm) -> Arm:  # noqa: ANN001
+    """One Learner arm: a run of its own, served by a coordinator started for it. Its figures are
+    logged as soon as it is done, before the coordinator's end is waited for (a run cut short
+    still tells them)."""
     from diloco.infra.local.fleet import diloco_command, wait_until
     from diloco.storage.bus import Bus
     from diloco.workers.learner import Learner
@@ -373,6 +396,7 @@ def _learner_arm(name: str, args: argparse.Namespace, device, endpoints: Endpoin
                       tokens_per_step=args.batch_size * args.seq_len, config=config)
     with learner:
         arm = _arm(name, loop, args, learner)
+    log.info("%s\n  %s", arm.summary(plain), arm.details())
     bus = Bus(endpoints, run_id)
     wait_until(lambda: bus.run_end() is not None, 60.0)
     fleet.stop([coordinator])

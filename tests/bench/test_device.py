@@ -13,10 +13,11 @@ from diloco.infra.bench.device import Arm, DeviceResult, _thread_settings
 from diloco.storage.errors import ConfigError
 
 
-def _result(device: str, plain: list[float], learner: list[float], hooks: list[float]) -> DeviceResult:
+def _result(device: str, plain: list[float], learner: list[float], hooks: list[float],
+            marks: list[str] | None = None) -> DeviceResult:
     result = DeviceResult(device, device, 124_000_000, {"P": 4, "H": 50})
     result.arms = [Arm("plain", plain), Arm("learner", learner, hook_steps_s=hooks, taken=2, taken_ready=2,
-                                           phases={"send": [0.01, 0.004]})]
+                                           phases={"send": [0.01, 0.004]}, step_marks=marks or [])]
     return result
 
 
@@ -30,9 +31,10 @@ def test_each_value_of_transfer_threads_is_an_arm_of_its_own():
 def test_the_verdict_holds_the_mean_to_2_percent_on_a_gpu_and_5_on_the_cpu_and_names_each_slow_step():
     plain = [1.0] * 20
     learner = [1.03] * 19 + [1.6]  # mean +6%, one step 1.55x the median
-    gpu = _result("cuda", plain, learner, [0.0] * 19 + [0.25]).table()
+    gpu = _result("cuda", plain, learner, [0.0] * 19 + [0.25], [""] * 19 + ["download,saved"]).table()
     assert "goal within 2%: NOT met" in gpu and "goal <= 1.5: NOT met" in gpu
-    assert "slow steps (ms, of which in the hook): 1600 (250)" in gpu
+    assert ("slow steps (#index: ms, of which in the hook; what the Learner did meanwhile): "
+            "#19: 1600 (250; download,saved)") in gpu
     assert "hook phases over the arm (total / longest ms): send 10 / 4" in gpu
     calm = [1.02] * 20
     cpu = _result("cpu", plain, calm, [0.0] * 20).table()

@@ -3,10 +3,18 @@ form: whole tensors and each rank's own objects, whatever the sharding it was sa
 
 from __future__ import annotations
 
+import struct
+import weakref
+
 import pytest
+import safetensors.torch
 import torch
 
-from diloco.workers.state import LearnerState, misfit, pack_tree, unpack_user
+from diloco.storage.keys import RunKeys
+from diloco.storage.localdir import DirStore
+from diloco.storage.protocol import pack
+from diloco.workers.state import (LearnerState, StateSaver, _flatten, misfit, pack_tree, tree_body, unpack_tree,
+                                  unpack_user)
 
 PARAMS = (("w", (4, 3)), ("b", (4,)))
 
@@ -42,3 +50,44 @@ def test_each_ranks_objects_travel_with_the_state_and_a_state_from_before_island
     for bad in (b"", b"\x05\x00\x00\x00\x00\x00\x00\x00abc"):
         with pytest.raises(ValueError, match="rank 1"):
             unpack_user(bad, 1)
+
+
+def test_a_state_goes_up_as_views_of_its_tensors_and_reads_back_as_written_before() -> None:
+    tree = {"bf16": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "step": torch.tensor(12.0),
+            "count": torch.tensor(5, dtype=torch.int64), "mask": torch.tensor([True, False, True]),
+            "empty": torch.zeros(0, 4), "moments": [torch.randn(5, 7), torch.randn(3)], "lr": 0.1}
+    body = tree_body(tree)
+    # No copy of a tensor: each non-empty one is a view of its own memory.
+    assert len(body.views) == 1 + 6 and len(body) == sum(v.nbytes for v in body.views)
+    assert body.views[-1].obj.tensor.data_ptr() == tree["moments"][1].data_ptr()
+    back = unpack_tree(bytes(body), "test")
+    for key in ("bf16", "step", "count", "mask", "empty"):
+        assert back[key].dtype == tree[key].dtype and torch.equal(back[key], tree[key])
+    assert all(torch.equal(a, b) for a, b in zip(back["moments"], tree["moments"])) and back["lr"] == 0.1
+    # The blob is safetensors' format, read by its own reader; a state written by its writer (as
+    # every state before this one was) still reads back.
+    size = struct.unpack_from("<Q", bytes(body))[0]
+    blob = safetensors.torch.load(bytes(body)[8 + size:])
+    assert torch.equal(blob["0"], tree["bf16"])
+    tensors: dict[str, torch.Tensor] = {}
+    head = pack(_flatten(tree, tensors, "state"))
+    before = unpack_tree(struct.pack("<Q", len(head)) + head + safetensors.torch.save(tensors), "test")
+    assert torch.equal(before["bf16"], tree["bf16"]) and torch.equal(before["moments"][0], tree["moments"][0])
+    with pytest.raises(ValueError, match="cannot hold"):
+        tree_body({"x": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_the_saver_lets_go_of_a_state_once_it_is_saved(tmp_path) -> None:  # noqa: ANN001
+    # Held until the next save, a state's host copies (pinned on a device) cannot be reused by it.
+    saver = StateSaver(DirStore(tmp_path), RunKeys("diloco", "r"), "a", 0)
+    saver.start()
+    try:
+        saved = state()
+        moment = weakref.ref(saved.optimizer["state"][0]["exp_avg"])
+        saver.submit(saved)
+        del saved
+        assert saver.flush(30.0) and saver.saved == 1
+        assert moment() is None
+    finally:
+        saver.close()
+        saver.join(10.0)
