@@ -8,11 +8,15 @@ memory. A snapshot here instead:
 1. clones the values on the device, on the compute stream, in queue order (a device-to-device copy:
    the values are those after the optimizer step just queued, and the next step may overwrite the
    parameters without waiting for anything);
-2. copies the clones into pinned host buffers on a side stream that first waits for the compute
-   stream (`non_blocking`), records an event, and marks the clones as used by the side stream, so
-   that the caching allocator does not hand their memory out before the copy is done;
-3. returns at once. Whoever reads the values (the uploader's thread that computes the delta, a
-   later merge) waits for the event first: `Snapshot.wait()`, off the training thread or long after.
+2. records an event on the compute stream and hands the clones to a thread of its own (the lander),
+   and returns at once;
+3. the lander copies the clones into pinned host buffers on a side stream that first waits for that
+   event (`non_blocking`), records an event, and marks the clones as used by the side stream, so
+   that the caching allocator does not hand their memory out before the copy is done. Pinned memory
+   comes from torch's cache, and when more snapshots are alive than ever before, from the driver:
+   100 MB of it took 150 ms on an H200, on the training thread when it allocated them there;
+4. whoever reads the values (the uploader's thread that computes the delta, the stager's) waits for
+   the lander, then for the event: `Snapshot.wait()`, off the training thread or long after.
 
 The other way (a merge): the host computes what to add (`global - anchor`, where both live) into a
 pinned buffer, which goes to the device `non_blocking` on the compute stream, where the parameter
@@ -27,6 +31,8 @@ a recorder; what no machine here can test is real concurrency on a device.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -93,30 +99,51 @@ class Snapshot:
     possibly still on their way from the device. Read them with `wait()` (from any thread); never
     changed in place once taken."""
 
-    __slots__ = ("_values", "_event")
+    __slots__ = ("_values", "_event", "_queued", "_error")
 
-    def __init__(self, values: dict[str, torch.Tensor], event: Any = None) -> None:
+    def __init__(self, values: Any, event: Any = None, *, queued: threading.Event | None = None) -> None:
         self._values = values
         self._event = event
+        self._queued = queued
+        """Set once the lander has queued the copies (`_land`); None: queued when made."""
+        self._error: BaseException | None = None
 
     def wait(self) -> dict[str, torch.Tensor]:
-        """The values, once the copies have landed."""
+        """The values, once the copies have landed. Raises RuntimeError if they could not be made
+        (no pinned memory left, the device lost)."""
+        self._wait_queued()
         event = self._event
         if event is not None:
             event.synchronize()
             self._event = None
         return self._values
 
+    def _wait_queued(self) -> None:
+        if self._queued is not None:
+            self._queued.wait()
+            if self._error is not None:
+                raise RuntimeError(f"a snapshot's copies to the host failed: {self._error!r}") from self._error
+
+    def _land(self, values: dict[str, torch.Tensor] | None, event: Any, error: BaseException | None = None) -> None:
+        """The lander queued the copies into `values` (`event` follows them), or failed with `error`."""
+        self._values, self._event, self._error = values, event, error
+        assert self._queued is not None
+        self._queued.set()
+
     @property
     def unwaited(self) -> Any:
-        """The values without waiting: their contents are undefined until `wait()` returns (to hand
-        them to the thread that waits)."""
+        """The values without waiting for the device: their contents are undefined until `wait()`
+        returns (to hand them to the thread that waits)."""
+        self._wait_queued()
         return self._values
 
     @property
     def landed(self) -> bool:
         """The copies are done (reading the values would not wait)."""
-        return self._event is None or bool(self._event.query())
+        if self._queued is not None and not self._queued.is_set():
+            return False
+        event = self._event
+        return event is None or bool(event.query())
 
 
 class HostCopies:
@@ -126,6 +153,8 @@ class HostCopies:
     def __init__(self, device: torch.device, streams: Streams | None = None) -> None:
         self.device = device
         self.streams = streams if streams is not None or device.type == "cpu" else DeviceStreams(device)
+        self._lander: _Lander | None = None
+        self._lock = threading.Lock()
 
     def snapshot(self, clones: Mapping[str, torch.Tensor]) -> Snapshot:
         """Host copies of `clones`: tensors that the caller made for this (device-side clones of
@@ -134,17 +163,23 @@ class HostCopies:
         streams = self.streams
         if streams is None:
             return Snapshot(dict(clones))
-        side = streams.side()
-        side.wait_stream(streams.current())  # the clones' values are queued there
-        host: dict[str, torch.Tensor] = {}
-        with streams.using(side):
-            for name, clone in clones.items():
-                buffer = streams.host_empty(tuple(clone.shape), clone.dtype)
-                buffer.copy_(clone, non_blocking=True)
-                streams.keep_alive(clone, side)
-                host[name] = buffer
-            event = streams.record(side)
-        return Snapshot(host, event)
+        ready = streams.record(streams.current())  # the clones' values are queued before it
+        snapshot = Snapshot(None, queued=threading.Event())
+        with self._lock:
+            if self._lander is None:
+                self._lander = _Lander(streams)
+                self._lander.start()
+            self._lander.jobs.put((snapshot, dict(clones), ready))
+        return snapshot
+
+    def close(self) -> None:
+        """Stop the lander once it has queued every snapshot's copies (a snapshot's reader waits for
+        them), and join it: a thread inside a torch op when the interpreter exits aborts the process."""
+        with self._lock:
+            lander, self._lander = self._lander, None
+        if lander is not None:
+            lander.jobs.put(None)
+            lander.join()
 
     def tree_to_host(self, tree: Any) -> Snapshot:
         """A host copy of every tensor in `tree` (dicts, lists and tuples of tensors and plain values:
@@ -214,6 +249,39 @@ class HostCopies:
         if self.streams is None:
             return value
         return value.to(self.device, non_blocking=True)
+
+
+class _Lander(threading.Thread):
+    """Queues each snapshot's copies to the host (`HostCopies.snapshot`), in the order they were taken,
+    on the side stream: the pinned memory they need is allocated on this thread, never the training
+    thread's."""
+
+    def __init__(self, streams: Streams) -> None:
+        super().__init__(name="snapshot-lander", daemon=True)
+        self.streams = streams
+        self.jobs: queue.SimpleQueue[tuple[Snapshot, dict[str, torch.Tensor], Any] | None] = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            self._land(*job)
+            del job  # holding nothing between jobs: the clones and buffers belong to the snapshot's readers
+
+    def _land(self, snapshot: Snapshot, clones: dict[str, torch.Tensor], ready: Any) -> None:
+        streams = self.streams
+        side = streams.side()
+        try:
+            streams.wait(side, ready)
+            host: dict[str, torch.Tensor] = {}
+            with streams.using(side):
+                for name, clone in clones.items():
+                    buffer = streams.host_empty(tuple(clone.shape), clone.dtype)
+                    buffer.copy_(clone, non_blocking=True)
+                    streams.keep_alive(clone, side)  # the device clone goes back to the allocator once copied
+                    host[name] = buffer
+                event = streams.record(side)
+            snapshot._land(host, event)
+        except Exception as exc:  # noqa: BLE001 (its reader raises it, the snapshots after it go on)
+            snapshot._land(None, None, exc)
 
 
 def _map_tensors(tree: Any, fn: Any) -> Any:

@@ -523,6 +523,7 @@ class Learner:
                 thread.join(timeout=max(0.5, deadline - time.monotonic()))
                 if thread.is_alive():
                     abandon(thread)
+        self.replica.copies.close()
         # Leaving is best effort (the lease expires anyway) and must not outlast the deadline
         # while Redis is unreachable: it runs in a thread that is abandoned then.
         leaving = threading.Thread(target=self._leave, args=(finished,), name="leave", daemon=True)
