@@ -810,6 +810,26 @@ class Bus:
         return sec + usec / 1e6
 
     @redis_retry
+    def claim_genesis(self, learner: str, ttl_s: float) -> bool:
+        """Whether `learner` proposes the run's version 0: the first learner to ask does, for `ttl_s`
+        seconds, and asking again (its claim still held) extends it. When the claim lapses (its holder
+        left, or stopped extending it) the next to ask takes it over."""
+        ttl_ms = max(1, int(ttl_s * 1000))
+        if self.r.set(self.keys.genesis_proposer, learner, nx=True, px=ttl_ms):
+            return True
+        holder = self.r.get(self.keys.genesis_proposer)
+        if holder is None or holder.decode() != learner:
+            return False
+        self.r.pexpire(self.keys.genesis_proposer, ttl_ms)  # ours (or our own reply lost): held on
+        return True
+
+    @redis_retry
+    def release_genesis(self, learner: str) -> None:
+        """`learner` will not propose version 0 after all (it leaves): the next to ask may, at once."""
+        if self.r.get(self.keys.genesis_proposer) == learner.encode():
+            self.r.delete(self.keys.genesis_proposer)
+
+    @redis_retry
     def set_cadence(self, cadence: Cadence) -> None:
         self.r.set(self.keys.cadence, cadence.to_wire())
 

@@ -258,6 +258,12 @@ class RunKeys:
         return self._r + "shards"
 
     @property
+    def genesis_proposer(self) -> str:
+        """String, expiring: the learner that proposes the run's version 0 (`Bus.claim_genesis`); the
+        others wait for its proposal instead of uploading their own initial values too."""
+        return self._r + "genesis_proposer"
+
+    @property
     def cadence(self) -> str:
         """String: msgpack Cadence, the round clock learners send by (clock cadence runs)."""
         return self._r + "cadence"

@@ -10,6 +10,7 @@ an island takes part in a save (its optimizer shard gathered whole, its own obje
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -20,7 +21,7 @@ from diloco.storage.objects import Store
 from diloco.workers.hostcopy import Snapshot
 from diloco.workers.island import Replica
 from diloco.workers.state import (LearnerState, Stateful, StateSaver, full_form, latest_key, misfit,
-                                  optimizer_params, pack_tree, sharded_like, unpack_user)
+                                  optimizer_params, pack_tree, save_fits_link, sharded_like, unpack_user)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,34 @@ class StateKeeper:
         """Rank 0, once joined with `save_state`: the thread that uploads saved states."""
         self._found: Found | None = None  # rank 0, joining: a state that fits
         self._copies: Snapshot | None = None  # a saved state's copies to the host, maybe still running
+        self._last_save = time.monotonic()  # rank 0: the last save taken, or the join
+        self.skipped = 0
+        """Rank 0: saves skipped because the link could not carry them (`fits_link`)."""
+
+    def fits_link(self, piece_bytes: int, piece_s: float, share: float) -> bool:
+        """Rank 0, a save due: whether a state's upload would keep saved states within `share` of
+        the link (`state.save_fits_link`), at the faster of the rates the learner's pieces (`piece_bytes`
+        in `piece_s`) and its last saved state went up. Counts and tells a save skipped."""
+        saver = self.saver
+        if saver is None:
+            return False
+        size = saver.last_bytes or self.state_bytes()
+        rates = [b / t for b, t in ((piece_bytes, piece_s), (saver.last_bytes, saver.last_upload_s)) if b and t > 0]
+        now = time.monotonic()
+        if save_fits_link(size, max(rates, default=0.0), now - self._last_save, share):
+            self._last_save = now
+            return True
+        if not self.skipped:
+            log.info("learner %s: state not saved: its %.1f MB would take %.0fs at the %.0f kB/s its uploads go "
+                     "up, more than state_link_share %g of the %.0fs since the last save (this is said once)",
+                     self.learner_id, size / 1e6, size / max(rates), max(rates) / 1e3, share, now - self._last_save)
+        self.skipped += 1
+        return False
+
+    def state_bytes(self) -> int:
+        """The optimizer state's size in bytes, whole (a sharded moment counted at its full size)."""
+        return sum(v.numel() * v.element_size() for entry in self.optimizer.state.values()
+                   for v in entry.values() if isinstance(v, torch.Tensor))
 
     def optimizer_params(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         return optimizer_params(self.optimizer, {id(p): n for n, p in self.replica.params.items()})

@@ -126,6 +126,13 @@ class LearnerConfig:
     state_max_age_s: float = 1800.0
     """With `save_state`: a saved state older than this (the coordinator's default `--gone-after-s`)
     is not restored; the learner starts afresh."""
+    state_link_share: float = 0.1
+    """With `save_state`: the most of the learner's upload link its saved states may take. A state is
+    saved (at its `state_every`) only if uploading it, at the rate this learner's uploads have gone up,
+    would take at most this share of the time since the last save, or 2 s (`state.save_fits_link`): a state
+    is two to three times the model (AdamW's moments), twice the pieces of ten rounds at int4, and on
+    a thin link it delays the pieces it shares the link with until they are refused as stale. 1: no
+    limit. The state saved on SIGTERM is always tried."""
     transfer_threads: int = 0
     """CPU threads each of the learner's transfer threads (uploader, fetcher, state saver) may use for
     torch's encoding, decoding and hashing of whole fragments. 0: a quarter of this process's CPUs
@@ -144,6 +151,8 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.heartbeat_s) and self.heartbeat_s > 0):
             raise ConfigError(f"heartbeat_s must be a finite number of seconds > 0, got {self.heartbeat_s!r}")
+        if not 0 < self.state_link_share <= 1:
+            raise ConfigError(f"state_link_share must be in (0, 1], got {self.state_link_share!r}")
         if self.state_every < 0:
             raise ConfigError(f"state_every must be >= 0 sends (0: save the state on SIGTERM only), got "
                               f"{self.state_every}")
@@ -188,6 +197,7 @@ class FragmentState:
 
 FLAG_RUN_FINISHED = 1
 FLAG_LEAVE = 2
+FLAG_SAVE_STATE = 4
 """Bits of the flags rank 0 shares with its plan each step."""
 
 
@@ -298,6 +308,7 @@ class Learner:
         self._hook = None
         self._merges_first = True  # set when joining: a step takes versions before it sends (rebase)
         self._joined = False  # rank 0: joined (heartbeats then keep it in the run's joined set)
+        self._proposing = False  # rank 0: it claimed and proposed version 0 (`Bus.claim_genesis`)
         self._run_end: RunEnd | None = None  # rank 0: the run's end, once a heartbeat has seen it
         self._run_finished = False  # every rank: as rank 0 last shared it
         self._stop = threading.Event()
@@ -536,6 +547,8 @@ class Learner:
     def _leave(self, finished: list[str] | None) -> None:
         try:
             self._heartbeat()
+            if self._proposing and not self._joined:  # gave up joining: another learner proposes at once
+                self.bus.release_genesis(self.learner_id)
             if finished is None:
                 left = LearnerLeft(self.learner_id, time.time() + self._clock_offset_s, self.step, self.preempted)
                 self.bus.leave(self.learner_id, left if self._joined else None)
@@ -639,10 +652,21 @@ class Learner:
                                     lambda: time.time() + self._clock_offset_s, self._stop,
                                     base_s=self.config.heartbeat_s)
         self._losses.start()
-        proposed = layout is None  # our own proposals are on their way: never proposed twice
+        proposed = False  # our own proposals are on their way: never proposed twice
+
+        def layout_or_propose() -> Layout | None:
+            # One learner proposes version 0 (the first to claim it): the others' initial values would
+            # go up only to be superseded (a whole model each, over the links of learners that all
+            # start at once). A claim whose holder left lapses, and the next learner to ask proposes.
+            nonlocal proposed
+            found = read_layout(self.store, keys)
+            if found is None and not proposed and self.bus.claim_genesis(self.learner_id, GENESIS_GRACE_S):
+                self._propose_genesis(mine, initial)
+                proposed = True
+            return found
+
         if layout is None:
-            self._propose_genesis(mine, initial)
-            layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout")
+            layout = self._wait(layout_or_propose, deadline, "the run's layout")
         problem = layout_mismatch(layout, mine)
         if problem:
             raise ConfigError(f"this model does not fit run {self.run!r}: {problem}")
@@ -652,7 +676,8 @@ class Learner:
         def heads_or_propose() -> dict[int, int] | None:
             nonlocal proposed
             heads = self._all_heads(layout)
-            if heads is None and not proposed and time.monotonic() - found_at > GENESIS_GRACE_S:
+            if (heads is None and not proposed and time.monotonic() - found_at > GENESIS_GRACE_S
+                    and self.bus.claim_genesis(self.learner_id, GENESIS_GRACE_S)):
                 missing = [f for f in range(len(layout.fragments)) if f not in self.bus.heads()]
                 log.warning("learner %s: fragment(s) %s have no version 0 %.0fs after the run's layout was fixed "
                             "(their proposer left first): proposing them", self.learner_id, missing, GENESIS_GRACE_S)
@@ -703,7 +728,9 @@ class Learner:
 
     def _propose_genesis(self, layout: Layout, initial: dict[str, torch.Tensor],
                          fragments: list[int] | None = None) -> None:
-        """Propose this learner's initial values as version 0 of `fragments` (every one by default)."""
+        """Propose this learner's initial values as version 0 of `fragments` (every one by default).
+        Its claim (`Bus.claim_genesis`) is extended on every heartbeat until it joins."""
+        self._proposing = True
         self.store.put(self.bus.keys.genesis_layout(self.learner_id), layout.to_wire(), create_only=False)
         for f, specs in enumerate(layout.fragments):
             if fragments is not None and f not in fragments:
@@ -774,6 +801,8 @@ class Learner:
             due, ready = self._due(), self._ready()
         # Rank 0 decides; on an island every rank then takes part in the same gathers and writes.
         flags = (FLAG_RUN_FINISHED if self._run_end is not None else 0) | (FLAG_LEAVE if self.preempted else 0)
+        if self.is_leader and 0 in due and self._saves_state and self._state_due():
+            flags |= FLAG_SAVE_STATE
         to_send, to_merge, flags = self.replica.share_plan(list(due), list(ready), len(self.fragments), flags)
         self._run_finished = bool(flags & FLAG_RUN_FINISHED)
         if flags & FLAG_LEAVE:  # rank 0 was told to stop: every rank sends its part of the progress and leaves
@@ -797,11 +826,17 @@ class Learner:
         for f in () if self._merges_first else to_merge:
             self._merge(f, ready.get(f))
         mark = self._phase("merge", mark) if to_merge and not self._merges_first else mark
-        if 0 in to_send and self._saves_state:
-            self._sends_of_0 += 1
-            if self.config.state_every and self._sends_of_0 % self.config.state_every == 0:
-                self._save_state()
-                self._phase("save", mark)
+        if flags & FLAG_SAVE_STATE:
+            self._save_state()
+            self._phase("save", mark)
+
+    def _state_due(self) -> bool:
+        """Rank 0, fragment 0 about to be sent: whether to save the learner's state this step (every
+        `state_every` sends of it, when the link allows: `StateKeeper.fits_link`)."""
+        self._sends_of_0 += 1
+        if not self.config.state_every or self._sends_of_0 % self.config.state_every:
+            return False
+        return self.keeper.fits_link(self.stats.bytes_uploaded, self.stats.put_s, self.config.state_link_share)
 
     def _phase(self, name: str, since: float) -> float:
         """Count the time since `since` to the hook's phase `name`; return now."""
@@ -992,6 +1027,8 @@ class Learner:
         """Report progress, and refresh the round clock, our offset to the Redis clock and whether
         the run is finished."""
         self.bus.heartbeat(self.learner_id, self.config.lease_s, self.progress(), joined=self._joined)
+        if self._proposing and not self._joined:  # its proposals still on their way: the others wait on
+            self.bus.claim_genesis(self.learner_id, GENESIS_GRACE_S)
         before = time.time()
         server = self.bus.server_time()
         self._clock_offset_s = server - (before + time.time()) / 2

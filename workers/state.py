@@ -262,6 +262,22 @@ def misfit(saved: LearnerState, params: tuple[tuple[str, tuple[int, ...]], ...],
     return None
 
 
+STATE_FREE_S = 2.0
+"""A state whose upload takes at most this long is saved whenever it is due: the link's share is
+measured on pieces whose time is mostly the request's own (a fast link looks slow), and a state
+this quick costs any link little."""
+
+
+def save_fits_link(state_bytes: int, rate: float, since_s: float, share: float) -> bool:
+    """Whether a state of `state_bytes`, uploaded at `rate` bytes/s, takes at most `share` of the
+    `since_s` seconds since the last save, or at most STATE_FREE_S: saved states then take at most
+    that share of a link they would load. True with no rate measured yet or a share of 1."""
+    if share >= 1 or rate <= 0:
+        return True
+    upload_s = state_bytes / rate
+    return upload_s <= STATE_FREE_S or upload_s <= share * since_s
+
+
 def latest_key(store: Store, keys: RunKeys, learner: str) -> str | None:
     listed = [k for k in store.list(keys.learner_states_prefix(learner)) if keys.parse_learner_state_key(k)]
     return listed[-1] if listed else None
@@ -286,6 +302,9 @@ class StateSaver(threading.Thread):
         self.saved = 0
         self.failed = 0
         self.last_key: str | None = None
+        self.last_bytes = 0
+        self.last_upload_s = 0.0
+        """The size of the last state saved, and how long its upload took."""
 
     def submit(self, state: LearnerState, landed: Snapshot | None = None) -> None:
         """Save `state`, whose tensors are host copies that may still be on their way from the device
@@ -339,7 +358,9 @@ class StateSaver(threading.Thread):
         data = state.to_body()
         key = self.keys.learner_state(self.learner, self._seq)
         self._seq += 1
+        t0 = time.monotonic()
         self.store.put(key, data, create_only=True)
+        self.last_upload_s, self.last_bytes = time.monotonic() - t0, len(data)
         self.saved, self.last_key = self.saved + 1, key
         log.info("learner %s: state at step %d saved (%.1f MB)", self.learner, state.step, len(data) / 1e6)
         older = list(self.store.list(self.keys.learner_states_prefix(self.learner)))[:-KEEP]

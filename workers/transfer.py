@@ -152,6 +152,8 @@ class TransferStats:
     """Chains of updates that could not be read or did not land on the params (then fetched in full)."""
     fetch_failed: int = 0
     upload_s: float = 0.0
+    put_s: float = 0.0
+    """Seconds in the PUTs of the objects counted in `bytes_uploaded`: what the link carries them at."""
     fetch_s: float = 0.0
     cpu_s: float = 0.0
     """CPU seconds of the uploader's and the fetcher's own threads (encode, error feedback, hash,
@@ -320,7 +322,9 @@ class Uploader(threading.Thread):
             key = (self.keys.genesis_params(self.learner, job.fragment) if job.kind == "genesis"
                    else self.keys.delta(job.fragment, self.learner, self._seq))
             try:
+                t0 = time.monotonic()
                 self.store.put(key, job.blob, create_only=True)
+                self.stats.put_s += time.monotonic() - t0
                 break
             except Conflict:
                 if job.kind == "genesis":

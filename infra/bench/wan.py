@@ -24,7 +24,7 @@ move scales with the parameters too, so the same ratio holds for them: the table
 Arms, on the same links and the same token budget (`--steps` inner steps per learner, M learners,
 learner i on data stream i, every step paced to at least `--step-time-s`):
 
-- decoupled: the coordinator's defaults (P, H, tau, clock cadence, the run's codec);
+- decoupled: the coordinator's defaults (P, H, tau, clock cadence, the run's codec or `--codec`);
 - sync: synchronous DiLoCo through our coordinator (`trial.sync_trial`: one fragment, quorum = all,
   learners wait for every merge), H = the default run's;
 - dp: data-parallel. M processes, one per learner namespace, each trains the demo model on its own
@@ -328,6 +328,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--latency-ms", type=float, default=100.0,
                         help="tbf queue of each link, in ms at its rate (default: %(default)s)")
+    parser.add_argument("--codec", default=None,
+                        help="the decoupled and mixed arms' codec (default: the run's, %s)" % RunSettings().codec)
     parser.add_argument("--sync-every", type=int, default=RunSettings().sync_every,
                         help="H of the sync arm (default: the default run's, %(default)s)")
     parser.add_argument("--target-loss", type=float,
@@ -358,7 +360,8 @@ def _trial(arm: str, args: argparse.Namespace) -> Trial:
     if arm == "sync":
         return sync_trial("wan-sync", learners, args.budget_s, sync_every=args.sync_every,
                           step_time_s=args.step_time_s)
-    return Trial(f"wan-{arm}", learners, args.budget_s, step_time_s=args.step_time_s)  # the defaults
+    extra = () if args.codec is None else ("--codec", args.codec)
+    return Trial(f"wan-{arm}", learners, args.budget_s, extra, step_time_s=args.step_time_s)  # the defaults
 
 
 @contextlib.contextmanager

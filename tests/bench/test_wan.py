@@ -151,3 +151,13 @@ def test_a_real_gloo_run_across_the_links_matches_the_in_process_update(tmp_path
     assert dp.steps == 3
     assert all(up > 3 * wan.ring_bytes(108_288, 2, 4) for up, _ in dp.wire)  # three all-reduces each way
     assert dp.final_eval == pytest.approx(dict(dataparallel.dp_equivalent_curve(task, 2, 3, eval_every=3))[3], rel=1e-4)
+
+
+def test_codec_sets_the_decoupled_and_mixed_arms_and_leaves_sync_at_its_own():
+    parser = argparse.ArgumentParser()
+    wan.add_arguments(parser)
+    args = parser.parse_args(["--codec", "sign8"])
+    assert wan._trial("decoupled", args).run_args == ("--codec", "sign8")
+    assert wan._trial("mixed", args).run_args == ("--codec", "sign8")
+    assert "sign8" not in wan._trial("sync", args).run_args
+    assert wan._trial("decoupled", parser.parse_args([])).run_args == ()  # the run's own

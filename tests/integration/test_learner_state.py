@@ -7,10 +7,9 @@ Real Redis and S3; the coordinator steps in this process.
 
 from __future__ import annotations
 
-import pytest
-
 import logging
 
+import pytest
 import torch
 
 from diloco.coordinator.config import CoordinatorConfig
@@ -82,6 +81,30 @@ def test_a_preempted_learner_resumes_its_optimizer_schedule_step_and_data_where_
     steps(again, opt2, schedule2, position2, 3)  # and it trains on
     assert again.step == 16
     again.finish()
+    coord.close()
+
+
+def test_saved_states_keep_to_their_share_of_the_link_and_the_state_on_sigterm_is_always_saved(endpoints, run_id,
+                                                                                                caplog, monkeypatch):
+    from diloco.workers import state as state_module
+
+    monkeypatch.setattr(state_module, "STATE_FREE_S", 0.0)  # no upload is too quick to ration here
+    coord = make_coordinator(endpoints, run_id)
+    # A share no upload can keep to: every save due is skipped, and said once.
+    thin, opt, schedule, position = make(endpoints, run_id, name="thin", state_every=1, state_link_share=1e-9)
+    start_beside(coord, thin)
+    with caplog.at_level(logging.INFO, logger="diloco.workers.keeper"):
+        steps(thin, opt, schedule, position, 13)
+    assert states(endpoints, run_id, "thin") == [] and thin.keeper.skipped >= 2
+    assert sum("state not saved" in r.getMessage() for r in caplog.records) == 1
+    thin.finish(preempted=True)  # SIGTERM: saved whatever the link
+    assert len(states(endpoints, run_id, "thin")) == 1
+    # No limit: a save at every send of fragment 0.
+    free, opt, schedule, position = make(endpoints, run_id, name="free", state_every=1, state_link_share=1.0)
+    start_beside(coord, free)
+    steps(free, opt, schedule, position, 13)
+    assert free.keeper.skipped == 0 and free.keeper.saver.saved >= 2
+    free.finish()
     coord.close()
 
 

@@ -16,6 +16,8 @@ import torch
 
 from diloco.storage.errors import ConfigError
 from diloco.storage.history import read_manifest
+from diloco.storage.keys import RunKeys
+from diloco.storage.objects import ObjectStore
 from diloco.workers.learner import Learner
 from harness import TINY_RUN, announcements, join, make_coordinator, tiny_learner, train
 
@@ -137,3 +139,24 @@ def _start_and_fail(learner: Learner) -> None:
     except Exception:  # noqa: BLE001 (it gives up waiting for version 0 of fragment 1: it "died")
         return
     raise AssertionError("the first learner joined a run with a fragment nobody proposed")
+
+
+def test_learners_that_start_at_once_upload_one_proposal_of_version_0_and_all_join(endpoints, run_id):
+    """The first learner to claim version 0 proposes it; the others wait for it (a whole model each
+    would otherwise go up over their links, to be superseded)."""
+    coord = make_coordinator(endpoints, run_id)
+    learners = [tiny_learner(endpoints, run_id, f"l{i}")[0] for i in range(3)]
+    threads = [threading.Thread(target=learner.start) for learner in learners]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        coord.step(block_ms=20)
+    assert all(learner.versions == {0: 0, 1: 0} for learner in learners)
+    keys = RunKeys(endpoints.prefix, run_id)
+    proposed = {keys.parse_genesis_key(k)[0] for k in ObjectStore(endpoints).list(keys.root + "genesis/")
+                if not k.endswith("layout.msgpack")}
+    assert len(proposed) == 1
+    assert [learner.stats.uploaded for learner in learners].count(0) == 2  # the others sent nothing
+    for learner in learners:
+        learner.close()
+    coord.close()

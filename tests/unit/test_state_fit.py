@@ -13,8 +13,8 @@ import torch
 from diloco.storage.keys import RunKeys
 from diloco.storage.localdir import DirStore
 from diloco.storage.protocol import pack
-from diloco.workers.state import (LearnerState, StateSaver, _flatten, misfit, pack_tree, tree_body, unpack_tree,
-                                  unpack_user)
+from diloco.workers.state import (LearnerState, StateSaver, _flatten, misfit, pack_tree, save_fits_link, tree_body,
+                                  unpack_tree, unpack_user)
 
 PARAMS = (("w", (4, 3)), ("b", (4,)))
 
@@ -91,3 +91,14 @@ def test_the_saver_lets_go_of_a_state_once_it_is_saved(tmp_path) -> None:  # noq
     finally:
         saver.close()
         saver.join(10.0)
+
+
+def test_a_state_is_saved_only_if_its_upload_keeps_within_its_share_of_the_link():
+    # 1.3 MB at 15.6 kB/s (0.125 Mbit/s) takes 83 s: with a share of 0.1, not before 833 s since the last.
+    assert not save_fits_link(1_300_000, 15_600, since_s=50.0, share=0.1)
+    assert save_fits_link(1_300_000, 15_600, since_s=900.0, share=0.1)
+    assert save_fits_link(1_300_000, 100e6, since_s=1.0, share=0.1)  # a datacenter's link: every time
+    assert save_fits_link(1_300_000, 1e6, since_s=1.0, share=0.1)  # 1.3 s: too quick to ration
+    assert not save_fits_link(1_300_000, 0.5e6, since_s=1.0, share=0.1)  # 2.6 s
+    assert save_fits_link(1_300_000, 0.0, since_s=0.0, share=0.1)  # nothing measured yet
+    assert save_fits_link(1_300_000, 15_600, since_s=1.0, share=1.0)  # no limit
