@@ -127,7 +127,8 @@ def test_a_versions_rows_are_its_manifests_and_its_deltas(history, capsys):
             if len(m.inputs) == 1:
                 seen_single = True
                 assert view["inputs"][0]["cos_merged"] == pytest.approx(1.0, abs=1e-6)
-                assert view["merged_norm"] == pytest.approx(m.inputs[0].weight * view["inputs"][0]["norm"], rel=1e-5)
+                assert view["merged_norm"] == pytest.approx(m.settings.round_scale * m.inputs[0].weight
+                                                            * view["inputs"][0]["norm"], rel=1e-5)
             if len({c.learner for c in m.inputs}) == 2:
                 seen_pair = True
             assert f"fragment {f} version {v} (parent {v - 1}): {len(m.inputs)} input(s)" in out
