@@ -207,24 +207,17 @@ def fastest_plausible(step_times: Sequence[float], ratio: float) -> float | None
 
 
 def usual_fleet(live: frozenset[str], *, arrived: frozenset[str], sent: Container[str], merged: frozenset[str],
-                finished: frozenset[str], newcomers_per_sender: float = 0.0) -> frozenset[str]:
+                finished: frozenset[str]) -> frozenset[str]:
     """The learners a round's usual round counts (`policy.round_step`'s `fleet`): the `live`
     ones that have `sent` pieces (ids that only heartbeat are not counted: a flood of made-up ids
-    would make every round a sliver of a step), the round's own (`arrived`), those that
-    `finished` with pieces `merged` into the fragment, and live learners yet to send their first
-    piece (`live` is the learners the round waited for: newcomers within their patience), up to
-    `newcomers_per_sender` per learner counted before them. Without these, a fragment's first
-    round merged from the one learner whose piece came first was a whole outer step of its delta,
-    and the others' pieces, a round later, another (on thin links, where first pieces trickle in,
-    each fragment's first versions moved it twice as far as a round of the fleet should). A run winding down keeps the usual round of
+    would make every round a sliver of a step), the round's own (`arrived`), and those that
+    `finished` with pieces `merged` into the fragment. A run winding down keeps the usual round of
     the fleet that trained, to its end: the last learners' lone pieces stay their share of it (a
     learner restarted mid-run and training on alone after the others finished moves the model as
     far per step as it did beside them), where counted against the live learners alone the last
     one's would be whole outer steps of one learner's delta. A learner that leaves without
     finishing (preempted, crashed) stops counting once it stops sending: the fleet follows it."""
-    counted = {n for n in live if n in sent} | arrived | (merged & finished)
-    newcomers = sorted(n for n in live - counted if n not in sent)
-    return frozenset(counted | set(newcomers[:int(newcomers_per_sender * len(counted))]))
+    return frozenset({n for n in live if n in sent} | arrived | (merged & finished))
 
 
 FLEET_EVERY_STEP = 256

@@ -566,9 +566,6 @@ def round_step(size: RoundSize, recent: Sequence[RoundSize], fleet: Mapping[str,
     A round without it counts for the others' share of the usual round's steps, by the same
     measure its update's scale does.
 
-    - **A fragment's first round** (no recent rounds) is a whole step of its learners' share of
-      the fleet (`influence.usual_fleet` counts the learners waited for that have not sent yet): one
-      learner's first piece, merged before the others', moved the fragment a whole outer step.
     - **A small round** (one learner of four merged alone, a learner late for the round that
       merged, a last piece at the end of a run) moves the model only as far as the progress it
       carries: its update counts for its learners' share of the fleet, and its step, momentum
@@ -591,15 +588,10 @@ def round_step(size: RoundSize, recent: Sequence[RoundSize], fleet: Mapping[str,
     A round larger than usual (more learners, more steps) takes a whole step, not more. Without
     history (a run's first round) or without token counts the step is whole.
     """
-    fleet = fleet or {}
-    if size.tokens <= 0:
+    if size.tokens <= 0 or not recent:
         return RoundStep(1.0, 1.0)
-    if not recent:  # a fragment's first round: its learners' share of the fleet, a whole step each
-        unit = interval if interval > 0 else 1
-        usual = math.fsum(fleet.values()) + unit * max(0, size.learners - len(fleet))
-        here = math.fsum(fleet.get(n, unit) for n in size.names) if size.names else unit * size.learners
-        return RoundStep(scale=min(1.0, here / usual) if usual > 0 else 1.0, progress=1.0)
     recent = recent[-RECENT_ROUNDS:]
+    fleet = fleet or {}
     usual_learners = max(statistics.median(r.learners for r in recent), len(fleet))
     usual_reach = statistics.median(r.reach for r in recent)
     unit = interval if interval > 0 else 1  # a learner the fleet does not name: a whole one

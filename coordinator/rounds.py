@@ -109,7 +109,7 @@ class Rounds:
         assert frag.params is not None and frag.state is not None
         senders = usual_fleet(s.view.waited - gone, arrived=frozenset(arrived), sent=s.view.last_piece,
                               merged=frozenset(c.learner for r in frag.claims for c in r) | frag.pieces.keys(),
-                              finished=s.view.finished, newcomers_per_sender=s.round_cfg.max_claim_ratio)
+                              finished=s.view.finished)
         while frag.round:
             started = time.monotonic()
             taking = sorted(frag.round, key=lambda c: (c.arrival.arrived_at, c.entry_id))[:cap]

@@ -209,23 +209,6 @@ def test_the_usual_fleet_counts_senders_the_rounds_own_and_the_finished_not_hear
     assert usual_fleet(frozenset({"a"}), arrived=none, sent=sent, merged=merged, finished=finished) == {"a", "b", "old"}
 
 
-def test_a_first_round_counts_the_waited_learners_yet_to_send_a_bounded_number_per_sender() -> None:
-    none: frozenset[str] = frozenset()
-    # The run's first round: one learner's piece came first, three waited for have sent nothing yet.
-    # Counted, the round is a quarter of the fleet's usual round, not a whole one.
-    waited = frozenset({"a", "b", "c", "d"})
-    assert usual_fleet(waited, arrived=frozenset({"a"}), sent={}, merged=none, finished=none,
-                       newcomers_per_sender=4.0) == waited
-    # A flood of made-up ids at a run's start counts at most 4 per learner that sent.
-    flood = waited | {f"x{i}" for i in range(1000)}
-    assert len(usual_fleet(flood, arrived=frozenset({"a"}), sent={}, merged=none, finished=none,
-                           newcomers_per_sender=4.0)) == 5
-    # Learners that sent before and are not in this round count as ever; none yet to send.
-    assert usual_fleet(waited, arrived=frozenset({"a"}), sent={"b": 1.0, "c": 1.0, "d": 1.0}, merged=none,
-                       finished=none, newcomers_per_sender=4.0) == waited
-    assert usual_fleet(waited, arrived=frozenset({"a"}), sent={}, merged=none, finished=none) == {"a"}
-
-
 def normed(learner: str, norm: float, cid: str = "") -> Arrival:
     return replace(piece(learner), contribution_id=cid or f"{learner}-{norm}", norm=norm)
 

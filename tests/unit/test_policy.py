@@ -390,10 +390,6 @@ def test_a_round_smaller_than_usual_steps_by_its_share_and_a_larger_one_takes_a_
     # One learner's last piece alone: its share of the fleet, and only the progress it carries.
     assert round_step(RoundSize(100, 1), usual) == RoundStep(scale=0.25, progress=pytest.approx(0.025))
     assert round_step(RoundSize(1000, 1), []) == RoundStep(1.0, 1.0)  # no history: a run's first round
-    # A fragment's first round with one of the four learners waited for: a whole step of its share.
-    fleet = dict.fromkeys("abcd", 50)
-    assert round_step(RoundSize(1000, 1, names=frozenset("a")), [], fleet, 50) == RoundStep(0.25, 1.0)
-    assert round_step(RoundSize(4000, 4, names=frozenset("abcd")), [], fleet, 50) == RoundStep(1.0, 1.0)
     assert round_step(RoundSize(0, 1), usual) == RoundStep(1.0, 1.0)  # no token counts
 
 
