@@ -54,15 +54,16 @@ class StateKeeper:
         if saver is None:
             return False
         size = saver.last_bytes or self.state_bytes()
-        rates = [b / t for b, t in ((piece_bytes, piece_s), (saver.last_bytes, saver.last_upload_s)) if b and t > 0]
+        rate = max((b / t for b, t in ((piece_bytes, piece_s), (saver.last_bytes, saver.last_upload_s)) if b and t > 0),
+                   default=0.0)
         now = time.monotonic()
-        if save_fits_link(size, max(rates, default=0.0), now - self._last_save, share):
+        if save_fits_link(size, rate, now - self._last_save, share):
             self._last_save = now
             return True
         if not self.skipped:
             log.info("learner %s: state not saved: its %.1f MB would take %.0fs at the %.0f kB/s its uploads go "
                      "up, more than state_link_share %g of the %.0fs since the last save (this is said once)",
-                     self.learner_id, size / 1e6, size / max(rates), max(rates) / 1e3, share, now - self._last_save)
+                     self.learner_id, size / 1e6, size / rate, rate / 1e3, share, now - self._last_save)
         self.skipped += 1
         return False
 

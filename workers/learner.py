@@ -574,6 +574,7 @@ class Learner:
         for thread in threads:  # nothing of a learner that never joined keeps running
             if thread.is_alive():
                 thread.join(timeout=max(0.1, deadline - time.monotonic()))
+        self.replica.copies.close()  # the snapshots' lander, started by reading the model at join on a device
         if getattr(self, "bus", None) is not None:
             leaving = threading.Thread(target=self._leave, args=(None,), name="leave", daemon=True)
             leaving.start()
