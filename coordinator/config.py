@@ -112,6 +112,13 @@ class CoordinatorConfig:
     min_round_s: float = 0.25
     """Clock cadence: the measured round period is never shorter than this (a guard against a
     fleet reporting absurdly short steps; above it, a round is H steps of the fastest learner)."""
+    max_link_share: float = 0.5
+    """Clock cadence: the share of a round period the learners' links may be busy with its pieces and
+    versions (`LearnerStats.link_busy`, the lower median of the learners that train). Over it the
+    round clock stretches, up to MAX_LINK_STRETCH x H steps of the fastest learner: rounds carry
+    more steps and move fewer bytes per second each way (`policy.link_bound_period`). A nearly full
+    link makes pieces late for their round, each then a version of its own for every learner to
+    download, and the fleet falls behind the versions and sends stale pieces. 1: never stretched."""
     consumer: str = "coordinator"
     """Consumer name in the announcements group; a restarted coordinator re-reads its own pending entries."""
     fetch_threads: int = min(8, 2 * usable_cpus())
@@ -192,6 +199,9 @@ class CoordinatorConfig:
             raise ConfigError(f"round_s must be >= 0 seconds (0: H steps of the fastest learner), got {self.round_s}")
         if not self.reach_timeout_s >= 0:
             raise ConfigError(f"reach_timeout_s must be >= 0 seconds, got {self.reach_timeout_s}")
+        if not 0.0 < self.max_link_share <= 1.0:
+            raise ConfigError(f"max_link_share must be in (0, 1] (1: the clock never stretches for the links), "
+                              f"got {self.max_link_share}")
         if not self.min_round_s > 0:
             raise ConfigError(f"min_round_s must be > 0 seconds, got {self.min_round_s}")
         if not 0 < self.gone_after_s <= LEARNERS_FORGOTTEN_S:

@@ -446,6 +446,34 @@ def next_cadence(current: Cadence | None, period_s: float, now: float, num_fragm
     return Cadence(origin=current.next_deadline(0, 1, after=now) - current.period_s, period_s=period_s)
 
 
+MAX_LINK_STRETCH = 4.0
+"""The most the round clock stretches for the learners' links (`link_bound_period`): H steps of the
+fastest learner times this."""
+
+
+def link_bound_period(step_period_s: float, link_round_s: Sequence[float], max_share: float
+                      ) -> tuple[float, float]:
+    """(period, busy_s): the round clock's period for the learners' links, and the seconds of link
+    use per round it follows.
+
+    `link_round_s` are the training learners' `LearnerStats.link_round_s`: the seconds of each
+    round period their links are in use (a round's pieces up, its versions down), about the same
+    under any period. The clock follows their lower median: a minority of thin links are slow
+    learners, whose pieces come late, not the whole fleet's clock; a majority stretch it, and one
+    learner claiming a full link among honest ones cannot. The period is the one that makes that
+    `max_share` of a round, never shorter than `step_period_s` (H steps of the fastest learner)
+    nor longer than MAX_LINK_STRETCH times it. Each round then carries more inner steps (still one
+    outer step: `round_step` counts H of the fastest learner's steps as a whole piece) and its
+    bytes each way are spread over more time. Figures of 0 (none measured) are left out; none
+    left, or `max_share` 1: `step_period_s`.
+    """
+    loads = sorted(b for b in link_round_s if 0.0 < b and math.isfinite(b))
+    if not loads or max_share >= 1.0 or step_period_s <= 0.0:
+        return step_period_s, 0.0
+    busy = statistics.median_low(loads)
+    return min(max(step_period_s, busy / max_share), MAX_LINK_STRETCH * step_period_s), busy
+
+
 RECENT_ROUNDS = 8
 """How many of a fragment's last rounds `round_step` takes the usual round's size from."""
 MAX_REACH = 2.0

@@ -30,7 +30,7 @@ from diloco.coordinator.influence import fastest_plausible
 from diloco.coordinator.intake import Intake
 from diloco.coordinator.leadership import Fenced, Leadership
 from diloco.coordinator.metrics import Metrics
-from diloco.coordinator.policy import RoundConfig, budget_spent, next_cadence, run_end
+from diloco.coordinator.policy import RoundConfig, budget_spent, link_bound_period, next_cadence, run_end
 from diloco.coordinator.recovery import Recovery
 from diloco.coordinator.rounds import Rounds
 from diloco.coordinator.state import Fragment, ShardState
@@ -379,27 +379,32 @@ class Coordinator:
         return max(0, min(1000, int((min(wakes) - self.now()) * 1000)))
 
     def _tend_cadence(self) -> None:
-        """Publish the round clock: a fixed period, or H steps of the fastest live learner (re-set
-        by `next_cadence` only when that moves by more than 30% slower or 10% faster, keeping the phase)."""
+        """Publish the round clock: a fixed period, or H steps of the fastest live learner, stretched
+        when the learners' links cannot carry a round in `max_link_share` of it (`link_bound_period`);
+        re-set by `next_cadence` only when that moves by more than 30% slower or 10% faster, keeping
+        the phase."""
         self._last_cadence_check = time.monotonic()
         self.state.clock_offset_s = self.bus.server_time() - time.time()
-        period = self.config.round_s
+        period, busy = self.config.round_s, 0.0
         if period <= 0:
             names = self.view.clock_sample(CLOCK_SAMPLE)
-            steps = [s.step_time_s for s in self.bus.learner_stats(names).values() if s.step_time_s > 0]
-            if not steps:
-                return
-            fastest = fastest_plausible(steps, self.round_cfg.max_claim_ratio)
+            training = [s for s in self.bus.learner_stats(names).values() if s.step_time_s > 0]
+            fastest = fastest_plausible([s.step_time_s for s in training], self.round_cfg.max_claim_ratio)
             if fastest is None:
                 return
-            period = max(self.config.min_round_s, self.spec.sync_every * fastest)
+            steps_period = max(self.config.min_round_s, self.spec.sync_every * fastest)
+            period, busy = link_bound_period(steps_period, [s.link_round_s for s in training],
+                                             self.config.max_link_share)
         cadence = next_cadence(self.cadence, period, self.now(), self.spec.num_fragments)
         if cadence is None:
             return
         self.state.cadence = cadence
         self.bus.set_cadence(cadence)
         log.info("round clock: a round every %.2fs per fragment (%s)", period,
-                 "fixed" if self.config.round_s > 0 else f"{self.spec.sync_every} steps of the fastest learner")
+                 "fixed" if self.config.round_s > 0 else
+                 f"{self.spec.sync_every} steps of the fastest learner" + (
+                     f", stretched {period / steps_period:.2f}x: the learners' links are busy {busy:.2f}s a round, "
+                     f"at most max_link_share {self.config.max_link_share:g} of it" if period > steps_period else ""))
 
 
 CLOCK_SAMPLE = 256

@@ -38,6 +38,7 @@ from botocore.config import Config
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
+from diloco.storage.linkuse import LinkUse
 from diloco.storage.settings import Endpoints
 
 log = logging.getLogger(__name__)
@@ -267,6 +268,8 @@ class ObjectStore:
         self._counting = threading.Lock()
         self.bytes_read = 0
         """Bytes of every object body this store has returned from `get` (a learner's bytes down)."""
+        self.link = LinkUse()
+        """The seconds its PUTs (up) and GETs (down) kept the link in use (`storage.linkuse`)."""
 
     def url(self, key: str) -> str:
         """Where `key` is, for messages."""
@@ -308,7 +311,7 @@ class ObjectStore:
             raise self._unavailable(op, key, exc) from exc
 
     def put(self, key: str, data: bytes | Body, *, create_only: bool = True) -> None:
-        with self._errors("PUT", key):
+        with self.link.busy("up"), self._errors("PUT", key):
             try:
                 if len(data) <= self.multipart_threshold:
                     self._put(key, data, create_only)
@@ -468,7 +471,7 @@ class ObjectStore:
     def _reading(self, key: str) -> Iterator[None]:
         """A GET's errors as `get` raises them: ObjectMissing, ObjectUnreadable (S3 refuses it for
         good), StorageUnavailable (transient past the retries)."""
-        with self._errors("GET", key):
+        with self.link.busy("down"), self._errors("GET", key):
             try:
                 yield
             except bexc.ClientError as exc:

@@ -772,6 +772,9 @@ class LearnerStats(Record):
     """CPU seconds of the learner's transfer threads (`TransferStats.cpu_s`)."""
     wall_s: float = 0.0
     """Wall time since the end of the first step."""
+    link_round_s: float = 0.0
+    """Seconds of each round period its S3 transfers keep its link's busier direction in use
+    (`storage.linkuse`; 0: not measured). The round clock stretches for it (`max_link_share`)."""
     pid: int = 0
     """Of the learner's process, for a person looking at the machine."""
     incarnation: str = ""
@@ -786,7 +789,7 @@ class LearnerStats(Record):
         for name, value in counts.items():
             _require(value >= 0, f"{name} must be >= 0, got {value}")
         for name, value in {"step_time_s": self.step_time_s, "sync_s": self.sync_s, "wall_s": self.wall_s,
-                            "background_cpu_s": self.background_cpu_s}.items():
+                            "background_cpu_s": self.background_cpu_s, "link_round_s": self.link_round_s}.items():
             _require(math.isfinite(value) and value >= 0.0, f"{name} must be a finite number >= 0, got {value}")
         _require(len(self.incarnation) <= 64, "incarnation longer than 64 characters")
 

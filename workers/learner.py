@@ -56,6 +56,7 @@ from diloco.storage.errors import ConfigError, DilocoError, RunFinished, Storage
 from diloco.storage.global_model import Which, read_global
 from diloco.storage.history import read_layout, read_manifest, read_params, read_run_end, read_run_spec
 from diloco.storage.keys import RunKeys
+from diloco.storage.linkuse import LINK_WINDOW_S, LinkLoad
 from diloco.storage.names import model_names, run_parameters
 from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import Layout, LearnerFinished, LearnerLeft, LearnerStats, RunEnd, check_id
@@ -303,6 +304,7 @@ class Learner:
         self._last_step_at: float | None = None
         self._merge_wait_s = 0.0  # with wait_for_merge: time the last hook waited for versions, not a step's
         self._cadence = None
+        self._link_load = LinkLoad()  # how busy its link to S3 is, for its heartbeats (`storage.linkuse`)
         self._clock_offset_s = 0.0  # Redis server time - local time
         self._last_boundary: float | None = None  # the previous step's end, on the cadence clock
         self._hook = None
@@ -1010,8 +1012,12 @@ class Learner:
     def progress(self) -> LearnerStats:
         """What the next heartbeat reports."""
         store = getattr(self, "store", None)
+        link = 0.0
         if store is not None:
             self.stats.bytes_downloaded = store.bytes_read
+            period = self._cadence.period_s if self._cadence is not None else 0.0
+            link = self._link_load.update(time.monotonic(), store.link.busy_s(), period,
+                                          max(LINK_WINDOW_S, 2 * period))
         return LearnerStats(learner=self.learner_id, step=self.step, tokens=self.tokens,
                             loss=math.nan if (loss := self.last_loss) is None else loss,
                             step_time_s=self._step_time_s, adopted=self.adopted,
@@ -1020,7 +1026,7 @@ class Learner:
                             bytes_downloaded=self.stats.bytes_downloaded, bytes_joined=self.stats.bytes_joined,
                             sync_s=self.sync_s, background_cpu_s=self.transfer_cpu_s,
                             wall_s=0.0 if self.started_at is None else time.monotonic() - self.started_at,
-                            pid=os.getpid(), incarnation=self._incarnation)
+                            link_round_s=link, pid=os.getpid(), incarnation=self._incarnation)
 
     _incarnation = uuid.uuid4().hex[:8]
 

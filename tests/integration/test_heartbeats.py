@@ -15,6 +15,7 @@ import pytest
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.service import Coordinator
 from diloco.storage.bus import Bus
+from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import SCHEMA_VERSION, LearnerStats
 
 
@@ -63,3 +64,35 @@ def test_junk_stats_rewritten_again_and_again_are_warned_of_once_each_and_not_ke
     finally:
         bus.close()
 
+
+
+def test_the_clock_stretches_for_links_most_learners_report_full_and_not_for_one(endpoints, run_id, caplog):
+    """Learners whose links are busy 0.16 s of each round at the default max_link_share 0.5 get
+    rounds of 0.32 s, not H steps of the fastest learner's 0.2; one learner of three claiming a
+    full link moves nothing."""
+    settings = RunSettings(num_fragments=2, sync_every=10, cadence="clock")
+    coord = Coordinator(endpoints, run_id, settings=settings, config=CoordinatorConfig(min_round_s=0.05))
+    bus = coord.bus
+    try:
+        for name, busy in (("a", 0.02), ("b", 0.02), ("c", 100.0)):
+            bus.heartbeat(name, 30.0, LearnerStats(learner=name, step=7, step_time_s=0.02, link_round_s=busy))
+        coord.step()
+        assert bus.cadence().period_s == pytest.approx(10 * 0.02)
+        for name in ("a", "b"):
+            bus.heartbeat(name, 30.0, LearnerStats(learner=name, step=9, step_time_s=0.02, link_round_s=0.16))
+        with caplog.at_level(logging.INFO, logger="diloco.coordinator.service"):
+            coord._tend_cadence()
+        assert bus.cadence().period_s == pytest.approx(0.32)
+        assert "stretched 1.60x: the learners' links are busy 0.16s a round, at most max_link_share 0.5" in caplog.text
+    finally:
+        coord.close()
+
+
+def test_a_store_counts_the_time_its_transfers_keep_the_link_busy(endpoints, run_id):
+    store = ObjectStore(endpoints)
+    assert store.link.busy_s() == (0.0, 0.0)
+    store.put(f"{run_id}/linkuse", b"x" * 100_000)
+    up, down = store.link.busy_s()
+    assert up > 0.0 and down == 0.0
+    assert store.get(f"{run_id}/linkuse", max_bytes=1 << 20) == b"x" * 100_000
+    assert store.link.busy_s()[0] == up and store.link.busy_s()[1] > 0.0

@@ -8,8 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from diloco.coordinator.policy import (FIRST_DEADLINE_LEAD_S, STILL_PROGRESS, Arrival, Decision, RoundConfig, RoundSize,
-                                       RoundState, RoundStep, decide_round, merge_order, merge_weights, next_cadence,
+from diloco.coordinator.policy import (FIRST_DEADLINE_LEAD_S, MAX_LINK_STRETCH, STILL_PROGRESS, Arrival, Decision, RoundConfig, RoundSize,
+                                       RoundState, RoundStep, decide_round, link_bound_period, merge_order,
+                                       merge_weights, next_cadence,
                                        quorum_target, round_size, round_step, run_end, staleness_verdict,
                                        usual_pieces)
 from diloco.storage.errors import ConfigError
@@ -360,6 +361,19 @@ def test_the_round_clock_is_re_set_only_on_a_large_change_and_keeps_its_phase() 
     # Faster by 15%: a clock running slow would make every round carry more than H steps of the
     # fastest learner (fewer outer steps in the run), so it follows.
     assert next_cadence(first, 4.0 * 0.85, now=1009.5) == Cadence(origin=1006.0, period_s=3.4)
+
+
+def test_the_round_clock_stretches_when_most_learners_links_are_over_their_share() -> None:
+    """Links busy 4 s of each round at 0.5 allowed: rounds of 8 s, not H steps' 5 (the same bytes
+    over more time). A minority of full links are slow learners, not the fleet's clock; none
+    measured, or a share of 1, leaves H steps of the fastest learner."""
+    assert link_bound_period(5.0, [4.0, 4.0, 3.75, 4.5], 0.5) == (8.0, 4.0)
+    assert link_bound_period(5.0, [0.5, 0.5, 20.0], 0.5) == (5.0, 0.5)  # one full link among three
+    assert link_bound_period(5.0, [1.5, 1.0], 0.5) == (5.0, 1.0)  # under the share: H steps
+    assert link_bound_period(5.0, [60.0, 60.0], 0.5)[0] == 5.0 * MAX_LINK_STRETCH  # bounded
+    assert link_bound_period(5.0, [], 0.5) == (5.0, 0.0)
+    assert link_bound_period(5.0, [0.0, 0.0, float("nan")], 0.5) == (5.0, 0.0)
+    assert link_bound_period(5.0, [4.5, 4.5], 1.0) == (5.0, 0.0)
 
 
 def test_a_first_clock_leaves_learners_time_to_read_it_before_any_deadline() -> None:

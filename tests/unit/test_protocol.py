@@ -117,6 +117,8 @@ def test_invalid_run_spec_is_refused():
     (dict(tokens=1.5), "tokens: expected an integer"),
     (dict(learner="../other"), "learner id"),
     (dict(mood="sunny"), "unknown fields ['mood']"),
+    (dict(link_round_s=-1.0), "link_round_s must be a finite number >= 0"),
+    (dict(link_round_s=float("nan")), "link_round_s must be a finite number >= 0"),
 ])
 def test_learner_stats_that_are_not_what_a_learner_writes_are_refused(over, says):
     """A heartbeat's stats are read by the coordinator (the round clock) and by people: a learner
