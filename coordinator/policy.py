@@ -75,6 +75,10 @@ class RoundConfig:
     """Contributions whose base version is more than this many versions behind the head are refused."""
     staleness_discount: bool = True
     """Scale the weight of an accepted stale contribution by 1/(1+staleness)."""
+    staleness_relative: bool = True
+    """With the discount: the round's weights sum to what they would at the round's own median
+    staleness (`merge_weights`), so that stale pieces among fresh ones take less of a round that
+    moves as far as a fresh one. False: every stale piece shrinks the round (manifests before it)."""
     max_claim_ratio: float = 4.0
     """How far one learner's claims may stray from the other learners' median (`coordinator.influence`):
     a learner's pieces in a round count at most this many times their median tokens and merge
@@ -362,8 +366,14 @@ def merge_weights(arrivals: Sequence[Arrival], head_version: int, cfg: RoundConf
     a learner that claims fewer steps than it trained from weighing more than an honest one.
 
     With `cfg.staleness_discount`, a piece computed against a version `s` behind the head is also
-    scaled by 1/(1+s): a stale update is shrunk, not renormalized away. The caller refuses
-    contributions with `staleness_verdict` first; this function does not drop any.
+    scaled by 1/(1+s): a stale update is shrunk, not renormalized away. **Relative to the round**
+    (`cfg.staleness_relative`): the weights are then scaled, all by one factor, to sum to what they
+    would if every piece were as stale as the round's median piece (the lower median). A round
+    whose pieces are all s stale shrinks by 1/(1+s) as before; one where two learners of four on
+    thin links send pieces a version stale (their versions come late) moves as far as a fresh
+    round, those pieces taking half a fresh one's share of it, where the absolute discount made
+    every such round 3/4 of a step: a fleet with slow links fell behind one without them. The
+    caller refuses contributions with `staleness_verdict` first; this function does not drop any.
 
     Deterministic, and independent of input order: group totals are exactly rounded sums
     (math.fsum), so a permutation yields the same bits per arrival.
@@ -384,10 +394,14 @@ def merge_weights(arrivals: Sequence[Arrival], head_version: int, cfg: RoundConf
         group = {g: math.fsum(steps[g]) for g in steps}
     total = math.fsum(group.values())
     raised = at_rate(group, usual or {}, rate_steps)
-    weights = []
-    for a in arrivals:
-        w = raised[a.learner] / total
-        weights.append(w / (1 + head_version - a.base_version) if cfg.staleness_discount else w)
+    plain = [raised[a.learner] / total for a in arrivals]
+    if not cfg.staleness_discount:
+        return plain
+    weights = [w / (1 + head_version - a.base_version) for w, a in zip(plain, arrivals, strict=True)]
+    if cfg.staleness_relative:
+        typical = statistics.median_low(head_version - a.base_version for a in arrivals)
+        factor = math.fsum(plain) / (1 + typical) / math.fsum(weights)
+        weights = [w * factor for w in weights]
     return weights
 
 

@@ -77,7 +77,8 @@ def recomputed_weights(inputs: Sequence[Contribution], parent_version: int, sett
     rate): a manifest's own inputs (to check its weights, or to re-weight them in a what-if), or some
     of them (what the coordinator would have merged without a learner).
     Raises ValueError as merge_weights does."""
-    cfg = dataclasses.replace(RoundConfig(), staleness_discount=settings.staleness_discount)
+    cfg = dataclasses.replace(RoundConfig(), staleness_discount=settings.staleness_discount,
+                              staleness_relative=settings.staleness_relative)
     usual = {c.learner: c.usual for c in inputs if c.usual > 0}
     weights = merge_weights([_arrival(c) for c in inputs], parent_version, cfg, usual, settings.rate_steps)
     # Each times the factor its learner's pieces were scaled by (`influence.clip_norms`, recorded):

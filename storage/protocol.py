@@ -496,6 +496,9 @@ class VersionSettings(Record):
     """How inputs are weighed (`coordinator.policy.merge_weights`), for a person."""
     staleness_discount: bool = True
     """Weights discount stale inputs."""
+    staleness_relative: bool = False
+    """The discount is relative to the round's median staleness (`merge_weights`); False in
+    manifests written before it."""
     rate_steps: int = 0
     """The usual piece of the fleet's fastest learner, in inner steps: a slower learner's weight is
     raised by this over its own (`Contribution.usual`), at most to the heaviest other's

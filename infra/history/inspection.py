@@ -23,7 +23,8 @@ from diloco.storage.errors import Refused
 from diloco.storage.objects import ObjectMissing
 from diloco.storage.protocol import Manifest, VersionSettings
 
-SETTINGS_SHOWN = ("merge", "outer_lr", "outer_momentum", "min_quorum", "max_staleness", "staleness_discount")
+SETTINGS_SHOWN = ("merge", "outer_lr", "outer_momentum", "min_quorum", "max_staleness", "staleness_discount",
+                  "staleness_relative")
 """The manifest settings that shape a merge, shown in the headers."""
 
 
@@ -241,7 +242,8 @@ class RunView:
             st = entry["settings"]
             lines.append(f"merged with {st['merge']}, outer lr {st['outer_lr']}, momentum {st['outer_momentum']}, "
                          f"min_quorum {st['min_quorum']}, max_staleness {st['max_staleness']}, staleness discount "
-                         f"{'on' if st['staleness_discount'] else 'off'} ({entry['versions']} version(s))")
+                         f"{('relative' if st['staleness_relative'] else 'on') if st['staleness_discount'] else 'off'} "
+                         f"({entry['versions']} version(s))")
         rows = []
         for ls in self._sorted():
             j = ls.to_json()

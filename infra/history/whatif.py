@@ -90,6 +90,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Scalar]]] = {
     "outer_momentum": ("a number in [0, 1)", _momentum),
     "merge": (" or ".join(MERGES), _merge),
     "staleness_discount": ("true or false", _boolean),
+    "staleness_relative": ("true or false", _boolean),
     "rate_steps": ("an integer >= 0; 0: slow learners are not raised to the fleet's rate", _steps),
 }
 """Manifest settings the merge and the outer step are configured by (`outer.apply_round`,

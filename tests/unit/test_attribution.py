@@ -119,8 +119,11 @@ def test_weights_without_a_learner_are_what_merge_weights_gives_the_rest():
     inputs = [contribution("a", tokens=40), contribution("b", tokens=80, steps=8), contribution("c", base=3)]
     kept, weights = weights_without(inputs, "b", parent_version=4, settings=SETTINGS)
     assert kept == [0, 2]
-    # a and c weigh the same (40 tokens / 4 steps); c is one version stale: 1/(1+1) with the discount.
-    assert weights == pytest.approx([0.5, 0.25])
+    # a and c weigh the same (40 tokens / 4 steps); c is one version stale: 1/(1+1) of a's share
+    # with the discount, of a round that moves as far as at its median staleness, 0 (the lower).
+    assert weights == pytest.approx([2 / 3, 1 / 3])
+    _, absolute = weights_without(inputs, "b", 4, dataclasses.replace(SETTINGS, staleness_relative=False))
+    assert absolute == pytest.approx([0.5, 0.25])
     _, undiscounted = weights_without(inputs, "b", 4, dataclasses.replace(SETTINGS, staleness_discount=False))
     assert undiscounted == pytest.approx([0.5, 0.5])
     with pytest.raises(ValueError, match="no inputs other than"):

@@ -214,11 +214,31 @@ def test_token_weighting_by_hand() -> None:
     assert merge_weights(arrivals[:2], HEAD, NO_DISCOUNT) == pytest.approx([0.8, 0.2])
 
 
+ABSOLUTE = RoundConfig(staleness_relative=False)
+
+
 def test_staleness_discount_divides_by_one_plus_staleness() -> None:
     arrivals = [arrival("a", 1.0), arrival("b", 2.0, base=HEAD - 1), arrival("c", 3.0, base=HEAD - 3)]
     # equal learner shares of 1/3, shrunk by 1, 1/2, 1/4: stale updates are not renormalized away
-    assert merge_weights(arrivals, HEAD, RoundConfig()) == pytest.approx([1 / 3, 1 / 6, 1 / 12])
+    assert merge_weights(arrivals, HEAD, ABSOLUTE) == pytest.approx([1 / 3, 1 / 6, 1 / 12])
     assert merge_weights(arrivals, HEAD, NO_DISCOUNT) == pytest.approx([1 / 3] * 3)
+    # Relative to the round: the same shares, summing to a round at its median staleness (1): 1/2.
+    assert merge_weights(arrivals, HEAD, RoundConfig()) == pytest.approx([2 / 7, 1 / 7, 1 / 14])
+
+
+def test_stale_pieces_among_fresh_ones_take_less_of_a_whole_round() -> None:
+    """Two learners of four on thin links send pieces a version stale: the round moves as far as a
+    fresh one, theirs half a fresh piece's share of it; absolute, every such round was 3/4 of one.
+    A round all of one staleness, or a lone stale piece, shrinks by it either way."""
+    thin = [arrival("a", 1.0), arrival("b", 2.0), arrival("c", 3.0, base=HEAD - 1), arrival("d", 4.0, base=HEAD - 1)]
+    assert merge_weights(thin, HEAD, RoundConfig()) == pytest.approx([1 / 3, 1 / 3, 1 / 6, 1 / 6])
+    assert math.fsum(merge_weights(thin, HEAD, ABSOLUTE)) == pytest.approx(0.75)
+    stale = [arrival(n, float(i), base=HEAD - 2) for i, n in enumerate("abcd")]
+    assert merge_weights(stale, HEAD, RoundConfig()) == pytest.approx([1 / 12] * 4)
+    assert merge_weights(stale[:1], HEAD, RoundConfig()) == merge_weights(stale[:1], HEAD, ABSOLUTE) == [1 / 3]
+    # Mostly stale: the round is as stale as most of it (the lower median of 0, 2, 2).
+    most = [arrival("a", 1.0), *stale[1:3]]
+    assert merge_weights(most, HEAD, RoundConfig()) == pytest.approx([1 / 5, 1 / 15, 1 / 15])
 
 
 def test_weights_are_normalized_and_per_learner_independent_of_order() -> None:
@@ -288,7 +308,7 @@ def test_the_fleets_rate_raises_a_learner_at_most_to_the_heaviest_other() -> Non
     assert merge_weights(_round(), HEAD, NO_DISCOUNT, {}, 50) == merge_weights(_round(), HEAD, NO_DISCOUNT)
     # The discount still shrinks a stale piece after the raise.
     stale = [*_round()[:3], arrival("slow", 9.0, tokens=1000, steps=10, base=HEAD - 1)]
-    assert merge_weights(stale, HEAD, RoundConfig(), USUAL, 50)[3] == pytest.approx(50 / 160 / 2)
+    assert merge_weights(stale, HEAD, ABSOLUTE, USUAL, 50)[3] == pytest.approx(50 / 160 / 2)
 
 
 @pytest.mark.parametrize("bad", [

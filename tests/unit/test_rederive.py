@@ -72,8 +72,12 @@ def test_a_version_rederives_bit_exact(radial, rate):
 def test_the_fleets_rate_is_replayed_from_the_recorded_usual_pieces():
     manifest, deltas, parent, state = a_version(rate=9)
     plain, _, _, _ = a_version()
-    # b's 8 steps in two pieces weigh 80*80/8 = 800 against a's 900: raised by 9/4, capped at a's.
-    assert [round(c.weight / p.weight, 6) for c, p in zip(manifest.inputs, plain.inputs)] == [1.0, 1.125, 1.125]
+    # b's 8 steps in two pieces weigh 80*80/8 = 800 against a's 900: raised by 9/4, capped at a's
+    # (each against a's: the round's weights are then scaled together, `staleness_relative`).
+    def against_a(m: Manifest) -> list[float]:
+        return [c.weight / m.inputs[0].weight for c in m.inputs]
+
+    assert [round(r / p, 6) for r, p in zip(against_a(manifest), against_a(plain))] == [1.0, 1.125, 1.125]
 
     def problems(m: Manifest) -> list[str]:
         return [p.code for p in rederive(m, KEYS, deltas, parent_params=parent, parent_state=state).problems]
@@ -81,9 +85,10 @@ def test_the_fleets_rate_is_replayed_from_the_recorded_usual_pieces():
     other = tuple(dataclasses.replace(c, usual=8 if c.learner == "b" else c.usual) for c in manifest.inputs)
     assert problems(dataclasses.replace(manifest, inputs=other)) == []  # 9/8 of 800 is still a's 900
     other = tuple(dataclasses.replace(c, usual=9) for c in manifest.inputs)
-    assert problems(dataclasses.replace(manifest, inputs=other)) == ["weights", "weights"]  # b's two, not raised
+    # b's two, not raised, and with them a's: a round's weights are scaled together (`staleness_relative`)
+    assert problems(dataclasses.replace(manifest, inputs=other)) == ["weights"] * 3
     slower = dataclasses.replace(manifest, settings=dataclasses.replace(manifest.settings, rate_steps=4))
-    assert problems(slower) == ["weights", "weights"]  # b is at a rate of 4: not raised
+    assert problems(slower) == ["weights"] * 3  # b is at a rate of 4: not raised
 
 
 def test_each_kind_of_difference_is_named():
