@@ -114,7 +114,7 @@ class CoordinatorConfig:
     fleet reporting absurdly short steps; above it, a round is H steps of the fastest learner)."""
     max_link_share: float = 0.5
     """Clock cadence: the share of a round period the learners' links may be busy with its pieces and
-    versions (`LearnerStats.link_busy`, the lower median of the learners that train). Over it the
+    versions (`LearnerStats.link_round_s`, the lower median of the learners that train). Over it the
     round clock stretches, up to MAX_LINK_STRETCH x H steps of the fastest learner: rounds carry
     more steps and move fewer bytes per second each way (`policy.link_bound_period`). A nearly full
     link makes pieces late for their round, each then a version of its own for every learner to

@@ -481,7 +481,7 @@ def link_bound_period(step_period_s: float, link_round_s: Sequence[float], max_s
     bytes each way are spread over more time. Figures of 0 (none measured) are left out; none
     left, or `max_share` 1: `step_period_s`.
     """
-    loads = sorted(b for b in link_round_s if 0.0 < b and math.isfinite(b))
+    loads = [b for b in link_round_s if 0.0 < b and math.isfinite(b)]
     if not loads or max_share >= 1.0 or step_period_s <= 0.0:
         return step_period_s, 0.0
     busy = statistics.median_low(loads)

@@ -385,7 +385,7 @@ class Coordinator:
         the phase."""
         self._last_cadence_check = time.monotonic()
         self.state.clock_offset_s = self.bus.server_time() - time.time()
-        period, busy = self.config.round_s, 0.0
+        period, why = self.config.round_s, "fixed"
         if period <= 0:
             names = self.view.clock_sample(CLOCK_SAMPLE)
             training = [s for s in self.bus.learner_stats(names).values() if s.step_time_s > 0]
@@ -395,16 +395,16 @@ class Coordinator:
             steps_period = max(self.config.min_round_s, self.spec.sync_every * fastest)
             period, busy = link_bound_period(steps_period, [s.link_round_s for s in training],
                                              self.config.max_link_share)
+            why = f"{self.spec.sync_every} steps of the fastest learner"
+            if period > steps_period:
+                why += (f", stretched {period / steps_period:.2f}x: the learners' links are busy {busy:.2f}s a "
+                        f"round, at most max_link_share {self.config.max_link_share:g} of it")
         cadence = next_cadence(self.cadence, period, self.now(), self.spec.num_fragments)
         if cadence is None:
             return
         self.state.cadence = cadence
         self.bus.set_cadence(cadence)
-        log.info("round clock: a round every %.2fs per fragment (%s)", period,
-                 "fixed" if self.config.round_s > 0 else
-                 f"{self.spec.sync_every} steps of the fastest learner" + (
-                     f", stretched {period / steps_period:.2f}x: the learners' links are busy {busy:.2f}s a round, "
-                     f"at most max_link_share {self.config.max_link_share:g} of it" if period > steps_period else ""))
+        log.info("round clock: a round every %.2fs per fragment (%s)", period, why)
 
 
 CLOCK_SAMPLE = 256

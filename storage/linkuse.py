@@ -31,7 +31,6 @@ class LinkUse:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self._last = 0.0
         self._active = dict.fromkeys(DIRECTIONS, 0)
         self._since = dict.fromkeys(DIRECTIONS, 0.0)
         self._busy = dict.fromkeys(DIRECTIONS, 0.0)
@@ -70,6 +69,7 @@ class LinkLoad:
     def __init__(self) -> None:
         self._samples: deque[tuple[float, tuple[float, float], float]] = deque()
         self._lock = threading.Lock()
+        self._last = 0.0
 
     def update(self, now: float, busy_s: tuple[float, float], period_s: float, window_s: float) -> float:
         """Add the sample (`now`, `busy_s`, `period_s`: the round period since the last sample) and
@@ -81,11 +81,11 @@ class LinkLoad:
             self._samples.append((now, busy_s, period_s))
             while len(self._samples) > 2 and self._samples[1][0] <= now - window_s:
                 self._samples.popleft()
-            samples = list(self._samples)
-        t0, first, _ = samples[0]
-        if now <= t0:
-            return 0.0
-        share = min(1.0, max(0.0, *((b - a) / (now - t0) for a, b in zip(first, busy_s, strict=True))))
-        spans = [(t - before[0], p) for before, (t, _, p) in zip(samples, samples[1:])]
-        self._last = share * sum(dt * p for dt, p in spans) / (now - t0)
-        return self._last
+            t0, first, _ = self._samples[0]
+            if now <= t0:
+                return 0.0
+            share = min(1.0, max(0.0, *((b - a) / (now - t0) for a, b in zip(first, busy_s, strict=True))))
+            later = list(self._samples)[1:]
+            spans = [(t - before[0], p) for before, (t, _, p) in zip(self._samples, later)]
+            self._last = share * sum(dt * p for dt, p in spans) / (now - t0)
+            return self._last

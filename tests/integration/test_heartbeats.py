@@ -65,7 +65,6 @@ def test_junk_stats_rewritten_again_and_again_are_warned_of_once_each_and_not_ke
         bus.close()
 
 
-
 def test_the_clock_stretches_for_links_most_learners_report_full_and_not_for_one(endpoints, run_id, caplog):
     """Learners whose links are busy 0.16 s of each round at the default max_link_share 0.5 get
     rounds of 0.32 s, not H steps of the fastest learner's 0.2; one learner of three claiming a

@@ -53,3 +53,14 @@ def test_the_load_is_the_busier_direction_s_share_of_the_window_times_its_rounds
     assert load.update(40.0, (17.0, 5.0), 10.0, 20.0) == pytest.approx(0.5 * 10.0)  # from the sample at 20
     assert load.update(41.0, (18.0, 5.0), 0.0, 20.0) <= 10.0
     assert LinkLoad().update(3.0, (1.0, 1.0), 0.0, 10.0) == 0.0  # no clock: not measured
+
+
+def test_a_sample_older_than_the_last_one_gives_the_last_figure_and_is_not_kept() -> None:
+    """The heartbeat and the loss recorder both sample it: one may read the clock first and add its
+    sample second."""
+    load = LinkLoad()
+    assert load.update(5.0, (0.0, 0.0), 5.0, 10.0) == 0.0
+    assert load.update(4.0, (0.0, 0.0), 5.0, 10.0) == 0.0  # before any figure: none
+    assert load.update(10.0, (2.0, 1.0), 5.0, 10.0) == pytest.approx(2.0)  # up: 2 s of 5
+    assert load.update(9.0, (1.5, 1.0), 5.0, 10.0) == pytest.approx(2.0)
+    assert load.update(15.0, (4.0, 1.0), 5.0, 10.0) == pytest.approx(2.0)  # 4 s of 10: the sample at 9 was not kept
