@@ -29,6 +29,7 @@ import importlib.util
 import json
 import logging
 import os
+import random
 import re
 import secrets
 import shutil
@@ -55,6 +56,8 @@ from diloco.storage.settings import Endpoints, redact_url
 log = logging.getLogger(__name__)
 
 STATE_FILE = "stack.json"
+PORT_CLASH_TRIES = 3
+"""How many times `LocalStack.start_s3` starts the S3 server when its inner ports were taken."""
 _FATAL = re.compile(r"^F\d{4} |^panic:|FATAL|Could not|already in use")
 START_TIMEOUT_S = 60.0
 REGION = "us-east-1"
@@ -69,15 +72,46 @@ class StackError(DilocoError):
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct ports that were free on 127.0.0.1 a moment ago (bound together, then released)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    """`n` distinct ports that were free on 127.0.0.1 a moment ago (bound together, then released).
+
+    They are drawn below the kernel's ephemeral range where there is room: a port released there
+    can be taken at once by any outgoing connection's local end (a test's clients make thousands),
+    and a server started on it a moment later then fails with "address already in use"."""
+    socks: list[socket.socket] = []
     try:
-        for s in socks:
+        for port in _listen_candidates():
+            if len(socks) == n:
+                break
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:  # no room below the ephemeral range: the kernel's choice
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind(("127.0.0.1", 0))
+            socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+_LISTEN_FLOOR = 10000
+"""The lowest port `free_ports` draws from (below: well-known and registered services)."""
+
+
+def _listen_candidates(tries: int = 200) -> list[int]:
+    """Up to `tries` random ports between `_LISTEN_FLOOR` and the ephemeral range's start."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default; macOS's range starts at 49152
+    if low - _LISTEN_FLOOR < 1000:
+        return []
+    return [random.randrange(_LISTEN_FLOOR, low) for _ in range(tries)]
 
 
 def _redis_servers() -> list[str]:
@@ -446,9 +480,45 @@ class LocalStack:
     # -- S3 -------------------------------------------------------------------------------------
 
     def start_s3(self) -> None:
-        """Start the S3 server on its port (no-op if it runs); wait until a signed ListBuckets succeeds."""
+        """Start the S3 server on its port (no-op if it runs); wait until a signed ListBuckets succeeds.
+
+        If it exits because a port of its own (not the S3 port: that one is the endpoint) was taken
+        between `free_ports` and its start, it starts again on new ones, at most `PORT_CLASH_TRIES`
+        times in all."""
         if self.s3_server is not None and self.s3_server.alive():
             return
+        for attempt in range(1, PORT_CLASH_TRIES + 1):
+            log_path = self.data_dir / "s3" / f"{self.s3_kind}.log"
+            logged = log_path.stat().st_size if log_path.exists() else 0
+            try:
+                self._start_s3_once()
+                return
+            except StackError:
+                if attempt == PORT_CLASH_TRIES or not self._inner_port_clash(log_path, logged):
+                    raise
+            self.stop_s3()
+            inner = [name for name in self.s3_ports if name != "s3"]
+            self.s3_ports.update(zip(inner, free_ports(len(inner))))
+            log.warning("%s: one of its own ports was taken as it started; starting again on new ports "
+                        "(try %d of %d)", self.s3_kind, attempt + 1, PORT_CLASH_TRIES)
+
+    def _inner_port_clash(self, log_path: Path, since: int) -> bool:
+        """True if the S3 server exited, its log since byte `since` says a port was in use, and the
+        S3 port itself is free now (so the clash was on one of its inner ports)."""
+        if self.s3_server is None or self.s3_server.alive():
+            return False
+        with open(log_path, "rb") as f:
+            f.seek(since)
+            if b"already in use" not in f.read():
+                return False
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((self.bind, self.s3_ports["s3"]))
+            except OSError:
+                return False
+        return True
+
+    def _start_s3_once(self) -> None:
         data = self.data_dir / "s3"
         data.mkdir(parents=True, exist_ok=True)
         if self.s3_kind == "minio":

@@ -17,7 +17,7 @@ from botocore import UNSIGNED
 from botocore.config import Config
 
 from diloco.infra.local.fleet import diloco_command, pid_alive
-from diloco.infra.local.stack import LocalStack, StackError, s3_client
+from diloco.infra.local.stack import LocalStack, StackError, free_ports, s3_client
 from diloco.storage.settings import Endpoints
 
 
@@ -80,6 +80,29 @@ def test_a_failed_start_stops_what_it_started(tmp_path):
             stack.start()
     assert stack.redis_server is not None and stack.s3_server is not None  # both were started...
     assert not pid_alive(stack.redis_server.pid) and not pid_alive(stack.s3_server.pid)  # ...and both are gone
+
+
+@pytest.mark.slow  # 5-15 s for SeaweedFS to reach the port and exit: make test-slow runs it
+def test_an_inner_port_taken_before_the_start_is_replaced_and_the_endpoint_kept(tmp_path, caplog):
+    stack = LocalStack(tmp_path / "stack")
+    inner = next(name for name in stack.s3_ports if name != "s3")  # SeaweedFS's master, MinIO's console
+    endpoint, first = stack.s3_endpoint, stack.s3_ports[inner]
+    with socket.socket() as taken:  # what another process's connection does between free_ports and the start
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", first))
+        taken.listen()
+        with stack:
+            assert stack.s3_endpoint == endpoint and stack.s3_ports[inner] != first
+            stack.client().put_object(Bucket=stack.bucket, Key="k", Body=b"v")
+    assert "one of its own ports was taken" in caplog.text
+    assert "try 2 of 3" in caplog.text
+
+
+def test_free_ports_stay_below_the_ephemeral_range():
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    assert all(10000 <= p < low for p in ports)  # outgoing connections never take these
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
