@@ -181,6 +181,15 @@ class RunKeys:
         """The version as an update of its parent in the downstream codec (`storage.updates`)."""
         return self.version_dir(fragment, version) + f"update.{_num(epoch, EPOCH_DIGITS)}"
 
+    def update_beside(self, params_key: str, fragment: int, version: int) -> str | None:
+        """The key of the update that the coordinator which wrote `params_key` (that version's params)
+        wrote with it; None if `params_key` is not a params key of that version."""
+        tail = params_key.removeprefix(self.version_dir(fragment, version))
+        epoch = tail.removeprefix("params.")
+        if tail == params_key or epoch == tail or len(epoch) != EPOCH_DIGITS or not epoch.isdigit():
+            return None
+        return self.update(fragment, version, int(epoch))
+
     def manifest(self, fragment: int, version: int) -> str:
         return self.version_dir(fragment, version) + "manifest"
 

@@ -390,6 +390,9 @@ class _Fragment:
     """The newest version fetched (or joined at): updates apply to it."""
     unreadable: int | None = None
     """A head version that could not be read: skipped until a newer one."""
+    events: dict[int, VersionEvent] = field(default_factory=dict)
+    """The newest versions' events from the versions stream (at most `Fetcher.MAX_CHAIN`): the
+    params' key and sha256 of each, enough to take them as updates without a manifest."""
 
 
 class Fetcher(threading.Thread):
@@ -409,6 +412,7 @@ class Fetcher(threading.Thread):
         self._closing = threading.Event()
         self._last_id = "$"
         self._max_staleness: int | None = None  # as the newest manifest read records it
+        self._updates_published = False  # the newest manifest read (past version 0) names an update
 
     def too_stale(self, fragment: int, base_version: int) -> bool:
         """A piece based on `base_version` would be refused as stale: the fragment's head, as the
@@ -425,6 +429,8 @@ class Fetcher(threading.Thread):
         with self._lock:
             if limit is not None:
                 self._max_staleness = limit
+            if manifest.version > 0:
+                self._updates_published = bool(manifest.update_key)
             self._saw(manifest.fragment, manifest.version)
 
     def _at(self, fragment: int) -> _Fragment:
@@ -526,6 +532,10 @@ class Fetcher(threading.Thread):
                 continue
             with self._lock:
                 self._saw(event.fragment, event.version)
+                events = self._at(event.fragment).events
+                events[event.version] = event
+                while len(events) > self.MAX_CHAIN:
+                    del events[min(events)]
                 for cid in event.contributions:
                     self._merged[cid] = event.version
                 while len(self._merged) > self.MERGED_MEMORY:
@@ -545,12 +555,16 @@ class Fetcher(threading.Thread):
         t0 = time.monotonic()
         keys = self.bus.keys
         try:
-            manifest = read_manifest(self.store, keys, fragment, version)
-            self.note(manifest)
-            params = self._by_updates(fragment, manifest)
+            params = self._by_events(fragment, version)
+            if params is not None and version % self.MANIFEST_EVERY == 0:
+                self._refresh(fragment, version)
             if params is None:
-                params = read_params(self.store, self.layout, manifest)
-                self.stats.fetched_params += 1
+                manifest = read_manifest(self.store, keys, fragment, version)
+                self.note(manifest)
+                params = self._by_updates(fragment, manifest)
+                if params is None:
+                    params = read_params(self.store, self.layout, manifest)
+                    self.stats.fetched_params += 1
         except (Refused, ObjectMissing, ObjectUnreadable) as exc:
             # This version cannot be taken, and will not become takeable: skip it and keep following
             # the stream, so that the next version is taken (a transient StorageUnavailable is
@@ -598,6 +612,57 @@ class Fetcher(threading.Thread):
         if params is not None:
             self.stats.joined_own += 1
         return params
+
+    def _by_events(self, fragment: int, version: int) -> dict[str, torch.Tensor] | None:
+        """The params of `version` from the version held and the update objects in between, found by
+        the versions stream's events alone (each update lies beside its version's params, written by
+        the same coordinator): no manifest is read, and the params are checked bit for bit against
+        the sha256 the newest event names. On a thin link a manifest is a fifth of a version's
+        bytes and a round trip more. None (the manifest path decides) until a manifest has shown that
+        this run's versions have updates, when an event is missing, an update object is missing or
+        bad, or the updates come to as many bytes as the params."""
+        with self._lock:
+            at = self._at(fragment)
+            held, on = at.held, self._updates_published
+            events = [] if held is None else [at.events.get(v) for v in range(held.version + 1, version + 1)]
+        if not on or held is None or not 0 < version - held.version <= self.MAX_CHAIN or None in events:
+            return None
+        keys, limit = self.bus.keys, params_limit(self.layout, fragment)
+        budget, params = self.layout.fragment_bytes(fragment), held.params
+        for event in events:
+            key = keys.update_beside(event.params_key, fragment, event.version)
+            if key is None:
+                return None
+            try:
+                blob = self.store.get(key, max_bytes=limit)
+                budget -= len(blob)
+                if budget <= 0:
+                    return None
+                params = apply_update(params, blob, max_bytes=limit, expect=self.layout.shapes(fragment))
+            except ObjectMissing:
+                return None
+            except (Refused, ObjectUnreadable) as exc:
+                log.warning("fragment %d: the update to version %d cannot be taken (%s): reading the manifest",
+                            fragment, event.version, exc.reason if isinstance(exc, Refused) else exc)
+                return None
+        if sha256_hex(params_body(params, keys, fragment, version)) != events[-1].params_sha256:
+            log.warning("fragment %d: the updates from version %d to %d do not give the params the event names: "
+                        "reading the manifest", fragment, held.version, version)
+            return None
+        self.stats.fetched_updates += len(events)
+        return params
+
+    def _refresh(self, fragment: int, version: int) -> None:
+        """Read `version`'s manifest for the coordinator's settings only (`note`); a failure is logged."""
+        try:
+            self.note(read_manifest(self.store, self.bus.keys, fragment, version))
+        except (Refused, ObjectMissing, ObjectUnreadable) as exc:
+            log.warning("fragment %d: version %d's manifest cannot be read (%s): its settings stay unknown",
+                        fragment, version, exc.reason if isinstance(exc, Refused) else exc)
+
+    MANIFEST_EVERY = 16
+    """Versions taken through `_by_events` still read every 16th version's manifest: the coordinator's
+    settings (`max_staleness`) stay known when it restarts with others."""
 
     def _by_updates(self, fragment: int, manifest: Manifest) -> dict[str, torch.Tensor] | None:
         """The params of `manifest`'s version from the version held and the update objects in between

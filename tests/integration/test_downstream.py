@@ -191,3 +191,59 @@ def test_a_learner_built_like_the_proposer_downloads_no_params_at_join(endpoints
         for learner in learners:
             learner.close()
         coord.close()
+
+
+class Reads(ObjectStore):
+    """The real store, remembering the keys read through it."""
+
+    def __init__(self, endpoints) -> None:  # noqa: ANN001
+        super().__init__(endpoints)
+        self.read: list[str] = []
+
+    def get(self, key: str, *, max_bytes: int) -> bytes:
+        self.read.append(key)
+        return super().get(key, max_bytes=max_bytes)
+
+    def get_buffer(self, key: str, *, max_bytes: int) -> bytearray:
+        self.read.append(key)
+        return super().get_buffer(key, max_bytes=max_bytes)
+
+
+def test_a_fetcher_following_the_stream_takes_versions_without_their_manifests(endpoints, run_id):
+    """A fetcher one version behind, following the versions stream, takes each new version as the
+    update beside its params (the event names the params' key and sha256): after its first
+    version it reads no manifest, and holds the committed params bit for bit."""
+    coord = make_coordinator(endpoints, run_id, settings=dataclasses.replace(INT8_RUN, codec="int4"))
+    learner, opt = wide_learner(endpoints, run_id, "l0", seed=0)
+    start_beside(coord, learner)
+    store, keys = Reads(endpoints), RunKeys(endpoints.prefix, run_id)
+    layout = read_layout(store, keys)
+    fetcher = Fetcher(store, coord.bus, layout, stats := TransferStats())
+    held = coord.bus.heads()[0]
+    fetcher.hold(0, held, read_params(store, layout, read_manifest(store, keys, 0, held)))
+    fetcher.start()
+    wait_for("the fetcher to follow the stream", lambda: fetcher._last_id != "$")
+    store.read.clear()
+    try:
+        for _ in range(4):
+            train(learner, opt, 4)
+            for _ in range(4):
+                coord.step(block_ms=50)
+            head = coord.bus.heads()[0]
+            assert head > held
+            fetcher.want(0, held)
+            got: list[Fetched | None] = []
+            wait_for(f"version {head}", lambda: bool(got.append(fetcher.take(0)) or (got[-1] and got[-1].version == head)))
+            held = head
+        plain = ObjectStore(endpoints)
+        committed = read_params(plain, layout, read_manifest(plain, keys, 0, held))
+        assert all(torch.equal(got[-1].params[n], committed[n]) for n in committed)
+        manifests = [k for k in store.read if k.endswith("/manifest")]
+        assert len(manifests) == 1, manifests  # the first version's: does this run publish updates?
+        assert (stats.fetched_params, stats.update_failed, stats.fetch_failed) == (0, 0, 0), stats
+        assert stats.fetched_updates >= 4, stats
+    finally:
+        fetcher.close()
+        fetcher.join(5)
+        learner.close()
+        coord.close()
