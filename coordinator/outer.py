@@ -148,7 +148,7 @@ class NesterovState:
 
 
 def nesterov_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], state: NesterovState,
-                  lr: float = 0.7, momentum: float = 0.9, progress: float = 1.0
+                  lr: float = 0.7, momentum: float = 0.9, progress: float = 1.0, lookahead: float = 1.0
                   ) -> tuple[dict[str, Tensor], NesterovState]:
     """One outer step: new params and state; `params`, `delta` and `state` are not modified.
 
@@ -170,18 +170,25 @@ def nesterov_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], sta
     the momentum, and n rounds of progress 1/n (the same deltas cut into more rounds) give nearly
     the model one whole round gives (the same buffer in the steady state; exactly the same linear
     part). `params`, `delta` and the buffers share a dtype (fp32 in practice).
+
+    `lookahead` in [0, 1] scales the momentum's push (`s * momentum * buf`), not the buffer: Nesterov
+    publishes the point one momentum step ahead, for learners to train from and correct. A version
+    fewer learners train on from (`policy.lookahead`: the run's last rounds) takes less of that
+    extrapolation; at 0 it is params - lr * delta, the buffer still taking the delta in.
     """
     if set(params) != set(delta):
         raise ValueError(f"delta does not match the fragment: tensors "
                          f"{sorted(set(params) ^ set(delta))} are in one but not the other")
     if isinstance(progress, bool) or not 0.0 < progress <= 1.0:
         raise ValueError(f"progress {progress!r} must be a number in (0, 1]")
-    if progress == 1.0:
+    if isinstance(lookahead, bool) or not 0.0 <= lookahead <= 1.0:
+        raise ValueError(f"lookahead {lookahead!r} must be a number in [0, 1]")
+    if progress == 1.0 and lookahead == 1.0:
         new_params, new_state = _whole_step(params, delta, state, lr, momentum)
         return new_params, replace(new_state, residual=state.residual)
     decay = _fp32(momentum ** progress)
     gain = _fp32((1.0 - momentum ** progress) / (1.0 - momentum) / progress)
-    push, rate = _fp32(progress * momentum), _fp32(lr)
+    push, rate = _fp32(progress * momentum * lookahead), _fp32(lr)
     new_params: dict[str, Tensor] = {}
     new_momentum: dict[str, Tensor] = {}
     for name, p in params.items():
@@ -274,4 +281,4 @@ def outer_step(params: Mapping[str, Tensor], state: NesterovState, delta: Mappin
     second half of `apply_round`, for the coordinator, which sizes the step after measuring the
     update."""
     return nesterov_step(params, delta, state, lr=settings.outer_lr, momentum=settings.outer_momentum,
-                         progress=settings.progress)
+                         progress=settings.progress, lookahead=settings.lookahead)

@@ -22,9 +22,9 @@ from diloco.coordinator.influence import Claim, clip_norms, count_claims, usual_
 from diloco.coordinator.intake import PendingDelta, decode_piece
 from diloco.coordinator.leadership import Fenced
 from diloco.coordinator.outer import NesterovState, downstream_step, outer_step, round_delta, scale_update, update_norm
-from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round, merge_order,
-                                       merge_weights, round_size, round_step, served_deadline, staleness_verdict,
-                                       usual_pieces)
+from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round, lookahead,
+                                       merge_order, merge_weights, round_size, round_step, served_deadline,
+                                       staleness_verdict, usual_pieces)
 from diloco.coordinator.publish import commit, commit_existing, decode_state, listed_refusals, write_version
 from diloco.coordinator.recovery import Recovery
 from diloco.coordinator.state import Fragment, ShardState
@@ -130,7 +130,7 @@ class Rounds:
             weights = [w * clips[a.learner][0] for w, a in
                        zip(merge_weights(ordered, frag.head, s.round_cfg, usual, rate), ordered, strict=True)]
             published, settings = self._step_round(fragment, frag, contributions, weights, ordered, usual, interval,
-                                                   rate)
+                                                   rate, lookahead(live, len(gone)))
             s.metrics.merged(fragment, time.monotonic() - started)
             if published is not None:
                 for cid, note in notes.items():
@@ -162,12 +162,13 @@ class Rounds:
         return usual, interval
 
     def _step_round(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
-                    ordered: tuple[Arrival, ...], usual: dict[str, int], interval: int, rate: int
+                    ordered: tuple[Arrival, ...], usual: dict[str, int], interval: int, rate: int, ahead: float
                     ) -> tuple[tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None, VersionSettings]:
         """Merge the round's pieces (in merge order, with their weights), take the outer step (scaled
         against the round's usual size for the fleet's `usual` pieces, `_usual_pieces`) and the
         downstream step: the version's params, outer state and update object (None if the step
-        overflowed float32), and the settings its manifest records. These configure the merge itself:
+        overflowed float32), and the settings its manifest records. `ahead`: the share of the
+        momentum's look-ahead the step takes (`policy.lookahead`). These configure the merge itself:
         a replay's `apply_round` runs the same merge, scale and outer step from them.
 
         Each whole-fragment temporary goes as soon as it has been used, not at the end of the round:
@@ -180,7 +181,8 @@ class Rounds:
             if s.config.scale_rounds:
                 norm = update_norm(update)
                 step = round_step(round_size(ordered, norm), frag.recent, usual, interval)
-                settings = replace(settings, round_scale=step.scale, progress=step.progress, update_norm=norm)
+                settings = replace(settings, round_scale=step.scale, progress=step.progress, update_norm=norm,
+                                   lookahead=ahead)
                 update = scale_update(update, step.scale)
         with s.timing("outer"):
             target, state = outer_step(frag.params, frag.state, update, settings)

@@ -511,6 +511,10 @@ class VersionSettings(Record):
     """In (0, 1]: the merged update's scale (`coordinator.policy.round_step`)."""
     progress: float = 1.0
     """In (0, 1]: the fractional step's progress; 1 for whole ('nesterov') steps."""
+    lookahead: float = 1.0
+    """In [0, 1]: the share of the momentum's look-ahead the step takes (`coordinator.outer.nesterov_step`):
+    the share of the round's learners that train on from the version (`coordinator.policy.lookahead`);
+    1 for whole ('nesterov') steps, and in manifests written before it."""
     update_norm: float | None = None
     """L2 norm of the merged update before its scale; None: not measured."""
     downstream: str = "fp32"
@@ -536,6 +540,8 @@ class VersionSettings(Record):
         _require(0.0 < self.round_scale <= 1.0, f"round_scale {self.round_scale!r} must be a number in (0, 1]")
         _require(0.0 < self.progress <= 1.0 and (self.outer != "nesterov" or self.progress == 1.0),
                  f"progress {self.progress!r} must be a number in (0, 1], and 1 for whole steps")
+        _require(0.0 <= self.lookahead <= 1.0 and (self.outer != "nesterov" or self.lookahead == 1.0),
+                 f"lookahead {self.lookahead!r} must be a number in [0, 1], and 1 for whole steps")
         _require(self.update_norm is None or (math.isfinite(self.update_norm) and self.update_norm >= 0),
                  f"update_norm {self.update_norm!r} must be a finite number >= 0")
         _require(math.isfinite(self.grace_gamma), f"grace_gamma {self.grace_gamma!r} must be finite")

@@ -79,6 +79,13 @@ def _steps(raw: str) -> int:
     return value
 
 
+def _share(raw: str) -> float:
+    value = float(raw)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(raw)
+    return value
+
+
 def _boolean(raw: str) -> bool:
     if raw.lower() not in ("true", "false"):
         raise ValueError(raw)
@@ -92,6 +99,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Scalar]]] = {
     "staleness_discount": ("true or false", _boolean),
     "staleness_relative": ("true or false", _boolean),
     "rate_steps": ("an integer >= 0; 0: slow learners are not raised to the fleet's rate", _steps),
+    "lookahead": ("a number in [0, 1]: the share of the momentum's look-ahead every step takes", _share),
 }
 """Manifest settings the merge and the outer step are configured by (`outer.apply_round`,
 `merge_weights`): name -> (what a value must be, parser)."""

@@ -99,6 +99,9 @@ def test_learners_ending_at_staggered_times_each_send_final_pieces_merged_once_a
         first = {(x.learner, x.contribution_id in finals) for x in history[1].inputs}
         assert ("a", True) in first and {("b", False), ("c", False)} <= first
         assert {(x.learner, x.contribution_id in finals) for x in history[2].inputs} == {("b", True), ("c", True)}
+        # Nesterov's look-ahead is for the learners that train on from a version: 2 of the 3 after
+        # the round a left in, none after the last round (the final model keeps no extrapolation).
+        assert [m.settings.lookahead for m in history[1:]] == [2 / 3, 0.0]
 
     end = read_run_end(coord.store, coord.keys)
     assert end == coord.bus.run_end() == coord.ended

@@ -216,6 +216,36 @@ def test_fractional_steps_are_bit_identical_for_the_same_inputs() -> None:
             nesterov_step(params, delta, state, progress=bad)
 
 
+def test_the_look_ahead_scales_the_momentum_push_and_none_of_it_leaves_the_plain_step() -> None:
+    """A version fewer learners train on from takes less of Nesterov's look-ahead: at 0 the params
+    move by lr x the round's update alone, at 1/2 by half the push, and the buffer is the same
+    either way (the next rounds, if any, keep the momentum)."""
+    gen = torch.Generator().manual_seed(8)
+    params, state = random_tensors(gen), NesterovState()
+    for _ in range(4):
+        params, state = nesterov_step(params, random_tensors(gen, 0.1), state)
+    delta = random_tensors(gen, 0.1)
+    whole, whole_state = nesterov_step(params, delta, state)
+    for progress in (1.0, 0.4):
+        full, full_state = nesterov_step(params, delta, state, progress=progress)
+        none, none_state = nesterov_step(params, delta, state, progress=progress, lookahead=0.0)
+        half, half_state = nesterov_step(params, delta, state, progress=progress, lookahead=0.5)
+        for k in params:
+            torch.testing.assert_close(none[k], params[k] - 0.7 * delta[k], rtol=0, atol=1e-6)
+            torch.testing.assert_close(half[k] - none[k], (full[k] - none[k]) / 2, rtol=1e-4, atol=1e-6)
+            assert torch.equal(none_state.momentum[k], half_state.momentum[k])
+            assert torch.equal(none_state.momentum[k], full_state.momentum[k])
+    assert same(whole, nesterov_step(params, delta, state, lookahead=1.0)[0])  # 1: the torch step, untouched
+    for bad in (-0.1, 1.5, True):
+        with pytest.raises(ValueError, match="lookahead"):
+            nesterov_step(params, delta, state, lookahead=bad)
+    assert typed(outer="fractional_nesterov", lookahead=0.25).lookahead == 0.25
+    assert typed().lookahead == 1.0  # a manifest written before it: the whole look-ahead
+    for bad in ({"lookahead": 0.5}, {"lookahead": 1.5, "outer": "fractional_nesterov"}):  # whole steps take all of it
+        with pytest.raises(Refused):
+            typed(**bad)
+
+
 def test_the_outer_step_of_a_manifest_is_one_this_build_knows() -> None:
     with pytest.raises(Refused, match="outer: .adam. is not one of nesterov, fractional_nesterov"):
         typed(outer="adam")

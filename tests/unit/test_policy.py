@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from diloco.coordinator.policy import (FIRST_DEADLINE_LEAD_S, MAX_LINK_STRETCH, STILL_PROGRESS, Arrival, Decision, RoundConfig, RoundSize,
-                                       RoundState, RoundStep, decide_round, link_bound_period, merge_order,
+                                       RoundState, RoundStep, decide_round, link_bound_period, lookahead, merge_order,
                                        merge_weights, next_cadence,
                                        quorum_target, round_size, round_step, run_end, staleness_verdict,
                                        usual_pieces)
@@ -543,3 +543,10 @@ def test_a_learner_gone_without_finishing_does_not_hold_the_run_open():
     # Gone but live again (it came back): the run waits for it; nobody finished: the run goes on.
     assert run_end(joined=ab, live=frozenset("b"), finished=a, asked_by=None, pending=0, gone=frozenset("b")) is None
     assert run_end(joined=ab, live=frozenset(), finished=frozenset(), asked_by=None, pending=0, gone=ab) is None
+
+
+def test_the_look_ahead_is_the_share_of_the_round_s_learners_that_train_on() -> None:
+    assert lookahead(4, 0) == 1.0  # mid-run
+    assert lookahead(3, 1) == 0.75  # one learner of four sent its final piece
+    assert lookahead(0, 2) == 0.0  # the run's last round: nobody trains from it
+    assert lookahead(0, 0) == 1.0  # no fleet known: the plain step
