@@ -451,7 +451,7 @@ too late splits that round into two, the second a whole outer step on top of the
 
 
 def next_cadence(current: Cadence | None, period_s: float, now: float, num_fragments: int = 1, *,
-                 slower: float = 0.3, faster: float = 0.1) -> Cadence | None:
+                 slower: float = 0.15, faster: float = 0.1) -> Cadence | None:
     """The round clock to publish for a measured `period_s` (H steps of the fastest live learner), or
     None to keep `current`.
 
@@ -459,10 +459,13 @@ def next_cadence(current: Cadence | None, period_s: float, now: float, num_fragm
     fragment's share of the period from `now`, whichever is later, so that every learner has read
     it before any fragment's first deadline (fragment p's is then p/P of a period after the origin).
 
-    The clock is re-set only when the period moves by more than 30% slower (`slower`) or 10% faster
+    The clock is re-set only when the period moves by more than 15% slower (`slower`) or 10% faster
     (`faster`): a clock running slow makes every round carry more than H steps of the fastest
-    learner, hence fewer outer steps in the run, so it follows a faster fleet closely; a noisy step
-    time that moves it back and forth would only shift the rounds' phase. When it is re-set, the new
+    learner, hence fewer outer steps in the run, so it follows a faster fleet closely; one running
+    fast makes every round a fraction of a step and sends more bytes (a first clock set from the
+    first steps' times, 20-25% short, stayed so for a whole `bench wan` run at 30%, and the thin
+    links' pieces came a version stale); a noisy step time that moves it back and forth would
+    only shift the rounds' phase. When it is re-set, the new
     clock starts from the current one's last fragment-0 deadline: each upcoming deadline moves by a
     fraction of the change of period, so learners that have not read the new clock yet send for
     nearly the same instant and land in the same round. (A clock started afresh at `now` would put

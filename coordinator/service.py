@@ -381,7 +381,7 @@ class Coordinator:
     def _tend_cadence(self) -> None:
         """Publish the round clock: a fixed period, or H steps of the fastest live learner, stretched
         when the learners' links cannot carry a round in `max_link_share` of it (`link_bound_period`);
-        re-set by `next_cadence` only when that moves by more than 30% slower or 10% faster, keeping
+        re-set by `next_cadence` only when that moves by more than 15% slower or 10% faster, keeping
         the phase."""
         self._last_cadence_check = time.monotonic()
         self.state.clock_offset_s = self.bus.server_time() - time.time()

@@ -369,7 +369,8 @@ def test_a_late_arrival_for_a_round_that_merged_waits_for_the_next_round_instead
 def test_the_round_clock_is_re_set_only_on_a_large_change_and_keeps_its_phase() -> None:
     first = next_cadence(None, 4.0, now=1000.0, num_fragments=2)
     assert first == Cadence(origin=1002.0, period_s=4.0)
-    assert next_cadence(first, 4.0 * 1.25, now=1009.0) is None  # 25% slower: rounds keep their phase
+    assert next_cadence(first, 4.0 * 1.12, now=1009.0) is None  # 12% slower: rounds keep their phase
+    assert next_cadence(first, 4.0 * 1.25, now=1009.0) is not None  # 25%: every round would be 4/5 of a step
     assert next_cadence(first, 4.0 * 0.95, now=1009.0) is None  # 5% faster: noise
     # Slower by 50%: the new clock starts at the old one's last fragment-0 deadline (1006), so the
     # next deadline of fragment 1 of 2 moves from 1012 to 1015, not to anywhere.
