@@ -512,9 +512,9 @@ class VersionSettings(Record):
     progress: float = 1.0
     """In (0, 1]: the fractional step's progress; 1 for whole ('nesterov') steps."""
     lookahead: float = 1.0
-    """In [0, 1]: the share of the momentum's look-ahead the step takes (`coordinator.outer.nesterov_step`):
-    the share of the round's learners that train on from the version (`coordinator.policy.lookahead`);
-    1 for whole ('nesterov') steps, and in manifests written before it."""
+    """In [0, 1]: the share of the momentum's push the step takes, that of the round's learners
+    that train on from the version (`coordinator.policy.lookahead`); 1 for whole steps and older
+    manifests."""
     update_norm: float | None = None
     """L2 norm of the merged update before its scale; None: not measured."""
     downstream: str = "fp32"
