@@ -623,9 +623,11 @@ class Fetcher(threading.Thread):
         bad, or the updates come to as many bytes as the params."""
         with self._lock:
             at = self._at(fragment)
-            held, on = at.held, self._updates_published
-            events = [] if held is None else [at.events.get(v) for v in range(held.version + 1, version + 1)]
-        if not on or held is None or not 0 < version - held.version <= self.MAX_CHAIN or None in events:
+            held = at.held
+            if not self._updates_published or held is None or not 0 < version - held.version <= self.MAX_CHAIN:
+                return None
+            events = [at.events.get(v) for v in range(held.version + 1, version + 1)]
+        if None in events:
             return None
         keys, limit = self.bus.keys, params_limit(self.layout, fragment)
         budget, params = self.layout.fragment_bytes(fragment), held.params

@@ -23,6 +23,7 @@ from diloco.coordinator.service import Coordinator
 from diloco.infra.cli import main as cli_main
 from diloco.storage.errors import RunFinished
 from diloco.storage.history import read_manifest, read_run_end
+from diloco.storage.protocol import FinishRequest
 from harness import (TINY_RUN, announcements, join, make_coordinator, serving, tiny_learner, train,
                      wait_for)
 
@@ -116,6 +117,29 @@ def test_learners_ending_at_staggered_times_each_send_final_pieces_merged_once_a
     with pytest.raises(RunFinished, match="is finished"):
         late.start()
     assert "late" not in coord.bus.fleet().joined
+
+
+def test_the_rounds_merged_when_an_operator_finishes_the_run_take_no_momentum_push(endpoints, run_id):
+    """`diloco finish`: the open rounds merge at once and nobody trains from them, so, like the
+    fleet's last pieces, they take none of Nesterov's look-ahead; the rounds before took all of it."""
+    coord = Coordinator(endpoints, run_id, settings=STEPS_RUN,
+                        config=CoordinatorConfig(round=RoundConfig(min_quorum=2, max_grace_s=0.0)))
+    (a, opt_a), (b, opt_b) = (join(endpoints, run_id, coord, name) for name in "ab")
+    try:
+        for learner, opt in ((a, opt_a), (b, opt_b)):
+            train(learner, opt, 6)  # fragment 0 sent at step 4, fragment 1 at 6: a round of both for each
+        step_until(coord, "the first rounds", lambda: min(coord.bus.heads().values()) >= 1)
+        train(a, opt_a, 4)  # a's next pieces (steps 8 and 10) wait for b's (quorum 2)...
+        step_until(coord, "a's pieces in the open rounds",
+                   lambda: all(len(f.round) == 1 for f in coord.fragments.values()))
+        coord.bus.ask_finish(FinishRequest(run=run_id, asked_at=coord.bus.server_time(), by="the test"))
+        step_until(coord, "the run's end", lambda: coord.ended is not None)  # ...until the operator finishes
+    finally:
+        for learner in (a, b):
+            learner.close()
+        coord.close()
+    for history in manifests(coord).values():
+        assert [m.settings.lookahead for m in history[1:]] == [1.0, 0.0]
 
 
 def train_until_the_run_is_finished(learner, opt, failures: list) -> None:  # noqa: ANN001
