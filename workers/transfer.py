@@ -25,6 +25,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
+from functools import partial
 from dataclasses import dataclass, field
 
 import torch
@@ -412,7 +414,9 @@ class Fetcher(threading.Thread):
         self._closing = threading.Event()
         self._last_id = "$"
         self._max_staleness: int | None = None  # as the newest manifest read records it
-        self._updates_published = False  # the newest manifest read (past version 0) names an update
+        self._update_share: float | None = None
+        """The newest manifest read (past version 0): its update's bytes over its params' (None: no
+        update, or none read yet). `_by_events` sizes a chain by it, as `chain_worth_it` does."""
 
     def too_stale(self, fragment: int, base_version: int) -> bool:
         """A piece based on `base_version` would be refused as stale: the fragment's head, as the
@@ -430,7 +434,9 @@ class Fetcher(threading.Thread):
             if limit is not None:
                 self._max_staleness = limit
             if manifest.version > 0:
-                self._updates_published = bool(manifest.update_key)
+                self._update_share = (manifest.update_bytes / manifest.params_bytes
+                                      if manifest.update_key and manifest.update_bytes > 0 and manifest.params_bytes > 0
+                                      else None)
             self._saw(manifest.fragment, manifest.version)
 
     def _at(self, fragment: int) -> _Fragment:
@@ -555,13 +561,13 @@ class Fetcher(threading.Thread):
         t0 = time.monotonic()
         keys = self.bus.keys
         try:
-            params = self._by_events(fragment, version)
+            params, broken = self._by_events(fragment, version)
             if params is not None and version % self.MANIFEST_EVERY == 0:
                 self._refresh(fragment, version)
             if params is None:
                 manifest = read_manifest(self.store, keys, fragment, version)
                 self.note(manifest)
-                params = self._by_updates(fragment, manifest)
+                params = None if broken else self._by_updates(fragment, manifest)
                 if params is None:
                     params = read_params(self.store, self.layout, manifest)
                     self.stats.fetched_params += 1
@@ -573,7 +579,7 @@ class Fetcher(threading.Thread):
             with self._lock:
                 self._at(fragment).unreadable = version
             log.error("version %d of fragment %d cannot be taken (%s): waiting for a newer one", version, fragment,
-                      exc.reason if isinstance(exc, Refused) else exc)
+                      _why(exc))
             return
         fetched = Fetched(version, params)
         with self._lock:
@@ -613,45 +619,51 @@ class Fetcher(threading.Thread):
             self.stats.joined_own += 1
         return params
 
-    def _by_events(self, fragment: int, version: int) -> dict[str, torch.Tensor] | None:
+    def _by_events(self, fragment: int, version: int) -> tuple[dict[str, torch.Tensor] | None, bool]:
         """The params of `version` from the version held and the update objects in between, found by
         the versions stream's events alone (each update lies beside its version's params, written by
         the same coordinator): no manifest is read, and the params are checked bit for bit against
-        the sha256 the newest event names. On a thin link a manifest is a fifth of a version's
-        bytes and a round trip more. None (the manifest path decides) until a manifest has shown that
-        this run's versions have updates, when an event is missing, an update object is missing or
-        bad, or the updates come to as many bytes as the params."""
+        the sha256 the newest event names (`_chained`). On a thin link a manifest is a fifth of a
+        version's bytes and a round trip more. (None, False) when the manifest path decides: no
+        manifest read yet has shown this run's updates and their size, an event is missing, an update
+        object is missing, or the chain would be as many bytes as the params. (None, True) when an
+        update was there but wrong: the params are downloaded, the same updates not read again."""
         with self._lock:
             at = self._at(fragment)
-            held = at.held
-            if not self._updates_published or held is None or not 0 < version - held.version <= self.MAX_CHAIN:
-                return None
+            held, share = at.held, self._update_share
+            if share is None or held is None or not 0 < version - held.version <= self.MAX_CHAIN:
+                return None, False
             events = [at.events.get(v) for v in range(held.version + 1, version + 1)]
-        if None in events:
-            return None
+        if None in events or len(events) * share >= 1.0:
+            return None, False
         keys, limit = self.bus.keys, params_limit(self.layout, fragment)
-        budget, params = self.layout.fragment_bytes(fragment), held.params
-        for event in events:
-            key = keys.update_beside(event.params_key, fragment, event.version)
-            if key is None:
-                return None
-            try:
-                blob = self.store.get(key, max_bytes=limit)
-                budget -= len(blob)
-                if budget <= 0:
-                    return None
-                params = apply_update(params, blob, max_bytes=limit, expect=self.layout.shapes(fragment))
-            except ObjectMissing:
-                return None
-            except (Refused, ObjectUnreadable) as exc:
-                log.warning("fragment %d: the update to version %d cannot be taken (%s): reading the manifest",
-                            fragment, event.version, exc.reason if isinstance(exc, Refused) else exc)
-                return None
-        if sha256_hex(params_body(params, keys, fragment, version)) != events[-1].params_sha256:
-            log.warning("fragment %d: the updates from version %d to %d do not give the params the event names: "
-                        "reading the manifest", fragment, held.version, version)
-            return None
-        self.stats.fetched_updates += len(events)
+        update_keys = [keys.update_beside(e.params_key, fragment, e.version) for e in events]  # type: ignore[union-attr]
+        if None in update_keys:
+            return None, False
+        try:
+            return self._chained(fragment, held, [partial(self.store.get, k, max_bytes=limit) for k in update_keys],
+                                 version, events[-1].params_sha256), False
+        except ObjectMissing:
+            return None, False
+        except (Refused, ObjectUnreadable) as exc:
+            self.stats.update_failed += 1
+            log.warning("fragment %d: the updates from version %d to %d cannot be taken (%s): downloading the "
+                        "params", fragment, held.version, version, _why(exc))
+            return None, True
+
+    def _chained(self, fragment: int, held: Fetched, reads: list[Callable[[], bytes]], version: int,
+                 params_sha256: str) -> dict[str, torch.Tensor]:
+        """`held`'s params with the update objects `reads` return applied in order (`storage.updates`),
+        checked bit for bit against `params_sha256`: the params of `version`. Raises what a read
+        raises, Refused for an update that is not one of these tensors or a result that is not
+        those params."""
+        limit, params = params_limit(self.layout, fragment), held.params
+        for read in reads:
+            params = apply_update(params, read(), max_bytes=limit, expect=self.layout.shapes(fragment))
+        if sha256_hex(params_body(params, self.bus.keys, fragment, version)) != params_sha256:
+            raise Refused("sha256_mismatch", f"applied to version {held.version} they do not give version "
+                                             f"{version}'s params bit for bit")
+        self.stats.fetched_updates += len(reads)
         return params
 
     def _refresh(self, fragment: int, version: int) -> None:
@@ -660,7 +672,7 @@ class Fetcher(threading.Thread):
             self.note(read_manifest(self.store, self.bus.keys, fragment, version))
         except (Refused, ObjectMissing, ObjectUnreadable) as exc:
             log.warning("fragment %d: version %d's manifest cannot be read (%s): its settings stay unknown",
-                        fragment, version, exc.reason if isinstance(exc, Refused) else exc)
+                        fragment, version, _why(exc))
 
     MANIFEST_EVERY = 16
     """Versions taken through `_by_events` still read every 16th version's manifest: the coordinator's
@@ -678,24 +690,20 @@ class Fetcher(threading.Thread):
         for version in range(manifest.version - 1, held.version, -1):
             chain.append(read_manifest(self.store, self.bus.keys, fragment, version))
         chain.reverse()
-        limit = params_limit(self.layout, fragment)
         params_bytes = manifest.params_bytes or self.layout.fragment_bytes(fragment)
         if not chain_worth_it([m.update_bytes if m.update_key else 0 for m in chain], params_bytes):
             return None
-        params = held.params
+        limit = params_limit(self.layout, fragment)
+        reads = [partial(read_verified, self.store, m.update_key, m.update_sha256, max_bytes=limit) for m in chain]
         try:
-            for m in chain:
-                blob = read_verified(self.store, m.update_key, m.update_sha256, max_bytes=limit)
-                params = apply_update(params, blob, max_bytes=limit, expect=self.layout.shapes(fragment))
+            return self._chained(fragment, held, reads, manifest.version, manifest.params_sha256)
         except (Refused, ObjectMissing, ObjectUnreadable) as exc:
             self.stats.update_failed += 1
             log.warning("fragment %d: the updates from version %d to %d cannot be taken (%s): downloading the "
-                        "params", fragment, held.version, manifest.version, exc.reason if isinstance(exc, Refused) else exc)
+                        "params", fragment, held.version, manifest.version, _why(exc))
             return None
-        if sha256_hex(params_body(params, self.bus.keys, fragment, manifest.version)) != manifest.params_sha256:
-            self.stats.update_failed += 1
-            log.error("fragment %d: version %d's updates applied to version %d do not give its params bit for bit: "
-                      "downloading the params", fragment, manifest.version, held.version)
-            return None
-        self.stats.fetched_updates += len(chain)
-        return params
+
+
+def _why(exc: Exception) -> object:
+    """What to log of a storage error: a refusal's reason, else the error itself."""
+    return exc.reason if isinstance(exc, Refused) else exc

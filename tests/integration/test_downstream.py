@@ -242,6 +242,21 @@ def test_a_fetcher_following_the_stream_takes_versions_without_their_manifests(e
         assert len(manifests) == 1, manifests  # the first version's: does this run publish updates?
         assert (stats.fetched_params, stats.update_failed, stats.fetch_failed) == (0, 0, 0), stats
         assert stats.fetched_updates >= 4, stats
+
+        # An update damaged in the bucket costs one download of the params; it is not read twice.
+        train(learner, opt, 4)
+        for _ in range(4):
+            coord.step(block_ms=50)
+        head = coord.bus.heads()[0]
+        damaged = read_manifest(plain, keys, 0, head).update_key
+        plain.put(damaged, b"damaged in the bucket", create_only=False)
+        store.read.clear()
+        fetcher.want(0, held)
+        wait_for(f"version {head}", lambda: bool(got.append(fetcher.take(0)) or (got[-1] and got[-1].version == head)))
+        assert (stats.update_failed, stats.fetched_params, stats.fetch_failed) == (1, 1, 0), stats
+        assert store.read.count(damaged) == 1, store.read
+        committed = read_params(plain, layout, read_manifest(plain, keys, 0, head))
+        assert all(torch.equal(got[-1].params[n], committed[n]) for n in committed)
     finally:
         fetcher.close()
         fetcher.join(5)
