@@ -284,7 +284,7 @@ def _clock_round(now: float, deadline: float, period_s: float, cfg: RoundConfig,
                     wake_at=close)
 
 
-def lookahead(staying: int, leaving: int) -> float:
+def lookahead(staying: int, leaving: int, *, finishing: bool = False) -> float:
     """The share of the momentum's look-ahead a round's outer step takes (`outer.nesterov_step`):
     the share of the learners live as it merges (`staying`, plus the `leaving` ones whose piece in
     it is final, or that have finished) that train on from the version it makes.
@@ -294,8 +294,11 @@ def lookahead(staying: int, leaving: int) -> float:
     look-ahead is an extrapolation the final model keeps. In `bench wan`'s mixed-links arm the
     last two rounds' push left the final model 14% worse than the same rounds without it (1.76
     against 1.55, `diloco whatif`), where with equal links it was a tie either way. A round that
-    one learner of four leaves takes 3/4 of it; a round of final pieces alone, none."""
+    one learner of four leaves takes 3/4 of it; a round of final pieces alone, none; nor a round
+    merged because an operator asked to finish the run (`finishing`): nobody trains from it."""
     fleet = staying + leaving
+    if finishing:
+        return 0.0
     return 1.0 if fleet <= 0 else staying / fleet
 
 

@@ -129,10 +129,8 @@ class Rounds:
             rate = max(usual.values(), default=0) if interval > 0 else 0
             weights = [w * clips[a.learner][0] for w, a in
                        zip(merge_weights(ordered, frag.head, s.round_cfg, usual, rate), ordered, strict=True)]
-            # After `diloco finish` nobody trains from what merges: no look-ahead, as for the last pieces.
-            ahead = 0.0 if state.finish_asked else lookahead(live, len(gone))
             published, settings = self._step_round(fragment, frag, contributions, weights, ordered, usual, interval,
-                                                   rate, ahead)
+                                                   rate, lookahead(live, len(gone), finishing=state.finish_asked))
             s.metrics.merged(fragment, time.monotonic() - started)
             if published is not None:
                 for cid, note in notes.items():

@@ -551,3 +551,4 @@ def test_the_look_ahead_is_the_share_of_the_round_s_learners_that_train_on() -> 
     assert lookahead(3, 1) == 0.75  # one learner of four sent its final piece
     assert lookahead(0, 2) == 0.0  # the run's last round: nobody trains from it
     assert lookahead(0, 0) == 1.0  # no fleet known: the plain step
+    assert lookahead(4, 0, finishing=True) == 0.0  # `diloco finish`: nobody trains from it
