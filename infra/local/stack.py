@@ -488,13 +488,12 @@ class LocalStack:
         if self.s3_server is not None and self.s3_server.alive():
             return
         for attempt in range(1, PORT_CLASH_TRIES + 1):
-            log_path = self.data_dir / "s3" / f"{self.s3_kind}.log"
-            logged = log_path.stat().st_size if log_path.exists() else 0
+            logged = self._s3_log.stat().st_size if self._s3_log.exists() else 0
             try:
                 self._start_s3_once()
                 return
             except StackError:
-                if attempt == PORT_CLASH_TRIES or not self._inner_port_clash(log_path, logged):
+                if attempt == PORT_CLASH_TRIES or not self._inner_port_clash(logged):
                     raise
             self.stop_s3()
             inner = [name for name in self.s3_ports if name != "s3"]
@@ -502,12 +501,16 @@ class LocalStack:
             log.warning("%s: one of its own ports was taken as it started; starting again on new ports "
                         "(try %d of %d)", self.s3_kind, attempt + 1, PORT_CLASH_TRIES)
 
-    def _inner_port_clash(self, log_path: Path, since: int) -> bool:
+    @property
+    def _s3_log(self) -> Path:
+        return self.data_dir / "s3" / f"{self.s3_kind}.log"
+
+    def _inner_port_clash(self, since: int) -> bool:
         """True if the S3 server exited, its log since byte `since` says a port was in use, and the
         S3 port itself is free now (so the clash was on one of its inner ports)."""
         if self.s3_server is None or self.s3_server.alive():
             return False
-        with open(log_path, "rb") as f:
+        with open(self._s3_log, "rb") as f:
             f.seek(since)
             if b"already in use" not in f.read():
                 return False
@@ -531,7 +534,7 @@ class LocalStack:
             (data / "master.toml").write_text(_WEED_MASTER_TOML)
             argv, env = _weed_argv(self.s3_exe, data, self.s3_ports, self.bind), _server_env()
             stop_timeout_s = 2.0  # SeaweedFS 4.48 hangs after SIGTERM (filer stops, master never exits)
-        self.s3_server = Proc("s3", argv, data / f"{self.s3_kind}.log", env=env, cwd=data,
+        self.s3_server = Proc("s3", argv, self._s3_log, env=env, cwd=data,
                               stop_timeout_s=stop_timeout_s).start()
         client = s3_client(self.s3_endpoint, self.access_key, self.secret_key, timeout_s=2.0, attempts=1)
 
