@@ -142,5 +142,6 @@ def round_without(parent_params: Tensors, parent_state: NesterovState, inputs: S
     """The parameters a version would have had without `learner`'s inputs: the same parent, the
     others' deltas with the weights `weights_without` gives them, the same outer step."""
     kept, weights = weights_without(inputs, learner, parent_version, settings)
-    params, _ = apply_round(parent_params, parent_state, [deltas[i] for i in kept], weights, settings)
+    params, _ = apply_round(parent_params, parent_state, [deltas[i] for i in kept], weights, settings,
+                            staleness=[inputs[i].staleness for i in kept])
     return params

@@ -148,8 +148,8 @@ class NesterovState:
 
 
 def nesterov_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], state: NesterovState,
-                  lr: float = 0.7, momentum: float = 0.9, progress: float = 1.0, lookahead: float = 1.0
-                  ) -> tuple[dict[str, Tensor], NesterovState]:
+                  lr: float = 0.7, momentum: float = 0.9, progress: float = 1.0, lookahead: float = 1.0,
+                  buffered: Mapping[str, Tensor] | None = None) -> tuple[dict[str, Tensor], NesterovState]:
     """One outer step: new params and state; `params`, `delta` and `state` are not modified.
 
     A whole step (`progress` 1) is bit for bit `torch.optim.SGD(params, lr=lr, momentum=momentum,
@@ -175,6 +175,9 @@ def nesterov_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], sta
     publishes the point one momentum step ahead, for learners to train from and correct. A version
     fewer learners train on from (`policy.lookahead`: the run's last rounds) takes less of that
     extrapolation; at 0 it is params - lr * delta, the buffer still taking the delta in.
+
+    `buffered`: what the buffer takes in place of `delta` (the fresh inputs' part of it,
+    `apply_round`); the params still move by all of `delta`.
     """
     if set(params) != set(delta):
         raise ValueError(f"delta does not match the fragment: tensors "
@@ -183,7 +186,7 @@ def nesterov_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], sta
         raise ValueError(f"progress {progress!r} must be a number in (0, 1]")
     if isinstance(lookahead, bool) or not 0.0 <= lookahead <= 1.0:
         raise ValueError(f"lookahead {lookahead!r} must be a number in [0, 1]")
-    if progress == 1.0 and lookahead == 1.0:
+    if progress == 1.0 and lookahead == 1.0 and buffered is None:
         new_params, new_state = _whole_step(params, delta, state, lr, momentum)
         return new_params, replace(new_state, residual=state.residual)
     decay = _fp32(momentum ** progress)
@@ -198,7 +201,8 @@ def nesterov_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], sta
         # p - (grad + buf * push) * rate, the adds and multiplies in place on this step's own
         # temporaries (the same bits: a + b is b + a), so that a tensor as big as the fragment is
         # not made four times over.
-        buf = grad * gain if buf is None else (buf * decay).add_(grad * gain)
+        into = grad if buffered is None else buffered[name].detach()
+        buf = into * gain if buf is None else (buf * decay).add_(into * gain)
         new_momentum[name] = buf
         new_params[name] = p.detach() - (buf * push).add_(grad).mul_(rate)
     return new_params, NesterovState(momentum=new_momentum, steps=state.steps + 1, residual=state.residual)
@@ -244,17 +248,19 @@ def update_norm(delta: Mapping[str, Tensor]) -> float:
 
 
 def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequence[Mapping[str, Tensor]],
-                weights: Sequence[float], settings: VersionSettings, *,
+                weights: Sequence[float], settings: VersionSettings, *, staleness: Sequence[int] | None = None,
                 timed: Timed = untimed) -> tuple[dict[str, Tensor], NesterovState]:
     """One round: merge `deltas` (in merge order) with `weights` (`round_delta`), one outer Nesterov
     step of the round's `progress` (`outer_step`), then the published params through the downstream
     codec (`downstream_step`), as `settings` (read from the version's manifest) configure them: the
-    live coordinator and a replay run the very same computation. `timed` times the merge ("merge")
-    and the outer step ("outer")."""
+    live coordinator and a replay run the very same computation. `staleness`: each input's, as its
+    manifest records it (needed when `settings.stale_momentum` is False). `timed` times the merge
+    ("merge") and the outer step ("outer")."""
     with timed("merge"):
         delta = round_delta(deltas, weights, settings)
+        fresh = fresh_part(deltas, weights, staleness, settings)
     with timed("outer"):
-        target, new_state = outer_step(params, state, delta, settings)
+        target, new_state = outer_step(params, state, delta, settings, buffered=fresh)
         published, new_state, _ = downstream_step(params, target, new_state, settings)
         return published, new_state
 
@@ -275,10 +281,46 @@ def downstream_step(parent: Mapping[str, Tensor], target: Mapping[str, Tensor], 
     return published, replace(state, residual=residual), blob
 
 
+def fresh_part(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], staleness: Sequence[int] | None,
+               settings: VersionSettings) -> dict[str, Tensor] | None:
+    """What the momentum buffer takes of a round when `settings.stale_momentum` is False and some
+    input is stale: the round's merged update of its fresh inputs alone (with their weights in the
+    round; zeros if none is fresh), scaled like the whole. None otherwise: the buffer takes the update.
+
+    A stale piece's progress was computed against a version the buffer has moved on from; fed to
+    the buffer again it acts as extra momentum, and the published model overshoots (`bench wan`'s
+    mixed links, 6 runs a side: 1.376 against 1.463)."""
+    if settings.stale_momentum:
+        return None
+    if staleness is None or len(staleness) != len(weights):
+        raise ValueError("stale_momentum False needs each input's staleness")
+    if not any(s > 0 for s in staleness):
+        return None
+    kept = [i for i, s in enumerate(staleness) if s == 0 and weights[i] != 0]
+    if not kept:
+        return {name: torch.zeros_like(t, dtype=torch.float32) for name, t in deltas[0].items()}
+    return round_delta(_Subset(deltas, kept), [weights[i] for i in kept], settings)
+
+
+class _Subset(Sequence[Mapping[str, Tensor]]):
+    """Some of a sequence's items, read when they are read (a round's pieces decode as they are
+    read, and the stale ones need not be decoded twice)."""
+
+    def __init__(self, items: Sequence[Mapping[str, Tensor]], kept: list[int]) -> None:
+        self._items, self._kept = items, kept
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __getitem__(self, i: int) -> Mapping[str, Tensor]:  # type: ignore[override] (no slices)
+        return self._items[self._kept[i]]
+
+
 def outer_step(params: Mapping[str, Tensor], state: NesterovState, delta: Mapping[str, Tensor],
-               settings: VersionSettings) -> tuple[dict[str, Tensor], NesterovState]:
+               settings: VersionSettings, *, buffered: Mapping[str, Tensor] | None = None
+               ) -> tuple[dict[str, Tensor], NesterovState]:
     """The outer step of `settings` with the round's merged update `delta` (`round_delta`): the
     second half of `apply_round`, for the coordinator, which sizes the step after measuring the
     update."""
     return nesterov_step(params, delta, state, lr=settings.outer_lr, momentum=settings.outer_momentum,
-                         progress=settings.progress, lookahead=settings.lookahead)
+                         progress=settings.progress, lookahead=settings.lookahead, buffered=buffered)

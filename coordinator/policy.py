@@ -79,6 +79,10 @@ class RoundConfig:
     """With the discount: the round's weights sum to what they would at the round's own median
     staleness (`merge_weights`), so that stale pieces among fresh ones take less of a round that
     moves as far as a fresh one. False: every stale piece shrinks the round (manifests before it)."""
+    stale_momentum: bool = False
+    """Stale pieces enter the outer momentum buffer too. False (the default): the buffer takes only
+    the round's fresh pieces, the params all of them (`outer.fresh_part`). Whole steps (no
+    `scale_rounds`) always take all."""
     max_claim_ratio: float = 4.0
     """How far one learner's claims may stray from the other learners' median (`coordinator.influence`):
     a learner's pieces in a round count at most this many times their median tokens and merge

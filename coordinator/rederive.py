@@ -144,7 +144,8 @@ def rederive(manifest: Manifest, keys: RunKeys, inputs: Sequence[Mapping[str, Te
             raise ValueError(f"version {manifest.version} needs its parent's params and outer state")
         try:
             params, state = apply_round(parent_params, parent_state, list(inputs),
-                                        [c.weight for c in manifest.inputs], manifest.settings)
+                                        [c.weight for c in manifest.inputs], manifest.settings,
+                                        staleness=[c.staleness for c in manifest.inputs])
         except ValueError as exc:
             return Rederived(None, None, (*problems, Problem("settings", str(exc))))
     f, v = manifest.fragment, manifest.version

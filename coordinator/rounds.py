@@ -21,7 +21,8 @@ import torch
 from diloco.coordinator.influence import Claim, clip_norms, count_claims, usual_fleet
 from diloco.coordinator.intake import PendingDelta, decode_piece
 from diloco.coordinator.leadership import Fenced
-from diloco.coordinator.outer import NesterovState, downstream_step, outer_step, round_delta, scale_update, update_norm
+from diloco.coordinator.outer import (NesterovState, downstream_step, fresh_part, outer_step, round_delta, scale_update,
+                                      update_norm)
 from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round, lookahead,
                                        merge_order, merge_weights, round_size, round_step, served_deadline,
                                        staleness_verdict, usual_pieces)
@@ -184,8 +185,11 @@ class Rounds:
                 settings = replace(settings, round_scale=step.scale, progress=step.progress, update_norm=norm,
                                    lookahead=ahead)
                 update = scale_update(update, step.scale)
+            fresh = fresh_part(self._pieces(contributions), weights, [frag.head - a.base_version for a in ordered],
+                               settings)
         with s.timing("outer"):
-            target, state = outer_step(frag.params, frag.state, update, settings)
+            target, state = outer_step(frag.params, frag.state, update, settings, buffered=fresh)
+            del fresh
             del update
             return self._downstream(fragment, frag, target, state, settings), settings
 

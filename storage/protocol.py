@@ -515,6 +515,10 @@ class VersionSettings(Record):
     """In [0, 1]: the share of the momentum's push the step takes, that of the round's learners
     that train on from the version (`coordinator.policy.lookahead`); 1 for whole steps and older
     manifests."""
+    stale_momentum: bool = True
+    """Stale inputs (staleness > 0) enter the momentum buffer with the fresh ones. False: the buffer
+    takes only the fresh inputs' part of the merged update, the params all of it
+    (`coordinator.outer.apply_round`); True in manifests written before it."""
     update_norm: float | None = None
     """L2 norm of the merged update before its scale; None: not measured."""
     downstream: str = "fp32"
@@ -540,6 +544,8 @@ class VersionSettings(Record):
         _require(0.0 < self.round_scale <= 1.0, f"round_scale {self.round_scale!r} must be a number in (0, 1]")
         _require(0.0 < self.progress <= 1.0 and (self.outer != "nesterov" or self.progress == 1.0),
                  f"progress {self.progress!r} must be a number in (0, 1], and 1 for whole steps")
+        _require(self.stale_momentum or self.outer != "nesterov",
+                 "stale_momentum False needs the fractional outer step")
         _require(0.0 <= self.lookahead <= 1.0 and (self.outer != "nesterov" or self.lookahead == 1.0),
                  f"lookahead {self.lookahead!r} must be a number in [0, 1], and 1 for whole steps")
         _require(self.update_norm is None or (math.isfinite(self.update_norm) and self.update_norm >= 0),

@@ -147,3 +147,30 @@ def test_replay_command_prints_progress_and_summary_without_redis(endpoints, run
     missing = subprocess.run(diloco_command("replay", "--run", "no-such-run"), env=env, capture_output=True,
                              text=True, timeout=120)
     assert missing.returncode == 1 and "has no run spec" in missing.stderr, missing.stderr
+
+
+def test_a_round_with_a_stale_piece_keeps_it_out_of_the_momentum_and_replays_bit_exact(endpoints, run_id):
+    """By default (`RoundConfig.stale_momentum` False) a stale piece moves the params but not the
+    outer momentum; the manifest records it, and replay re-derives the version bit for bit."""
+    coord = make_coordinator(endpoints, run_id, settings=dataclasses.replace(TINY_RUN, cadence="steps"))
+    l0, opt0 = join(endpoints, run_id, coord, "l0")
+    l1, opt1 = join(endpoints, run_id, coord, "l1")
+    try:
+        train(l0, opt0, 4)  # fragment 0 from l0, based on version 0...
+        for _ in range(4):
+            coord.step(block_ms=50)  # ...merged alone: version 1
+        train(l1, opt1, 4)  # l1's piece, still based on version 0: one version stale
+        train(l0, opt0, 4)  # l0's next, based on version 1
+        for _ in range(4):
+            coord.step(block_ms=50)
+    finally:
+        l0.close()
+        l1.close()
+        coord.close()
+    store, keys = ObjectStore(endpoints), RunKeys(endpoints.prefix, run_id)
+    history = [read_manifest(store, keys, 0, v) for v in range(1, coord.bus.heads()[0] + 1)]
+    mixed = [m for m in history if {c.staleness for c in m.inputs} == {0, 1}]
+    assert mixed, [[(c.learner, c.staleness) for c in m.inputs] for m in history]
+    assert all(not m.settings.stale_momentum for m in history)
+    report = replay(dead_redis(endpoints), run_id)
+    assert report.ok and all(c.bit_exact for c in report.checks), report.summary()

@@ -328,3 +328,26 @@ def test_when_the_learners_stop_moving_the_model_stops_too() -> None:
     drift_movement = float((by_movement[-1] - by_movement[11]).norm()) / usual
     assert drift_movement < 0.5 * drift_tokens
     assert float((by_movement[-1] - by_movement[-2]).norm()) < 1e-4 * usual  # the round of lr 0: no move
+
+
+def test_the_momentum_takes_only_the_fresh_part_of_a_round_with_stale_pieces() -> None:
+    gen = torch.Generator().manual_seed(9)
+    params, state = random_tensors(gen), NesterovState()
+    params, state = nesterov_step(params, random_tensors(gen, 0.1), state)
+    fresh, stale = random_tensors(gen, 0.1), random_tensors(gen, 0.1)
+    on = typed(outer="fractional_nesterov")
+    off = typed(outer="fractional_nesterov", stale_momentum=False)
+    both, both_state = apply_round(params, state, [fresh, stale], [0.5, 0.5], on)
+    split, split_state = apply_round(params, state, [fresh, stale], [0.5, 0.5], off, staleness=[0, 1])
+    only_fresh = {k: fresh[k] * 0.5 for k in fresh}
+    for k in params:  # the buffer took half of the fresh piece; the params moved by both, and that buffer
+        torch.testing.assert_close(split_state.momentum[k], state.momentum[k] * 0.9 + only_fresh[k], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(split[k], params[k] - 0.7 * ((fresh[k] + stale[k]) * 0.5 + 0.9 * split_state.momentum[k]),
+                                   rtol=1e-5, atol=1e-6)
+    assert not same(both_state.momentum, split_state.momentum)
+    again = apply_round(params, state, [fresh, stale], [0.5, 0.5], off, staleness=[0, 0])  # nothing stale: as on
+    assert same(again[0], apply_round(params, state, [fresh, stale], [0.5, 0.5], on)[0])
+    with pytest.raises(ValueError, match="staleness"):
+        apply_round(params, state, [fresh, stale], [0.5, 0.5], off)
+    with pytest.raises(Refused):
+        typed(stale_momentum=False)  # whole steps take everything into the buffer

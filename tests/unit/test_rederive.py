@@ -41,13 +41,13 @@ def a_version(radial: bool = False, rate: int = 0) -> tuple[Manifest, list[dict[
                                    rate_steps=rate)
     parent = tensors(gen)
     merge = settings
-    _, state = apply_round(parent, NesterovState(), [tensors(gen, 0.1)], [1.0], merge)
+    _, state = apply_round(parent, NesterovState(), [tensors(gen, 0.1)], [1.0], merge, staleness=[0])
     arrivals = [Arrival(uuid.uuid4().hex, learner, base, tokens, steps, 0.0, 0.0)
                 for learner, base, tokens, steps in (("b", 2, 40, 4), ("a", 1, 90, 9), ("b", 2, 40, 4))]
     ordered = merge_order(arrivals)
     weights = merge_weights(ordered, 2, cfg, USUAL if rate else None, rate)
     deltas = [tensors(gen, 0.01) for _ in ordered]
-    params, new_state = apply_round(parent, state, deltas, weights, merge)
+    params, new_state = apply_round(parent, state, deltas, weights, merge, staleness=[2 - a.base_version for a in ordered])
     inputs = tuple(Contribution(contribution_id=a.contribution_id, learner=a.learner, seq=i, object_key=f"k/{i}",
                                 sha256="0" * 64, base_version=a.base_version, staleness=2 - a.base_version,
                                 tokens=a.tokens, steps=a.steps, weight=w, stream_id="",
@@ -97,16 +97,19 @@ def test_each_kind_of_difference_is_named():
     def problems(m: Manifest, d=deltas) -> list[str]:  # noqa: ANN001
         return [p.code for p in rederive(m, KEYS, d, parent_params=parent, parent_state=state).problems]
 
-    other = [{k: v + 1e-3 for k, v in deltas[0].items()}, *deltas[1:]]
+    i = next(i for i, c in enumerate(manifest.inputs) if c.staleness == 0)  # a fresh input's delta...
+    other = [{k: v + 1e-3 for k, v in d.items()} if j == i else d for j, d in enumerate(deltas)]
     assert problems(manifest, other) == ["params", "outer_state"]
-    first = manifest.inputs[0]
-    heavier = dataclasses.replace(manifest, inputs=(dataclasses.replace(first, weight=first.weight * 2),
-                                                    *manifest.inputs[1:]))
+    s = next(i for i, c in enumerate(manifest.inputs) if c.staleness > 0)  # ...a stale one's moves the params only
+    other = [{k: v + 1e-3 for k, v in d.items()} if j == s else d for j, d in enumerate(deltas)]
+    assert problems(manifest, other) == ["params"]
+    heavier = dataclasses.replace(manifest, inputs=tuple(dataclasses.replace(c, weight=c.weight * 2) if j == i else c
+                                                         for j, c in enumerate(manifest.inputs)))
     assert problems(heavier) == ["weights", "params", "outer_state"]
     swapped = dataclasses.replace(manifest, inputs=manifest.inputs[::-1])
     assert problems(swapped, deltas[::-1])[0] == "order"
     fresh = dataclasses.replace(manifest, inputs=tuple(dataclasses.replace(c, staleness=0) for c in manifest.inputs))
-    assert problems(fresh) == ["staleness"]
+    assert problems(fresh) == ["staleness", "params", "outer_state"]  # staleness decides what the momentum takes
     # The recorded settings are the ones replayed: another lr gives other params (the momentum does not use it).
     assert problems(dataclasses.replace(manifest, settings=dataclasses.replace(manifest.settings, outer_lr=0.5))) == [
         "params"]
