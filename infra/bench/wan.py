@@ -37,6 +37,9 @@ learner i on data stream i, every step paced to at least `--step-time-s`):
   target is then the real run's time at that step if it got there, else the real run's time plus
   the remaining steps at its measured mean step time (marked `extrapolated`).
 - mixed: decoupled, the learners on links of `--mixed-rates` x the rate (default 1, 1/2, 1/8, 1/8).
+- mixed_without: the mixed arm without its learners on the thinnest links (default: the 1 and 1/2
+  links' learners, on their own data streams): the fleet the thin links are added to, at equal wall
+  time. Adding them must never leave the model worse.
 
 Per arm: wall time to the target loss (`--target-loss`; default the higher of the decoupled and sync
 arms' final eval losses, a loss both reached), tokens per second while training (all
@@ -72,7 +75,7 @@ log = logging.getLogger(__name__)
 NAME = "wan"
 HELP = ("decoupled vs synchronous DiLoCo vs data-parallel (real gloo) with learners behind rate-limited links "
         "(network namespaces, tc tbf; needs root)")
-ARMS = ("decoupled", "sync", "dp", "mixed")
+ARMS = ("decoupled", "sync", "dp", "mixed", "mixed_without")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +169,7 @@ def run_linked_trial(stack: LocalStack, net: WanNet, trial: Trial, task: Task, o
                           learner_env=lambda i: net.endpoints_env(i, stack))
     result = run_trial(stack, trial, task, out, curve_points=curve_points, placement=placement)
     after = net.counters()
-    wire = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
+    wire = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)][:len(rates)]
     return LinkedTrial(result, list(rates), wire)
 
 
@@ -235,6 +238,14 @@ class WanResult:
                            f"({'met' if d <= s else 'NOT met'}: target no slower)")
             else:
                 out.append(f"decoupled vs synchronous DiLoCo: {self._missed('decoupled', 'sync')}")
+        if "decoupled" in self.arms and "mixed" in self.arms:
+            x = self.arms["mixed"].final_eval / self.arms["decoupled"].final_eval
+            out.append(f"mixed links end at {x:.4f}x the equal links' final eval "
+                       f"({'met' if x <= 1.02 else 'NOT met'}: target within 2%)")
+        if "mixed" in self.arms and "mixed_without" in self.arms:
+            m, w = self.arms["mixed"].final_eval, self.arms["mixed_without"].final_eval
+            out.append(f"the thin-linked learners added: final eval {m:.4f} against {w:.4f} without them "
+                       f"({'met' if m <= w else 'NOT met'}: target never worse)")
         return out
 
     def _missed(self, *arms: str) -> str:
@@ -347,16 +358,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes per gradient in the reference all-reduce (default: %(default)s, bf16)")
 
 
-def _rates(args: argparse.Namespace, arm: str) -> list[Rates]:
-    if arm != "mixed":
-        return [Rates(args.rate_mbit, args.rate_mbit)] * args.learners
+def _factors(args: argparse.Namespace) -> list[float]:
+    """The mixed arm's link of each learner, as a factor of the rate."""
     factors = [float(x) for x in args.mixed_rates.split(",") if x.strip()]
-    return [Rates(args.rate_mbit * factors[i % len(factors)], args.rate_mbit * factors[i % len(factors)])
-            for i in range(args.learners)]
+    if not factors or min(factors) <= 0:
+        raise SystemExit(f"--mixed-rates {args.mixed_rates!r}: give positive factors")
+    return [factors[i % len(factors)] for i in range(args.learners)]
+
+
+def _learners(args: argparse.Namespace, arm: str) -> list[int]:
+    """The learners (as data streams: the mixed arm's positions) an arm runs: all of them, but in
+    mixed_without the learners on the mixed arm's thinnest links."""
+    if arm != "mixed_without":
+        return list(range(args.learners))
+    factors = _factors(args)
+    kept = [i for i, f in enumerate(factors) if f > min(factors)]
+    if not kept:
+        raise SystemExit(f"--mixed-rates {args.mixed_rates!r}: mixed_without needs links thicker than the thinnest")
+    return kept
+
+
+def _rates(args: argparse.Namespace, arm: str) -> list[Rates]:
+    """The link of each of the arm's learners, in the order of `_learners`."""
+    if arm not in ("mixed", "mixed_without"):
+        return [Rates(args.rate_mbit, args.rate_mbit)] * args.learners
+    factors = _factors(args)
+    return [Rates(args.rate_mbit * factors[i], args.rate_mbit * factors[i]) for i in _learners(args, arm)]
 
 
 def _trial(arm: str, args: argparse.Namespace) -> Trial:
-    learners = tuple(LearnerPlan(f"learner-{i}", steps=args.steps, data_seed=i) for i in range(args.learners))
+    learners = tuple(LearnerPlan(f"learner-{k}", steps=args.steps, data_seed=i)
+                     for k, i in enumerate(_learners(args, arm)))
     if arm == "sync":
         return sync_trial("wan-sync", learners, args.budget_s, sync_every=args.sync_every,
                           step_time_s=args.step_time_s)
@@ -397,7 +429,7 @@ def run(args: argparse.Namespace) -> WanResult:
     linked: dict[str, LinkedTrial] = {}
     dp: DpRun | None = None
     with _sigterm_interrupts(), WanNet(args.learners, latency_ms=args.latency_ms) as net, entered(net.hub):
-        diloco_arms = [a for a in ("decoupled", "sync", "mixed") if a in arms]
+        diloco_arms = [a for a in ("decoupled", "sync", "mixed", "mixed_without") if a in arms]
         if diloco_arms:
             with hub_stack(out) as stack:
                 for arm in diloco_arms:

@@ -161,3 +161,27 @@ def test_codec_sets_the_decoupled_and_mixed_arms_and_leaves_sync_at_its_own():
     assert wan._trial("mixed", args).run_args == ("--codec", "sign8")
     assert "sign8" not in wan._trial("sync", args).run_args
     assert wan._trial("decoupled", parser.parse_args([])).run_args == ()  # the run's own
+
+
+def test_the_fleet_without_the_thin_links_is_the_mixed_arms_other_learners_on_their_own_links_and_streams():
+    parser = argparse.ArgumentParser()
+    wan.add_arguments(parser)
+    args = parser.parse_args(["--rate-mbit", "2", "--mixed-rates", "0.125,1,0.125,0.5"])
+    assert [r.up_mbit for r in wan._rates(args, "mixed")] == [0.25, 2.0, 0.25, 1.0]
+    assert [r.up_mbit for r in wan._rates(args, "mixed_without")] == [2.0, 1.0]
+    trial = wan._trial("mixed_without", args)
+    assert [(p.name, p.data_seed) for p in trial.learners] == [("learner-0", 1), ("learner-1", 3)]
+    assert [p.data_seed for p in wan._trial("mixed", args).learners] == [0, 1, 2, 3]
+    with pytest.raises(SystemExit, match="thicker than the thinnest"):
+        wan._learners(parser.parse_args(["--mixed-rates", "0.5"]), "mixed_without")
+
+
+def test_the_verdicts_hold_mixed_links_to_equal_links_and_to_the_fleet_without_them():
+    def arm(name: str, final: float) -> wan.ArmFigures:
+        return wan.ArmFigures(name, [], None, "not reached", 0.0, final, [], [], None)
+
+    result = wan.WanResult(None, False, None, arms={"decoupled": arm("decoupled", 1.30), "mixed": arm("mixed", 1.35),
+                                                    "mixed_without": arm("mixed_without", 1.40)})
+    verdicts = "\n".join(result.verdicts())
+    assert "1.0385x the equal links' final eval (NOT met" in verdicts
+    assert "1.3500 against 1.4000 without them (met" in verdicts
