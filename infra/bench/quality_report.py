@@ -234,9 +234,10 @@ class TaskReport:
         return self.arms[arm].end.damage_share if arm in self.arms else None
 
     def straggler_ratio(self) -> float | None:
-        """The straggler arm's final over the better of the fleets without it (None if any did not run)."""
-        ratios = [self.ratio("straggler", arm) for arm in ("without", "torchft_without")]
-        return None if None in ratios else max(ratios)
+        """The straggler arm's final over the better of the fleets without it that ran (None: the
+        straggler arm or both of them did not run)."""
+        ratios = [r for arm in ("without", "torchft_without") if (r := self.ratio("straggler", arm)) is not None]
+        return max(ratios, default=None)
 
     def verdict_line(self) -> str:
         def said(ok: bool | None) -> str:
