@@ -516,9 +516,8 @@ class VersionSettings(Record):
     that train on from the version (`coordinator.policy.lookahead`); 1 for whole steps and older
     manifests."""
     stale_momentum: bool = True
-    """Stale inputs (staleness > 0) enter the momentum buffer with the fresh ones. False: the buffer
-    takes only the fresh inputs' part of the merged update, the params all of it
-    (`coordinator.outer.apply_round`); True in manifests written before it."""
+    """Stale inputs (staleness > 0) enter the momentum buffer too. False: only the fresh inputs'
+    part (`coordinator.outer.fresh_part`); True in older manifests."""
     update_norm: float | None = None
     """L2 norm of the merged update before its scale; None: not measured."""
     downstream: str = "fp32"
