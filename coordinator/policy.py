@@ -271,9 +271,16 @@ def _grace_why(cfg: RoundConfig, slack_s: float) -> str:
     return f"gamma {cfg.grace_gamma:g} x slack {slack_s:.2f}s"
 
 
-def served_deadline(merged_deadline: float, merged: Sequence[Arrival]) -> float:
-    """A fragment's `RoundState.merged_deadline` after a round of `merged` arrivals merged."""
-    return max([merged_deadline, *(a.deadline for a in merged)])
+def served_deadline(merged_deadline: float, merged: Sequence[Arrival], period_s: float = 0.0) -> float:
+    """A fragment's `RoundState.merged_deadline` after a round of `merged` arrivals merged: the
+    latest deadline among them; for a round of pieces all late for a round that had merged (held
+    for the next one, `decide_round`), the deadline they were held for (clock period `period_s`).
+    Otherwise a piece sent for that deadline that comes after its grace would merge alone: a
+    version of one piece, for every learner to download."""
+    latest = max((a.deadline for a in merged), default=0.0)
+    if 0.0 < latest <= merged_deadline and period_s > 0.0:
+        return merged_deadline + period_s
+    return max(merged_deadline, latest)
 
 
 def _clock_round(now: float, deadline: float, period_s: float, cfg: RoundConfig, learners_in: str) -> Decision:

@@ -367,7 +367,8 @@ class Rounds:
         merged = {c.announcement.contribution_id for c in contributions}
         frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
         frag.refused, s.unplaced = [], []
-        frag.merged_deadline = served_deadline(frag.merged_deadline, counted)
+        period_s = s.cadence.period_s if s.cadence else 0.0
+        frag.merged_deadline = served_deadline(frag.merged_deadline, counted, period_s)
         if manifest.settings.kind == "delta":
             frag.recent = [*frag.recent, round_size(counted, manifest.settings.update_norm)][-RECENT_ROUNDS:]
             frag.claims = [*frag.claims, tuple(Claim(a.learner, a.tokens, a.steps, a.norm) for a in counted)

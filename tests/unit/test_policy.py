@@ -11,7 +11,7 @@ import pytest
 from diloco.coordinator.policy import (FIRST_DEADLINE_LEAD_S, MAX_LINK_STRETCH, STILL_PROGRESS, Arrival, Decision, RoundConfig, RoundSize,
                                        RoundState, RoundStep, decide_round, link_bound_period, lookahead, merge_order,
                                        merge_weights, next_cadence,
-                                       quorum_target, round_size, round_step, run_end, staleness_verdict,
+                                       quorum_target, served_deadline, round_size, round_step, run_end, staleness_verdict,
                                        usual_pieces)
 from diloco.storage.errors import ConfigError
 from diloco.storage.protocol import Cadence
@@ -364,6 +364,14 @@ def test_a_late_arrival_for_a_round_that_merged_waits_for_the_next_round_instead
     # Alone, it merges after the next deadline's grace; and a lone learner never waits.
     assert decide_round(106.0, replace(s, arrivals=(late,)), cfg).merge
     assert decide_round(102.5, replace(s, arrivals=(late,), live_learners=1), cfg).merge
+    # Merged alone, it served round 104: a piece sent for 104 that comes after that is late too,
+    # held for round 108 with the others, not a version of its own.
+    assert served_deadline(100.0, (late,), 4.0) == 104.0
+    assert served_deadline(100.0, (late, clock_arrival("a", 103.9, deadline=104.0)), 4.0) == 104.0
+    assert served_deadline(0.0, (clock_arrival("a", 99.9),), 4.0) == 100.0
+    after = replace(s, arrivals=(clock_arrival("a", 106.5, deadline=104.0),), merged_deadline=104.0)
+    d = decide_round(106.5, after, cfg)
+    assert not d.merge and d.wake_at == pytest.approx(110.0) and "held for the next" in d.reason
 
 
 def test_the_round_clock_is_re_set_only_on_a_large_change_and_keeps_its_phase() -> None:
