@@ -114,6 +114,21 @@ def start_beside(coord, learner: Learner) -> None:  # noqa: ANN001
         raise raised[0]
 
 
+@contextmanager
+def two_learners(endpoints, run_id) -> Iterator[tuple[Coordinator, tuple[Learner, torch.optim.Optimizer],  # noqa: ANN001
+                                                  tuple[Learner, torch.optim.Optimizer]]]:
+    """A coordinator at steps cadence and learners l0 and l1 joined through it; all closed after."""
+    coord = make_coordinator(endpoints, run_id, settings=dataclasses.replace(TINY_RUN, cadence="steps"))
+    l0 = join(endpoints, run_id, coord, "l0")
+    l1 = join(endpoints, run_id, coord, "l1")
+    try:
+        yield coord, l0, l1
+    finally:
+        l0[0].close()
+        l1[0].close()
+        coord.close()
+
+
 def train(learner: Learner, opt: torch.optim.Optimizer, steps: int) -> None:
     """`steps` optimizer steps on random gradients, then wait until every contribution is announced."""
     for _ in range(steps):

@@ -10,7 +10,6 @@ with its reason; and an export read with `--dir` gives the very same JSON.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import tempfile
@@ -31,7 +30,7 @@ from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import Announcement
 from diloco.storage.settings import ENV_REDIS_URL, Endpoints
-from harness import TINY_RUN, join, make_coordinator, train
+from harness import train, two_learners
 
 FORGER = "mallory"
 
@@ -58,10 +57,7 @@ def forge(coord) -> Announcement:  # noqa: ANN001
 
 def make_inspect_history(endpoints: Endpoints, run_id: str) -> None:
     """Fragment 0 version 1 from l0 alone; a forged contribution refused; then rounds of both learners."""
-    coord = make_coordinator(endpoints, run_id, settings=dataclasses.replace(TINY_RUN, cadence="steps"))
-    l0, opt0 = join(endpoints, run_id, coord, "l0")
-    l1, opt1 = join(endpoints, run_id, coord, "l1")
-    try:
+    with two_learners(endpoints, run_id) as (coord, (l0, opt0), (l1, opt1)):
         train(l0, opt0, 4)  # H = 4: fragment 0 is due at steps 4, 8, ...; fragment 1 at 6, 10, ...
         drive(coord, lambda: coord.bus.heads()[0] == 1)
         forge(coord)
@@ -71,10 +67,6 @@ def make_inspect_history(endpoints: Endpoints, run_id: str) -> None:
             train(l1, opt1, 8)
             for _ in range(4):
                 coord.step(block_ms=50)
-    finally:
-        l0.close()
-        l1.close()
-        coord.close()
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from diloco.storage.history import read_manifest
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
 from diloco.storage.settings import ENV_REDIS_URL, Endpoints
-from harness import TINY_RUN, join, make_coordinator, train
+from harness import TINY_RUN, join, make_coordinator, train, two_learners
 
 
 def make_history(endpoints: Endpoints, run_id: str, rounds: int = 3) -> dict[int, int]:
@@ -152,10 +152,7 @@ def test_replay_command_prints_progress_and_summary_without_redis(endpoints, run
 def test_a_round_with_a_stale_piece_keeps_it_out_of_the_momentum_and_replays_bit_exact(endpoints, run_id):
     """By default (`RoundConfig.stale_momentum` False) a stale piece moves the params but not the
     outer momentum; the manifest records it, and replay re-derives the version bit for bit."""
-    coord = make_coordinator(endpoints, run_id, settings=dataclasses.replace(TINY_RUN, cadence="steps"))
-    l0, opt0 = join(endpoints, run_id, coord, "l0")
-    l1, opt1 = join(endpoints, run_id, coord, "l1")
-    try:
+    with two_learners(endpoints, run_id) as (coord, (l0, opt0), (l1, opt1)):
         train(l0, opt0, 4)  # fragment 0 from l0, based on version 0...
         for _ in range(4):
             coord.step(block_ms=50)  # ...merged alone: version 1
@@ -163,10 +160,6 @@ def test_a_round_with_a_stale_piece_keeps_it_out_of_the_momentum_and_replays_bit
         train(l0, opt0, 4)  # l0's next, based on version 1
         for _ in range(4):
             coord.step(block_ms=50)
-    finally:
-        l0.close()
-        l1.close()
-        coord.close()
     store, keys = ObjectStore(endpoints), RunKeys(endpoints.prefix, run_id)
     history = [read_manifest(store, keys, 0, v) for v in range(1, coord.bus.heads()[0] + 1)]
     mixed = [m for m in history if {c.staleness for c in m.inputs} == {0, 1}]
