@@ -22,8 +22,9 @@ same inputs in the same order give the same bits. Here is what guarantees it:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -31,6 +32,8 @@ from torch import Tensor
 from diloco.coordinator.timing import Timed, untimed
 from diloco.storage.protocol import VersionSettings
 from diloco.storage.updates import encode_update
+
+T = TypeVar("T")
 
 
 def merge_deltas(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], *,
@@ -48,7 +51,7 @@ def merge_deltas(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float
 
     `deltas` is read in order, each delta once (twice, radial_directional: its norms first), and
     accumulated as it is read: a sequence that decodes a delta when it is read (the coordinator's
-    round, `rounds._Pieces`) holds one decoded delta at a time, not the whole round.
+    round, `Lazy`) holds one decoded delta at a time, not the whole round.
     """
     if not deltas or len(deltas) != len(weights):
         raise ValueError(f"need one weight per delta and at least one delta, got "
@@ -258,7 +261,7 @@ def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequ
     ("merge") and the outer step ("outer")."""
     with timed("merge"):
         delta = round_delta(deltas, weights, settings)
-        fresh = fresh_part(deltas, weights, staleness, settings)
+        fresh = fresh_part(deltas, weights, staleness, settings, delta)
     with timed("outer"):
         target, new_state = outer_step(params, state, delta, settings, buffered=fresh)
         published, new_state, _ = downstream_step(params, target, new_state, settings)
@@ -282,10 +285,11 @@ def downstream_step(parent: Mapping[str, Tensor], target: Mapping[str, Tensor], 
 
 
 def fresh_part(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], staleness: Sequence[int] | None,
-               settings: VersionSettings) -> dict[str, Tensor] | None:
+               settings: VersionSettings, update: Mapping[str, Tensor]) -> dict[str, Tensor] | None:
     """What the momentum buffer takes of a round when `settings.stale_momentum` is False and some
     input is stale: the round's merged update of its fresh inputs alone (with their weights in the
-    round; zeros if none is fresh), scaled like the whole. None otherwise: the buffer takes the update.
+    round; zeros shaped like the round's `update` if none is fresh), scaled like the whole. None
+    otherwise: the buffer takes the update.
 
     A stale piece's progress was computed against a version the buffer has moved on from; fed to
     the buffer again it acts as extra momentum, and the published model overshoots (`bench wan`'s
@@ -298,22 +302,25 @@ def fresh_part(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float],
         return None
     kept = [i for i, s in enumerate(staleness) if s == 0 and weights[i] != 0]
     if not kept:
-        return {name: torch.zeros_like(t, dtype=torch.float32) for name, t in deltas[0].items()}
-    return round_delta(_Subset(deltas, kept), [weights[i] for i in kept], settings)
+        return {name: torch.zeros_like(t, dtype=torch.float32) for name, t in update.items()}
+    return round_delta(Lazy(len(kept), lambda i: deltas[kept[i]]), [weights[i] for i in kept], settings)
 
 
-class _Subset(Sequence[Mapping[str, Tensor]]):
-    """Some of a sequence's items, read when they are read (a round's pieces decode as they are
-    read, and the stale ones need not be decoded twice)."""
+class Lazy(Sequence[T]):
+    """A sequence whose items are made when they are read (`get(i)`): a round's pieces decode one at
+    a time as the merge adds them up (`rounds.Rounds`), and `fresh_part` reads a subset of them
+    without decoding the others again."""
 
-    def __init__(self, items: Sequence[Mapping[str, Tensor]], kept: list[int]) -> None:
-        self._items, self._kept = items, kept
+    def __init__(self, length: int, get: Callable[[int], T]) -> None:
+        self._length, self._get = length, get
 
     def __len__(self) -> int:
-        return len(self._kept)
+        return self._length
 
-    def __getitem__(self, i: int) -> Mapping[str, Tensor]:  # type: ignore[override] (no slices)
-        return self._items[self._kept[i]]
+    def __getitem__(self, i: int) -> T:  # type: ignore[override] (no slices)
+        if not 0 <= i < self._length:
+            raise IndexError(i)
+        return self._get(i)
 
 
 def outer_step(params: Mapping[str, Tensor], state: NesterovState, delta: Mapping[str, Tensor],

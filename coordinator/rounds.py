@@ -3,7 +3,7 @@
 `Rounds.maybe_merge` asks `policy.decide_round` whether an open round is due; a due round's pieces
 are counted (`influence`: each learner's claims and norms bounded by the others'), ordered
 (`policy.merge_order`), weighted (`policy.merge_weights`), merged one decoded piece at a time
-(`_Pieces`), scaled against the usual round (`policy.round_step`) and stepped with the outer
+(`outer.Lazy`), scaled against the usual round (`policy.round_step`) and stepped with the outer
 optimizer (`outer`); `publish` writes the version (objects, then its manifest) and commits it in
 Redis, fenced by the epoch (`publish.commit`). A step that overflows float32 refuses its largest
 piece and merges the rest without it.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -21,7 +20,7 @@ import torch
 from diloco.coordinator.influence import Claim, clip_norms, count_claims, usual_fleet
 from diloco.coordinator.intake import PendingDelta, decode_piece
 from diloco.coordinator.leadership import Fenced
-from diloco.coordinator.outer import (NesterovState, downstream_step, fresh_part, outer_step, round_delta, scale_update,
+from diloco.coordinator.outer import (Lazy, NesterovState, downstream_step, fresh_part, outer_step, round_delta, scale_update,
                                       update_norm)
 from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round, lookahead,
                                        merge_order, merge_weights, round_size, round_step, served_deadline,
@@ -29,7 +28,6 @@ from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundS
 from diloco.coordinator.publish import commit, commit_existing, decode_state, listed_refusals, write_version
 from diloco.coordinator.recovery import Recovery
 from diloco.coordinator.state import Fragment, ShardState
-from diloco.storage import codecs
 from diloco.storage.bus import CommitResult
 from diloco.storage.crashpoints import crash_point
 from diloco.storage.errors import Conflict, Refused, StorageUnavailable
@@ -49,21 +47,6 @@ def _finite(tensors: dict[str, torch.Tensor]) -> bool:
 
 def _absmax(tensors: dict[str, torch.Tensor]) -> float:
     return max((float(t.abs().max()) for t in tensors.values() if t.numel()), default=0.0)
-
-
-class _Pieces(Sequence[dict[str, torch.Tensor]]):
-    """A round's pieces, each decoded when it is read: `outer.merge_deltas` reads them in order and
-    adds each to the sum as it comes, so a merge holds the sum and one decoded piece, while the
-    round waits with its pieces in the codec's bytes (`PendingDelta.piece`)."""
-
-    def __init__(self, pieces: list[codecs.Opened]) -> None:
-        self._pieces = pieces
-
-    def __len__(self) -> int:
-        return len(self._pieces)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:  # type: ignore[override] (no slices)
-        return decode_piece(self._pieces[i])
 
 
 class Rounds:
@@ -173,7 +156,7 @@ class Rounds:
         a replay's `apply_round` runs the same merge, scale and outer step from them.
 
         Each whole-fragment temporary goes as soon as it has been used, not at the end of the round:
-        each piece once added to the sum (the merge decodes them one at a time, `_Pieces`), the
+        each piece once added to the sum (the merge decodes them one at a time, `_pieces`), the
         merged update once stepped with, the outer step's exact result when this returns."""
         s = self.state
         settings = replace(self.settings("delta"), rate_steps=rate)
@@ -185,8 +168,8 @@ class Rounds:
                 settings = replace(settings, round_scale=step.scale, progress=step.progress, update_norm=norm,
                                    lookahead=ahead)
                 update = scale_update(update, step.scale)
-            fresh = fresh_part(self._pieces(contributions), weights, [frag.head - a.base_version for a in ordered],
-                               settings)
+            fresh = fresh_part(self._pieces(contributions), weights,
+                               [staleness_verdict(a.base_version, frag.head, s.round_cfg)[1] for a in ordered], settings, update)
         with s.timing("outer"):
             target, state = outer_step(frag.params, frag.state, update, settings, buffered=fresh)
             del fresh
@@ -194,11 +177,13 @@ class Rounds:
             return self._downstream(fragment, frag, target, state, settings), settings
 
     @staticmethod
-    def _pieces(contributions: list[PendingDelta]) -> _Pieces:
-        """The pieces' deltas, decoded as they are read (`intake.decode_piece`)."""
+    def _pieces(contributions: list[PendingDelta]) -> Lazy[dict[str, torch.Tensor]]:
+        """The pieces' deltas, decoded as they are read (`intake.decode_piece`): a merge holds the sum
+        and one decoded piece, while the round waits with its pieces in the codec's bytes
+        (`PendingDelta.piece`)."""
         pieces = [c.piece for c in contributions if c.piece is not None]
         assert len(pieces) == len(contributions), "a round merges deltas: a genesis is published as it arrives"
-        return _Pieces(pieces)
+        return Lazy(len(pieces), lambda i: decode_piece(pieces[i]))
 
     def _downstream(self, fragment: int, frag: Fragment, target: dict[str, torch.Tensor], state: NesterovState,
                     settings: VersionSettings) -> tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None:

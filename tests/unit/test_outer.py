@@ -351,3 +351,39 @@ def test_the_momentum_takes_only_the_fresh_part_of_a_round_with_stale_pieces() -
         apply_round(params, state, [fresh, stale], [0.5, 0.5], off)
     with pytest.raises(Refused):
         typed(stale_momentum=False)  # whole steps take everything into the buffer
+
+
+def test_a_round_of_stale_pieces_alone_moves_the_params_and_leaves_the_momentum_to_decay() -> None:
+    gen = torch.Generator().manual_seed(11)
+    params, state = random_tensors(gen), NesterovState()
+    params, state = nesterov_step(params, random_tensors(gen, 0.1), state)
+    a, b = random_tensors(gen, 0.1), random_tensors(gen, 0.1)
+    off = typed(outer="fractional_nesterov", stale_momentum=False)
+    moved, moved_state = apply_round(params, state, [a, b], [0.5, 0.5], off, staleness=[1, 2])
+    for k in params:  # the buffer took nothing (zeros); the params moved by the whole round
+        torch.testing.assert_close(moved_state.momentum[k], state.momentum[k] * 0.9, rtol=1e-6, atol=0.0)
+        torch.testing.assert_close(moved[k], params[k] - 0.7 * ((a[k] + b[k]) * 0.5 + 0.9 * moved_state.momentum[k]),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_fresh_part_reads_only_the_fresh_pieces() -> None:
+    from diloco.coordinator.outer import Lazy, fresh_part, round_delta
+    gen = torch.Generator().manual_seed(12)
+    pieces = [random_tensors(gen, 0.1) for _ in range(3)]
+    read: list[int] = []
+
+    def get(i: int) -> dict[str, torch.Tensor]:
+        read.append(i)
+        return pieces[i]
+
+    off = typed(outer="fractional_nesterov", stale_momentum=False)
+    update = round_delta(pieces, [0.2, 0.3, 0.5], off)
+    part = fresh_part(Lazy(3, get), [0.2, 0.3, 0.5], [0, 1, 0], off, update)
+    assert sorted(read) == [0, 2]  # the stale piece is not decoded again
+    assert part is not None and same(part, round_delta([pieces[0], pieces[2]], [0.2, 0.5], off))
+    read.clear()
+    zeros = fresh_part(Lazy(3, get), [0.2, 0.3, 0.5], [1, 1, 2], off, update)
+    assert read == [] and zeros is not None  # all stale: zeros shaped like the update, nothing decoded
+    assert all(zeros[k].shape == update[k].shape and not zeros[k].any() for k in update)
+    with pytest.raises(IndexError):
+        Lazy(3, get)[3]
