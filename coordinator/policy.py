@@ -283,6 +283,18 @@ def served_deadline(merged_deadline: float, merged: Sequence[Arrival], period_s:
     return max(merged_deadline, latest)
 
 
+def last_in(arrivals: Sequence[Arrival]) -> str:
+    """For the log of a clock round that merges: when its last piece came, against the deadline it
+    was sent for (e.g. "last piece 1.21s after its deadline, from learner-3"); "" without a clock.
+    A fleet whose rounds close long after their deadlines is waiting for someone's link."""
+    timed = [a for a in arrivals if a.deadline > 0]
+    if not timed:
+        return ""
+    last = max(timed, key=lambda a: a.arrived_at)
+    offset = last.arrived_at - last.deadline
+    return f"last piece {abs(offset):.2f}s {'after' if offset >= 0 else 'before'} its deadline, from {last.learner}"
+
+
 def _clock_round(now: float, deadline: float, period_s: float, cfg: RoundConfig, learners_in: str) -> Decision:
     """A round of the clock cadence: learners send just before `deadline`; missing ones get a grace
     of gamma x period (capped) after it, then the round merges without them."""

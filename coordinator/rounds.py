@@ -22,7 +22,7 @@ from diloco.coordinator.intake import PendingDelta, decode_piece
 from diloco.coordinator.leadership import Fenced
 from diloco.coordinator.outer import (Lazy, NesterovState, downstream_step, fresh_part, outer_step, round_delta, scale_update,
                                       update_norm)
-from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round, lookahead,
+from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round, last_in, lookahead,
                                        merge_order, merge_weights, round_size, round_step, served_deadline,
                                        staleness_verdict, usual_pieces)
 from diloco.coordinator.publish import commit, commit_existing, decode_state, listed_refusals, write_version
@@ -85,7 +85,8 @@ class Rounds:
         reason = decision.reason if decision.merge else (
             f"merge: the round holds {len(frag.round)} pieces, as many as it may ({cap}: --max-round-bytes over "
             f"the fragment's size, at most {MAX_ROUND_PIECES}); the earliest {cap} merge, the rest wait")
-        log.info("fragment %d v%d: %s", fragment, frag.head + 1, reason)
+        timing = last_in(arrivals)
+        log.info("fragment %d v%d: %s%s", fragment, frag.head + 1, reason, f" ({timing})" if timing else "")
         s.metrics.round_closed(state, s.round_cfg, s.now())
         with s.timing("load"):
             self._ensure_loaded(fragment, frag)

@@ -374,6 +374,16 @@ def test_a_late_arrival_for_a_round_that_merged_waits_for_the_next_round_instead
     assert not d.merge and d.wake_at == pytest.approx(110.0) and "held for the next" in d.reason
 
 
+def test_the_log_of_a_clock_round_says_when_its_last_piece_came_against_its_deadline() -> None:
+    from diloco.coordinator.policy import last_in
+    pieces = (clock_arrival("a", 99.95), clock_arrival("thin", 101.21), clock_arrival("b", 100.02))
+    assert last_in(pieces) == "last piece 1.21s after its deadline, from thin"
+    assert last_in(pieces[:1]) == "last piece 0.05s before its deadline, from a"
+    step_cadence = Arrival(contribution_id="x", learner="a", base_version=HEAD, tokens=1, steps=1, arrived_at=5.0,
+                           step_time_s=0.1)
+    assert last_in((step_cadence,)) == "" and last_in(()) == ""
+
+
 def test_the_round_clock_is_re_set_only_on_a_large_change_and_keeps_its_phase() -> None:
     first = next_cadence(None, 4.0, now=1000.0, num_fragments=2)
     assert first == Cadence(origin=1002.0, period_s=4.0)
