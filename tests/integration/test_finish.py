@@ -170,6 +170,8 @@ def test_diloco_finish_merges_what_is_pending_ends_the_run_and_refuses_what_come
             t.start()
         wait_for("a few versions", lambda: min(coord.bus.heads().values()) >= 3)
         assert main(["finish", "--run", run_id, "--timeout", "30"]) == 0
+        # The command returns once the end is in Redis; the serving thread stores it in S3, then in memory.
+        wait_for("the coordinator to record the run's end", lambda: coord.ended is not None)
         end = coord.ended
         assert end is not None and end.by == "operator" and "diloco finish" in end.reason
         printed = capsys.readouterr().out.splitlines()
