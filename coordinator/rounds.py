@@ -85,7 +85,7 @@ class Rounds:
         reason = decision.reason if decision.merge else (
             f"merge: the round holds {len(frag.round)} pieces, as many as it may ({cap}: --max-round-bytes over "
             f"the fragment's size, at most {MAX_ROUND_PIECES}); the earliest {cap} merge, the rest wait")
-        timing = last_in(arrivals)
+        timing = last_in(sorted(arrivals, key=lambda a: a.arrived_at)[:cap])  # the pieces this merge takes
         log.info("fragment %d v%d: %s%s", fragment, frag.head + 1, reason, f" ({timing})" if timing else "")
         s.metrics.round_closed(state, s.round_cfg, s.now())
         with s.timing("load"):
