@@ -203,9 +203,11 @@ def spawn_coordinator(run_id: str, env: dict[str, str], log_dir: Path, *extra: s
 
 
 def spawn_learner(run_id: str, env: dict[str, str], tmp_path: Path, name: str, steps: int, seed: int = 0,
-                  slowdown: float = 1.0) -> Proc:
-    """A demo learner on TASK (the `fleet_env` fixture writes tmp_path/task.json)."""
-    argv = learner_argv(run_id, name, tmp_path / "task.json", steps=steps, data_seed=seed, slowdown=slowdown)
+                  slowdown: float = 1.0, step_time_s: float | None = None) -> Proc:
+    """A demo learner on TASK (the `fleet_env` fixture writes tmp_path/task.json); `step_time_s` paces
+    each step to at least that long, so a test's timeline holds on a fast machine too."""
+    argv = learner_argv(run_id, name, tmp_path / "task.json", steps=steps, data_seed=seed, slowdown=slowdown,
+                        step_time_s=step_time_s)
     return Proc(name, argv, tmp_path / f"{name}.log", env).start()
 
 

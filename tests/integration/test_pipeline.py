@@ -63,15 +63,17 @@ def test_three_learners_train_the_global_model(endpoints, run_id, tmp_path, flee
 def test_learner_sigkilled_midrun_others_go_on_and_it_rejoins(endpoints, run_id, tmp_path, fleet_env):
     env, procs = fleet_env
     procs.append(spawn_coordinator(run_id, env, tmp_path))
-    # Survivors train long enough to be still at it well after the kill.
-    survivors = [spawn_learner(run_id, env, tmp_path, f"l{i}", steps=500, seed=i) for i in range(2)]
-    victim = spawn_learner(run_id, env, tmp_path, "victim", steps=80, seed=7)
+    # Paced (at least 50 ms a step), so that on a fast machine too the victim is still training when
+    # it is killed (80 steps: 4 s) and the survivors well after (500 steps: 25 s).
+    survivors = [spawn_learner(run_id, env, tmp_path, f"l{i}", steps=500, seed=i, step_time_s=0.05) for i in range(2)]
+    victim = spawn_learner(run_id, env, tmp_path, "victim", steps=80, seed=7, step_time_s=0.05)
     procs.extend([*survivors, victim])
     bus = Bus(endpoints, run_id)
     deadline = time.monotonic() + 120
     while (s.step if (s := bus.learner_stats().get("victim")) else 0) < 25:
         assert time.monotonic() < deadline and victim.alive(), victim.tail()
         time.sleep(0.2)
+    assert victim.alive(), victim.tail()  # killed mid-run, not after its last step
     victim.kill()
     heads_at_kill = bus.heads()
     # The others keep training and versions keep coming without the victim.
@@ -80,7 +82,7 @@ def test_learner_sigkilled_midrun_others_go_on_and_it_rejoins(endpoints, run_id,
         assert time.monotonic() < deadline, f"no progress after the kill: {bus.heads()} vs {heads_at_kill}"
         time.sleep(0.2)
     assert "victim" in bus.learner_stats()
-    rejoined = spawn_learner(run_id, env, tmp_path, "victim", steps=20, seed=8)
+    rejoined = spawn_learner(run_id, env, tmp_path, "victim", steps=20, seed=8, step_time_s=0.05)
     procs.append(rejoined)
     wait_all([*survivors, rejoined])
     log = (tmp_path / "victim.log").read_text()
