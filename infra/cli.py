@@ -21,6 +21,7 @@ from pathlib import Path
 
 from diloco.infra.options import check_sources, load_sources, recording_sources, reset_sources
 from diloco.storage.errors import DilocoError
+from diloco.storage.heap import reuse_freed_memory
 
 log = logging.getLogger("diloco")
 
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    log.debug("malloc: %s", reuse_freed_memory())
     try:
         return args.handler(args)
     except DilocoError as exc:  # a refusal or a setting a person can fix: the message says what (-v: and where)
