@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    log.debug("malloc: %s", reuse_freed_memory())
+    if _command(sys.argv[1:] if argv is None else argv) != "learner":  # a learner's config decides at join
+        log.debug("malloc: %s", reuse_freed_memory())
     try:
         return args.handler(args)
     except DilocoError as exc:  # a refusal or a setting a person can fix: the message says what (-v: and where)
