@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if _command(sys.argv[1:] if argv is None else argv) != "learner":  # a learner's config decides at join
+    if args.command != "learner":  # a learner's config decides at join
         log.debug("malloc: %s", reuse_freed_memory())
     try:
         return args.handler(args)

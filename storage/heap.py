@@ -12,21 +12,18 @@ a quarter of its time (226 ms against 167 ms).
 `reuse_freed_memory` sets the two thresholds where glibc's own dynamic rule tops out: allocations
 up to MMAP_THRESHOLD come from the heap, and up to TRIM_THRESHOLD of freed heap is kept for reuse
 rather than returned. Bigger tensors are still mapped and unmapped each time. Every `diloco`
-command calls it at start (`infra.cli`); a training script that runs a `Learner` may call it too,
-or set the same through glibc's environment variables. A process started with any of those
-variables set (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_), or with another
-allocator preloaded, keeps its own choice; so does one whose C library is not glibc.
+command but `learner` calls it at start (`infra.cli`); a `Learner` calls it when it joins unless
+`LearnerConfig.reuse_freed_memory` is off (`diloco learner --no-reuse-freed-memory`). A process
+started with glibc's own variables for these set (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
+MALLOC_TOP_PAD_), or with another allocator preloaded, keeps its own choice; so does one whose C
+library is not glibc.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import logging
 import os
 import sys
-
-log = logging.getLogger(__name__)
 
 MMAP_THRESHOLD = 32 << 20
 """Allocations up to this size come from the heap (glibc's dynamic threshold stops here on 64-bit)."""
@@ -48,7 +45,7 @@ def reuse_freed_memory(environ: dict[str, str] | None = None) -> str:
     if any(name in env.get("LD_PRELOAD", "") for name in _OTHER_ALLOCATORS):
         return "left as is: another allocator is preloaded"
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the C library this process already runs on
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # noqa: B018 (glibc only; musl has a mallopt that does nothing)
     except (OSError, AttributeError):

@@ -42,3 +42,16 @@ def test_a_users_own_allocator_settings_stand() -> None:
     assert "MALLOC_TRIM_THRESHOLD_ set" in reuse_freed_memory({"MALLOC_TRIM_THRESHOLD_": "0"})
     assert "MALLOC_MMAP_THRESHOLD_" in reuse_freed_memory({"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TOP_PAD_": "0"})
     assert "another allocator" in reuse_freed_memory({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"})
+
+
+def test_every_command_but_learner_tunes_malloc_at_start_and_a_learner_leaves_it_to_its_config(monkeypatch, caplog):
+    from diloco.infra.cli import main
+
+    for name in ("DILOCO_REDIS_URL", "DILOCO_S3_BUCKET"):
+        monkeypatch.delenv(name, raising=False)  # each command stops at once: no servers
+    caplog.set_level("DEBUG", logger="diloco")
+    assert main(["-v", "status", "--run", "r"]) == 1
+    assert "malloc: heap allocations up to 32 MiB" in caplog.text
+    caplog.clear()
+    main(["-v", "learner", "--run", "r", "--id", "x", "--steps", "1"])
+    assert "malloc:" not in caplog.text  # `Learner` decides when it joins (LearnerConfig.reuse_freed_memory)
