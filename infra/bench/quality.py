@@ -210,8 +210,7 @@ def paced_arms(args: argparse.Namespace, b: Budget, decoupled: Trial, pace_s: fl
 
 def pace(task: Task, learners: int, cores: int | None = None, steps: int = 8) -> float:
     """Seconds per step that a paced fleet of `learners - 1` learners and one straggler can keep on
-    this machine's cores: a step's compute time (measured here, one thread) x their load per core x
-    HEADROOM (for the coordinator and the learners' transfer threads)."""
+    this machine's cores: a step's compute time, measured here on one thread, fitted by `fleet_pace`."""
     torch.set_num_threads(1)
     model = task.make_model(0)
     optimizer = task.make_inner_optimizer(model)
@@ -221,8 +220,13 @@ def pace(task: Task, learners: int, cores: int | None = None, steps: int = 8) ->
     t0 = time.perf_counter()
     for _ in range(steps):
         train_step(task, model, optimizer, schedule, next(batches))
-    step_s = (time.perf_counter() - t0) / steps
-    load = (learners - 1 + 1 / STRAGGLER_SLOWDOWN) / (cores or os.cpu_count() or 1)
+    return fleet_pace((time.perf_counter() - t0) / steps, learners, cores or os.cpu_count() or 1)
+
+
+def fleet_pace(step_s: float, learners: int, cores: int) -> float:
+    """A step's compute time x the fleet's load per core (never below one step) x HEADROOM (for the
+    coordinator and the learners' transfer threads)."""
+    load = (learners - 1 + 1 / STRAGGLER_SLOWDOWN) / cores
     return round(step_s * max(1.0, load) * HEADROOM, 3)
 
 

@@ -61,8 +61,10 @@ def test_the_straggler_arm_adds_one_slow_learner_to_the_fleet_without_it_all_pac
         assert [p.args for p in plans] == [(), own_args, (), ()]
     assert arms["straggler"].run_args == decoupled.run_args and arms["without"].coordinator_args == decoupled.coordinator_args
     # The pace fits 3.2 learners' steps on the cores given, with headroom; never below one step.
-    task = TASKS["fast"].task
-    assert quality.pace(task, 4, cores=1, steps=2) > quality.pace(task, 4, cores=64, steps=2) > 0
+    assert quality.fleet_pace(0.1, 4, cores=1) == round(0.1 * 3.2 * quality.HEADROOM, 3)
+    assert quality.fleet_pace(0.1, 4, cores=2) == round(0.1 * 1.6 * quality.HEADROOM, 3)
+    assert quality.fleet_pace(0.1, 4, cores=64) == round(0.1 * quality.HEADROOM, 3)
+    assert quality.pace(TASKS["fast"].task, 4, cores=64, steps=2) > 0
 
 
 def test_a_learners_work_reached_the_model_when_the_last_version_holding_a_piece_of_it_committed() -> None:
