@@ -19,7 +19,10 @@ With `--codecs` other than fp32 the pieces and the versions travel as a run's do
 piece through the codec with error feedback (`storage.updates.encode_carrying`, zstd on), each
 version as an update of its parent in the downstream codec with the coordinator's residual
 (`encode_update`; `--downstream`, default as a run's coordinator chooses: the same codec, int4 for
-sign8 and sparse). `--unsent` says what a replica does
+sign8 and sparse). `--versions gradient` sends the merged outer gradient down instead, through the
+downstream codec with the coordinator's residual, each replica then applying the outer step to
+it (momentum included) as the coordinator does: the same global everywhere, no version to lag
+behind it. `--unsent` says what a replica does
 with what its codec dropped of a piece:
 
 - carry: it goes out with the next piece, and the take rebases the model onto the version without
@@ -56,6 +59,7 @@ HELP = ("in one process: the take rules (rebase, adopt, mix) k steps after each 
         "and the codecs both ways")
 RULES = ("wait", "rebase", "adopt", "mix")
 UNSENT = ("carry", "keep")
+VERSIONS = ("update", "gradient")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--downstream", default="run", help="codec of the versions: run (as a run's coordinator "
                                                             "chooses by default: the setting's own codec, int4 for "
                                                             "sign8 and sparse) or a codec (default: %(default)s)")
+    parser.add_argument("--versions", default="update", choices=VERSIONS, help="update: a version goes down as the update of its parent "
+                        "(the coordinator's residual carried); gradient: as the merged outer gradient through the "
+                        "codec (its residual carried), each replica applying the outer step itself")
     parser.add_argument("--unsent", default="carry", help=f"comma-separated subset of {','.join(UNSENT)}: what a "
                                                           "replica does with what its codec dropped (default: carry)")
 
@@ -87,6 +94,7 @@ class Setting:
     codec: str = "fp32"
     downstream: str = "fp32"
     unsent: str = "carry"
+    versions: str = "update"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +117,8 @@ class TakesResult:
 
     def table(self) -> str:
         head = f"takes: {self.task}, eval of the global model at step {self.mid_step} and at the end"
-        rows = [[r.setting.rule, r.setting.lag, r.setting.codec, r.setting.downstream, r.setting.unsent,
+        rows = [[r.setting.rule, r.setting.lag, r.setting.codec,
+                 r.setting.downstream + (" grad" if r.setting.versions == "gradient" else ""), r.setting.unsent,
                  r.up_bits, r.down_bits, r.mid, r.final] for r in self.rows]
         return "\n".join([head, figures_table(["rule", "k", "codec", "down", "unsent", "bits up", "bits down",
                                                f"step {self.mid_step}", "final"], rows)])
@@ -117,7 +126,7 @@ class TakesResult:
     def to_json(self) -> dict:
         return {"bench": NAME, "task": self.task, "mid_step": self.mid_step,
                 "runs": [{"rule": r.setting.rule, "k": r.setting.lag, "codec": r.setting.codec,
-                          "downstream": r.setting.downstream, "unsent": r.setting.unsent, "up_bits": r.up_bits,
+                          "downstream": r.setting.downstream, "versions": r.setting.versions, "unsent": r.setting.unsent, "up_bits": r.up_bits,
                           "down_bits": r.down_bits, "mid": r.mid, "final": r.final} for r in self.rows]}
 
 
@@ -157,13 +166,19 @@ class Replicas:
             self.leaving.get(i, set()).discard(fragment)
         pieces = [self._piece(i, fragment) for i in live]
         target = {}
+        merged = {n: sum(piece[n] for piece in pieces) / len(live) for n in names}
+        down = self.setting.downstream
+        if self.setting.versions == "gradient" and down != "fp32":
+            blob, merged, self.down_residual[fragment] = encode_carrying(
+                merged, self.down_residual.get(fragment, {}), down, compress=True)
+            self._count("down", blob, merged)
+            down = "fp32"
         for n in names:
-            delta = sum(piece[n] for piece in pieces) / len(live)
+            delta = merged[n]
             buf = self.momentum[n].mul_(self.args.outer_momentum).add_(delta)
             target[n] = self.globals[n] - self.args.outer_lr * (delta + self.args.outer_momentum * buf)
             for i in live:
                 self.anchors[i][n] = self.params[i][n].detach().clone()  # what was sent: the next piece starts here
-        down = self.setting.downstream
         if down != "fp32":
             parent = {n: self.globals[n] for n in names}
             blob, target, self.down_residual[fragment] = encode_update(
@@ -243,7 +258,7 @@ def run(args: argparse.Namespace) -> TakesResult:
     unsent = chosen(args.unsent, "--unsent", UNSENT)
     if args.downstream != "run":
         chosen(args.downstream, "--downstream", codecs.CODECS)
-    settings = [Setting(r, 0 if r == "wait" else k, c, downstream_of(args.downstream, c), u)
+    settings = [Setting(r, 0 if r == "wait" else k, c, downstream_of(args.downstream, c), u, args.versions)
                 for c in names for u in unsent for r in rules for k in ([0] if r == "wait" else lags)]
     mid_step = max(1, round(args.mid * args.steps))
     rows = []

@@ -89,3 +89,20 @@ def test_versions_go_down_as_a_runs_coordinator_sends_them_unless_told() -> None
     assert all(r.down_bits < 32 for r in rows)
     rows = takes.run(args(**small, downstream="fp32")).rows
     assert [r.setting.downstream for r in rows] == ["fp32", "fp32"] and all(r.down_bits == 32 for r in rows)
+
+
+def test_versions_as_the_merged_gradient_count_their_bits_and_apply_the_outer_step_to_what_went_down() -> None:
+    task = TASKS["fast"].task
+    a = args(learners=2, fragments=1, steps=4, outer_lr=1.0, outer_momentum=0.0)
+    fleet = takes.Replicas(task, a, takes.Setting("rebase", 1, "fp32", "int4", versions="gradient"))
+    names = fleet.names[0]
+    before = {n: fleet.globals[n].clone() for n in names}
+    trained(fleet, 2)
+    pieces = [{n: fleet.anchors[i][n] - fleet.params[i][n] for n in names} for i in range(2)]
+    fleet.send(0, 2)
+    assert 3.0 < fleet.bits_per_param("down") < 5.0  # int4 and its scales, zstd on
+    for n in names:
+        mean = (pieces[0][n] + pieces[1][n]) / 2
+        step = before[n] - fleet.globals[n]  # lr 1, no momentum: the step is what went down
+        # int4's error is within half a step of the block's absmax; what it lost waits in the residual
+        assert torch.allclose(step + fleet.down_residual[0][n], mean, atol=1e-6)
