@@ -159,6 +159,13 @@ class Codec:
         Refused for bytes no encoder writes."""
         raise NotImplementedError
 
+    def encode_values(self, out: torch.Tensor, x: torch.Tensor, block: int, spec: TensorSpec) -> torch.Tensor:
+        """`encode_into`, and the flat float32 values `decode` gives for what it wrote, bit for bit
+        (a tensor of its own): here by decoding those bytes, without their checks' cost where a
+        codec knows its values as it encodes them."""
+        self.encode_into(out, x, block, spec.name)
+        return self.decode(out.clone(), spec, block).reshape(-1)
+
     def squares(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> float:
         """The sum of the squared decoded values, in float64, with `decode`'s checks."""
         return float(torch.linalg.vector_norm(self.decode(seg, spec, block), dtype=torch.float64)) ** 2
@@ -186,6 +193,10 @@ class Floats(Codec):
         if not _all_finite(y):
             raise Refused("non_finite", f"tensor {name!r} has NaN/Inf values (or values beyond the {self.name} range)")
         out.view(y.dtype).copy_(y)  # offsets are multiples of the item size
+
+    def encode_values(self, out: torch.Tensor, x: torch.Tensor, block: int, spec: TensorSpec) -> torch.Tensor:
+        self.encode_into(out, x, block, spec.name)
+        return out.view(self.dtype).float() if self.dtype != torch.float32 else x.clone()
 
     def decode(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> torch.Tensor:
         values = seg.view(self.dtype).float()  # the view itself for fp32
@@ -217,6 +228,19 @@ class Blocks(Codec):
         return absmax / (2 * self.qmax) * (1 + 2.0**-10) + 2.0**-126
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, block: int, name: str) -> None:
+        grid, scales = self._quantized(x, block, name)
+        self._write(out, grid.view(-1)[:x.numel()], scales)
+
+    def encode_values(self, out: torch.Tensor, x: torch.Tensor, block: int, spec: TensorSpec) -> torch.Tensor:
+        # decode's product: whole-number values (as +0.0 where they round to -0.0, as codes do) times
+        # their block's scale, the same float32 multiply on the same operands.
+        grid, scales = self._quantized(x, block, spec.name)
+        values = (grid + 0.0).mul_(scales.unsqueeze(1)).view(-1)[:x.numel()]
+        self._write(out, grid.view(-1)[:x.numel()], scales)
+        return values
+
+    def _quantized(self, x: torch.Tensor, block: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the whole values, float32, one row per block, the last padded with 0; the scales)."""
         n, qmax = x.numel(), self.qmax
         blocks = -(-n // block)
         grid = (F.pad(x, (0, blocks * block - n)) if n % block else x).view(blocks, block)
@@ -225,7 +249,11 @@ class Blocks(Codec):
             raise Refused("non_finite", f"tensor {name!r} has NaN or Inf values")
         scales = absmax / qmax
         ratio = grid / torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
-        q = ratio.round_().clamp_(-qmax, qmax).view(-1)[:n]  # whole numbers, converted exactly below
+        return ratio.round_().clamp_(-qmax, qmax), scales  # whole numbers, converted exactly below
+
+    def _write(self, out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+        """The scales, then the whole values `q` (flat, one per element; packed ones change in place)."""
+        blocks = scales.numel()
         out[:4 * blocks].copy_(scales.view(torch.uint8))
         if self.bits == 8:
             out[4 * blocks:].view(torch.int8).copy_(q)
@@ -303,6 +331,7 @@ class Signs(_Dropping, Blocks):
 
     keep_one_in: int = 8
     default_block = 4096
+    encode_values = Codec.encode_values  # not Blocks': its values are not its own whole-number grid
 
     def encode_into(self, out: torch.Tensor, x: torch.Tensor, block: int, name: str) -> None:
         n = x.numel()
@@ -571,6 +600,23 @@ def encode(tensors: Mapping[str, torch.Tensor], codec: str = "fp32", *, compress
     meta value that is not str/int/float. Deterministic: the same input gives the same bytes
     (for a given zstandard version when compressing; payload_sha256 never depends on it).
     """
+    return _encode(tensors, codec, compress, meta, block_size, values=False)[0]
+
+
+def encode_decoded(tensors: Mapping[str, torch.Tensor], codec: str, *, compress: bool = False,
+                   meta: Mapping[str, str | int | float] | None = None, block_size: int | None = None
+                   ) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """`encode`'s object, and the tensors `decode` gives for it, bit for bit (float32 CPU tensors of
+    their own), without decompressing, hashing or checking the object again: the values as the
+    codec wrote them (`Codec.encode_values`). What error feedback needs of each send."""
+    blob, decoded = _encode(tensors, codec, compress, meta, block_size, values=True)
+    assert decoded is not None
+    return blob, decoded
+
+
+def _encode(tensors: Mapping[str, torch.Tensor], codec: str, compress: bool,
+            meta: Mapping[str, str | int | float] | None, block_size: int | None, *, values: bool
+            ) -> tuple[bytes, dict[str, torch.Tensor] | None]:
     found = get(codec)
     block = found.default_block if block_size is None or not found.max_block else block_size
     if found.max_block and not 1 <= block <= found.max_block:
@@ -579,13 +625,18 @@ def encode(tensors: Mapping[str, torch.Tensor], codec: str = "fp32", *, compress
     specs = _specs(tensors, codec, block)
     buf = bytearray(specs[-1].offset + specs[-1].nbytes if specs else 0)
     payload = _as_uint8(buf)
+    decoded: dict[str, torch.Tensor] | None = {} if values else None
     for spec, t in zip(specs, tensors.values()):
         x = t.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-        found.encode_into(payload[spec.offset:spec.offset + spec.nbytes], x, block, spec.name)
+        out = payload[spec.offset:spec.offset + spec.nbytes]
+        if decoded is None:
+            found.encode_into(out, x, block, spec.name)
+        else:
+            decoded[spec.name] = found.encode_values(out, x, block, spec).view(spec.shape)
     head = _framed_header(codec, "zstd" if compress else "none", len(buf), hashlib.sha256(buf).hexdigest(), block,
                           meta_map, specs)
     body = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(buf) if compress else buf
-    return b"".join((head, body))
+    return b"".join((head, body)), decoded
 
 
 @dataclass(frozen=True, slots=True, eq=False)

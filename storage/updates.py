@@ -53,9 +53,7 @@ def encode_carrying(tensors: Mapping[str, Tensor], residual: Mapping[str, Tensor
     and they become the next residual, in place. The same elementwise adds and subtracts either way
     (the same bits); in place, a fragment's worth of memory less at each step."""
     carried = {name: _plus(t, residual.get(name), owned) for name, t in tensors.items()}
-    blob = codecs.encode(carried, codec, compress=compress, meta=meta)
-    bound = len(blob) + 8 * sum(t.numel() for t in carried.values()) + (1 << 20)
-    decoded, _ = codecs.decode(blob, max_bytes=bound)
+    blob, decoded = codecs.encode_decoded(carried, codec, compress=compress, meta=meta)
     # A carried tensor made here (a sum with the residual) is ours to turn into the next residual.
     return blob, decoded, {name: c.sub_(decoded[name]) if owned or name in residual else c - decoded[name]
                            for name, c in carried.items()}

@@ -541,3 +541,26 @@ def test_sign8_refuses_a_block_with_more_nonzero_codes_than_it_keeps() -> None:
     assert decode(ok, max_bytes=LIMIT)[0]["v"].count_nonzero() == 2
     three = _reseal(ok, lambda p: p.__setitem__(6, 0b01010100))
     assert "3 nonzero values (at most 2 kept)" in _refused(three, "bad_payload").reason
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("compress", [False, True])
+def test_encode_decoded_gives_encodes_object_and_decodes_tensors_bit_for_bit(codec: str, compress: bool) -> None:
+    """What error feedback takes as sent, from the encoder's own values: the same bytes `encode`
+    writes, and every bit `decode` gives (signed zeros included), in tensors of its own."""
+    tensors = _tensors(3)
+    tensors["signed_zeros"] = torch.tensor([-0.0, 0.0, -1e-9, 1e-9, -0.0] * 20)  # round to -0.0 and 0.0
+    tensors["tiny"] = torch.randn(300) * 1e-40  # subnormal values and scales
+    tensors["wide"] = torch.cat([torch.randn(600) * 1e30, torch.zeros(5000), torch.randn(9) * 1e-30])
+    meta = {"run": "r", "fragment": 1}
+    before = {k: v.clone() for k, v in tensors.items()}
+    blob, decoded = codecs.encode_decoded(tensors, codec, compress=compress, meta=meta)
+    assert blob == encode(tensors, codec, compress=compress, meta=meta)
+    want, _ = decode(blob, max_bytes=LIMIT)
+    assert list(decoded) == list(want)
+    for name, t in want.items():
+        got = decoded[name]
+        assert got.dtype == torch.float32 and got.shape == t.shape, name
+        assert torch.equal(got.view(torch.int32), t.view(torch.int32)), name
+        got.add_(1.0)  # its own memory: the input does not change
+    assert all(torch.equal(tensors[k], before[k]) for k in tensors)
