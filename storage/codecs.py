@@ -235,6 +235,7 @@ class Blocks(Codec):
         # decode's product: whole-number values (as +0.0 where they round to -0.0, as codes do) times
         # their block's scale, the same float32 multiply on the same operands.
         grid, scales = self._quantized(x, block, spec.name)
+        _checked_scales(scales, self.qmax, spec)  # as decode refuses them: a scale whose product overflows
         values = (grid + 0.0).mul_(scales.unsqueeze(1)).view(-1)[:x.numel()]
         self._write(out, grid.view(-1)[:x.numel()], scales)
         return values

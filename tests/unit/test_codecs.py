@@ -564,3 +564,20 @@ def test_encode_decoded_gives_encodes_object_and_decodes_tensors_bit_for_bit(cod
         assert torch.equal(got.view(torch.int32), t.view(torch.int32)), name
         got.add_(1.0)  # its own memory: the input does not change
     assert all(torch.equal(tensors[k], before[k]) for k in tensors)
+
+
+@pytest.mark.parametrize("top", [3.4028234e38, 3.0e38, 1.0e38])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+def test_encode_decoded_refuses_what_decode_would_refuse(codec: str, top: float) -> None:
+    """Blocks near float32's largest values: where a scale times qmax overflows, decode refuses the
+    object (`non_finite`, int8 at the largest float32 here); so does encode_decoded, instead of
+    handing error feedback an Inf. Elsewhere both take it."""
+    huge = {"w": torch.tensor([top, -1.0, 2.0])}
+    try:
+        want = decode(encode(huge, codec), max_bytes=LIMIT)[0]
+    except Refused as exc:
+        with pytest.raises(Refused) as encoding:
+            codecs.encode_decoded(huge, codec)
+        assert encoding.value.code == exc.code == "non_finite"
+        return
+    assert torch.equal(codecs.encode_decoded(huge, codec)[1]["w"], want["w"])
