@@ -332,24 +332,21 @@ class Signs(_Dropping, Blocks):
 
     keep_one_in: int = 8
     default_block = 4096
-    encode_values = Codec.encode_values  # not Blocks': its values are not its own whole-number grid
 
-    def encode_into(self, out: torch.Tensor, x: torch.Tensor, block: int, name: str) -> None:
-        n = x.numel()
-        if n == 0:
-            return
-        values, scales = [], []
+    def _quantized(self, x: torch.Tensor, block: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks' grid of whole values (here the kept elements' signs, the others 0) and the scales
+        (the kept elements' mean |x|): encoding, and the values error feedback takes, are Blocks'."""
+        grid = torch.zeros(-(-x.numel() // block), block)
+        scales, at = [], 0
         for rows in _rows(x, block):
             absmax = rows.abs().amax(dim=1)
             if not _all_finite(absmax):
                 raise Refused("non_finite", f"tensor {name!r} has NaN or Inf values")
             idx, top = _top(rows, self.kept(rows.shape[1]))
-            signs = torch.zeros_like(rows).scatter_(1, idx, torch.sign(top))
-            values.append(signs.view(-1))
+            grid[at:at + rows.shape[0], :rows.shape[1]].scatter_(1, idx, torch.sign(top))
             scales.append(_mean_abs(top, absmax))
-        block_scales = torch.cat(scales)
-        out[:4 * block_scales.numel()].copy_(block_scales.view(torch.uint8))
-        out[4 * block_scales.numel():].copy_(_pack_codes(torch.cat(values), self.bits, self.zero))
+            at += rows.shape[0]
+        return grid, torch.cat(scales) if scales else torch.zeros(0)
 
     def _scales_and_values(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         scales, values = Blocks._scales_and_values(self, seg, spec, block)
