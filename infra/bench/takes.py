@@ -168,18 +168,18 @@ class Replicas:
         target = {}
         merged = {n: sum(piece[n] for piece in pieces) / len(live) for n in names}
         down = self.setting.downstream
-        if self.setting.versions == "gradient" and down != "fp32":
+        as_gradient = self.setting.versions == "gradient" and down != "fp32"
+        if as_gradient:  # what goes down is the merged gradient, through the codec
             blob, merged, self.down_residual[fragment] = encode_carrying(
                 merged, self.down_residual.get(fragment, {}), down, compress=True)
             self._count("down", blob, merged)
-            down = "fp32"
         for n in names:
             delta = merged[n]
             buf = self.momentum[n].mul_(self.args.outer_momentum).add_(delta)
             target[n] = self.globals[n] - self.args.outer_lr * (delta + self.args.outer_momentum * buf)
             for i in live:
                 self.anchors[i][n] = self.params[i][n].detach().clone()  # what was sent: the next piece starts here
-        if down != "fp32":
+        if down != "fp32" and not as_gradient:  # what goes down is the version's update, through the codec
             parent = {n: self.globals[n] for n in names}
             blob, target, self.down_residual[fragment] = encode_update(
                 parent, target, self.down_residual.get(fragment, {}), down, compress=True)
