@@ -649,7 +649,8 @@ class Collection(Record):
 class Cadence(Record):
     """The coordinator's round clock, published in Redis: fragment p of P has a deadline at
     origin + (k + p/P) * period_s for every integer k >= 0. Learners send a fragment at their last step
-    boundary before its deadline, with however many steps they managed; the round merges then.
+    boundary before its deadline, less the time their pieces take to go out, with however many steps
+    they managed; the round merges then.
     Times are Redis server time (unix seconds), so every machine reads the same clock."""
 
     origin: float

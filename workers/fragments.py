@@ -13,7 +13,9 @@ Scheduling, two cadences (the run spec says which):
   their contributions arrive one by one.
 - clock (`clock_due`): the coordinator publishes a round clock (`Cadence`); a learner sends
   fragment p at its last step boundary before p's next deadline, with however many steps it
-  managed. Every learner, fast or slow, lands in the same round; nothing drifts.
+  managed, and earlier by the time its pieces take to go out (`send_lead`), so that a piece on a
+  thin link arrives by the deadline too. Every learner, fast or slow, lands in the same round;
+  nothing drifts.
 Until the coordinator has published a clock (it needs measured step times), clock runs fall back
 on the step cadence.
 """
@@ -96,13 +98,33 @@ def due_fragments(step: int, num_fragments: int, sync_every: int) -> list[int]:
             if step >= sync_every and (step - sync_offset(f, num_fragments, sync_every)) % sync_every == 0]
 
 
+SEND_LEAD_SHARE = 0.5
+"""The most of a round period a learner sends ahead of a deadline (`send_lead`): a piece keeps at
+least the other half of its round's steps, and a lead stays shorter than the period, so it never
+reaches past the deadline before."""
+
+
+def send_lead(send_lag_s: float, period_s: float) -> float:
+    """How long before a deadline a learner whose pieces take `send_lag_s` to go out (encode, PUT
+    and announce: `TransferStats.send_lag_s`) sends, so that its piece arrives by the deadline:
+    the lag, at most `SEND_LEAD_SHARE` of the round period. On a thin link a piece sent at the
+    deadline arrives seconds late and holds the round's grace window open, or misses the round and
+    is merged a version stale; sent this much earlier it makes its round on time, with the steps
+    trained by then, and the steps after go out with the next piece: nothing is lost."""
+    if not (send_lag_s > 0 and period_s > 0):
+        return 0.0
+    return min(send_lag_s, SEND_LEAD_SHARE * period_s)
+
+
 def clock_due(now: float, step_time_s: float, cadence: Cadence, num_fragments: int,
-              sent: dict[int, float], previous: float | None = None) -> list[tuple[int, float]]:
-    """(fragment, deadline) pairs to send now: the next step would end past the fragment's deadline,
-    or the step that just ended (from `previous`, the step boundary before `now`) crossed a deadline
-    that was not served: a step that took longer than the learner's mean step time. That send is
-    late, but within the round's grace window it still makes the round; skipping it would leave the
-    learner out of the round and put two rounds of its progress, stale, into the next one.
+              sent: dict[int, float], previous: float | None = None, lead_s: float = 0.0
+              ) -> list[tuple[int, float]]:
+    """(fragment, deadline) pairs to send now: the next step would end past the fragment's deadline
+    less `lead_s` (`send_lead`), or the step that just ended (from `previous`, the step boundary
+    before `now`) crossed a deadline that was not served: a step that took longer than the learner's
+    mean step time. That send is late, but within the round's grace window it still makes the round;
+    skipping it would leave the learner out of the round and put two rounds of its progress, stale,
+    into the next one.
 
     `now` and `previous` are on the cadence's clock; `sent` maps fragment -> the deadline it was last
     sent for, so a deadline is served once. `previous` is None at the first step (nothing was crossed).
@@ -110,7 +132,7 @@ def clock_due(now: float, step_time_s: float, cadence: Cadence, num_fragments: i
     due = []
     for f in range(num_fragments):
         deadline = cadence.next_deadline(f, num_fragments, after=now)
-        if now + step_time_s >= deadline and sent.get(f) != deadline:
+        if now + step_time_s + lead_s >= deadline and sent.get(f) != deadline:
             due.append((f, deadline))
             continue
         if previous is not None:

@@ -62,7 +62,7 @@ from diloco.storage.objects import ObjectStore
 from diloco.storage.protocol import Layout, LearnerFinished, LearnerLeft, LearnerStats, RunEnd, check_id
 from diloco.storage.reach import check_servers
 from diloco.storage.settings import Endpoints
-from diloco.workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout
+from diloco.workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout, send_lead
 from diloco.workers.hostcopy import Snapshot
 from diloco.workers.island import Replica
 from diloco.workers.losses import LossRecorder
@@ -150,6 +150,10 @@ class LearnerConfig:
     (a quarter of an int4 encode's time on a CPU). It keeps up to 256 MiB of freed heap. False, or
     MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ set, or another allocator preloaded: the process's
     allocator is left as it is."""
+    send_ahead: bool = True
+    """On the clock cadence: send each piece ahead of its round's deadline by the time this learner's
+    pieces take to go out (`fragments.send_lead`: at most half a round), so that it arrives by the
+    deadline, also on a thin link. Off: send at the last step before the deadline."""
     own_version_wait: float = 0.5
     """After `overlap_steps`, keep training up to this fraction of H more steps while the version that
     merged this learner's own contribution is not committed or not downloaded yet, rather than take an
@@ -868,7 +872,9 @@ class Learner:
         if self.spec.cadence == "clock" and cadence is not None:
             now = time.time() + self._clock_offset_s
             sent = {f: s.sent_deadline for f, s in enumerate(self.fragments) if s.sent_deadline is not None}
-            due = clock_due(now, self._step_time_s, cadence, self.spec.num_fragments, sent, self._last_boundary)
+            lead = send_lead(self.stats.send_lag_s, cadence.period_s) if self.config.send_ahead else 0.0
+            due = clock_due(now, self._step_time_s, cadence, self.spec.num_fragments, sent, self._last_boundary,
+                            lead)
             self._last_boundary = now
             for f, deadline in due:
                 self.fragments[f].sent_deadline = deadline

@@ -62,6 +62,8 @@ class UploadJob:
     final: bool = False
     """The learner's last piece for this fragment before it leaves (`Announcement.final`)."""
     created_at: float = field(default_factory=time.monotonic)
+    sent_at: float = field(default_factory=time.monotonic)
+    """When the newest send this job carries was made (`absorb` moves it): its lag is measured from here."""
     contribution_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     blob: bytes | None = None
     """The encoded object, once encoded."""
@@ -124,6 +126,7 @@ class UploadJob:
         self.takes_seen = newer.takes_seen
         self.step_time_s = newer.step_time_s
         self.deadline = newer.deadline
+        self.sent_at = newer.sent_at
         self.final = self.final or newer.final
 
 
@@ -157,6 +160,10 @@ class TransferStats:
     put_s: float = 0.0
     """Seconds in the PUTs of the objects counted in `bytes_uploaded`: what the link carries them at."""
     fetch_s: float = 0.0
+    send_lag_s: float = 0.0
+    """How long a piece takes to go out, from the step that sent it to its announcement (encode, PUT,
+    XADD, and any wait behind the pieces queued before it): a moving mean over the pieces stored at
+    the first attempt (a retried one measures an outage, not the link). 0 before the first."""
     cpu_s: float = 0.0
     """CPU seconds of the uploader's and the fetcher's own threads (encode, error feedback, hash,
     compress, PUT; GET, decompress, decode, apply, verify); torch's intra-op pool threads they use
@@ -292,6 +299,13 @@ class Uploader(threading.Thread):
         self.stats.uploaded += 1
         self.stats.bytes_uploaded += len(blob)
         self.stats.upload_s += time.monotonic() - t0
+        if job.kind == "delta" and job.attempts == 1:
+            self._lagged(time.monotonic() - job.sent_at)
+
+    def _lagged(self, lag_s: float) -> None:
+        """Count a piece's lag into `send_lag_s`."""
+        mean = self.stats.send_lag_s
+        self.stats.send_lag_s = lag_s if mean == 0 else 0.7 * mean + 0.3 * lag_s
 
     def _encode(self, job: UploadJob) -> bytes:
         codec, compress = ("fp32", False) if job.kind == "genesis" else (self.spec.codec, self.spec.compress)

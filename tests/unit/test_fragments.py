@@ -88,6 +88,32 @@ def test_clock_cadence_sends_each_fragment_once_per_deadline_at_the_last_step_be
     assert all(d - 0.25 <= at < d for _, d, at in sends)  # the last step boundary before each deadline
 
 
+def test_clock_cadence_sends_ahead_by_the_lead_and_still_once_per_deadline():
+    from diloco.storage.protocol import Cadence
+    from diloco.workers.fragments import clock_due
+    cadence = Cadence(origin=1000.0, period_s=4.0)  # fragment 0 of 1 due at 1004, 1008...
+    sent: dict[int, float] = {}
+    sends = []
+    t, previous = 1000.0, None
+    while t < 1016.0:
+        lead = 1.0 if t < 1008.0 else 0.5  # the link got faster: a shorter lead from then on
+        for f, deadline in clock_due(t, 0.25, cadence, 1, sent, previous, lead):
+            sent[f] = deadline
+            sends.append((deadline, t))
+        t, previous = t + 0.25, t
+    assert [d for d, _ in sends] == [1004.0, 1008.0, 1012.0, 1016.0]  # every deadline served, once
+    assert [at for _, at in sends] == [1002.75, 1006.75, 1011.25, 1015.25]  # lead + one step before each
+
+
+def test_send_lead_is_the_pieces_lag_up_to_half_a_round():
+    from diloco.workers.fragments import send_lead
+    assert send_lead(0.0, 5.0) == 0.0  # nothing measured yet: send at the deadline
+    assert send_lead(1.3, 5.0) == 1.3
+    assert send_lead(4.0, 5.0) == 2.5  # a piece keeps at least half its round's steps
+    assert send_lead(1.0, 0.0) == 0.0  # no clock
+    assert send_lead(float("nan"), 5.0) == 0.0
+
+
 def test_clock_cadence_sends_late_for_a_deadline_that_a_slow_step_crossed():
     from diloco.storage.protocol import Cadence
     from diloco.workers.fragments import clock_due
