@@ -200,12 +200,15 @@ class WanNet:
     """The hub and `learners` learner namespaces, each joined to the hub by a veth pair; see the module
     docstring. `with WanNet(4) as net:` makes them and removes them (and every process in them)."""
 
-    def __init__(self, learners: int, *, latency_ms: float = 100.0) -> None:
+    def __init__(self, learners: int, *, latency_ms: float = 100.0, congestion_control: str | None = None) -> None:
         if not 1 <= learners <= 250:
             raise ValueError("1 to 250 learners")
         pid = os.getpid()
         self.hub = f"dlw-hub-{pid}"
         self.latency_ms = latency_ms
+        self.congestion_control = congestion_control
+        """TCP congestion control in every namespace (`net.ipv4.tcp_congestion_control`); None: the
+        host's (each new namespace takes it)."""
         self.links = [Link(i, f"dlw-{pid}-{i}", f"dwl{pid}n{i}", f"dwh{pid}n{i}", f"10.{SUBNET}.{i}.2",
                            f"10.{SUBNET}.{i}.1") for i in range(learners)]
         self.created: list[str] = []
@@ -226,6 +229,8 @@ class WanNet:
         sh("ip", "netns", "add", ns)
         self.created.append(ns)
         sh("ip", "-n", ns, "link", "set", "lo", "up")
+        if self.congestion_control:
+            sh(*netns_exec(ns), "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.congestion_control}")
 
     def up(self) -> None:
         self._add(self.hub)
@@ -261,6 +266,15 @@ class WanNet:
             stats = json.loads(sh("ip", "-n", link.ns, "-s", "-j", "link", "show", "dev", link.dev))[0]["stats64"]
             out.append((int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])))
         return out
+
+    def drops(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """((packets dropped, packets sent) up, the same down) so far by each learner's link's tbf: on a
+        short queue a burst beyond it is dropped, and TCP sends it again."""
+        def counts(ns: str, dev: str) -> tuple[int, int]:
+            qdiscs = json.loads(sh(*netns_exec(ns), "tc", "-s", "-j", "qdisc", "show", "dev", dev) or "[]")
+            tbf = next((q for q in qdiscs if q.get("kind") == "tbf"), {})
+            return int(tbf.get("drops", 0)), int(tbf.get("packets", 0))
+        return [(counts(link.ns, link.dev), counts(self.hub, link.hub_dev)) for link in self.links]
 
     def endpoints_env(self, i: int, stack: LocalStack) -> dict[str, str]:
         """The stack's settings as learner i reaches them: at the hub's end of its link."""

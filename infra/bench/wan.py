@@ -10,7 +10,10 @@ namespaces but their loopbacks; this process joins the hub with setns(2) for the
 afterwards. Every process in our namespaces is stopped by its pid and every namespace deleted on
 the way out (Ctrl-C and SIGTERM included); namespaces carry the pid of the process that made them,
 and those of a process that no longer runs are removed at the next start. `netem` is not in every
-kernel (not in this project's), so the links have a rate and no added propagation delay.
+kernel (not in this project's), so the links have a rate and no added propagation delay. A tbf
+drops what overflows its queue (`--latency-ms` at the link's rate: 100 ms is 1.3 packets at 0.156
+Mbit/s), and TCP sends it again; the mixed arm's table gives each link's share of dropped packets.
+The namespaces' TCP congestion control is the host's unless `--congestion-control` names one.
 
 The scaling. What decides whether data-parallel is usable on a link is R, the time one all-reduce
 of the gradients takes over the link against the time one step takes to compute. A ring
@@ -146,6 +149,8 @@ class LinkedTrial:
     rates: list[Rates]
     wire: list[tuple[int, int]]
     """(bytes up, bytes down) on each learner's link during the arm."""
+    dropped: list[tuple[float, float]] = field(default_factory=list)
+    """(up, down): the share of each learner's link's packets its tbf dropped during the arm."""
 
     @property
     def learners_done_s(self) -> float:
@@ -164,13 +169,21 @@ def run_linked_trial(stack: LocalStack, net: WanNet, trial: Trial, task: Task, o
     in its namespace behind link i, shaped to `rates[i]`."""
     for i, r in enumerate(rates):
         net.shape(i, r)
-    before = net.counters()
+    before, drops_before = net.counters(), net.drops()
     placement = Placement(coordinator=tuple(netns_exec(net.hub)), learner=lambda i: netns_exec(net.links[i].ns),
                           learner_env=lambda i: net.endpoints_env(i, stack))
     result = run_trial(stack, trial, task, out, curve_points=curve_points, placement=placement)
     after = net.counters()
     wire = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)][:len(rates)]
-    return LinkedTrial(result, list(rates), wire)
+    dropped = [tuple(_share(a, b) for a, b in zip(ways, ways_before, strict=True))
+               for ways, ways_before in zip(net.drops(), drops_before)][:len(rates)]
+    return LinkedTrial(result, list(rates), wire, dropped)
+
+
+def _share(after: tuple[int, int], before: tuple[int, int]) -> float:
+    """Packets dropped over packets offered (sent and dropped) between two (dropped, sent) counts."""
+    dropped, sent = after[0] - before[0], after[1] - before[1]
+    return dropped / (dropped + sent) if dropped + sent > 0 else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,13 +288,15 @@ class WanResult:
         if "mixed" in self.arms:
             f = self.arms["mixed"]
             merged = f.detail.get("per_learner", {})
+            dropped = f.detail.get("tbf_dropped") or [(None, None)] * len(f.rates)
             rows = [[f"learner-{i}", r.up_mbit, f.steps[i], w[0] / 1e6, w[1] / 1e6,
+                     None if d[0] is None else 100 * d[0], None if d[1] is None else 100 * d[1],
                      merged.get(f"learner-{i}", {}).get("merged", 0),
                      merged.get(f"learner-{i}", {}).get("mean_staleness")]
-                    for i, (r, w) in enumerate(zip(f.rates, f.wire))]
+                    for i, (r, w, d) in enumerate(zip(f.rates, f.wire, dropped))]
             parts += ["mixed arm, per learner:", figures_table(["learner", "Mbit/s", "steps", "wire MB up",
-                                                                "wire MB down", "pieces merged", "mean staleness"],
-                                                               rows)]
+                                                                "wire MB down", "% dropped up", "% dropped down",
+                                                                "pieces merged", "mean staleness"], rows)]
         if self.scaling is not None:
             parts.append(self.scaling.statement())
         parts += self.notes + self.verdicts()
@@ -312,7 +327,8 @@ def diloco_figures(arm: str, lt: LinkedTrial, target: float | None) -> ArmFigure
                       t.total("tokens") / train_s if train_s else 0.0, t.eval_loss,
                       [int(s.get("step", 0)) for s in stats], lt.wire,
                       [(int(s.get("bytes_uploaded", 0)), int(s.get("bytes_downloaded", 0))) for s in stats],
-                      {"trial": t.to_json(), "learners_done_s": lt.learners_done_s, "per_learner": lt.per_learner})
+                      {"trial": t.to_json(), "learners_done_s": lt.learners_done_s, "per_learner": lt.per_learner,
+                       "tbf_dropped": lt.dropped})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,6 +355,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--latency-ms", type=float, default=100.0,
                         help="tbf queue of each link, in ms at its rate (default: %(default)s)")
+    parser.add_argument("--congestion-control", default=None, metavar="NAME",
+                        help="TCP congestion control in every namespace, e.g. cubic (most distributions' "
+                             "default) or bbr (default: the host's, /proc/sys/net/ipv4/tcp_congestion_control)")
     parser.add_argument("--codec", default=None,
                         help="the decoupled and mixed arms' codec (default: the run's, %s)" % RunSettings().codec)
     parser.add_argument("--sync-every", type=int, default=RunSettings().sync_every,
@@ -386,6 +405,20 @@ def _rates(args: argparse.Namespace, arm: str) -> list[Rates]:
     return [Rates(args.rate_mbit * factors[i], args.rate_mbit * factors[i]) for i in _learners(args, arm)]
 
 
+def _available_congestion_controls() -> list[str]:
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
+    except OSError:
+        return []
+
+
+def _host_congestion_control() -> str:
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip() + " (the host's)"
+    except OSError:
+        return "the host's"
+
+
 def _trial(arm: str, args: argparse.Namespace) -> Trial:
     learners = tuple(LearnerPlan(f"learner-{k}", steps=args.steps, data_seed=i)
                      for k, i in enumerate(_learners(args, arm)))
@@ -413,6 +446,10 @@ def run(args: argparse.Namespace) -> WanResult:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}: arms {ARMS}")
     if args.learners < 2:
         raise SystemExit("--learners must be at least 2")
+    available = _available_congestion_controls()
+    if args.congestion_control and available and args.congestion_control not in available:
+        raise SystemExit(f"--congestion-control {args.congestion_control}: this kernel has {', '.join(available)} "
+                         "(/proc/sys/net/ipv4/tcp_available_congestion_control)")
     feasible = feasibility()
     if feasible.reason:
         log.warning("wan: skipped: %s", feasible.reason)
@@ -425,10 +462,13 @@ def run(args: argparse.Namespace) -> WanResult:
     result = WanResult(None, feasible.netem, scaling, token_budget=args.steps)
     if not feasible.netem:
         result.notes.append("links: tbf rate limits only, no added propagation delay (netem is not in this kernel)")
+    result.notes.append(f"links: TCP congestion control {args.congestion_control or _host_congestion_control()}, "
+                        f"tbf queue {args.latency_ms:g} ms")
     out = args.out.resolve()
     linked: dict[str, LinkedTrial] = {}
     dp: DpRun | None = None
-    with _sigterm_interrupts(), WanNet(args.learners, latency_ms=args.latency_ms) as net, entered(net.hub):
+    with _sigterm_interrupts(), WanNet(args.learners, latency_ms=args.latency_ms,
+                                              congestion_control=args.congestion_control) as net, entered(net.hub):
         diloco_arms = [a for a in ("decoupled", "sync", "mixed", "mixed_without") if a in arms]
         if diloco_arms:
             with hub_stack(out) as stack:

@@ -136,6 +136,8 @@ def test_links_carry_their_rate_reach_each_other_and_leave_nothing_behind():
         assert 0.75 < float(out) < 1.4
         up0, _ = net.counters()[0]
         assert up0 > 250_000 + 62_500
+        (dropped, sent), _ = net.drops()[0]  # learner 0's tbf passed every packet of its 312 kB, or dropped it
+        assert sent >= (250_000 + 62_500) // 1500 and dropped >= 0
         server.close()
     assert sleeper.wait(10) == -15  # stopped by its pid when its namespace went
     assert not names & _namespaces()
@@ -185,3 +187,11 @@ def test_the_verdicts_hold_mixed_links_to_equal_links_and_to_the_fleet_without_t
     verdicts = "\n".join(result.verdicts())
     assert "1.0385x the equal links' final eval (NOT met" in verdicts
     assert "1.3500 against 1.4000 without them (met" in verdicts
+
+
+def test_every_namespace_takes_the_congestion_control_asked_for():
+    if reason := netns.feasibility().reason:
+        pytest.skip(reason)
+    with netns.WanNet(1, congestion_control="reno") as net:
+        for ns in (net.hub, net.links[0].ns):
+            assert netns.sh(*netns.netns_exec(ns), "sysctl", "-n", "net.ipv4.tcp_congestion_control").strip() == "reno"
