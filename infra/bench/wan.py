@@ -356,8 +356,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency-ms", type=float, default=100.0,
                         help="tbf queue of each link, in ms at its rate (default: %(default)s)")
     parser.add_argument("--congestion-control", default=None, metavar="NAME",
-                        help="TCP congestion control in every namespace, e.g. cubic (most distributions' "
-                             "default) or bbr (default: the host's, /proc/sys/net/ipv4/tcp_congestion_control)")
+                        help="TCP congestion control in every namespace, one of the host's allowed ones "
+                             "(net.ipv4.tcp_allowed_congestion_control), e.g. reno or bbr (default: the host's)")
     parser.add_argument("--codec", default=None,
                         help="the decoupled and mixed arms' codec (default: the run's, %s)" % RunSettings().codec)
     parser.add_argument("--sync-every", type=int, default=RunSettings().sync_every,
@@ -405,9 +405,11 @@ def _rates(args: argparse.Namespace, arm: str) -> list[Rates]:
     return [Rates(args.rate_mbit * factors[i], args.rate_mbit * factors[i]) for i in _learners(args, arm)]
 
 
-def _available_congestion_controls() -> list[str]:
+def _allowed_congestion_controls() -> list[str]:
+    """What a network namespace other than the host's may take as its default (the kernel refuses the
+    others there, whatever is loaded)."""
     try:
-        return Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
+        return Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
     except OSError:
         return []
 
@@ -446,10 +448,10 @@ def run(args: argparse.Namespace) -> WanResult:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}: arms {ARMS}")
     if args.learners < 2:
         raise SystemExit("--learners must be at least 2")
-    available = _available_congestion_controls()
-    if args.congestion_control and available and args.congestion_control not in available:
-        raise SystemExit(f"--congestion-control {args.congestion_control}: this kernel has {', '.join(available)} "
-                         "(/proc/sys/net/ipv4/tcp_available_congestion_control)")
+    allowed = _allowed_congestion_controls()
+    if args.congestion_control and allowed and args.congestion_control not in allowed:
+        raise SystemExit(f"--congestion-control {args.congestion_control}: a namespace may only take one the host "
+                         f"allows, {', '.join(allowed)} (net.ipv4.tcp_allowed_congestion_control)")
     feasible = feasibility()
     if feasible.reason:
         log.warning("wan: skipped: %s", feasible.reason)
