@@ -128,9 +128,12 @@ def test_a_killed_shard_is_replaced_and_the_others_carry_on(replacement, endpoin
         procs.append(p)
         return p
 
-    zero = shard(0, "shard0", *(["--cover-shards"] if replacement == "cover" else []))
+    # Shard 1's own coordinator first: shard 0's cover (`--cover-shards`) takes any shard whose lease
+    # nobody holds, and would take shard 1 before a slower-starting process of its own did.
     one = shard(1, "shard1")
     bus = Bus(endpoints, run_id)
+    wait_for("shard 1's lease", lambda: bus.leadership(Shard(1, 2))[1] is not None, [one])
+    zero = shard(0, "shard0", *(["--cover-shards"] if replacement == "cover" else []))
     wait_for("both shards' leases", lambda: all(bus.leadership(s)[1] for s in Shard(0, 2).layout()), [zero, one])
     killed_holder = bus.leadership(Shard(1, 2))[1]
     standby = shard(1, "standby1", "--standby") if replacement == "standby" else zero
