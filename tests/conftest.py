@@ -8,8 +8,9 @@ never by flushing: a test that needs to stop or kill a server starts its own `Lo
 from __future__ import annotations
 
 import json
+import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from diloco.infra.local.fleet import Proc, process_env
 from diloco.infra.local.stack import LocalStack
 from diloco.storage.settings import Endpoints
 from harness import TASK, fresh_endpoints
+from rig import Rig
 
 _TESTS = Path(__file__).parent
 
@@ -84,3 +86,25 @@ def own_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple
         finally:
             for p in procs:
                 p.kill()
+
+
+# A real coordinator on the session's servers, driven a step at a time (`rig.Rig`), closed after the test.
+@pytest.fixture
+def make_rig(endpoints: Endpoints, run_id: str, caplog: pytest.LogCaptureFixture) -> Iterator[Callable[..., Rig]]:
+    caplog.set_level(logging.WARNING, logger="diloco.coordinator")
+    rigs: list[Rig] = []
+
+    def make(**kw) -> Rig:
+        rigs.append(Rig(endpoints, run_id, caplog, **kw))
+        return rigs[-1]
+
+    yield make
+    for rig in rigs:
+        rig.close()
+
+
+@pytest.fixture
+def rig(make_rig: Callable[..., Rig]) -> Rig:
+    return make_rig()
+
+

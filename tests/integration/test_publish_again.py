@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import logging
 from collections import Counter
 
 import botocore.exceptions as bexc
@@ -24,15 +23,6 @@ import torch
 from diloco.infra.history.replay import replay_run
 from diloco.storage.history import read_manifest
 from diloco.storage.objects import ObjectStore
-from rig import Rig
-
-
-@pytest.fixture
-def rig(endpoints, run_id, caplog):  # noqa: ANN001, ANN201
-    caplog.set_level(logging.WARNING, logger="diloco.coordinator")
-    rig = Rig(endpoints, run_id, caplog)
-    yield rig
-    rig.close()
 
 
 def test_a_publish_refused_before_its_manifest_merges_again_from_s3_to_the_same_bits(rig, endpoints):

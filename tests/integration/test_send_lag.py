@@ -5,22 +5,12 @@ that sent it to its announcement, a wait behind the pieces queued before it incl
 
 from __future__ import annotations
 
-import logging
 import time
 
-import pytest
 import torch
 
 from diloco.workers.transfer import UploadJob
 from rig import Rig
-
-
-@pytest.fixture
-def rig(endpoints, run_id, caplog):  # noqa: ANN001, ANN201
-    caplog.set_level(logging.WARNING, logger="diloco.coordinator")
-    rig = Rig(endpoints, run_id, caplog)
-    yield rig
-    rig.close()
 
 
 def _job(rig: Rig, fragment: int) -> UploadJob:
