@@ -14,8 +14,8 @@ records it and the run goes on.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
@@ -56,8 +56,7 @@ class PendingDelta:
     piece: codecs.Opened | None = None
     """The object as read and checked (`fetch_checked`): its payload decompressed, in the codec's own
     bytes (int8: a quarter of its decoded size, int4 an eighth). A round holds its pieces so and
-    decodes each one when the merge reads it (`decode_piece`). None for a genesis proposal,
-    published as it arrives."""
+    the merge reads each through `Piece`. None for a genesis proposal, published as it arrives."""
 
 
 def check_announcement(a: Announcement, *, spec: RunSpec, keys: RunKeys, head: int | None,
@@ -111,17 +110,38 @@ def fetch_checked(store: ObjectStore, a: Announcement, layout: Layout, max_bytes
     """`fetch_tensors`' read and every one of its checks, but the checked payload is what is
     returned, with the L2 norm of its delta (`codecs.checked_norm`: the values checked as it is
     taken, and not kept): a delta waits for its round in the codec's few bytes, not as a fragment's
-    worth of fp32 tensors, and is decoded when the round merges (`decode_piece`), with nothing to
+    worth of fp32 tensors, and is decoded when the round merges (`Piece`), with nothing to
     decompress or hash again."""
     blob = _read(store, a, max_bytes, timed)
     with timed("verify"):
         return _check_object(blob, a, layout, max_bytes, codec=codec, values=codecs.checked_norm)
 
 
-def decode_piece(piece: codecs.Opened) -> dict[str, torch.Tensor]:
-    """The tensors of a piece `fetch_checked` returned. Decoding is deterministic and checks the
-    values again as it did then: the same tensors."""
-    return codecs.decode_opened(piece)
+class Piece(Mapping[str, torch.Tensor]):
+    """A delta waiting in its round as its checked payload (`fetch_checked`), read as its tensors:
+    each decoded when it is read (`codecs.tensor_decoders`), with the checks it passed then, and not
+    kept. The merge reads a tensor of every piece at a time (`outer.merge_deltas`): a round holds
+    its pieces in the codec's bytes and, while merging, one decoded tensor per merging thread."""
+
+    def __init__(self, opened: codecs.Opened) -> None:
+        self._decoders = codecs.tensor_decoders(opened)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._decoders[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._decoders)
+
+    def __len__(self) -> int:
+        return len(self._decoders)
+
+
+def fetch_pool(threads: int) -> ThreadPoolExecutor:
+    """The fetch threads: reading and checking pieces (`Intake`), then merging a round's tensors in
+    parallel (`Rounds`: the loop merges after its reads). Each one's torch ops on one intra-op
+    thread: the pool's parallelism is across pieces or tensors (`storage.intraop`; on 2 cores, 8
+    fetch threads with a team each made the merge after them 3x slower)."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="fetch", initializer=cap_this_thread, initargs=(1,))
 
 
 def _read(store: ObjectStore, a: Announcement, max_bytes: int, timed: Timed) -> bytes:
@@ -181,20 +201,15 @@ class Intake:
     the fetch threads, and the piece added to its fragment's open round, or refused with a reason.
     Another shard's entries are acknowledged at once (it reads them through its own group)."""
 
-    def __init__(self, state: ShardState, rounds: Rounds, recovery: Recovery, fetch_threads: int) -> None:
+    def __init__(self, state: ShardState, rounds: Rounds, recovery: Recovery, pool: Executor) -> None:
         self.state, self.rounds, self.recovery = state, rounds, recovery
         self.retry: list[tuple[str, Announcement]] = []
         """Entries whose object S3 could not serve: fetched again with the next read."""
         self._recovered: dict[str, None] = {}
         """Contribution ids taken in from a `recovered` announcement (bounded): the learner's own copy,
         should it come too, is acknowledged as repeated."""
-        # Each fetch thread's torch ops on one intra-op thread: the pool's parallelism is across pieces
-        # (`storage.intraop`; on 2 cores, 8 fetch threads with a team each made the merge after them 3x slower).
-        self._pool = ThreadPoolExecutor(fetch_threads, thread_name_prefix="fetch", initializer=cap_this_thread,
-                                        initargs=(1,))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool = pool
+        """The fetch threads (`fetch_pool`), the service's."""
 
     def _mine(self, item: Announcement | Refused) -> bool:
         """Whether this shard deals with an entry: one for a fragment it owns; shard 0 also refuses the

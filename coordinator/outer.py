@@ -22,9 +22,9 @@ same inputs in the same order give the same bits. Here is what guarantees it:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -33,11 +33,8 @@ from diloco.coordinator.timing import Timed, untimed
 from diloco.storage.protocol import VersionSettings
 from diloco.storage.updates import encode_update
 
-T = TypeVar("T")
-
-
 def merge_deltas(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], *,
-                 radial_directional: bool = False) -> dict[str, Tensor]:
+                 radial_directional: bool = False, pool: Executor | None = None) -> dict[str, Tensor]:
     """Weighted sum of per-tensor deltas, in fp32, in the order given (pass `merge_order`).
 
     `weights` are used as given (`merge_weights` normalizes them to sum 1). Every delta must hold
@@ -49,64 +46,68 @@ def merge_deltas(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float
     A plain mean of near-orthogonal deltas shrinks ~1/sqrt(M); this one keeps the typical step
     length. Zero deltas add nothing to the direction; if the directions cancel, the result is 0.
 
-    `deltas` is read in order, each delta once (twice, radial_directional: its norms first), and
-    accumulated as it is read: a sequence that decodes a delta when it is read (the coordinator's
-    round, `Lazy`) holds one decoded delta at a time, not the whole round.
+    Each tensor is merged on its own (`_sum_of` or `_radial_of`), each delta's value of it read once
+    (twice, radial_directional: its norm first): deltas that decode a tensor when it is read (the
+    coordinator's pieces, `intake.Piece`) hold one decoded tensor per merging thread, not whole
+    pieces. With `pool`, the tensors merge in parallel on it: the same operations on each, so the
+    same bits as without.
     """
     if not deltas or len(deltas) != len(weights):
         raise ValueError(f"need one weight per delta and at least one delta, got "
                          f"{len(deltas)} deltas and {len(weights)} weights")
-    if radial_directional:
-        return _radial_directional(deltas, list(weights))
-    return _weighted_sum(_checked(deltas), list(weights))
-
-
-def _checked(deltas: Sequence[Mapping[str, Tensor]]) -> Iterator[dict[str, Tensor]]:
-    """Each delta in order, its tensors as fp32 in delta 0's order; ValueError for a delta whose
-    names or shapes are not delta 0's."""
-    shapes: dict[str, torch.Size] = {}
+    names = list(deltas[0])
     for i, d in enumerate(deltas):
-        if i == 0:
-            shapes = {name: t.shape for name, t in d.items()}
-        elif set(d) != set(shapes):
-            raise ValueError(f"delta {i} and delta 0 differ in tensors {sorted(set(d) ^ set(shapes))}")
-        for name, shape in shapes.items():
-            if d[name].shape != shape:
-                raise ValueError(f"delta {i} has {name} of shape {tuple(d[name].shape)}, delta 0 has {tuple(shape)}")
-        yield {name: d[name].to(torch.float32) for name in shapes}
+        if set(d) != set(names):
+            raise ValueError(f"delta {i} and delta 0 differ in tensors {sorted(set(d) ^ set(names))}")
+    merge = _radial_of if radial_directional else _sum_of
+    fp32_weights = [_fp32(w) for w in weights]
+
+    def one(name: str) -> Tensor:
+        return merge(lambda: _values_of(deltas, name), list(weights), fp32_weights)
+
+    merged = pool.map(one, names) if pool is not None else map(one, names)
+    return dict(zip(names, merged, strict=True))
 
 
-def _weighted_sum(deltas: Iterable[Mapping[str, Tensor]], weights: list[float]) -> dict[str, Tensor]:
-    """acc = w_0 * d_0, then acc = acc + w_i * d_i, tensor by tensor, one delta after the other."""
-    acc: dict[str, Tensor] = {}
-    for i, (d, w) in enumerate(zip(deltas, weights)):
-        if i == 0:
-            acc = {name: t * _fp32(w) for name, t in d.items()}
-            continue
-        for name, total in acc.items():
-            total.add_(d[name] * _fp32(w))  # alpha 1: a plain correctly rounded add, never an FMA
-    return acc
+def _values_of(deltas: Sequence[Mapping[str, Tensor]], name: str) -> Iterator[Tensor]:
+    """Each delta's tensor `name` in order, as fp32; ValueError for one whose shape is not delta 0's."""
+    shape = None
+    for i, d in enumerate(deltas):
+        t = d[name].to(torch.float32)
+        if shape is None:
+            shape = t.shape
+        elif t.shape != shape:
+            raise ValueError(f"delta {i} has {name} of shape {tuple(t.shape)}, delta 0 has {tuple(shape)}")
+        yield t
 
 
-def _radial_directional(deltas: Sequence[Mapping[str, Tensor]], weights: list[float]) -> dict[str, Tensor]:
-    """Per tensor: the weighted sum of the unit directions of the deltas whose norm is not zero (the
-    first of them starts the sum), scaled to the weighted mean norm; 0 if no direction is left."""
-    norms = [{name: _norm(t) for name, t in d.items()} for d in _checked(deltas)]
-    shapes: dict[str, torch.Size] = {}
-    direction: dict[str, Tensor] = {}
-    for d, w, norm in zip(_checked(deltas), weights, norms, strict=True):
-        shapes = shapes or {name: t.shape for name, t in d.items()}
-        for name, t in d.items():
-            if norm[name] > 0.0:
-                part = t * _fp32(w / norm[name])
-                direction[name] = direction[name].add_(part) if name in direction else part
-    out = {}
-    for name, shape in shapes.items():
-        mean_norm = math.fsum(w * n[name] for w, n in zip(weights, norms, strict=True))
-        length = _norm(direction[name]) if name in direction else 0.0
-        out[name] = (direction[name] * _fp32(mean_norm / length) if length != 0.0
-                     else torch.zeros(shape, dtype=torch.float32))
-    return out
+def _sum_of(values: Callable[[], Iterator[Tensor]], weights: list[float], fp32_weights: list[Tensor]) -> Tensor:
+    """acc = w_0 * d_0, then acc = acc + w_i * d_i, one delta after the other."""
+    total: Tensor | None = None
+    for t, w in zip(values(), fp32_weights):
+        total = t * w if total is None else total.add_(t * w)  # alpha 1: a plain correctly rounded add, never an FMA
+    assert total is not None
+    return total
+
+
+def _radial_of(values: Callable[[], Iterator[Tensor]], weights: list[float], fp32_weights: list[Tensor]) -> Tensor:
+    """The weighted sum of the unit directions of the deltas whose norm is not zero (the first of
+    them starts the sum), scaled to the weighted mean norm; 0 if no direction is left."""
+    norms, shape = [], None
+    for t in values():
+        norms.append(_norm(t))
+        shape = t.shape
+    direction: Tensor | None = None
+    for t, w, norm in zip(values(), weights, norms, strict=True):
+        if norm > 0.0:
+            part = t * _fp32(w / norm)
+            direction = direction.add_(part) if direction is not None else part
+    mean_norm = math.fsum(w * n for w, n in zip(weights, norms, strict=True))
+    length = _norm(direction) if direction is not None else 0.0
+    if direction is None or length == 0.0:
+        assert shape is not None
+        return torch.zeros(shape, dtype=torch.float32)
+    return direction * _fp32(mean_norm / length)
 
 
 def _fp32(x: float) -> Tensor:
@@ -226,11 +227,11 @@ def _whole_step(params: Mapping[str, Tensor], delta: Mapping[str, Tensor], state
 
 
 def round_delta(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float],
-                settings: VersionSettings) -> dict[str, Tensor]:
+                settings: VersionSettings, *, pool: Executor | None = None) -> dict[str, Tensor]:
     """The merged update of a round: `deltas` (in merge order) merged with `weights` by the merge
     rule of `settings`, times its `round_scale`. This is the outer gradient `apply_round` steps
-    with; `diloco inspect` and `diloco blame` measure inputs against it."""
-    merged = merge_deltas(deltas, weights, radial_directional=settings.merge == "radial_directional")
+    with; `diloco inspect` and `diloco blame` measure inputs against it. `pool`: see `merge_deltas`."""
+    merged = merge_deltas(deltas, weights, radial_directional=settings.merge == "radial_directional", pool=pool)
     return scale_update(merged, settings.round_scale)
 
 
@@ -285,7 +286,8 @@ def downstream_step(parent: Mapping[str, Tensor], target: Mapping[str, Tensor], 
 
 
 def fresh_part(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], staleness: Sequence[int] | None,
-               settings: VersionSettings, update: Mapping[str, Tensor]) -> dict[str, Tensor] | None:
+               settings: VersionSettings, update: Mapping[str, Tensor], *,
+               pool: Executor | None = None) -> dict[str, Tensor] | None:
     """What the momentum buffer takes of a round when `settings.stale_momentum` is False and some
     input is stale: the round's merged update of its fresh inputs alone (with their weights in the
     round; zeros shaped like the round's `update` if none is fresh), scaled like the whole. None
@@ -303,24 +305,7 @@ def fresh_part(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float],
     kept = [i for i, s in enumerate(staleness) if s == 0 and weights[i] != 0]
     if not kept:
         return {name: torch.zeros_like(t, dtype=torch.float32) for name, t in update.items()}
-    return round_delta(Lazy(len(kept), lambda i: deltas[kept[i]]), [weights[i] for i in kept], settings)
-
-
-class Lazy(Sequence[T]):
-    """A sequence whose items are made when they are read (`get(i)`): a round's pieces decode one at
-    a time as the merge adds them up (`rounds.Rounds`), and `fresh_part` reads a subset of them
-    without decoding the others again."""
-
-    def __init__(self, length: int, get: Callable[[int], T]) -> None:
-        self._length, self._get = length, get
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __getitem__(self, i: int) -> T:  # type: ignore[override] (no slices)
-        if not 0 <= i < self._length:
-            raise IndexError(i)
-        return self._get(i)
+    return round_delta([deltas[i] for i in kept], [weights[i] for i in kept], settings, pool=pool)
 
 
 def outer_step(params: Mapping[str, Tensor], state: NesterovState, delta: Mapping[str, Tensor],

@@ -2,9 +2,9 @@
 
 `Rounds.maybe_merge` asks `policy.decide_round` whether an open round is due; a due round's pieces
 are counted (`influence`: each learner's claims and norms bounded by the others'), ordered
-(`policy.merge_order`), weighted (`policy.merge_weights`), merged one decoded piece at a time
-(`outer.Lazy`), scaled against the usual round (`policy.round_step`) and stepped with the outer
-optimizer (`outer`); `publish` writes the version (objects, then its manifest) and commits it in
+(`policy.merge_order`), weighted (`policy.merge_weights`), merged tensor by tensor on the fetch
+threads, each piece's tensor decoded as it is read (`intake.Piece`), scaled against the usual round
+(`policy.round_step`) and stepped with the outer optimizer (`outer`); `publish` writes the version (objects, then its manifest) and commits it in
 Redis, fenced by the epoch (`publish.commit`). A step that overflows float32 refuses its largest
 piece and merges the rest without it.
 """
@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Executor
 from dataclasses import replace
 
 import torch
 
 from diloco.coordinator.influence import Claim, clip_norms, count_claims, usual_fleet
-from diloco.coordinator.intake import PendingDelta, decode_piece
+from diloco.coordinator.intake import PendingDelta, Piece
 from diloco.coordinator.leadership import Fenced
-from diloco.coordinator.outer import (Lazy, NesterovState, downstream_step, fresh_part, outer_step, round_delta, scale_update,
+from diloco.coordinator.outer import (NesterovState, downstream_step, fresh_part, outer_step, round_delta, scale_update,
                                       update_norm)
 from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round, last_in, lookahead,
                                        merge_order, merge_weights, round_size, round_step, served_deadline,
@@ -52,9 +53,11 @@ def _absmax(tensors: dict[str, torch.Tensor]) -> float:
 class Rounds:
     """Merging this shard's fragments: the loop's, like the state it changes."""
 
-    def __init__(self, state: ShardState, recovery: Recovery) -> None:
+    def __init__(self, state: ShardState, recovery: Recovery, pool: Executor) -> None:
         self.state = state
         self.recovery = recovery
+        self.pool = pool
+        """The fetch threads (`intake.fetch_pool`): idle while the loop merges, they merge a round's tensors."""
         self.sync_time_s = 0.0
         """How long writing and committing a version takes (a moving average): the grace window allows for it."""
 
@@ -157,12 +160,12 @@ class Rounds:
         a replay's `apply_round` runs the same merge, scale and outer step from them.
 
         Each whole-fragment temporary goes as soon as it has been used, not at the end of the round:
-        each piece once added to the sum (the merge decodes them one at a time, `_pieces`), the
+        each piece's tensor once added to the sum (decoded as the merge reads it, `_pieces`), the
         merged update once stepped with, the outer step's exact result when this returns."""
         s = self.state
         settings = replace(self.settings("delta"), rate_steps=rate)
         with s.timing("merge"):
-            update = round_delta(self._pieces(contributions), weights, settings)
+            update = round_delta(self._pieces(contributions), weights, settings, pool=self.pool)
             if s.config.scale_rounds:
                 norm = update_norm(update)
                 step = round_step(round_size(ordered, norm), frag.recent, usual, interval)
@@ -170,7 +173,8 @@ class Rounds:
                                    lookahead=ahead)
                 update = scale_update(update, step.scale)
             fresh = fresh_part(self._pieces(contributions), weights,
-                               [staleness_verdict(a.base_version, frag.head, s.round_cfg)[1] for a in ordered], settings, update)
+                               [staleness_verdict(a.base_version, frag.head, s.round_cfg)[1] for a in ordered], settings,
+                               update, pool=self.pool)
         with s.timing("outer"):
             target, state = outer_step(frag.params, frag.state, update, settings, buffered=fresh)
             del fresh
@@ -178,13 +182,13 @@ class Rounds:
             return self._downstream(fragment, frag, target, state, settings), settings
 
     @staticmethod
-    def _pieces(contributions: list[PendingDelta]) -> Lazy[dict[str, torch.Tensor]]:
-        """The pieces' deltas, decoded as they are read (`intake.decode_piece`): a merge holds the sum
-        and one decoded piece, while the round waits with its pieces in the codec's bytes
-        (`PendingDelta.piece`)."""
-        pieces = [c.piece for c in contributions if c.piece is not None]
+    def _pieces(contributions: list[PendingDelta]) -> list[Piece]:
+        """The pieces' deltas, each tensor decoded as it is read (`intake.Piece`): a merge holds the
+        sum and a decoded tensor per merging thread, while the round waits with its pieces in the
+        codec's bytes (`PendingDelta.piece`)."""
+        pieces = [Piece(c.piece) for c in contributions if c.piece is not None]
         assert len(pieces) == len(contributions), "a round merges deltas: a genesis is published as it arrives"
-        return Lazy(len(pieces), lambda i: decode_piece(pieces[i]))
+        return pieces
 
     def _downstream(self, fragment: int, frag: Fragment, target: dict[str, torch.Tensor], state: NesterovState,
                     settings: VersionSettings) -> tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None:

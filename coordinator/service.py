@@ -27,7 +27,7 @@ import redis
 from diloco.coordinator.config import CoordinatorConfig, RunSettings, settings_differ
 from diloco.coordinator.fleet_view import FleetView
 from diloco.coordinator.influence import fastest_plausible
-from diloco.coordinator.intake import Intake
+from diloco.coordinator.intake import Intake, fetch_pool
 from diloco.coordinator.leadership import Fenced, Leadership
 from diloco.coordinator.metrics import Metrics
 from diloco.coordinator.policy import RoundConfig, budget_spent, link_bound_period, next_cadence, run_end
@@ -121,8 +121,9 @@ class Coordinator:
             clock_offset_s=self.bus.server_time() - time.time())
         self.recovery = Recovery(self.state)
         self.recovery.roll_forward()  # Redis brought up to the manifests in S3, and the heads taken from it
-        self.rounds = Rounds(self.state, self.recovery)
-        self.intake = Intake(self.state, self.rounds, self.recovery, config.fetch_threads)
+        self._pool = fetch_pool(config.fetch_threads)
+        self.rounds = Rounds(self.state, self.recovery, self._pool)
+        self.intake = Intake(self.state, self.rounds, self.recovery, self._pool)
         for fragment, frag in self.fragments.items():
             self.rounds.load_recent(fragment, frag)
         if self.ended is not None and not self.bus.set_run_end(self.ended, epoch):
@@ -188,7 +189,7 @@ class Coordinator:
     def close(self, *, release: bool = True) -> None:
         """Stop renewing the lease (and give it up at once, so that a standby need not wait for it to lapse)."""
         self.leadership.close(release=release)
-        self.intake.close()
+        self._pool.shutdown(wait=True)
         self.metrics.detach()
         if self._own_metrics:
             self.metrics.stop()

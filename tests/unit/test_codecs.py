@@ -122,6 +122,36 @@ def test_int4_packs_low_nibble_first_with_scale_before_values() -> None:
     assert body[4:] == bytes([0x0F | 0x10, 0x08 | 0x80])  # 7+8 low, -7+8 high; 0+8 then pad 8
 
 
+@pytest.mark.parametrize("n", [512, 511])
+@pytest.mark.parametrize("block", [256, 7])
+def test_every_int4_byte_decodes_to_its_nibbles_or_is_refused_and_the_norm_agrees(n: int, block: int) -> None:
+    """Each of the 256 byte values, at the start of the codes and as the last byte (the pad nibble of
+    an odd count): decode gives low nibble - 8, then high nibble - 8, times the scale, or refuses the
+    byte as "bad_payload"; checked_norm (the coordinator's check of a piece) refuses the same bytes and
+    otherwise gives the norm of what decode gives. Both read 4-bit codes through a byte table."""
+    blob = encode({"w": torch.randn(n, generator=torch.Generator().manual_seed(0))}, "int4", block_size=block)
+    blocks = -(-n // block)
+    for at in (4 * blocks, -1):
+        for byte in range(256):
+            edited = _reseal(blob, lambda p: p.__setitem__(at, byte))
+            low, high = byte & 0x0F, byte >> 4
+            pad = at == -1 and n % 2 == 1
+            good = low != 0 and (high == 8 if pad else high != 0)
+            opened = codecs.open_object(edited, max_bytes=LIMIT)
+            if not good:
+                _refused(edited, "bad_payload")
+                with pytest.raises(Refused):
+                    codecs.checked_norm(opened)
+                continue
+            w = decode(edited, max_bytes=LIMIT)[0]["w"]
+            scales = torch.frombuffer(bytearray(_split(edited)[1][:4 * blocks]), dtype=torch.float32)
+            first = n - 1 - (n - 1) % 2 if at == -1 else 0
+            values = [low - 8.0] if pad else [low - 8.0, high - 8.0]
+            expect = [float(torch.tensor(v) * scales[(first + i) // block]) for i, v in enumerate(values)]
+            assert w[first:first + len(expect)].tolist() == expect
+            assert codecs.checked_norm(opened) == pytest.approx(float(w.double().norm()), rel=1e-6)  # decode rounds each product to float32
+
+
 def test_int2_packs_four_ternary_codes_per_byte_lowest_bits_first() -> None:
     blob = encode({"v": torch.tensor([2.0, -2.0, 0.4, 1.2, -1.6])}, "int2", block_size=256)
     _, body = _split(blob)
@@ -581,3 +611,22 @@ def test_encode_decoded_refuses_what_decode_would_refuse(codec: str, top: float)
         assert encoding.value.code == exc.code == "non_finite"
         return
     assert torch.equal(codecs.encode_decoded(huge, codec)[1]["w"], want["w"])
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "sign8"])
+def test_each_tensor_decodes_alone_as_the_whole_object_decodes_it(codec: str) -> None:
+    """The coordinator reads a piece a tensor at a time (`tensor_decoders`): the same tensors, in the
+    header's order, and a bad tensor refused when it is read, as `decode_opened` refuses it."""
+    g = torch.Generator().manual_seed(5)
+    blob = encode({"b": torch.randn(9, generator=g), "a": torch.randn(40, 70, generator=g)}, codec, compress=True)
+    opened = codecs.open_object(blob, max_bytes=LIMIT)
+    whole, alone = codecs.decode_opened(opened), codecs.tensor_decoders(opened)
+    assert list(alone) == list(whole) == ["b", "a"]
+    assert all(torch.equal(alone[name](), whole[name]) for name in whole)
+    if codec == "int4":
+        bad = codecs.open_object(_reseal(encode({"b": torch.randn(9), "a": torch.randn(8)}, codec),
+                                         lambda p: p.__setitem__(-1, 0x00)), max_bytes=LIMIT)
+        decoders = codecs.tensor_decoders(bad)
+        assert decoders["b"]().shape == (9,)  # the other tensor's bad code is not read
+        with pytest.raises(Refused):
+            decoders["a"]()

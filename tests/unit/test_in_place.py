@@ -1,7 +1,7 @@
 """The coordinator's round with fewer whole-fragment temporaries gives the same bits as before.
 
-`outer.merge_deltas` (one delta after the other, so that a round's pieces can be decoded one at a
-time), `outer._norm` (sums in one half-length buffer, the padding never made), the fractional Nesterov step
+`outer.merge_deltas` (tensor by tensor, one delta after the other, so that a round's pieces can be
+decoded a tensor at a time), `outer._norm` (sums in one half-length buffer, the padding never made), the fractional Nesterov step
 (adds and multiplies in place on its own temporaries), `updates.encode_update` and `apply_update`
 (the difference becomes the residual, the decoded update the params) were rewritten to hold less
 memory. Replay re-derives every version bit for bit, and the norm is recorded in manifests, so each
@@ -12,7 +12,8 @@ inputs stay untouched.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -173,26 +174,37 @@ def test_the_merge_is_the_formula_it_replaced_bit_for_bit(radial):
         assert all(same_bits(d, c) for d, c in zip(deltas, copies))
 
 
-class Decoding(Sequence):
-    """Deltas made when read, like the coordinator's round decoding its pieces; counts the reads."""
+class Decoding(Mapping):
+    """A delta whose tensors are made when read, like the coordinator's pieces; records the reads."""
 
-    def __init__(self, seeds: list[int]) -> None:
-        self.seeds, self.reads = seeds, []
+    def __init__(self, seed: int, reads: list[tuple[int, str]]) -> None:
+        self.seed, self.reads = seed, reads
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.reads.append((self.seed, name))
+        return tensors(self.seed)[name]
+
+    def __iter__(self):
+        return iter(SHAPES)
 
     def __len__(self) -> int:
-        return len(self.seeds)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        seed = self.seeds[i]  # IndexError past the end, as iteration expects
-        self.reads.append(i)
-        return tensors(seed)
+        return len(SHAPES)
 
 
 @pytest.mark.parametrize("radial, passes", [(False, 1), (True, 2)])
-def test_the_merge_reads_each_delta_once_in_order(radial, passes):
-    """So a round decoding its pieces as they are read holds one decoded piece at a time."""
-    lazy = Decoding([1, 2, 3, 4])
-    got = merge_deltas(lazy, [0.1, 0.2, 0.3, 0.4], radial_directional=radial)
-    assert lazy.reads == [0, 1, 2, 3] * passes
-    eager = [tensors(s) for s in lazy.seeds]
+@pytest.mark.parametrize("threads", [0, 3])
+def test_the_merge_reads_each_tensor_of_each_delta_once_tensor_by_tensor(radial, passes, threads):
+    """So a round decoding its pieces' tensors as they are read holds one decoded tensor per thread;
+    with a pool the tensors merge in parallel, to the same bits."""
+    reads: list[tuple[int, str]] = []
+    lazy = [Decoding(seed, reads) for seed in (1, 2, 3, 4)]
+    pool = ThreadPoolExecutor(threads) if threads else None
+    got = merge_deltas(lazy, [0.1, 0.2, 0.3, 0.4], radial_directional=radial, pool=pool)
+    if pool is not None:
+        pool.shutdown()
+    for name in SHAPES:
+        assert [seed for seed, n in reads if n == name] == [1, 2, 3, 4] * passes
+    if pool is None:  # one tensor after the other
+        assert [n for _, n in reads] == [n for n in SHAPES for _ in range(4 * passes)]
+    eager = [tensors(s) for s in (1, 2, 3, 4)]
     assert same_bits(got, merge_deltas(eager, [0.1, 0.2, 0.3, 0.4], radial_directional=radial))
