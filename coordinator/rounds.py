@@ -29,6 +29,7 @@ from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundS
 from diloco.coordinator.publish import commit, commit_existing, decode_state, listed_refusals, write_version
 from diloco.coordinator.recovery import Recovery
 from diloco.coordinator.state import Fragment, ShardState
+from diloco.coordinator.timing import TimedPool
 from diloco.storage.bus import CommitResult
 from diloco.storage.crashpoints import crash_point
 from diloco.storage.errors import Conflict, Refused, StorageUnavailable
@@ -165,7 +166,8 @@ class Rounds:
         s = self.state
         settings = replace(self.settings("delta"), rate_steps=rate)
         with s.timing("merge"):
-            update = round_delta(self._pieces(contributions), weights, settings, pool=self.pool)
+            pool = TimedPool(self.pool, s.timing, "tensors")
+            update = round_delta(self._pieces(contributions), weights, settings, pool=pool)
             if s.config.scale_rounds:
                 norm = update_norm(update)
                 step = round_step(round_size(ordered, norm), frag.recent, usual, interval)
@@ -174,7 +176,7 @@ class Rounds:
                 update = scale_update(update, step.scale)
             fresh = fresh_part(self._pieces(contributions), weights,
                                [staleness_verdict(a.base_version, frag.head, s.round_cfg)[1] for a in ordered], settings,
-                               update, pool=self.pool)
+                               update, pool=pool)
         with s.timing("outer"):
             target, state = outer_step(frag.params, frag.state, update, settings, buffered=fresh)
             del fresh

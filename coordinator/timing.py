@@ -2,9 +2,10 @@
 
 The loop times each of its phases (reading announcements, fetching and verifying objects, merging,
 the outer step, encoding, writing, committing) with `PhaseTimes`, and `diloco bench coordinator`
-reports the split. Phases that run on the fetch threads ("get", "verify") add thread-seconds,
-which overlap each other and the loop's own phases; the others are the loop's wall time
-("fetch_wait" is the loop waiting for the fetch threads).
+reports the split. Phases that run on the fetch threads ("get", "verify", and "tensors": a round's
+tensors merged, `TimedPool`) add thread-seconds, which overlap each other and the loop's own
+phases; the others are the loop's wall time ("fetch_wait" is the loop waiting for the fetch
+threads, "merge" includes waiting for the tensors).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 Timed = Callable[[str], AbstractContextManager[None]]
 """`timed("phase")` is a context manager that adds the time spent inside it to that phase."""
@@ -58,3 +61,16 @@ class PhaseTimes:
             if s > s0:
                 out[phase] = (s - s0, cpu - cpu0)
         return out
+
+
+class TimedPool(Executor):
+    """`pool`, each task it runs timed as `phase` on the thread that runs it."""
+
+    def __init__(self, pool: Executor, timed: Timed, phase: str) -> None:
+        self._pool, self._timed, self._phase = pool, timed, phase
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        def run() -> Any:
+            with self._timed(self._phase):
+                return fn(*args, **kwargs)
+        return self._pool.submit(run)

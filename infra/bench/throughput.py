@@ -65,8 +65,8 @@ HELP = ("coordinator throughput: contributions merged per second and MB/s, again
 
 LOOP_PHASES = ("read", "check", "fetch_wait", "load", "merge", "outer", "encode", "put", "manifest", "commit")
 """Phases of the coordinator's loop (wall time, in this order in the table)."""
-THREAD_PHASES = ("get", "verify")
-"""Phases on the fetch threads (thread-seconds: they overlap each other and `fetch_wait`)."""
+THREAD_PHASES = ("get", "verify", "tensors")
+"""Phases on the fetch threads (thread-seconds: they overlap each other, `fetch_wait` and `merge`)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

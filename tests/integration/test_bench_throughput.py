@@ -33,7 +33,7 @@ def test_bench_coordinator_merges_every_contribution_once_and_writes_its_figures
         assert r["contribution_bytes"] > 0
         for figure in ("raw_get_mb_s", "coordinator_mb_s", "contributions_per_s", "versions_per_s", "ratio"):
             assert r[figure] > 0, figure
-        for phase in ("get", "verify", "merge", "outer", "encode", "put", "manifest", "commit"):
+        for phase in ("get", "verify", "merge", "tensors", "outer", "encode", "put", "manifest", "commit"):
             assert r["phases_s"][phase][0] > 0, phase
     assert result["median"]["ratio"] > 0
     # The same workload drained by 1 and by 2 coordinator processes (`--shards 1,2`, the default).
@@ -42,4 +42,4 @@ def test_bench_coordinator_merges_every_contribution_once_and_writes_its_figures
         assert r["consistent"] and r["merged"] == r["merged_distinct"] == 6 and r["foreign_writes"] == 0
         assert r["contributions_per_s"] > 0 and r["ratio"] > 0
     assert set(result["by_shards"]) == {"1", "2"} and result["by_shards"]["1"]["x_one"] == 1
-    assert set(result["phases_median"]) >= {"get", "verify", "merge", "commit"}
+    assert set(result["phases_median"]) >= {"get", "verify", "merge", "tensors", "commit"}
