@@ -406,17 +406,26 @@ the shifts that bring code j to byte j, and the mask of each byte's code bits.""
 
 def _values(packed: torch.Tensor, name: str, bits: int, zero: int, qmax: int, n: int, spec: TensorSpec) -> torch.Tensor:
     """The `n` values `_pack_codes` wrote into `packed`, as whole numbers in float32 (exact); Refused
-    for a code or a pad no encoder writes. 4-bit codes: each byte's two values from a table
-    (`_pairs`), one gather; where a code is bad, the unpacking below names it."""
-    if bits == 4:
-        values = _pairs(zero, qmax).index_select(0, packed.to(torch.int32)).view(torch.float32)
-        if _all_finite(values) and not bool((values[n:] != 0).any()):
-            return values[:n]
+    for a code or a pad no encoder writes. 4-bit codes, once bounded on the bytes: each byte's two
+    values from a table (`_pairs`), one gather; where a code is bad, the unpacking below names it."""
+    if bits == 4 and _nibbles_valid(packed, zero, qmax, n):
+        return _pairs(zero, qmax).index_select(0, packed.to(torch.int32)).view(torch.float32)[:n]
     unpacked = _unpack_codes(packed, bits)
     if (unpacked[n:] != zero).any():
         raise _refused("bad_payload", spec, f"{name} pad codes other than {zero} (the codes past the last "
                                             f"element stand for 0)")
     return _checked(unpacked[:n], name, zero, qmax, spec).to(torch.float32).sub_(zero)
+
+
+def _nibbles_valid(packed: torch.Tensor, zero: int, qmax: int, n: int) -> bool:
+    """Every 4-bit code in `packed` within zero +- qmax, and the pad code (the high nibble of the
+    last byte, for an odd `n`) zero's: a bound on each nibble, on the bytes themselves."""
+    if not packed.numel():
+        return True
+    lo, hi = (torch.aminmax(nibbles) for nibbles in (packed & 0x0F, packed >> 4))
+    bounds = [int(v) for pair in (lo, hi) for v in pair]
+    return (min(bounds) >= zero - qmax and max(bounds) <= zero + qmax
+            and (n % 2 == 0 or int(packed[-1]) >> 4 == zero))
 
 
 @functools.cache
