@@ -4,9 +4,9 @@
 are counted (`influence`: each learner's claims and norms bounded by the others'), ordered
 (`policy.merge_order`), weighted (`policy.merge_weights`), merged tensor by tensor on the fetch
 threads, each piece's tensor decoded as it is read (`intake.Piece`), scaled against the usual round
-(`policy.round_step`) and stepped with the outer optimizer (`outer`); `publish` writes the version (objects, then its manifest) and commits it in
-Redis, fenced by the epoch (`publish.commit`). A step that overflows float32 refuses its largest
-piece and merges the rest without it.
+(`policy.round_step`) and stepped with the outer optimizer (`outer`); `publish` writes the version
+(objects, then its manifest) and commits it in Redis, fenced by the epoch (`publish.commit`). A
+step that overflows float32 refuses its largest piece and merges the rest without it.
 """
 
 from __future__ import annotations

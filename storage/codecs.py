@@ -827,7 +827,8 @@ def decode_opened(opened: Opened) -> dict[str, torch.Tensor]:
 def tensor_decoders(opened: Opened) -> dict[str, Callable[[], torch.Tensor]]:
     """Per tensor of an opened object, in its order, what decodes that tensor alone as
     `decode_opened` does (its checks of the values included), each time it is called."""
-    return {spec.name: functools.partial(codec.decode, seg, spec, block) for codec, seg, spec, block in _segments(opened)}
+    return {spec.name: functools.partial(codec.decode, seg, spec, block)
+            for codec, seg, spec, block in _segments(opened)}
 
 
 def checked_norm(opened: Opened) -> float:
