@@ -60,10 +60,11 @@ def merge_deltas(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float
         if set(d) != set(names):
             raise ValueError(f"delta {i} and delta 0 differ in tensors {sorted(set(d) ^ set(names))}")
     merge = _radial_of if radial_directional else _sum_of
+    weights = list(weights)
     fp32_weights = [_fp32(w) for w in weights]
 
     def one(name: str) -> Tensor:
-        return merge(lambda: _values_of(deltas, name), list(weights), fp32_weights)
+        return merge(lambda: _values_of(deltas, name), weights, fp32_weights)
 
     merged = pool.map(one, names) if pool is not None else map(one, names)
     return dict(zip(names, merged, strict=True))

@@ -166,15 +166,15 @@ class Rounds:
         s = self.state
         settings = replace(self.settings("delta"), rate_steps=rate)
         with s.timing("merge"):
-            pool = TimedPool(self.pool, s.timing, "tensors")
-            update = round_delta(self._pieces(contributions), weights, settings, pool=pool)
+            pool, pieces = TimedPool(self.pool, s.timing, "tensors"), self._pieces(contributions)
+            update = round_delta(pieces, weights, settings, pool=pool)
             if s.config.scale_rounds:
                 norm = update_norm(update)
                 step = round_step(round_size(ordered, norm), frag.recent, usual, interval)
                 settings = replace(settings, round_scale=step.scale, progress=step.progress, update_norm=norm,
                                    lookahead=ahead)
                 update = scale_update(update, step.scale)
-            fresh = fresh_part(self._pieces(contributions), weights,
+            fresh = fresh_part(pieces, weights,
                                [staleness_verdict(a.base_version, frag.head, s.round_cfg)[1] for a in ordered], settings,
                                update, pool=pool)
         with s.timing("outer"):

@@ -278,18 +278,15 @@ class Blocks(Codec):
         """From the whole-number values and the scales: per block the sum of the squared values
         (exact: float32 holds it while block * qmax^2 < 2^24, else float64), times its scale squared
         (exact in float64), summed. The same whatever the summation order, and without the products.
-        Packed 4-bit codes in blocks of whole bytes take each byte's sum of squares from a table
-        (`_pair_squares`): one gather instead of unpacking, the same sums."""
+        Packed 4-bit codes in blocks of whole bytes, once bounded (`_nibbles_valid`), take each
+        byte's sum of squares from a table (`_pair_squares`): one gather instead of unpacking, the
+        same sums."""
         n = math.prod(spec.shape)
         if self.bits == 4 and block % 2 == 0 and type(self)._scales_and_values is Blocks._scales_and_values:
-            blocks = -(-n // block)
-            scales = _checked_scales(seg[:4 * blocks].clone().view(torch.float32), self.qmax, spec)
-            codes = seg[4 * blocks:]
-            squared = _pair_squares(self.zero, self.qmax).index_select(0, codes.to(torch.int32))
-            sums = self._block_sums(squared, n, block // 2, block)
-            # A code no encoder writes squares to NaN; a pad code must be zero's (the slow path names either).
-            if _all_finite(sums) and (n % 2 == 0 or int(codes[-1]) >> 4 == self.zero):
-                return float(torch.dot(sums, scales.double().square_()))
+            scales, codes = self._scales_and_codes(seg, spec, block)
+            if _nibbles_valid(codes, self.zero, self.qmax, n):  # else the path below names the bad code
+                squared = _pair_squares(self.zero).index_select(0, codes.to(torch.int32))
+                return float(torch.dot(self._block_sums(squared, n, block // 2, block), scales.double().square_()))
         scales, values = self._scales_and_values(seg, spec, block)
         return float(torch.dot(self._block_sums(values.square_(), n, block, block), scales.double().square_()))
 
@@ -305,13 +302,17 @@ class Blocks(Codec):
             sums[-1] = squared[full * per_block:].sum(dtype=torch.float64)
         return sums
 
+    def _scales_and_codes(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checked scales (Refused for one no encoder writes) and the codes' bytes, unchecked."""
+        blocks = -(-math.prod(spec.shape) // block)
+        scales = _checked_scales(seg[:4 * blocks].clone().view(torch.float32), self.qmax, spec)  # clone: aligned
+        return scales, seg[4 * blocks:]
+
     def _scales_and_values(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The checked scales and the values as whole numbers in float32 (flat); Refused for a scale,
         a code or a pad no encoder writes."""
         n = math.prod(spec.shape)
-        blocks = -(-n // block)
-        scales = _checked_scales(seg[:4 * blocks].clone().view(torch.float32), self.qmax, spec)  # clone: aligned
-        codes = seg[4 * blocks:]
+        scales, codes = self._scales_and_codes(seg, spec, block)
         if self.bits == 8:
             return scales, _checked(codes.view(torch.int8), self.name, 0, self.qmax, spec).to(torch.float32)
         return scales, _values(codes, self.name, self.bits, self.zero, self.qmax, n, spec)
@@ -409,7 +410,7 @@ def _values(packed: torch.Tensor, name: str, bits: int, zero: int, qmax: int, n:
     for a code or a pad no encoder writes. 4-bit codes, once bounded on the bytes: each byte's two
     values from a table (`_pairs`), one gather; where a code is bad, the unpacking below names it."""
     if bits == 4 and _nibbles_valid(packed, zero, qmax, n):
-        return _pairs(zero, qmax).index_select(0, packed.to(torch.int32)).view(torch.float32)[:n]
+        return _pairs(zero).index_select(0, packed.to(torch.int32)).view(torch.float32)[:n]
     unpacked = _unpack_codes(packed, bits)
     if (unpacked[n:] != zero).any():
         raise _refused("bad_payload", spec, f"{name} pad codes other than {zero} (the codes past the last "
@@ -429,20 +430,18 @@ def _nibbles_valid(packed: torch.Tensor, zero: int, qmax: int, n: int) -> bool:
 
 
 @functools.cache
-def _pairs(zero: int, qmax: int) -> torch.Tensor:
+def _pairs(zero: int) -> torch.Tensor:
     """For each byte of packed 4-bit codes, its two values (low nibble first) as float32 whole
-    numbers, NaN for a code outside zero +- qmax: one int64 per byte, so that a gather copies both."""
+    numbers, one int64 per byte so that a gather copies both. Read only bytes `_nibbles_valid` passed."""
     codes = torch.arange(256)
     pairs = torch.stack([codes & 0x0F, codes >> 4], dim=1).to(torch.float32).sub_(zero)
-    pairs[pairs.abs() > qmax] = math.nan
     return pairs.contiguous().view(torch.int64).view(256)
 
 
 @functools.cache
-def _pair_squares(zero: int, qmax: int) -> torch.Tensor:
-    """For each byte of packed 4-bit codes, the sum of its two values squared (float32, exact), NaN
-    for a code outside zero +- qmax."""
-    return _pairs(zero, qmax).view(torch.float32).view(256, 2).square().sum(1)
+def _pair_squares(zero: int) -> torch.Tensor:
+    """For each byte of packed 4-bit codes, the sum of its two values squared (float32, exact)."""
+    return _pairs(zero).view(torch.float32).view(256, 2).square().sum(1)
 
 
 def _unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
