@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor
 
 from diloco.storage import codecs
@@ -57,6 +58,24 @@ def encode_carrying(tensors: Mapping[str, Tensor], residual: Mapping[str, Tensor
     # A carried tensor made here (a sum with the residual) is ours to turn into the next residual.
     return blob, decoded, {name: c.sub_(decoded[name]) if owned or name in residual else c - decoded[name]
                            for name, c in carried.items()}
+
+
+def encode_piece(tensors: Mapping[str, Tensor], residual: Mapping[str, Tensor], codec: str, *, compress: bool,
+                 meta: Mapping[str, str | int | float] | None = None) -> tuple[bytes, dict[str, Tensor]]:
+    """`encode_carrying`'s object and next residual, the same bits, without the decoded tensors: what
+    a learner sends. Each sum with the residual is made in memory of its own and turned into what
+    the codec lost of it in place, a chunk at a time as it is encoded (`codecs.encode_lost`): no
+    decoded copy of the fragment, one pass over it less. `tensors` and `residual` are not changed."""
+    carried = {name: _own_float32(t if (r := residual.get(name)) is None else t + r, fresh=r is not None)
+               for name, t in tensors.items()}
+    return codecs.encode_lost(carried, codec, compress=compress, meta=meta), carried
+
+
+def _own_float32(t: Tensor, *, fresh: bool) -> Tensor:
+    """`t` as a float32 contiguous CPU tensor of the caller's own (`t` itself if `fresh` and already one)."""
+    if fresh and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
+        return t
+    return t.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
 
 
 def _plus(t: Tensor, r: Tensor | None, in_place: bool) -> Tensor:

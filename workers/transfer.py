@@ -40,7 +40,7 @@ from diloco.storage.history import params_limit, read_manifest, read_params, rea
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, Layout, Manifest, ObjectMeta, RunSpec, VersionEvent
-from diloco.storage.updates import apply_update, chain_worth_it, encode_carrying, params_body
+from diloco.storage.updates import apply_update, chain_worth_it, encode_piece, params_body
 from diloco.workers.hostcopy import Snapshot
 from diloco.workers.staging import Slot, Stager
 from diloco.workers.threads import lower_this_thread
@@ -326,7 +326,7 @@ class Uploader(threading.Thread):
                 untaken = self._dropped.pop(job.fragment, {})
             job.untaken = _summed(job.untaken, untaken)  # kept across a re-encode
             carried = _summed(carried, job.untaken)
-        blob, _, residual = encode_carrying(job.delta, carried, codec, compress=compress, meta=meta)
+        blob, residual = encode_piece(job.delta, carried, codec, compress=compress, meta=meta)
         job.residual = {n: r.to(job.dtypes.get(n, r.dtype)) for n, r in residual.items()}
         return blob
 

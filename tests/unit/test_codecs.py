@@ -596,6 +596,46 @@ def test_encode_decoded_gives_encodes_object_and_decodes_tensors_bit_for_bit(cod
     assert all(torch.equal(tensors[k], before[k]) for k in tensors)
 
 
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("chunk", [8, 1 << 18])
+def test_encode_lost_turns_each_tensor_into_what_the_codec_lost_of_it(codec: str, chunk: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Error feedback's residual without a decoded copy: the bytes `encode` writes, and each tensor
+    less `encode_decoded`'s values, bit for bit, whether a blocked codec takes many small chunks
+    (odd blocks too, a chunk's codes starting mid-tensor) or a tensor at once."""
+    monkeypatch.setattr(codecs, "CHUNK_ELEMENTS", chunk)
+    tensors = {name: t.float() for name, t in _tensors(4).items()}
+    tensors["signed_zeros"] = torch.tensor([-0.0, 0.0, -1e-9, 1e-9, -0.0] * 20)
+    tensors["tiny"] = torch.randn(300) * 1e-40
+    tensors["long"] = torch.randn(5003)
+    for block in ([None] if not codecs.get(codec).max_block else [None, 7, 64]):
+        blob, decoded = codecs.encode_decoded(tensors, codec, compress=True, block_size=block)
+        lost = {name: t.clone() for name, t in tensors.items()}
+        assert codecs.encode_lost(lost, codec, compress=True, block_size=block) == blob
+        for name, t in tensors.items():
+            want = t - decoded[name]
+            assert torch.equal(lost[name].view(torch.int32), want.view(torch.int32)), (name, block)
+
+
+def test_a_blocked_codec_writes_the_same_bytes_whatever_its_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The encoder takes a tensor a chunk of whole blocks at a time: the chunk size changes nothing."""
+    tensors = {"a": torch.randn(10_001), "b": torch.randn(77, 13)}
+    for codec in ("int8", "int4", "int2", "sign8"):
+        for block in (5, 64, 256):
+            monkeypatch.setattr(codecs, "CHUNK_ELEMENTS", 1 << 18)
+            whole = codecs.encode_decoded(tensors, codec, block_size=block)
+            monkeypatch.setattr(codecs, "CHUNK_ELEMENTS", 3)
+            chunked = codecs.encode_decoded(tensors, codec, block_size=block)
+            assert chunked[0] == whole[0], (codec, block)
+            assert all(torch.equal(chunked[1][k], whole[1][k]) for k in tensors)
+
+
+def test_encode_lost_takes_only_tensors_it_may_change_in_place() -> None:
+    for bad in (torch.randn(8).half(), torch.randn(8, 2).t(), torch.randn(8, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="in place"):
+            codecs.encode_lost({"w": bad}, "int4")
+
+
 @pytest.mark.parametrize("top", [3.4028234e38, 3.0e38, 1.0e38])
 @pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 def test_encode_decoded_refuses_what_decode_would_refuse(codec: str, top: float) -> None:

@@ -136,6 +136,31 @@ def test_a_learner_carrying_what_the_codec_lost_sends_its_whole_progress(codec):
     assert error_plain > 1.5 * error
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4", "sign8", "sparse", "bf16"])
+def test_a_learners_piece_is_encode_carryings_object_and_residual(codec: str) -> None:
+    """`encode_piece`, what a learner sends: the same object and next residual as `encode_carrying`,
+    bit for bit, for float32 and bfloat16 deltas (a residual kept in the model's dtype) and for a
+    delta not contiguous in memory, and neither the delta nor the residual it was given changes."""
+    from diloco.storage.updates import encode_piece
+    gen = torch.Generator().manual_seed(3)
+    delta = {"w": torch.randn(300, 40, generator=gen), "b": torch.randn(40, 300, generator=gen).t(),
+             "h": torch.randn(1001, generator=gen).bfloat16()}
+    residual: dict[str, torch.Tensor] = {}
+    for _ in range(3):
+        before = {n: t.clone() for n, t in delta.items()}
+        kept = {n: t.clone() for n, t in residual.items()}
+        blob, _, want = encode_carrying(delta, residual, codec, compress=True, meta={"k": 1})
+        got_blob, got = encode_piece(delta, residual, codec, compress=True, meta={"k": 1})
+        assert got_blob == blob
+        for n, t in want.items():
+            assert got[n].dtype == torch.float32 and got[n].is_contiguous()
+            assert torch.equal(got[n].to(t.dtype), t), n
+        assert all(torch.equal(delta[n], before[n]) for n in delta)
+        assert all(torch.equal(residual[n], kept[n]) for n in residual)
+        residual = {n: r.to(delta[n].dtype) for n, r in got.items()}
+        delta = {n: t * 0.5 for n, t in delta.items()}
+
+
 def test_versions_of_a_run_whose_codec_drops_elements_go_down_in_int4_unless_told_otherwise() -> None:
     from diloco.coordinator.config import CoordinatorConfig
     from diloco.coordinator.policy import RoundConfig
