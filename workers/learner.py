@@ -961,6 +961,15 @@ class Learner:
         pool threads they use are not counted)."""
         return self.stats.cpu_s + (self._stager.cpu_s if self._stager is not None else 0.0)
 
+    @property
+    def transfer_cpu_phases(self) -> dict[str, float]:
+        """`transfer_cpu_s` by what the threads did (`TransferStats.cpu_phases`; "stage": the stager's
+        thread making versions ready to take)."""
+        phases = dict(self.stats.cpu_phases)
+        if self._stager is not None:
+            phases["stage"] = self._stager.cpu_s
+        return phases
+
     def _anchor_for(self, fragment: int, version: int) -> tuple[Snapshot | None, list[str]] | None:
         """The stager's thread, about to make `version` ready: the anchor of the moment to compute it
         against (None for adopt and mix, which blend the values themselves) and the fragment's names;

@@ -25,7 +25,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from dataclasses import dataclass, field
 
@@ -168,7 +169,26 @@ class TransferStats:
     """CPU seconds of the uploader's and the fetcher's own threads (encode, error feedback, hash,
     compress, PUT; GET, decompress, decode, apply, verify); torch's intra-op pool threads they use
     are not counted."""
+    cpu_phases: dict[str, float] = field(default_factory=dict)
+    """Part of `cpu_s` by what the threads did: "encode" (the delta, error feedback, the codec,
+    zstd), "put", "announce" (the object's sha256, XADD), "get" (an update's GET), "apply" (its
+    checks and decode, added to the params held), "verify" (the params' sha256), "params" (a
+    version's params read in full and checked)."""
     last_error: str = ""
+
+    @contextmanager
+    def cpu_phase(self, name: str) -> Iterator[None]:
+        """Count the calling thread's CPU time inside the block into `cpu_phases[name]`."""
+        start = time.thread_time()
+        try:
+            yield
+        finally:
+            spent = time.thread_time() - start
+            with _PHASES_LOCK:
+                self.cpu_phases[name] = self.cpu_phases.get(name, 0.0) + spent
+
+
+_PHASES_LOCK = threading.Lock()
 
 
 class Uploader(threading.Thread):
@@ -287,20 +307,26 @@ class Uploader(threading.Thread):
     def _send(self, job: UploadJob) -> None:
         t0 = time.monotonic()
         if job.blob is None:
-            job.blob = self._encode(job)
+            with self.stats.cpu_phase("encode"):
+                job.blob = self._encode(job)
         if job.key is None:
-            self._store(job)
+            with self.stats.cpu_phase("put"):
+                self._store(job)
         blob = job.blob
-        self.bus.announce(Announcement(
-            kind=job.kind, run=self.spec.run, fragment=job.fragment, learner=self.learner, seq=job.seq,
-            contribution_id=job.contribution_id, base_version=job.base_version, tokens=job.tokens, steps=job.steps,
-            step_time_s=job.step_time_s, object_key=job.key, size_bytes=len(blob), sha256=sha256_hex(blob),
-            sent_at=time.time(), deadline=job.deadline, final=job.final))
+        with self.stats.cpu_phase("announce"):
+            self._announce(job, blob)
         self.stats.uploaded += 1
         self.stats.bytes_uploaded += len(blob)
         self.stats.upload_s += time.monotonic() - t0
         if job.kind == "delta" and job.attempts == 1:
             self._lagged(time.monotonic() - job.sent_at)
+
+    def _announce(self, job: UploadJob, blob: bytes) -> None:
+        self.bus.announce(Announcement(
+            kind=job.kind, run=self.spec.run, fragment=job.fragment, learner=self.learner, seq=job.seq,
+            contribution_id=job.contribution_id, base_version=job.base_version, tokens=job.tokens, steps=job.steps,
+            step_time_s=job.step_time_s, object_key=job.key, size_bytes=len(blob), sha256=sha256_hex(blob),
+            sent_at=time.time(), deadline=job.deadline, final=job.final))
 
     def _lagged(self, lag_s: float) -> None:
         """Count a piece's lag into `send_lag_s`."""
@@ -583,7 +609,8 @@ class Fetcher(threading.Thread):
                 self.note(manifest)
                 params = None if broken else self._by_updates(fragment, manifest)
                 if params is None:
-                    params = read_params(self.store, self.layout, manifest)
+                    with self.stats.cpu_phase("params"):
+                        params = read_params(self.store, self.layout, manifest)
                     self.stats.fetched_params += 1
         except (Refused, ObjectMissing, ObjectUnreadable) as exc:
             # This version cannot be taken, and will not become takeable: skip it and keep following
@@ -673,8 +700,13 @@ class Fetcher(threading.Thread):
         those params."""
         limit, params = params_limit(self.layout, fragment), held.params
         for read in reads:
-            params = apply_update(params, read(), max_bytes=limit, expect=self.layout.shapes(fragment))
-        if sha256_hex(params_body(params, self.bus.keys, fragment, version)) != params_sha256:
+            with self.stats.cpu_phase("get"):
+                blob = read()
+            with self.stats.cpu_phase("apply"):
+                params = apply_update(params, blob, max_bytes=limit, expect=self.layout.shapes(fragment))
+        with self.stats.cpu_phase("verify"):
+            digest = sha256_hex(params_body(params, self.bus.keys, fragment, version))
+        if digest != params_sha256:
             raise Refused("sha256_mismatch", f"applied to version {held.version} they do not give version "
                                              f"{version}'s params bit for bit")
         self.stats.fetched_updates += len(reads)

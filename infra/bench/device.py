@@ -98,6 +98,8 @@ class Arm:
     taken: int = 0
     taken_ready: int = 0
     transfer_cpu_s: float = 0.0
+    transfer_phases: dict[str, float] = field(default_factory=dict)
+    """`transfer_cpu_s` by what the transfer threads did (`Learner.transfer_cpu_phases`)."""
     process_cpu_s: float = 0.0
     sent: int = 0
     coalesced: int = 0
@@ -145,6 +147,10 @@ class Arm:
             lines.append("slow steps (#index: ms, of which in the hook; what the Learner did meanwhile): "
                          + ", ".join(f"#{i}: {1e3 * s:.0f} ({1e3 * h:.0f}{'; ' + m if m else ''})"
                                      for i, s, h, m in slow))
+        if self.transfer_phases:
+            n = len(self.steps_s)
+            lines.append("transfer threads' CPU a step (ms): " + ", ".join(
+                f"{k} {1e3 * v / n:.1f}" for k, v in sorted(self.transfer_phases.items(), key=lambda kv: -kv[1])))
         if self.phases:
             lines.append("hook phases over the arm (total / longest ms): "
                          + ", ".join(f"{k} {1e3 * v[0]:.0f} / {1e3 * v[1]:.0f}" for k, v in sorted(self.phases.items())))
@@ -292,6 +298,7 @@ def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm: 
     hook0 = learner.sync_s if learner else 0.0
     taken0 = (learner.adopted, learner.taken_staged) if learner else (0, 0)
     cpu0, transfer0 = time.process_time(), learner.transfer_cpu_s if learner else 0.0
+    phases0 = learner.transfer_cpu_phases if learner else {}
     sent0 = (learner.stats.uploaded, learner.stats.coalesced) if learner else (0, 0)
     steps, hooks, marks = loop.timed(args.steps, learner)
     arm = Arm(name, steps, process_cpu_s=time.process_time() - cpu0, hook_steps_s=hooks, settle_steps=settle,
@@ -300,6 +307,7 @@ def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm: 
         arm.hook_s = learner.sync_s - hook0
         arm.taken, arm.taken_ready = learner.adopted - taken0[0], learner.taken_staged - taken0[1]
         arm.transfer_cpu_s = learner.transfer_cpu_s - transfer0
+        arm.transfer_phases = {k: v - phases0.get(k, 0.0) for k, v in learner.transfer_cpu_phases.items()}
         arm.sent, arm.coalesced = learner.stats.uploaded - sent0[0], learner.stats.coalesced - sent0[1]
     if loop.device.type != "cpu":
         arm.unsynced_s = loop.unsynced(args.steps)
