@@ -167,10 +167,12 @@ class Codec:
         self.encode_into(out, x, block, spec.name)
         return self.decode(out.clone(), spec, block).reshape(-1)
 
-    def encode_lost(self, out: torch.Tensor, x: torch.Tensor, block: int, spec: TensorSpec) -> None:
-        """`encode_into`, then `x` (the caller's own) less the values `encode_values` gives, in place:
-        what the codec lost of it, the same bits as subtracting those values."""
-        x.sub_(self.encode_values(out, x, block, spec))
+    def encode_lost(self, out: torch.Tensor, x: torch.Tensor, plus: torch.Tensor | None, lost: torch.Tensor,
+                    block: int, spec: TensorSpec) -> None:
+        """`encode_into` for `x + plus` (`x` without `plus`; flat, float32 `x`), and into `lost` what
+        the codec lost of it: that sum less the values `encode_values` gives for it, the same bits."""
+        carried = x if plus is None else x + plus
+        torch.sub(carried, self.encode_values(out, carried, block, spec), out=lost)
 
     def squares(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> float:
         """The sum of the squared decoded values, in float64, with `decode`'s checks."""
@@ -241,17 +243,18 @@ class Blocks(Codec):
         self._encode(out, x, block, spec.name, values, spec)
         return values
 
-    def encode_lost(self, out: torch.Tensor, x: torch.Tensor, block: int, spec: TensorSpec) -> None:
-        self._encode(out, x, block, spec.name, x, spec, lost=True)
+    def encode_lost(self, out: torch.Tensor, x: torch.Tensor, plus: torch.Tensor | None, lost: torch.Tensor,
+                    block: int, spec: TensorSpec) -> None:
+        self._encode(out, x, block, spec.name, lost, spec, plus=plus, lost=True)
 
     def _encode(self, out: torch.Tensor, x: torch.Tensor, block: int, name: str, values: torch.Tensor | None,
-                spec: TensorSpec | None = None, *, lost: bool = False) -> None:
-        """Encode `x` into `out` a chunk of whole blocks at a time (`_chunk_rows`: each pass of the
-        arithmetic then reads memory the previous one left in the cache), and with `values` write
-        there the values decode gives: whole-number values (as +0.0 where they round to -0.0, as
-        codes do) times their block's scale, decode's float32 multiply on the same operands; or,
-        `lost`, subtract them from `values` (`x` itself) once the chunk is encoded. Each element's
-        arithmetic is the same whatever the chunks: the same bytes."""
+                spec: TensorSpec | None = None, *, plus: torch.Tensor | None = None, lost: bool = False) -> None:
+        """Encode `x` (plus `plus`, if given) into `out` a chunk of whole blocks at a time
+        (`_chunk_rows`: each pass of the arithmetic then reads memory the previous one left in the
+        cache), and with `values` write there the values decode gives: whole-number values (as +0.0
+        where they round to -0.0, as codes do) times their block's scale, decode's float32 multiply
+        on the same operands; or, `lost`, the chunk less them. Each element's arithmetic is the same
+        whatever the chunks: the same bytes."""
         n, per_byte = x.numel(), 8 // self.bits
         blocks = -(-n // block)
         scales_out, codes_out = out[:4 * blocks], out[4 * blocks:]
@@ -259,13 +262,14 @@ class Blocks(Codec):
         for b0 in range(0, blocks, rows):
             b1 = min(blocks, b0 + rows)
             e0, e1 = b0 * block, min(n, b1 * block)
-            grid, scales = self._quantized(x[e0:e1], block, name)
+            chunk = x[e0:e1] if plus is None else x[e0:e1] + plus[e0:e1]
+            grid, scales = self._quantized(chunk, block, name)
             flat = grid.view(-1)[:e1 - e0]
             if values is not None:
                 assert spec is not None
                 _checked_scales(scales, self.qmax, spec)  # as decode refuses them: a scale whose product overflows
                 decoded = (grid + 0.0).mul_(scales.unsqueeze(1)).view(-1)[:e1 - e0]
-                values[e0:e1].sub_(decoded) if lost else values[e0:e1].copy_(decoded)
+                torch.sub(chunk, decoded, out=values[e0:e1]) if lost else values[e0:e1].copy_(decoded)
             scales_out[4 * b0:4 * b1].copy_(scales.view(torch.uint8))
             if self.bits == 8:
                 codes_out[e0:e1].view(torch.int8).copy_(flat)
@@ -706,24 +710,31 @@ def encode_decoded(tensors: Mapping[str, torch.Tensor], codec: str, *, compress:
     return blob, decoded
 
 
-def encode_lost(tensors: Mapping[str, torch.Tensor], codec: str, *, compress: bool = False,
-                meta: Mapping[str, str | int | float] | None = None, block_size: int | None = None) -> bytes:
-    """`encode`'s object, each tensor then turned, in place, into what the codec lost of it: its
-    values less those `encode_decoded` gives, the same bits, without a decoded copy of the tensors
-    (a blocked codec subtracts each chunk's values as it encodes it). Error feedback's next
-    residual. The tensors are the caller's scratch: float32, on the CPU, contiguous (ValueError
-    otherwise). A refused tensor (`non_finite`) may be left changed in part."""
+def encode_lost(tensors: Mapping[str, torch.Tensor], codec: str, *, plus: Mapping[str, torch.Tensor] | None = None,
+                compress: bool = False, meta: Mapping[str, str | int | float] | None = None,
+                block_size: int | None = None) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """Error feedback's encoder: the object `encode` writes for each float32 tensor plus its
+    `plus` (the residual carried; none: the tensor alone), and what the codec lost of each sum (the
+    next residual): the sum less the values `encode_decoded` gives for it, the same bits, in float32
+    tensors of their own. The sums and the decoded values are never made whole: a blocked codec
+    adds, encodes and subtracts a chunk at a time. Neither input changes. ValueError for a tensor
+    that is not float32 (its sum with `plus` would round in its own dtype first: make it, then
+    encode it) or a `plus` of another shape."""
+    plus = plus or {}
     for name, t in tensors.items():
-        if not (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
-                and t.is_contiguous()):
-            raise ValueError(f"tensor {name!r}: encode_lost changes float32 contiguous CPU tensors in place, "
-                             f"got {t!r:.80}")
-    return _encode(tensors, codec, compress, meta, block_size, values="lost")[0]
+        p = plus.get(name)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or (p is not None and p.shape != t.shape):
+            raise ValueError(f"tensor {name!r}: encode_lost takes float32 tensors, each with a residual of its "
+                             f"shape, got {t!r:.80}")
+    blob, lost = _encode(tensors, codec, compress, meta, block_size, values="lost", plus=plus)
+    assert lost is not None
+    return blob, lost
 
 
 def _encode(tensors: Mapping[str, torch.Tensor], codec: str, compress: bool,
             meta: Mapping[str, str | int | float] | None, block_size: int | None, *,
-            values: Literal["none", "decoded", "lost"]) -> tuple[bytes, dict[str, torch.Tensor] | None]:
+            values: Literal["none", "decoded", "lost"], plus: Mapping[str, torch.Tensor] | None = None
+            ) -> tuple[bytes, dict[str, torch.Tensor] | None]:
     found = get(codec)
     block = found.default_block if block_size is None or not found.max_block else block_size
     if found.max_block and not 1 <= block <= found.max_block:
@@ -732,12 +743,16 @@ def _encode(tensors: Mapping[str, torch.Tensor], codec: str, compress: bool,
     specs = _specs(tensors, codec, block)
     buf = bytearray(specs[-1].offset + specs[-1].nbytes if specs else 0)
     payload = _as_uint8(buf)
-    decoded: dict[str, torch.Tensor] | None = {} if values == "decoded" else None
+    decoded: dict[str, torch.Tensor] | None = {} if values != "none" else None
     for spec, t in zip(specs, tensors.values()):
-        x = t.detach().to(device="cpu", dtype=torch.float32).reshape(-1)  # t's own memory for "lost"
+        x = t.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
         out = payload[spec.offset:spec.offset + spec.nbytes]
         if values == "lost":
-            found.encode_lost(out, x, block, spec)
+            assert decoded is not None and plus is not None
+            p = plus.get(spec.name)
+            lost = decoded[spec.name] = torch.empty(spec.shape)
+            found.encode_lost(out, x, None if p is None else p.detach().to(device="cpu").reshape(-1), lost.view(-1),
+                              block, spec)
         elif decoded is None:
             found.encode_into(out, x, block, spec.name)
         else:

@@ -62,20 +62,21 @@ def encode_carrying(tensors: Mapping[str, Tensor], residual: Mapping[str, Tensor
 
 def encode_piece(tensors: Mapping[str, Tensor], residual: Mapping[str, Tensor], codec: str, *, compress: bool,
                  meta: Mapping[str, str | int | float] | None = None) -> tuple[bytes, dict[str, Tensor]]:
-    """`encode_carrying`'s object and next residual, the same bits, without the decoded tensors: what
-    a learner sends. Each sum with the residual is made in memory of its own and turned into what
-    the codec lost of it in place, a chunk at a time as it is encoded (`codecs.encode_lost`): no
-    decoded copy of the fragment, one pass over it less. `tensors` and `residual` are not changed."""
-    carried = {name: _own_float32(t if (r := residual.get(name)) is None else t + r, fresh=r is not None)
-               for name, t in tensors.items()}
-    return codecs.encode_lost(carried, codec, compress=compress, meta=meta), carried
-
-
-def _own_float32(t: Tensor, *, fresh: bool) -> Tensor:
-    """`t` as a float32 contiguous CPU tensor of the caller's own (`t` itself if `fresh` and already one)."""
-    if fresh and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
-        return t
-    return t.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+    """`encode_carrying`'s object and next residual (float32), the same bits, without the decoded
+    tensors: what a learner sends. Float32 tensors are summed with the residual, encoded and turned
+    into what the codec lost a chunk at a time (`codecs.encode_lost`): neither the sum nor the
+    decoded values are made whole, two passes over the fragment less. `tensors` and `residual` are
+    not changed."""
+    sums, plus = {}, {}
+    for name, t in tensors.items():
+        r = residual.get(name)
+        if r is not None and torch.result_type(t, r) != torch.float32:
+            sums[name] = (t + r).float()  # summed in their own dtype first, as encode_carrying sums them
+            continue
+        sums[name] = t.float()  # t itself when float32
+        if r is not None:
+            plus[name] = r
+    return codecs.encode_lost(sums, codec, plus=plus, compress=compress, meta=meta)
 
 
 def _plus(t: Tensor, r: Tensor | None, in_place: bool) -> Tensor:

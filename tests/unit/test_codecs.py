@@ -598,23 +598,33 @@ def test_encode_decoded_gives_encodes_object_and_decodes_tensors_bit_for_bit(cod
 
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("chunk", [8, 1 << 18])
-def test_encode_lost_turns_each_tensor_into_what_the_codec_lost_of_it(codec: str, chunk: int,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Error feedback's residual without a decoded copy: the bytes `encode` writes, and each tensor
-    less `encode_decoded`'s values, bit for bit, whether a blocked codec takes many small chunks
-    (odd blocks too, a chunk's codes starting mid-tensor) or a tensor at once."""
+def test_encode_lost_gives_what_the_codec_lost_of_each_tensor_plus_its_residual(codec: str, chunk: int,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Error feedback's encoder: for each tensor plus its residual (or alone), the bytes `encode`
+    writes for the sum and the sum less `encode_decoded`'s values, bit for bit, whether a blocked
+    codec takes many small chunks (odd blocks too, a chunk's codes starting mid-tensor) or a tensor
+    at once; the inputs do not change."""
     monkeypatch.setattr(codecs, "CHUNK_ELEMENTS", chunk)
     tensors = {name: t.float() for name, t in _tensors(4).items()}
     tensors["signed_zeros"] = torch.tensor([-0.0, 0.0, -1e-9, 1e-9, -0.0] * 20)
     tensors["tiny"] = torch.randn(300) * 1e-40
     tensors["long"] = torch.randn(5003)
+    tensors["strided"] = torch.randn(40, 30).t()
+    gen = torch.Generator().manual_seed(9)
+    plus = {name: torch.randn(t.shape, generator=gen) * 0.1 for name, t in tensors.items() if name not in ("odd", "zeros")}
+    plus["long"] = plus["long"].bfloat16()  # a residual kept in a model's dtype
+    before = {name: t.clone() for name, t in (tensors | {f"plus {k}": v for k, v in plus.items()}).items()}
+    sums = {name: t + plus[name] if name in plus else t for name, t in tensors.items()}
     for block in ([None] if not codecs.get(codec).max_block else [None, 7, 64]):
-        blob, decoded = codecs.encode_decoded(tensors, codec, compress=True, block_size=block)
-        lost = {name: t.clone() for name, t in tensors.items()}
-        assert codecs.encode_lost(lost, codec, compress=True, block_size=block) == blob
-        for name, t in tensors.items():
-            want = t - decoded[name]
+        blob, decoded = codecs.encode_decoded(sums, codec, compress=True, block_size=block)
+        got_blob, lost = codecs.encode_lost(tensors, codec, plus=plus, compress=True, block_size=block)
+        assert got_blob == blob
+        for name, s in sums.items():
+            want = s - decoded[name]
+            assert lost[name].dtype == torch.float32 and lost[name].shape == s.shape
             assert torch.equal(lost[name].view(torch.int32), want.view(torch.int32)), (name, block)
+    after = tensors | {f"plus {k}": v for k, v in plus.items()}
+    assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
 def test_a_blocked_codec_writes_the_same_bytes_whatever_its_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -630,10 +640,11 @@ def test_a_blocked_codec_writes_the_same_bytes_whatever_its_chunks(monkeypatch: 
             assert all(torch.equal(chunked[1][k], whole[1][k]) for k in tensors)
 
 
-def test_encode_lost_takes_only_tensors_it_may_change_in_place() -> None:
-    for bad in (torch.randn(8).half(), torch.randn(8, 2).t(), torch.randn(8, dtype=torch.float64)):
-        with pytest.raises(ValueError, match="in place"):
-            codecs.encode_lost({"w": bad}, "int4")
+def test_encode_lost_takes_float32_tensors_and_residuals_of_their_shape() -> None:
+    for bad, plus in ((torch.randn(8).half(), None), (torch.randn(8, dtype=torch.float64), None),
+                      (torch.randn(8), torch.randn(9))):
+        with pytest.raises(ValueError, match="float32 tensors"):
+            codecs.encode_lost({"w": bad}, "int4", plus={} if plus is None else {"w": plus})
 
 
 @pytest.mark.parametrize("top", [3.4028234e38, 3.0e38, 1.0e38])
