@@ -65,6 +65,7 @@ def test_a_small_run_on_the_cpu_times_both_arms_in_the_steady_state_and_every_ta
     # Timed once every fragment had been taken (the steady state); at H = 4 a fragment is sent every
     # 4 steps, before its round commits: the versions taken were made ready again after those sends.
     assert learner["sent"] >= 2 and learner["settle_steps"] >= 1
+    assert learner["transfer_phases"]["encode"] > 0 and "transfer threads' CPU a step (ms): " in done.stdout + done.stderr
     # A take still waited for after takes.STAGE_WAIT_STEPS is computed by the hook (at H = 4 the next send
     # may come first); the deterministic same-step test holds every take there to the stager's value.
     assert learner["taken"] >= 2 and 2 * learner["taken_ready"] >= learner["taken"]

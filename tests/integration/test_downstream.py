@@ -112,11 +112,15 @@ def test_a_damaged_update_costs_a_download_of_the_params(endpoints, run_id):
         fetched, stats = fetch_from(head - 1)
         assert fetched.version == head and (stats.fetched_updates, stats.fetched_params) == (1, 0)
         assert all(torch.equal(fetched.params[n], committed[n]) for n in committed)
+        # Its CPU by phase: the update's GET, its decode added to the params held, their sha256.
+        assert {"get", "apply", "verify"} <= set(stats.cpu_phases) and "params" not in stats.cpu_phases
+        assert 0 < sum(stats.cpu_phases.values()) <= stats.cpu_s + 1e-3
 
         m = read_manifest(store, keys, 0, head)
         store.put(m.update_key, b"damaged in the bucket", create_only=False)
         fetched, stats = fetch_from(head - 1)
         assert fetched.version == head and (stats.update_failed, stats.fetched_params, stats.fetch_failed) == (1, 1, 0)
+        assert stats.cpu_phases["params"] > 0
         assert all(torch.equal(fetched.params[n], committed[n]) for n in committed)
 
         # Replay names it: the object learners take instead of the params no longer lands on them.

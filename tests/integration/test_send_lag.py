@@ -26,6 +26,8 @@ def test_a_pieces_lag_runs_from_the_newest_send_it_carries_to_its_announcement(r
     assert u.flush(30) and u.stats.upload_failed == 0, u.stats.last_error
     alone = u.stats.send_lag_s
     assert 0.0 < alone <= time.monotonic() - t0
+    # The uploader's CPU by phase (TransferStats.cpu_phases): encoding, the PUT, the announcement.
+    assert set(u.stats.cpu_phases) == {"encode", "put", "announce"} and u.stats.cpu_phases["encode"] > 0
 
     # A send coalesced into a job still queued: the job's lag counts from the newest send it carries.
     older, newer = _job(rig, 1), _job(rig, 1)
