@@ -743,24 +743,23 @@ def _encode(tensors: Mapping[str, torch.Tensor], codec: str, compress: bool,
     specs = _specs(tensors, codec, block)
     buf = bytearray(specs[-1].offset + specs[-1].nbytes if specs else 0)
     payload = _as_uint8(buf)
-    decoded: dict[str, torch.Tensor] | None = {} if values != "none" else None
+    made: dict[str, torch.Tensor] | None = {} if values != "none" else None  # decoded values, or losses
     for spec, t in zip(specs, tensors.values()):
         x = t.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
         out = payload[spec.offset:spec.offset + spec.nbytes]
-        if values == "lost":
-            assert decoded is not None and plus is not None
-            p = plus.get(spec.name)
-            lost = decoded[spec.name] = torch.empty(spec.shape)
-            found.encode_lost(out, x, None if p is None else p.detach().to(device="cpu").reshape(-1), lost.view(-1),
-                              block, spec)
-        elif decoded is None:
+        if made is None:
             found.encode_into(out, x, block, spec.name)
+        elif values == "decoded":
+            made[spec.name] = found.encode_values(out, x, block, spec).view(spec.shape)
         else:
-            decoded[spec.name] = found.encode_values(out, x, block, spec).view(spec.shape)
+            p = (plus or {}).get(spec.name)
+            made[spec.name] = torch.empty(spec.shape)
+            found.encode_lost(out, x, None if p is None else p.detach().to(device="cpu").reshape(-1),
+                              made[spec.name].view(-1), block, spec)
     head = _framed_header(codec, "zstd" if compress else "none", len(buf), hashlib.sha256(buf).hexdigest(), block,
                           meta_map, specs)
     body = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(buf) if compress else buf
-    return b"".join((head, body)), decoded
+    return b"".join((head, body)), made
 
 
 @dataclass(frozen=True, slots=True, eq=False)

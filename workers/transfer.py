@@ -171,9 +171,9 @@ class TransferStats:
     are not counted."""
     cpu_phases: dict[str, float] = field(default_factory=dict)
     """Part of `cpu_s` by what the threads did: "encode" (the delta, error feedback, the codec,
-    zstd), "put", "announce" (the object's sha256, XADD), "get" (an update's GET), "apply" (its
-    checks and decode, added to the params held), "verify" (the params' sha256), "params" (a
-    version's params read in full and checked)."""
+    zstd), "put", "announce" (the object's sha256, XADD), "get" (an update's GET, and its object's
+    sha256 where a manifest names it), "apply" (its checks and decode, added to the params held),
+    "verify" (the params' sha256), "params" (a version's params read in full and checked)."""
     last_error: str = ""
 
     @contextmanager
