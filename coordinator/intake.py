@@ -119,12 +119,13 @@ def fetch_checked(store: ObjectStore, a: Announcement, layout: Layout, max_bytes
 
 class Piece(Mapping[str, torch.Tensor]):
     """A delta waiting in its round as its checked payload (`fetch_checked`), read as its tensors:
-    each decoded when it is read (`codecs.tensor_decoders`), with the checks it passed then, and not
-    kept. The merge reads a tensor of every piece at a time (`outer.merge_deltas`): a round holds
-    its pieces in the codec's bytes and, while merging, one decoded tensor per merging thread."""
+    each decoded when it is read (`codecs.tensor_decoders`), and not kept. Its values passed their
+    checks at arrival (`codecs.checked_norm`) and are not checked again. The merge reads a tensor of
+    every piece at a time (`outer.merge_deltas`): a round holds its pieces in the codec's bytes and,
+    while merging, one decoded tensor per merging thread."""
 
     def __init__(self, opened: codecs.Opened) -> None:
-        self._decoders = codecs.tensor_decoders(opened)
+        self._decoders = codecs.tensor_decoders(opened, checked=True)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._decoders[name]()

@@ -57,9 +57,10 @@ def state_body(state: NesterovState, keys: RunKeys, fragment: int, version: int)
     return codecs.encode_streamed(tensors, meta=meta)
 
 
-def decode_state(blob: bytes | bytearray, max_bytes: int, *, in_place: bool = False) -> NesterovState:
-    """The outer state of a `state_body` object; `in_place`: see `codecs.decode`."""
-    tensors, header = codecs.decode(blob, max_bytes=max_bytes, in_place=in_place)
+def decode_state(blob: bytes | bytearray, max_bytes: int, *, in_place: bool = False, hashed: bool = False
+                 ) -> NesterovState:
+    """The outer state of a `state_body` object; `in_place` and `hashed`: see `codecs.decode`."""
+    tensors, header = codecs.decode(blob, max_bytes=max_bytes, in_place=in_place, hashed=hashed)
     count = header.meta.get("residuals", 0)
     names = list(tensors)
     if not isinstance(count, int) or not 0 <= count <= len(names):

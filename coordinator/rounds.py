@@ -274,7 +274,7 @@ class Rounds:
         frag.params = read_params(s.store, s.layout, manifest)
         limit = 2 * s.layout.fragment_bytes(fragment) + (1 << 20)
         frag.state = decode_state(read_verified(s.store, manifest.outer_state_key, manifest.outer_state_sha256,
-                                                max_bytes=limit, buffer=True), limit, in_place=True)
+                                                max_bytes=limit, buffer=True), limit, in_place=True, hashed=True)
         if not frag.recent:
             self.load_recent(fragment, frag, manifest)
 

@@ -160,6 +160,11 @@ class Codec:
         Refused for bytes no encoder writes."""
         raise NotImplementedError
 
+    def decode_checked(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> torch.Tensor:
+        """`decode`'s values for bytes that have passed its checks already (`checked_norm`, which
+        makes them), without making them again. Here: `decode` itself."""
+        return self.decode(seg, spec, block)
+
     def encode_values(self, out: torch.Tensor, x: torch.Tensor, block: int, spec: TensorSpec) -> torch.Tensor:
         """`encode_into`, and the flat float32 values `decode` gives for what it wrote, bit for bit
         (a tensor of its own): here by decoding those bytes, without their checks' cost where a
@@ -289,8 +294,29 @@ class Blocks(Codec):
         return ratio.round_().clamp_(-qmax, qmax), scales  # whole numbers, converted exactly below
 
     def decode(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> torch.Tensor:
-        n = math.prod(spec.shape)
         scales, values = self._scales_and_values(seg, spec, block)
+        return self._scaled(values, scales, spec, block)
+
+    def decode_checked(self, seg: torch.Tensor, spec: TensorSpec, block: int) -> torch.Tensor:
+        """`decode` without its checks: on a coordinator's fetch threads a piece's tensors are
+        decoded at the merge after `checked_norm` checked them at arrival, and each check is a few
+        small torch ops, each taking the GIL again while other threads want it."""
+        if type(self)._scales_and_values is not Blocks._scales_and_values:  # checks of its own (Signs)
+            return self.decode(seg, spec, block)
+        n = math.prod(spec.shape)
+        blocks = -(-n // block)
+        scales, codes = seg[:4 * blocks].clone().view(torch.float32), seg[4 * blocks:]  # clone: aligned
+        if self.bits == 8:
+            values = codes.view(torch.int8).to(torch.float32)
+        elif self.bits == 4:
+            values = _pairs(self.zero).index_select(0, codes.to(torch.int32)).view(torch.float32)[:n]
+        else:
+            values = _unpack_codes(codes, self.bits)[:n].to(torch.float32).sub_(self.zero)
+        return self._scaled(values, scales, spec, block)
+
+    def _scaled(self, values: torch.Tensor, scales: torch.Tensor, spec: TensorSpec, block: int) -> torch.Tensor:
+        """The whole-number `values` (flat float32, ours) times their block's scale, in place."""
+        n = math.prod(spec.shape)
         # float32(value * scale): the values are whole numbers in float32 (exact), so this gives the
         # same bits as a mixed int8 x float32 multiply, on ATen's fast same-dtype kernel.
         full = n // block * block
@@ -304,15 +330,19 @@ class Blocks(Codec):
         """From the whole-number values and the scales: per block the sum of the squared values
         (exact: float32 holds it while block * qmax^2 < 2^24, else float64), times its scale squared
         (exact in float64), summed. The same whatever the summation order, and without the products.
-        Packed 4-bit codes in blocks of whole bytes, once bounded (`_nibbles_valid`), take each
-        byte's sum of squares from a table (`_pair_squares`): one gather instead of unpacking, the
-        same sums."""
+        Packed 4-bit codes in blocks of whole bytes take each byte's sum of squares from a table
+        (`_pair_squares`): one gather instead of unpacking, the same sums. A byte with a code no
+        encoder writes is NaN there, so the sum is not finite (checked scales keep it finite
+        otherwise): then, or for a pad code other than zero's, the path below names the fault. No
+        pass of its own bounds the codes: on a coordinator's fetch threads each small op counts."""
         n = math.prod(spec.shape)
         if self.bits == 4 and block % 2 == 0 and type(self)._scales_and_values is Blocks._scales_and_values:
             scales, codes = self._scales_and_codes(seg, spec, block)
-            if _nibbles_valid(codes, self.zero, self.qmax, n):  # else the path below names the bad code
-                squared = _pair_squares(self.zero).index_select(0, codes.to(torch.int32))
-                return float(torch.dot(self._block_sums(squared, n, block // 2, block), scales.double().square_()))
+            if n % 2 == 0 or not codes.numel() or int(codes[-1]) >> 4 == self.zero:
+                squared = _pair_squares(self.zero, self.qmax).index_select(0, codes.to(torch.int32))
+                total = float(torch.dot(self._block_sums(squared, n, block // 2, block), scales.double().square_()))
+                if math.isfinite(total):
+                    return total
         scales, values = self._scales_and_values(seg, spec, block)
         return float(torch.dot(self._block_sums(values.square_(), n, block, block), scales.double().square_()))
 
@@ -471,9 +501,12 @@ def _pairs(zero: int) -> torch.Tensor:
 
 
 @functools.cache
-def _pair_squares(zero: int) -> torch.Tensor:
-    """For each byte of packed 4-bit codes, the sum of its two values squared (float32, exact)."""
-    return _pairs(zero).view(torch.float32).view(256, 2).square().sum(1)
+def _pair_squares(zero: int, qmax: int) -> torch.Tensor:
+    """For each byte of packed 4-bit codes, the sum of its two values squared (float32, exact); NaN
+    for a byte with a code outside zero +- qmax."""
+    codes = torch.arange(256)
+    bad = ((codes & 0x0F) - zero).abs().gt(qmax) | ((codes >> 4) - zero).abs().gt(qmax)
+    return _pairs(zero).view(torch.float32).view(256, 2).square().sum(1).masked_fill_(bad, math.nan)
 
 
 def _unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -878,10 +911,10 @@ class Opened:
 
 
 def open_object(blob: bytes | bytearray, *, max_bytes: int, expect: Mapping[str, tuple[int, ...]] | None = None,
-                in_place: bool = False) -> Opened:
+                in_place: bool = False, hashed: bool = False) -> Opened:
     """`decode`'s checks of everything but the values: framing and header (`read_header`), the
     names and shapes against `expect` when given ("wrong_shape"), the zstd payload ("bad_payload")
-    and its sha256 ("sha256_mismatch"). `in_place`: see `decode`."""
+    and its sha256 ("sha256_mismatch"). `in_place` and `hashed`: see `decode`."""
     header, body = _parse(blob, max_bytes)
     if expect is not None:
         _check_expect(header, expect)
@@ -889,6 +922,8 @@ def open_object(blob: bytes | bytearray, *, max_bytes: int, expect: Mapping[str,
         buf: bytearray | memoryview = body  # a writable view of the caller's buffer
     else:
         buf = _decompress(header, body)
+    if hashed:
+        return Opened(header, buf)
     digest = hashlib.sha256(buf).hexdigest()
     if digest != header.payload_sha256:
         raise Refused("sha256_mismatch", f"payload sha256 is {digest}, header says {header.payload_sha256}: "
@@ -902,10 +937,12 @@ def decode_opened(opened: Opened) -> dict[str, torch.Tensor]:
     return {spec.name: codec.decode(seg, spec, block) for codec, seg, spec, block in _segments(opened)}
 
 
-def tensor_decoders(opened: Opened) -> dict[str, Callable[[], torch.Tensor]]:
+def tensor_decoders(opened: Opened, *, checked: bool = False) -> dict[str, Callable[[], torch.Tensor]]:
     """Per tensor of an opened object, in its order, what decodes that tensor alone as
-    `decode_opened` does (its checks of the values included), each time it is called."""
-    return {spec.name: functools.partial(codec.decode, seg, spec, block)
+    `decode_opened` does (its checks of the values included), each time it is called. `checked`:
+    the values have passed those checks already (`checked_norm`): not made again
+    (`Codec.decode_checked`), the same tensors."""
+    return {spec.name: functools.partial(codec.decode_checked if checked else codec.decode, seg, spec, block)
             for codec, seg, spec, block in _segments(opened)}
 
 
@@ -924,12 +961,18 @@ def _segments(opened: Opened) -> Iterator[tuple[Codec, torch.Tensor, TensorSpec,
 
 
 def decode(blob: bytes | bytearray, *, max_bytes: int, expect: Mapping[str, tuple[int, ...]] | None = None,
-           in_place: bool = False) -> tuple[dict[str, torch.Tensor], Header]:
+           in_place: bool = False, hashed: bool = False) -> tuple[dict[str, torch.Tensor], Header]:
     """Decode an object into float32 CPU tensors (contiguous, writable, not sharing `blob`).
 
     `in_place` (`blob` a bytearray the caller hands over, such as `Store.get_buffer`'s): an
     uncompressed fp32 object's tensors are views of `blob`, not of a copy of its payload: a version's
     params are held once, not twice, while read.
+
+    `hashed`: the caller has checked the whole object against a sha256 its manifest records
+    (`history.read_verified`), and that digest covers the payload: a version's params or outer
+    state, uncompressed, are hashed once, not twice. Every other check stands. A learner's piece
+    keeps both checks: its payload's sha256 was taken before compression, so it also catches what
+    went wrong on the learner between the two.
 
     `max_bytes` bounds both the blob and its decompressed payload. On top of `read_header`'s
     checks, refuses: names/shapes other than `expect` when given ("wrong_shape"); a zstd payload
@@ -938,7 +981,7 @@ def decode(blob: bytes | bytearray, *, max_bytes: int, expect: Mapping[str, tupl
     or Inf values, or scales that are NaN/Inf or whose value * qmax overflows ("non_finite");
     negative scales, int8 -128, int4 nibble 0, int2 code 3, or a pad nibble/code that is not zero's ("bad_payload").
     """
-    opened = open_object(blob, max_bytes=max_bytes, expect=expect, in_place=in_place)
+    opened = open_object(blob, max_bytes=max_bytes, expect=expect, in_place=in_place, hashed=hashed)
     return decode_opened(opened), opened.header
 
 

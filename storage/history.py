@@ -84,7 +84,8 @@ def read_params(store: Store, layout: Layout, manifest: Manifest) -> dict[str, t
     the one buffer the object was read into (fp32, uncompressed)."""
     limit = params_limit(layout, manifest.fragment)
     blob = read_verified(store, manifest.params_key, manifest.params_sha256, max_bytes=limit, buffer=True)
-    tensors, _ = codecs.decode(blob, max_bytes=limit, expect=layout.shapes(manifest.fragment), in_place=True)
+    tensors, _ = codecs.decode(blob, max_bytes=limit, expect=layout.shapes(manifest.fragment), in_place=True,
+                               hashed=True)
     return tensors
 
 

@@ -103,12 +103,15 @@ def encode_update(parent: Mapping[str, Tensor], target: Mapping[str, Tensor], re
 
 
 def apply_update(parent: Mapping[str, Tensor], blob: bytes, *, max_bytes: int,
-                 expect: Mapping[str, tuple[int, ...]]) -> dict[str, Tensor]:
+                 expect: Mapping[str, tuple[int, ...]], hashed: bool = False) -> dict[str, Tensor]:
     """The params an update object defines on top of `parent` (the version before it). The blob is
     checked like any object from the network (`codecs.decode`); raises Refused if it is not an
     update of these tensors. The decoded update becomes the params in place (decoded + parent:
-    parent + decoded's bits, without a second fragment's worth of memory)."""
-    decoded, _ = codecs.decode(blob, max_bytes=max_bytes, expect=expect)
+    parent + decoded's bits, without a second fragment's worth of memory).
+
+    `hashed`: as for `codecs.decode`, or the caller checks the params this returns against their
+    recorded sha256 (a learner's take), which no damaged payload passes."""
+    decoded, _ = codecs.decode(blob, max_bytes=max_bytes, expect=expect, hashed=hashed)
     return {name: decoded[name].add_(p) for name, p in parent.items()}
 
 

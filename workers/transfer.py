@@ -703,7 +703,8 @@ class Fetcher(threading.Thread):
             with self.stats.cpu_phase("get"):
                 blob = read()
             with self.stats.cpu_phase("apply"):
-                params = apply_update(params, blob, max_bytes=limit, expect=self.layout.shapes(fragment))
+                # The params' sha256 below checks the result bit for bit: no update payload is hashed on its own.
+                params = apply_update(params, blob, max_bytes=limit, expect=self.layout.shapes(fragment), hashed=True)
         with self.stats.cpu_phase("verify"):
             digest = sha256_hex(params_body(params, self.bus.keys, fragment, version))
         if digest != params_sha256:

@@ -114,5 +114,5 @@ def read_state(run: Run, manifest: Manifest) -> tuple[dict[str, torch.Tensor], N
     limit = params_limit(run.layout, manifest.fragment)
     params = read_params(run.store, run.layout, manifest)
     state = decode_state(read_verified(run.store, manifest.outer_state_key, manifest.outer_state_sha256,
-                                       max_bytes=limit), limit)
+                                       max_bytes=limit), limit, hashed=True)
     return params, state

@@ -289,8 +289,9 @@ class _Run:
         self.store.put(copied.params_key, params_blob)
         self.store.put(copied.outer_state_key, state_blob)
         self.store.put(self.into.manifest(fragment, version), copied.to_wire())
-        params, _ = codecs.decode(params_blob, max_bytes=limit, expect=self.history.layout.shapes(fragment))
-        return params, decode_state(state_blob, limit)
+        params, _ = codecs.decode(params_blob, max_bytes=limit, expect=self.history.layout.shapes(fragment),
+                                   hashed=True)
+        return params, decode_state(state_blob, limit, hashed=True)
 
     def rederive(self, m: Manifest, params: Mapping[str, Tensor], state: NesterovState
                  ) -> tuple[dict[str, Tensor], NesterovState, Manifest | None]:

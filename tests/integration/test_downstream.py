@@ -11,8 +11,12 @@ from __future__ import annotations
 import pytest
 
 import dataclasses
+import math
+import struct
 
+import msgpack
 import torch
+import zstandard
 
 from diloco.infra.history.replay import replay_run
 from diloco.storage.history import read_layout, read_manifest, read_params
@@ -83,6 +87,23 @@ def test_learners_take_updates_and_hold_the_committed_params_bit_for_bit(endpoin
     assert report.ok and all(c.bit_exact for c in report.checks), report.summary()
 
 
+def _one_code_changed(blob: bytes) -> bytes:
+    """An int8 or int4 object (zstd) with its first code moved by one, still a valid code, and the
+    header as it was: its payload no longer matches the header's sha256."""
+    (header_len,) = struct.unpack_from(">I", blob, 5)
+    header = msgpack.unpackb(blob[9:9 + header_len])
+    assert header["codec"] in ("int8", "int4") and header["compression"] == "zstd", header
+    payload = bytearray(zstandard.ZstdDecompressor().decompress(blob[9 + header_len:]))
+    first = header["tensors"][0]
+    at = first["offset"] + 4 * -(-math.prod(first["shape"]) // header["block_size"])  # past its scales
+    code = payload[at]
+    if header["codec"] == "int8":  # a signed byte in [-127, 127]
+        payload[at] = 0x7E if code == 0x7F else (code + 1) & 0xFF
+    else:  # the low nibble, a code in [1, 15]
+        payload[at] = (code & 0xF0) | (1 + (code & 0x0F) % 15)
+    return blob[:9 + header_len] + zstandard.ZstdCompressor().compress(bytes(payload))
+
+
 @pytest.mark.slow  # make test stays under 8 minutes: make test-slow runs it
 def test_a_damaged_update_costs_a_download_of_the_params(endpoints, run_id):
     coord, learners = trained_run(endpoints, run_id, rounds=3)
@@ -117,6 +138,14 @@ def test_a_damaged_update_costs_a_download_of_the_params(endpoints, run_id):
         assert 0 < sum(stats.cpu_phases.values()) <= stats.cpu_s + 1e-3
 
         m = read_manifest(store, keys, 0, head)
+        # A code of the update changed in its payload, the header's sha256 left: the params it gives
+        # fail their own sha256 (a take does not hash the update's payload apart), so they are read.
+        update = store.get(m.update_key, max_bytes=1 << 30)
+        store.put(m.update_key, _one_code_changed(update), create_only=False)
+        fetched, stats = fetch_from(head - 1)
+        assert fetched.version == head and (stats.update_failed, stats.fetched_params, stats.fetch_failed) == (1, 1, 0)
+        assert all(torch.equal(fetched.params[n], committed[n]) for n in committed)
+
         store.put(m.update_key, b"damaged in the bucket", create_only=False)
         fetched, stats = fetch_from(head - 1)
         assert fetched.version == head and (stats.update_failed, stats.fetched_params, stats.fetch_failed) == (1, 1, 0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import zstandard
 
-from diloco.storage.codecs import CODECS, MAGIC, decode, encode, error_bound, read_header
+from diloco.storage.codecs import CODECS, MAGIC, decode, encode, error_bound, get, read_header
 from diloco.storage import codecs
 from diloco.storage.errors import Refused
 
@@ -287,6 +287,21 @@ def test_refuses_flipped_payload_byte() -> None:
     blob = bytearray(encode({"w": torch.randn(100)}, "int8"))
     blob[-5] ^= 0x01
     _refused(bytes(blob), "sha256_mismatch")
+
+
+def test_hashed_skips_only_the_payload_sha256() -> None:
+    """A caller that checked the whole object against a recorded sha256 (`hashed`) has the payload's
+    own digest taken on trust; every other check of the values stands."""
+    values = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    blob = bytearray(encode({"w": values}))  # fp32, uncompressed: the payload is the last 16 bytes
+    blob[-4:] = struct.pack("<f", 4.0)
+    _refused(bytes(blob), "sha256_mismatch")
+    tensors, _ = decode(bytes(blob), max_bytes=LIMIT, hashed=True)
+    assert tensors["w"].tolist() == [1.0, -2.0, 3.0, 4.0]
+    blob[-4:] = struct.pack("<f", float("nan"))
+    _refused(bytes(blob), "non_finite", hashed=True)
+    _refused(bytes(blob[:-2]), "bad_framing", hashed=True)
+    _refused(encode({"w": values}), "wrong_shape", hashed=True, expect={"w": (5,)})
 
 
 def test_refuses_flipped_header_byte() -> None:
@@ -664,6 +679,23 @@ def test_encode_decoded_refuses_what_decode_would_refuse(codec: str, top: float)
     assert torch.equal(codecs.encode_decoded(huge, codec)[1]["w"], want["w"])
 
 
+@pytest.mark.parametrize("codec", sorted(CODECS))
+@pytest.mark.parametrize("block", [2, 7, 64, 256])
+def test_decode_checked_gives_decode_bits(codec: str, block: int) -> None:
+    """What a coordinator's merge decodes a piece with, once `checked_norm` passed it at arrival:
+    `decode`'s tensors bit for bit, whole blocks and a short last one, signed zeros included."""
+    g = torch.Generator().manual_seed(block)
+    tensors = {"w": torch.randn(33, 17, generator=g) * 1e-3, "b": torch.randn(5, generator=g),
+               "z": torch.tensor([0.0, -0.0, 0.0, 1e-30, -2.5])}
+    blob = encode(tensors, codec, block_size=block if get(codec).max_block else None)
+    opened = codecs.open_object(blob, max_bytes=LIMIT)
+    codecs.checked_norm(opened)
+    whole = codecs.decode_opened(opened)
+    for name, decoder in codecs.tensor_decoders(opened, checked=True).items():
+        got = decoder()
+        assert got.shape == whole[name].shape and torch.equal(got.view(torch.int32), whole[name].view(torch.int32))
+
+
 @pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "sign8"])
 def test_each_tensor_decodes_alone_as_the_whole_object_decodes_it(codec: str) -> None:
     """The coordinator reads a piece a tensor at a time (`tensor_decoders`): the same tensors, in the
@@ -674,6 +706,8 @@ def test_each_tensor_decodes_alone_as_the_whole_object_decodes_it(codec: str) ->
     whole, alone = codecs.decode_opened(opened), codecs.tensor_decoders(opened)
     assert list(alone) == list(whole) == ["b", "a"]
     assert all(torch.equal(alone[name](), whole[name]) for name in whole)
+    trusted = codecs.tensor_decoders(opened, checked=True)  # after checked_norm: the same tensors
+    assert all(torch.equal(trusted[name](), whole[name]) for name in whole)
     if codec == "int4":
         bad = codecs.open_object(_reseal(encode({"b": torch.randn(9), "a": torch.randn(8)}, codec),
                                          lambda p: p.__setitem__(-1, 0x00)), max_bytes=LIMIT)
