@@ -31,7 +31,7 @@ from diloco.storage import codecs
 from diloco.storage.bus import Bus, CommitResult
 from diloco.storage.crashpoints import crash_point
 from diloco.storage.errors import Conflict, Refused
-from diloco.storage.history import latest_version, read_manifest, read_run_end, sha256_hex
+from diloco.storage.history import blake3_hex, latest_version, read_manifest, read_run_end, sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import Body, ObjectStore, Store
 from diloco.storage.protocol import Contribution, Manifest, Refusal, VersionEvent, VersionSettings
@@ -115,6 +115,7 @@ def write_version(store: Store, keys: RunKeys, *, fragment: int, version: int,
         params_blob = params_body(params, keys, fragment, version)
         state_blob = state_body(state, keys, fragment, version)
         params_sha256, state_sha256 = sha256_hex(params_blob), sha256_hex(state_blob)
+        params_blake3 = blake3_hex(params_blob)
         update_sha256 = sha256_hex(update) if update is not None else ""
     params_key, state_key = keys.params(fragment, version, epoch), keys.outer_state(fragment, version, epoch)
     objects = [(params_key, params_blob), (state_key, state_blob)] + ([(update_key, update)] if update else [])
@@ -129,7 +130,7 @@ def write_version(store: Store, keys: RunKeys, *, fragment: int, version: int,
                         outer_state_sha256=state_sha256, inputs=inputs, settings=settings,
                         refused=refused, committed_at=time.time(), epoch=epoch, update_key=update_key,
                         update_sha256=update_sha256, update_bytes=len(update or b""),
-                        params_bytes=len(params_blob), merged_tokens=merged_tokens)
+                        params_bytes=len(params_blob), merged_tokens=merged_tokens, params_blake3=params_blake3)
     with timed("manifest"):
         store.put(keys.manifest(fragment, version), manifest.to_wire(), create_only=True)
     crash_point("manifest_written")
@@ -153,7 +154,7 @@ def event_of(manifest: Manifest, keys: RunKeys) -> VersionEvent:
                         params_key=manifest.params_key, params_sha256=manifest.params_sha256,
                         manifest_key=keys.manifest(manifest.fragment, manifest.version),
                         contributions=tuple(c.contribution_id for c in manifest.inputs),
-                        committed_at=manifest.committed_at)
+                        committed_at=manifest.committed_at, params_blake3=manifest.params_blake3)
 
 
 def commit(bus: Bus, manifest: Manifest, *, epoch: int, ack_ids: list[str], keep_applied: int, rebuild: bool = False,

@@ -605,6 +605,10 @@ class Manifest(Record):
     """The tokens merged into the fragment since version 0, this version's inputs included (counted
     as they weighed): what `--token-budget` measures. Counted from 0 again after manifests made
     before it was recorded."""
+    params_blake3: str = ""
+    """BLAKE3 of the params object, the bytes params_sha256 covers: what a learner checks the params
+    it makes from update objects against, bit for bit, at about three times sha256's speed on one
+    core. Empty in manifests made before it was recorded (then params_sha256 is checked)."""
 
     @classmethod
     def _upgrade(cls, body: dict[str, Any], schema: int) -> dict[str, Any]:
@@ -617,6 +621,8 @@ class Manifest(Record):
         _require(bool(self.update_key) == bool(self.update_sha256) and self.update_bytes >= 0
                  and self.params_bytes >= 0 and self.merged_tokens >= 0,
                  "update_key and update_sha256 go together, sizes and merged tokens >= 0")
+        _require(self.params_blake3 == "" or bool(re.fullmatch(r"[0-9a-f]{64}", self.params_blake3)),
+                 "params_blake3 must be empty or 64 hex chars")
         _require(self.version >= 0 and self.parent_version == self.version - 1,
                  f"version {self.version} must follow parent {self.parent_version}")
 
@@ -682,6 +688,8 @@ class VersionEvent(Record):
     contributions: tuple[str, ...] = field(default=())
     """contribution_ids merged into this version."""
     committed_at: float = 0.0
+    params_blake3: str = ""
+    """`Manifest.params_blake3` (empty: none recorded)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ import redis
 from diloco.storage import codecs
 from diloco.storage.bus import Bus
 from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
-from diloco.storage.history import params_limit, read_manifest, read_params, read_verified, sha256_hex
+from diloco.storage.history import blake3_hex, params_limit, read_manifest, read_params, read_verified, sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, Layout, Manifest, ObjectMeta, RunSpec, VersionEvent
@@ -664,7 +664,7 @@ class Fetcher(threading.Thread):
         """The params of `version` from the version held and the update objects in between, found by
         the versions stream's events alone (each update lies beside its version's params, written by
         the same coordinator): no manifest is read, and the params are checked bit for bit against
-        the sha256 the newest event names (`_chained`). On a thin link a manifest is a fifth of a
+        the digest the newest event names (`_chained`). On a thin link a manifest is a fifth of a
         version's bytes and a round trip more. (None, False) when the manifest path decides: no
         manifest read yet has shown this run's updates and their size, an event is missing, an update
         object is missing, or the chain would be as many bytes as the params. (None, True) when an
@@ -683,7 +683,7 @@ class Fetcher(threading.Thread):
             return None, False
         try:
             return self._chained(fragment, held, [partial(self.store.get, k, max_bytes=limit) for k in update_keys],
-                                 version, events[-1].params_sha256), False
+                                 events[-1]), False
         except ObjectMissing:
             return None, False
         except (Refused, ObjectUnreadable) as exc:
@@ -692,22 +692,25 @@ class Fetcher(threading.Thread):
                         "params", fragment, held.version, version, _why(exc))
             return None, True
 
-    def _chained(self, fragment: int, held: Fetched, reads: list[Callable[[], bytes]], version: int,
-                 params_sha256: str) -> dict[str, torch.Tensor]:
+    def _chained(self, fragment: int, held: Fetched, reads: list[Callable[[], bytes]],
+                 recorded: Manifest | VersionEvent) -> dict[str, torch.Tensor]:
         """`held`'s params with the update objects `reads` return applied in order (`storage.updates`),
-        checked bit for bit against `params_sha256`: the params of `version`. Raises what a read
-        raises, Refused for an update that is not one of these tensors or a result that is not
-        those params."""
+        checked bit for bit against the digest `recorded` (the manifest or event of the version they
+        lead to) gives of its params: BLAKE3 where recorded, else sha256. Raises what a read raises,
+        Refused for an update that is not one of these tensors or a result that is not those params."""
+        version = recorded.version
         limit, params = params_limit(self.layout, fragment), held.params
         for read in reads:
             with self.stats.cpu_phase("get"):
                 blob = read()
             with self.stats.cpu_phase("apply"):
-                # The params' sha256 below checks the result bit for bit: no update payload is hashed on its own.
+                # The params' digest below checks the result bit for bit: no update payload is hashed on its own.
                 params = apply_update(params, blob, max_bytes=limit, expect=self.layout.shapes(fragment), hashed=True)
         with self.stats.cpu_phase("verify"):
-            digest = sha256_hex(params_body(params, self.bus.keys, fragment, version))
-        if digest != params_sha256:
+            body = params_body(params, self.bus.keys, fragment, version)
+            ok = (blake3_hex(body) == recorded.params_blake3 if recorded.params_blake3
+                  else sha256_hex(body) == recorded.params_sha256)
+        if not ok:
             raise Refused("sha256_mismatch", f"applied to version {held.version} they do not give version "
                                              f"{version}'s params bit for bit")
         self.stats.fetched_updates += len(reads)
@@ -743,7 +746,7 @@ class Fetcher(threading.Thread):
         limit = params_limit(self.layout, fragment)
         reads = [partial(read_verified, self.store, m.update_key, m.update_sha256, max_bytes=limit) for m in chain]
         try:
-            return self._chained(fragment, held, reads, manifest.version, manifest.params_sha256)
+            return self._chained(fragment, held, reads, manifest)
         except (Refused, ObjectMissing, ObjectUnreadable) as exc:
             self.stats.update_failed += 1
             log.warning("fragment %d: the updates from version %d to %d cannot be taken (%s): downloading the "

@@ -24,7 +24,7 @@ from diloco.coordinator.outer import NesterovState
 from diloco.coordinator.rederive import Problem, rederive
 from diloco.infra.history.rounds import Run, check_fragment, open_run, read_state, versions
 from diloco.storage.errors import Refused
-from diloco.storage.history import Floor, params_limit, read_input, read_manifest, read_verified
+from diloco.storage.history import Floor, blake3_hex, params_limit, read_input, read_manifest, read_verified
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, Store
 from diloco.storage.protocol import Manifest
@@ -194,7 +194,10 @@ class _Fragment:
         for code, key, sha in (("stored_params", m.params_key, m.params_sha256),
                                ("stored_outer_state", m.outer_state_key, m.outer_state_sha256)):
             try:
-                read_verified(self.run.store, key, sha, max_bytes=self.limit)
+                blob = read_verified(self.run.store, key, sha, max_bytes=self.limit)
+                if code == "stored_params" and m.params_blake3 and blake3_hex(blob) != m.params_blake3:
+                    problems.append(Problem(code, f"{key}: BLAKE3 does not match the recorded {m.params_blake3[:12]}... "
+                                                  "(learners check the params they make from updates against it)"))
             except ObjectMissing:
                 problems.append(Problem(code, f"{key} is missing from the bucket"))
             except Refused as exc:

@@ -137,7 +137,18 @@ def test_a_damaged_update_costs_a_download_of_the_params(endpoints, run_id):
         assert {"get", "apply", "verify"} <= set(stats.cpu_phases) and "params" not in stats.cpu_phases
         assert 0 < sum(stats.cpu_phases.values()) <= stats.cpu_s + 1e-3
 
+        # The params a take makes are checked against the manifest's BLAKE3; in a manifest from
+        # before BLAKE3 was recorded, against its sha256.
         m = read_manifest(store, keys, 0, head)
+        assert len(m.params_blake3) == 64
+        for recorded, taken in (("", True), ("0" * 64, False)):
+            store.put(keys.manifest(0, head), dataclasses.replace(m, params_blake3=recorded).to_wire(),
+                      create_only=False)
+            fetched, stats = fetch_from(head - 1)
+            assert fetched.version == head and (stats.fetched_updates, stats.update_failed) == \
+                ((1, 0) if taken else (0, 1))
+        store.put(keys.manifest(0, head), m.to_wire(), create_only=False)
+
         # A code of the update changed in its payload, the header's sha256 left: the params it gives
         # fail their own sha256 (a take does not hash the update's payload apart), so they are read.
         update = store.get(m.update_key, max_bytes=1 << 30)
