@@ -708,8 +708,8 @@ class Fetcher(threading.Thread):
                 params = apply_update(params, blob, max_bytes=limit, expect=self.layout.shapes(fragment), hashed=True)
         with self.stats.cpu_phase("verify"):
             body = params_body(params, self.bus.keys, fragment, version)
-            ok = (blake3_hex(body) == recorded.params_blake3 if recorded.params_blake3
-                  else sha256_hex(body) == recorded.params_sha256)
+            digest = blake3_hex(body) if recorded.params_blake3 else ""  # "": none recorded, or no blake3 here
+            ok = digest == recorded.params_blake3 if digest else sha256_hex(body) == recorded.params_sha256
         if not ok:
             raise Refused("sha256_mismatch", f"applied to version {held.version} they do not give version "
                                              f"{version}'s params bit for bit")

@@ -195,7 +195,7 @@ class _Fragment:
                                ("stored_outer_state", m.outer_state_key, m.outer_state_sha256)):
             try:
                 blob = read_verified(self.run.store, key, sha, max_bytes=self.limit)
-                if code == "stored_params" and m.params_blake3 and blake3_hex(blob) != m.params_blake3:
+                if code == "stored_params" and m.params_blake3 and blake3_hex(blob) not in ("", m.params_blake3):
                     problems.append(Problem(code, f"{key}: BLAKE3 does not match the recorded {m.params_blake3[:12]}... "
                                                   "(learners check the params they make from updates against it)"))
             except ObjectMissing:

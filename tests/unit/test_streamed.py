@@ -162,3 +162,18 @@ def test_views_of_bytes_and_of_a_body():
     assert [bytes(v) for v in views_of(b"abc")] == [b"abc"]
     streamed = codecs.encode_streamed({"w": torch.ones(2)})
     assert views_of(streamed) == streamed.views
+
+
+def test_blake3_of_the_views_is_blake3_of_the_joined_bytes(monkeypatch):
+    """`Manifest.params_blake3` is taken over the views of a streamed params object, and a learner's
+    take over its own; where the blake3 package is missing none is recorded ("")."""
+    import blake3
+
+    from diloco.storage import history
+
+    body = codecs.encode_streamed({"w": torch.randn(300, 7), "b": torch.randn(11)})
+    joined = b"".join(bytes(v) for v in views_of(body))
+    assert history.blake3_hex(body) == history.blake3_hex(joined) == blake3.blake3(joined).hexdigest()
+    assert sha256_hex(body) == hashlib.sha256(joined).hexdigest()
+    monkeypatch.setattr(history, "blake3", None)
+    assert history.blake3_hex(body) == ""
