@@ -19,7 +19,7 @@ from diloco.storage.errors import Refused
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import Body, ObjectMissing, Store, views_of
 from diloco.storage.protocol import (MAX_MESSAGE_BYTES, MAX_RECORD_BYTES, Collection, Contribution, Layout, Manifest,
-                                     RunEnd, RunSpec)
+                                     RunEnd, RunSpec, VersionEvent)
 
 try:
     import blake3
@@ -39,6 +39,13 @@ def blake3_hex(data: bytes | Body) -> str:
     if blake3 is None:
         return ""
     return _hex(blake3.blake3(max_threads=1), data)
+
+
+def params_match(body: bytes | Body, recorded: Manifest | VersionEvent) -> bool:
+    """Whether a params object's bytes are the ones `recorded` (a version's manifest or event)
+    names: by their BLAKE3 where one is recorded and blake3 is installed, else by their sha256."""
+    digest = blake3_hex(body) if recorded.params_blake3 else ""
+    return digest == recorded.params_blake3 if digest else sha256_hex(body) == recorded.params_sha256
 
 
 def _hex(digest: Any, data: bytes | Body) -> str:

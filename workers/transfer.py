@@ -37,7 +37,7 @@ import redis
 from diloco.storage import codecs
 from diloco.storage.bus import Bus
 from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
-from diloco.storage.history import blake3_hex, params_limit, read_manifest, read_params, read_verified, sha256_hex
+from diloco.storage.history import params_limit, params_match, read_manifest, read_params, read_verified, sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, Layout, Manifest, ObjectMeta, RunSpec, VersionEvent
@@ -173,7 +173,8 @@ class TransferStats:
     """Part of `cpu_s` by what the threads did: "encode" (the delta, error feedback, the codec,
     zstd), "put", "announce" (the object's sha256, XADD), "get" (an update's GET, and its object's
     sha256 where a manifest names it), "apply" (its checks and decode, added to the params held),
-    "verify" (the params' sha256), "params" (a version's params read in full and checked)."""
+    "verify" (the params' digest, `history.params_match`), "params" (a version's params read in
+    full and checked)."""
     last_error: str = ""
 
     @contextmanager
@@ -649,7 +650,7 @@ class Fetcher(threading.Thread):
             genesis = None
         if genesis is None:  # a history without its version 0 (pruned, or unreadable): download
             return None
-        if sha256_hex(params_body(own, keys, fragment, 0)) != genesis.params_sha256:
+        if not params_match(params_body(own, keys, fragment, 0), genesis):
             return None
         if manifest.version == 0:
             self.stats.joined_own += 1
@@ -707,9 +708,7 @@ class Fetcher(threading.Thread):
                 # The params' digest below checks the result bit for bit: no update payload is hashed on its own.
                 params = apply_update(params, blob, max_bytes=limit, expect=self.layout.shapes(fragment), hashed=True)
         with self.stats.cpu_phase("verify"):
-            body = params_body(params, self.bus.keys, fragment, version)
-            digest = blake3_hex(body) if recorded.params_blake3 else ""  # "": none recorded, or no blake3 here
-            ok = digest == recorded.params_blake3 if digest else sha256_hex(body) == recorded.params_sha256
+            ok = params_match(params_body(params, self.bus.keys, fragment, version), recorded)
         if not ok:
             raise Refused("sha256_mismatch", f"applied to version {held.version} they do not give version "
                                              f"{version}'s params bit for bit")
