@@ -78,7 +78,8 @@ class Rounds:
                            sync_time_s=self.sync_time_s, period_s=s.cadence.period_s if s.cadence else 0.0,
                            merged_deadline=frag.merged_deadline, finished=s.view.finished,
                            finish_asked=s.view.finish_asked is not None)
-        decision = decide_round(s.now(), state, s.round_cfg)
+        now = s.now()
+        decision = decide_round(now, state, s.round_cfg)
         frag.wake_at = decision.wake_at
         if decision.reason != frag.last_reason:
             log.debug("fragment %d: %s", fragment, decision.reason)
@@ -91,7 +92,7 @@ class Rounds:
             f"the fragment's size, at most {MAX_ROUND_PIECES}); the earliest {cap} merge, the rest wait")
         timing = last_in(sorted(arrivals, key=lambda a: a.arrived_at)[:cap])  # the pieces this merge takes
         log.info("fragment %d v%d: %s%s", fragment, frag.head + 1, reason, f" ({timing})" if timing else "")
-        s.metrics.round_closed(state, s.round_cfg, s.now())
+        s.metrics.round_closed(state, s.round_cfg, now)
         with s.timing("load"):
             self._ensure_loaded(fragment, frag)
         crash_point("fetched")
@@ -131,7 +132,7 @@ class Rounds:
                 # params, momentum and residual are three fragments' worth of memory less.
                 frag.params = frag.state = None
                 self.publish(fragment, frag, contributions, weights, params, state, settings, ordered, notes,
-                             update=blob, clips={g: c for g, (c, _) in clips.items()}, usual=usual)
+                             update=blob, clips={g: c for g, (c, _) in clips.items()}, usual=usual, closed_at=now)
                 return
             self._refuse_overflow(fragment, frag, contributions)
 
@@ -304,11 +305,13 @@ class Rounds:
     def publish(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
                 params: dict[str, torch.Tensor], state: NesterovState, settings: VersionSettings, counted: list[Arrival],
                 notes: dict[str, str] | None = None, update: bytes | None = None,
-                clips: dict[str, float] | None = None, usual: dict[str, int] | None = None) -> None:
+                clips: dict[str, float] | None = None, usual: dict[str, int] | None = None,
+                closed_at: float | None = None) -> None:
         """Write and commit the next version of `fragment` from `contributions` (in merge order, each
         with its weight and its `counted` arrival: the tokens and steps it weighed by, and its norm;
         `clips`: what each learner's pieces were scaled by; `usual`: each learner's usual piece, when
-        the weights were raised to the fleet's rate)."""
+        the weights were raised to the fleet's rate; `closed_at`: when the round was decided, on the
+        arrivals' clock: each input records how long it waited for that)."""
         s = self.state
         t0 = time.monotonic()
         version = frag.head + 1
@@ -321,7 +324,8 @@ class Rounds:
                   if c.announcement.kind == "delta" else 0,
                   tokens=n.tokens, steps=n.steps, weight=w, stream_id=c.entry_id,
                   bounded=notes.get(c.announcement.contribution_id, ""), norm=n.norm,
-                  clip=clips.get(n.learner, 1.0), usual=(usual or {}).get(n.learner, 0) if settings.rate_steps else 0)
+                  clip=clips.get(n.learner, 1.0), usual=(usual or {}).get(n.learner, 0) if settings.rate_steps else 0,
+                  waited_s=round(max(0.0, closed_at - n.arrived_at), 3) if closed_at is not None else 0.0)
             for c, w, n in zip(contributions, weights, counted, strict=True))
         refused = listed_refusals([*frag.refused, *s.unplaced], s.config.max_refusals_listed)
         merged_tokens = s.merged_tokens(fragment) + sum(c.tokens for c in inputs)

@@ -44,6 +44,8 @@ class InputRow:
     """Cosine to the version's merged update (None if unreadable, or a zero vector)."""
     usual: int = 0
     """Its learner's usual piece, when the weights are at the fleet's rate (`Contribution.usual`)."""
+    waited_s: float = 0.0
+    """Seconds it waited in its round for the round to close (`Contribution.waited_s`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +90,10 @@ class VersionView:
         if self.problem:
             lines.append(f"  cannot measure the deltas: {self.problem}")
         lines.append(table(
-            ("learner", "seq", "tokens", "steps", "usual", "weight", "staleness", "base", "delta norm", "cos merged"),
+            ("learner", "seq", "tokens", "steps", "usual", "weight", "staleness", "base", "waited s", "delta norm",
+             "cos merged"),
             [(r.learner, r.seq, r.tokens, r.steps, r.usual or "-", num(r.weight), r.staleness, r.base_version,
-              num(r.norm), num(r.cos_merged, "+.4f")) for r in self.inputs]))
+              f"{r.waited_s:.2f}", num(r.norm), num(r.cos_merged, "+.4f")) for r in self.inputs]))
         lines.append(f"refused since version {self.parent_version}: {len(self.refused) or 'none'}")
         if self.refused:
             lines.append(table(("learner", "code", "reason"), [(r.learner or "?", r.code, r.reason)
@@ -114,7 +117,7 @@ def view_round(r: Round) -> VersionView:
     if r.deltas is not None and r.deltas:
         figures, merged_norm = input_figures(r.deltas, [c.weight for c in m.inputs], m.settings)
     rows = [InputRow(c.learner, c.seq, c.contribution_id, c.tokens, c.steps, c.weight, c.staleness, c.base_version,
-                     f.norm if f else None, f.cos_merged if f else None, c.usual)
+                     f.norm if f else None, f.cos_merged if f else None, c.usual, c.waited_s)
             for c, f in zip(m.inputs, figures, strict=True)]
     return VersionView(fragment=m.fragment, version=m.version, parent_version=m.parent_version,
                        kind=m.settings.kind, committed_at=m.committed_at, epoch=m.epoch, settings=m.settings,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import tempfile
+import time
 import uuid
 
 import pytest
@@ -106,9 +107,10 @@ def test_a_versions_rows_are_its_manifests_and_its_deltas(history, capsys):
             [view] = data["versions"]
             m = read_manifest(store, keys, f, v)
             assert (view["fragment"], view["version"], view["parent_version"]) == (f, v, v - 1)
-            recorded = [(c.learner, c.seq, c.tokens, c.steps, c.weight, c.staleness, c.base_version) for c in m.inputs]
-            shown = [(r["learner"], r["seq"], r["tokens"], r["steps"], r["weight"], r["staleness"], r["base_version"])
-                     for r in view["inputs"]]
+            recorded = [(c.learner, c.seq, c.tokens, c.steps, c.weight, c.staleness, c.base_version, c.waited_s)
+                        for c in m.inputs]
+            shown = [(r["learner"], r["seq"], r["tokens"], r["steps"], r["weight"], r["staleness"], r["base_version"],
+                      r["waited_s"]) for r in view["inputs"]]
             assert shown == recorded
             deltas = [delta(store, c.object_key) for c in m.inputs]
             merged = flat(round_delta(deltas, [c.weight for c in m.inputs], m.settings))
@@ -216,3 +218,28 @@ def test_after_gc_the_manifests_still_say_who_contributed_what(history, capsys):
     assert args.handler(args) == 0
     out = capsys.readouterr().out
     assert "note: left out: fragment 0 before version" in out and "deleted by gc" in out, out
+
+
+def test_a_version_says_how_long_each_piece_waited_for_its_round_to_close(make_rig, capsys, monkeypatch):
+    """A piece that waited in its round for another learner's records how long
+    (`Contribution.waited_s`); the piece that closed the round waited for nothing. On mixed links
+    this says whose pieces hold the rounds open, and `inspect` shows it."""
+    rig = make_rig(min_quorum=2)
+    for learner in ("early", "late"):
+        rig.bus.heartbeat(learner, 600.0)  # two live learners: the round waits for both
+    head = rig.head(0)
+    _, early = rig.send_good("early")
+    rig.coord.step()
+    assert rig.head(0) == head  # held open for the other learner
+    time.sleep(0.6)
+    _, late = rig.send_good("late")
+    rig.coord.step()
+    assert rig.head(0) == head + 1
+    manifest = read_manifest(rig.store, rig.keys, 0, head + 1)
+    waited = {c.contribution_id: c.waited_s for c in manifest.inputs}
+    assert waited[early.contribution_id] >= 0.6 and waited[late.contribution_id] < 0.3, waited
+    for name, value in rig.endpoints.to_env().items():
+        monkeypatch.setenv(name, value)
+    out, data = inspect(capsys, "--run", rig.keys.run, "--fragment", "0", "--version", str(head + 1))
+    assert {r["contribution_id"]: r["waited_s"] for r in data["versions"][0]["inputs"]} == waited
+    assert "waited s" in out and f"{waited[early.contribution_id]:.2f}" in out
