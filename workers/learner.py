@@ -73,7 +73,7 @@ from diloco.workers.staging import Stager
 from diloco.workers.takes import Awaiting, refetch_after, wait_reason
 from diloco.storage.heap import reuse_freed_memory
 from diloco.storage.intraop import usable_cpus
-from diloco.workers.threads import abandon, transfer_threads
+from diloco.workers.threads import abandon, transfer_nice, transfer_threads
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
 log = logging.getLogger(__name__)
@@ -140,9 +140,12 @@ class LearnerConfig:
     torch's encoding, decoding and hashing of whole fragments. 0: a quarter of this process's CPUs
     when the model is on a GPU (the thread that launches the kernels keeps its core), torch's own
     count on the CPU (where capping them slows the loop's own parallel ops: `workers/threads.py`)."""
-    transfer_nice: int = 10
+    transfer_nice: int = -1
     """How far below the training loop's priority the transfer threads run (Linux: a nice value of
-    their own, the thread only): when they contend for a core, the loop wins. 0: the same priority."""
+    their own, the thread only): when they contend for a core, the loop wins. 0: the same priority.
+    -1: chosen for the device (`threads.transfer_nice`): 10 when the model is on a GPU (the thread
+    that launches its kernels is never kept waiting), 0 on the CPU (where a lowered transfer thread
+    waits behind the loop's own work, and every take comes that much later)."""
     reuse_freed_memory: bool = True
     """Tune this process's malloc (glibc) to keep freed fragment-sized buffers for reuse instead of
     handing them back to the OS after every piece (`storage.heap`): the transfer threads' encoding and
@@ -169,8 +172,8 @@ class LearnerConfig:
         if self.state_every < 0:
             raise ConfigError(f"state_every must be >= 0 sends (0: save the state on SIGTERM only), got "
                               f"{self.state_every}")
-        if not 0 <= self.transfer_nice <= 19:
-            raise ConfigError(f"transfer_nice must be in 0..19, got {self.transfer_nice}")
+        if not -1 <= self.transfer_nice <= 19:
+            raise ConfigError(f"transfer_nice must be in 0..19 (or -1: chosen for the device), got {self.transfer_nice}")
         if self.dropped not in ("auto", "keep", "carry"):
             raise ConfigError(f"dropped must be auto, keep or carry, got {self.dropped!r}")
         if self.transfer_threads < 0:
@@ -655,12 +658,13 @@ class Learner:
         mine = plan_layout(model_params(self.model), self.spec.num_fragments)
         layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout", found=False)
         self._threads = transfer_threads(self.config.transfer_threads, self.replica.device.type, usable_cpus())
+        self._nice = transfer_nice(self.config.transfer_nice, self.replica.device.type)
         if self.config.reuse_freed_memory:
             log.debug("learner %s: malloc: %s", self.learner_id, reuse_freed_memory())
         self.uploader = Uploader(self.store, self.bus, self.spec, self.learner_id, self.stats,
                                  deadline_s=self.config.upload_deadline_s, error_feedback=self.config.error_feedback,
                                  keep_dropped=self._keeps_dropped(),
-                                 threads=self._threads, nice=self.config.transfer_nice)
+                                 threads=self._threads, nice=self._nice)
         self.uploader.start()
         self._heartbeat()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -704,10 +708,10 @@ class Learner:
 
         heads = self._wait(heads_or_propose, deadline, "version 0 of every fragment")
         self._stager = Stager(self.replica.copies, self._anchor_for, threads=self._threads,
-                              nice=self.config.transfer_nice)
+                              nice=self._nice)
         self._stager.start()
         self.fetcher = Fetcher(self.store, self.bus, layout, self.stats, stager=self._stager, threads=self._threads,
-                               nice=self.config.transfer_nice)
+                               nice=self._nice)
         values: dict[str, torch.Tensor] = {}
         for fragment, version in heads.items():
             what = f"version {version} of fragment {fragment}"
@@ -725,7 +729,7 @@ class Learner:
                      "not downloaded", self.learner_id, self.stats.joined_own, len(heads))
         if self.config.save_state:
             self.keeper.find(self.store, keys, heads, self.bus.server_time, max_age_s=self.config.state_max_age_s,
-                             threads=self._threads, nice=self.config.transfer_nice)
+                             threads=self._threads, nice=self._nice)
         self.fetcher.start()
         self.bus.join(self.learner_id)
         self._joined = True

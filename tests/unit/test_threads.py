@@ -9,7 +9,7 @@ import torch
 
 from diloco.storage.errors import ConfigError
 from diloco.workers.learner import LearnerConfig
-from diloco.workers.threads import cap_this_thread, lower_this_thread, transfer_threads
+from diloco.workers.threads import cap_this_thread, lower_this_thread, transfer_nice, transfer_threads
 
 
 def test_beside_a_gpu_a_quarter_of_the_cpus_on_the_cpu_torchs_own():
@@ -61,3 +61,18 @@ def test_a_lowered_thread_runs_below_the_loop_and_the_loop_keeps_its_priority():
     assert os.getpriority(os.PRIO_PROCESS, 0) == loop
     with pytest.raises(ConfigError, match="transfer_nice"):
         LearnerConfig(transfer_nice=20)
+
+
+def test_beside_a_gpu_the_transfers_run_below_the_loop_on_the_cpu_beside_it():
+    """On the CPU a lowered transfer thread waits behind the loop's own ops: pieces go out and
+    versions are made ready later, and the learner trains on longer from a version without the
+    others' progress. Beside a GPU the loop's thread only launches kernels and must never wait."""
+    assert LearnerConfig().transfer_nice == -1  # chosen for the device
+    assert transfer_nice(-1, "cuda") == 10
+    assert transfer_nice(-1, "cpu") == 0
+    assert transfer_nice(5, "cpu") == 5 and transfer_nice(0, "cuda") == 0  # a setting is kept
+    with pytest.raises(ValueError):
+        transfer_nice(-2, "cpu")
+    LearnerConfig(transfer_nice=-1)
+    with pytest.raises(ConfigError, match="transfer_nice"):
+        LearnerConfig(transfer_nice=-2)
