@@ -22,9 +22,11 @@ On the CPU they keep the loop's priority. There the loop's own ops are the work 
 cores busy, and a lowered transfer thread waits behind them: every piece goes out later and every
 version is made ready later, so a learner trains on longer from a version that lacks the others'
 progress. In `diloco bench quality --tasks vision --at defaults` (4 learners on 2 cores) at nice 10
-a learner took each version 12-15 steps after its send, at 0 5-8; the final eval was 1.6695-1.6747
-against 1.6650-1.6673 (3 runs each), in no more wall time. Lowering either side alone (the uploader,
-or the fetcher and stager) halved the gain.
+a learner took each version 12-16 steps after its send, at 0 5-8; the final eval was 1.6719 on
+average (6 runs) against 1.6668 (7), waiting's 1.6611, in no more wall time. Lowering either side
+alone (the uploader, or the fetcher and stager) halved the gain. The cost: a transfer thread at
+nice 0 takes its share of a core while it runs, so a loop confined to one core has slower steps
+then (`diloco bench device` on the CPU: worst step 1.91x the median, one run, against 1.3-1.5x).
 """
 
 
