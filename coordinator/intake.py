@@ -393,4 +393,4 @@ class Intake:
             return
         c = PendingDelta(entry_id, a, to_arrival(a, s.now()))
         self.rounds.publish(a.fragment, frag, [c], [1.0], tensors, NesterovState(), self.rounds.settings("genesis"),
-                            [c.arrival])
+                            [c.arrival], closed_at=c.arrival.arrived_at)  # a proposal is its own round

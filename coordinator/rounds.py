@@ -305,8 +305,8 @@ class Rounds:
     def publish(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
                 params: dict[str, torch.Tensor], state: NesterovState, settings: VersionSettings, counted: list[Arrival],
                 notes: dict[str, str] | None = None, update: bytes | None = None,
-                clips: dict[str, float] | None = None, usual: dict[str, int] | None = None,
-                closed_at: float | None = None) -> None:
+                clips: dict[str, float] | None = None, usual: dict[str, int] | None = None, *,
+                closed_at: float) -> None:
         """Write and commit the next version of `fragment` from `contributions` (in merge order, each
         with its weight and its `counted` arrival: the tokens and steps it weighed by, and its norm;
         `clips`: what each learner's pieces were scaled by; `usual`: each learner's usual piece, when
@@ -325,7 +325,7 @@ class Rounds:
                   tokens=n.tokens, steps=n.steps, weight=w, stream_id=c.entry_id,
                   bounded=notes.get(c.announcement.contribution_id, ""), norm=n.norm,
                   clip=clips.get(n.learner, 1.0), usual=(usual or {}).get(n.learner, 0) if settings.rate_steps else 0,
-                  waited_s=round(max(0.0, closed_at - n.arrived_at), 3) if closed_at is not None else 0.0)
+                  waited_s=round(max(0.0, closed_at - n.arrived_at), 3))
             for c, w, n in zip(contributions, weights, counted, strict=True))
         refused = listed_refusals([*frag.refused, *s.unplaced], s.config.max_refusals_listed)
         merged_tokens = s.merged_tokens(fragment) + sum(c.tokens for c in inputs)

@@ -445,9 +445,10 @@ class Contribution(Record):
     """Its learner's usual piece in inner steps (`coordinator.policy.usual_pieces`), when the version's
     weights are at the fleet's rate (`VersionSettings.rate_steps`); 0 otherwise."""
     waited_s: float = 0.0
-    """Seconds it waited in its round, from its arrival to the round's close (the merge decision): the
-    pieces that held a round open waited for nothing, the others for them (`diloco inspect`). About 0
-    for the piece that closed it, and 0 in versions made before it was recorded."""
+    """Seconds it waited in its round, from its arrival (read and checked by the coordinator) to the
+    round's close (the merge decision): the pieces that held a round open waited for nothing, the
+    others for them (`diloco inspect`). About 0 for the piece that closed it, and 0 in versions made
+    before it was recorded."""
 
     def __post_init__(self) -> None:
         _require(0.0 < self.clip <= 1.0, f"clip {self.clip!r} must be in (0, 1]")

@@ -29,7 +29,6 @@ nice 0 takes its share of a core while it runs, so a loop confined to one core h
 then (`diloco bench device` on the CPU: worst step 1.91x the median, one run, against 1.3-1.5x).
 """
 
-
 from __future__ import annotations
 
 import logging

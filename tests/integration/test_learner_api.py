@@ -165,3 +165,38 @@ def test_a_bf16_model_trains_in_a_run_whose_global_model_is_fp32(endpoints, run_
     sent = {a.contribution_id for _, a in announcements(coord.bus) if a.learner == "bf16"}
     assert sent <= set(merged_ids(endpoints, run_id)), "every piece merged"
     coord.close()
+
+
+def test_on_the_cpu_the_transfer_threads_run_at_the_loops_priority_unless_told(endpoints, run_id):
+    """The transfer threads' nice value is chosen for the device (`threads.transfer_nice`): on the
+    CPU a lowered thread would make every piece and every take wait behind the loop's own ops. A
+    learner given `transfer_nice` runs them that far below the loop."""
+    import threading
+    import time
+
+    from diloco.workers.learner import LearnerConfig
+
+    def priorities(learner: Learner) -> dict[str, int]:
+        threads = {"uploader": learner.uploader, "fetcher": learner.fetcher, "stager": learner._stager}
+        deadline = time.monotonic() + 10
+        while any(t.native_id is None for t in threads.values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)  # each lowers itself as it starts running
+        return {name: os.getpriority(os.PRIO_PROCESS, t.native_id) for name, t in threads.items()}
+
+    loop = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    coord = make_coordinator(endpoints, run_id)
+    chosen, _ = join(endpoints, run_id, coord, "chosen")
+    torch.manual_seed(0)
+    model = Tiny()
+    told = Learner(model, torch.optim.SGD(model.parameters(), lr=0.1), run=run_id, endpoints=endpoints,
+                   learner_id="told", tokens_per_step=10, config=LearnerConfig(transfer_nice=7))
+    try:
+        start_beside(coord, told)
+        assert priorities(chosen) == dict.fromkeys(("uploader", "fetcher", "stager"), loop)
+        assert priorities(told) == dict.fromkeys(("uploader", "fetcher", "stager"), min(19, loop + 7))
+    finally:
+        for learner in (chosen, told):
+            learner.close()
+        coord.close()
