@@ -23,7 +23,9 @@ for the Learner the hook's own time, the versions taken in the timed window (and
 ready from the fetcher's thread), and the transfer threads' CPU per step. The verdict holds the
 Learner's synchronized mean to within 5% of the plain loop's on the CPU and 2% on a GPU, and no
 step over 1.5x the median. `--transfer-threads 0,1,16` runs one Learner arm per value of
-`LearnerConfig.transfer_threads`, each a run of its own.
+`LearnerConfig.transfer_threads`, each a run of its own; `--transfer-nice` the same per value of
+`LearnerConfig.transfer_nice` (default: the learner's choice for the device, then GPU_NICE on the
+CPU, so that the CPU run also times the setting a GPU gets).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from diloco.infra.output import figures_table
 from diloco.storage.errors import ConfigError
 from diloco.storage.intraop import usable_cpu_ids
 from diloco.storage.settings import ENV_REDIS_URL, Endpoints
+from diloco.workers.threads import GPU_NICE
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one Learner arm per comma-separated value of LearnerConfig.transfer_threads (default: "
                              "%(default)s, the learner's default: a quarter of the CPUs beside a GPU, torch's count on "
                              "the CPU); the verdict is the first arm's")
+    parser.add_argument("--transfer-nice", default=None,
+                        help="one Learner arm per comma-separated value of LearnerConfig.transfer_nice (-1: the "
+                             "learner's default, chosen for the device: its loop's priority on the CPU, %d below it "
+                             "beside a GPU) (default: -1 on a GPU; -1,%d on the CPU, so that the CPU proxy also times "
+                             "the GPU's setting); the verdict is the first arm's" % (GPU_NICE, GPU_NICE))
 
 
 @dataclass
@@ -353,6 +361,7 @@ def run(args: argparse.Namespace) -> DeviceResult:
         torch.get_device_module(device).empty_cache()
 
     threads = _thread_settings(args.transfer_threads)
+    nices = _nice_settings(args.transfer_nice, gpu)
     with ExitStack() as stack:
         if os.environ.get(ENV_REDIS_URL):
             endpoints = Endpoints.from_env()
@@ -365,9 +374,10 @@ def run(args: argparse.Namespace) -> DeviceResult:
                     _lowest_priority(server.pid, args.helpers_nice)
                     _pin(server.pid, helpers)
         fleet = stack.enter_context(Supervisor(process_env(endpoints.to_env() | _credentials()), args.out / "logs"))
-        for n in threads:
-            name = "learner" if len(threads) == 1 else f"learner t={n}"
-            result.arms.append(_learner_arm(name, args, device, endpoints, fleet, LearnerConfig(transfer_threads=n),
+        for n, nice in [(n, nice) for nice in nices for n in threads]:
+            name = " ".join(["learner"] + [f"t={n}"] * (len(threads) > 1) + [f"nice={nice}"] * (nice >= 0))
+            result.arms.append(_learner_arm(name, args, device, endpoints, fleet,
+                                            LearnerConfig(transfer_threads=n, transfer_nice=nice),
                                             helpers, result.arms[0]))
             if gpu:
                 torch.get_device_module(device).empty_cache()
@@ -378,6 +388,17 @@ def _thread_settings(text: str) -> list[int]:
     values = whole_numbers(text, "--transfer-threads")
     if not values or min(values) < 0:
         raise ConfigError(f"--transfer-threads takes numbers >= 0 (0: the learner's default), got {text!r}")
+    return values
+
+
+def _nice_settings(text: str | None, gpu: bool) -> list[int]:
+    """The Learner arms' `transfer_nice` values: as asked, else the default, and on the CPU also the
+    GPU's setting (on the CPU the default keeps the loop's priority, which costs the loop spikes)."""
+    if text is None:
+        return [-1] if gpu else [-1, GPU_NICE]
+    values = whole_numbers(text, "--transfer-nice")
+    if not values or not all(-1 <= v <= 19 for v in values):
+        raise ConfigError(f"--transfer-nice takes numbers in -1..19 (-1: chosen for the device), got {text!r}")
     return values
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from diloco.infra.bench import device
-from diloco.infra.bench.device import Arm, DeviceResult, _thread_settings
+from diloco.infra.bench.device import Arm, DeviceResult, _nice_settings, _thread_settings
 from diloco.storage.errors import ConfigError
 
 
@@ -26,6 +26,15 @@ def test_each_value_of_transfer_threads_is_an_arm_of_its_own():
     for bad in ("", "a", "-1", "1,,2"):
         with pytest.raises(ConfigError):
             _thread_settings(bad)
+
+
+def test_the_cpu_run_also_times_the_transfer_threads_at_the_gpus_nice_and_a_gpu_its_default_alone():
+    assert _nice_settings(None, gpu=False) == [-1, 10]
+    assert _nice_settings(None, gpu=True) == [-1]
+    assert _nice_settings("0,19", gpu=False) == [0, 19]
+    for bad in ("", "20", "-2", "a"):
+        with pytest.raises(ConfigError):
+            _nice_settings(bad, gpu=False)
 
 
 def test_the_verdict_holds_the_mean_to_2_percent_on_a_gpu_and_5_on_the_cpu_and_names_each_slow_step():
@@ -56,7 +65,7 @@ def test_a_small_run_on_the_cpu_times_both_arms_in_the_steady_state_and_every_ta
     out = tmp_path / "device.json"
     done = subprocess.run([sys.executable, "-m", "diloco.infra.cli", "bench", "device", "--device", "cpu",
                            "--n-layer", "1", "--steps", "40", "--warmup", "1", "--seq-len", "16", "--batch-size", "1",
-                           "--sync-every", "4", "--transfer-threads", "2", "--helpers-nice", "0", "--helpers-cpus", "0",
+                           "--sync-every", "4", "--transfer-threads", "2", "--transfer-nice", "-1", "--helpers-nice", "0", "--helpers-cpus", "0",
                            "--out", str(tmp_path / "run"), "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
