@@ -810,24 +810,27 @@ class Bus:
         return sec + usec / 1e6
 
     @redis_retry
-    def claim_genesis(self, learner: str, ttl_s: float) -> bool:
-        """Whether `learner` proposes the run's version 0: the first learner to ask does, for `ttl_s`
-        seconds, and asking again (its claim still held) extends it. When the claim lapses (its holder
-        left, or stopped extending it) the next to ask takes it over."""
-        ttl_ms = max(1, int(ttl_s * 1000))
-        if self.r.set(self.keys.genesis_proposer, learner, nx=True, px=ttl_ms):
+    def claim_genesis(self, learner: str, fragment: int, ttl_s: float) -> bool:
+        """Whether `learner` proposes version 0 of `fragment` (`workers/genesis.py`): the first
+        learner to ask does, for `ttl_s` seconds, and asking again (its claim still held) extends it.
+        When the claim lapses (its holder left, or stopped extending it) the next to ask takes it over."""
+        key, ttl_ms = self.keys.genesis_claim(fragment), max(1, int(ttl_s * 1000))
+        if self.r.set(key, learner, nx=True, px=ttl_ms):
             return True
-        holder = self.r.get(self.keys.genesis_proposer)
+        holder = self.r.get(key)
         if holder is None or holder.decode() != learner:
             return False
-        self.r.pexpire(self.keys.genesis_proposer, ttl_ms)  # ours (or our own reply lost): held on
+        self.r.pexpire(key, ttl_ms)  # ours (or our own reply lost): held on
         return True
 
     @redis_retry
-    def release_genesis(self, learner: str) -> None:
-        """`learner` will not propose version 0 after all (it leaves): the next to ask may, at once."""
-        if self.r.get(self.keys.genesis_proposer) == learner.encode():
-            self.r.delete(self.keys.genesis_proposer)
+    def release_genesis(self, learner: str, fragments: Sequence[int]) -> None:
+        """`learner` will not propose version 0 of `fragments` after all (it leaves, or its upload
+        failed): the next to ask may, at once."""
+        for fragment in fragments:
+            key = self.keys.genesis_claim(fragment)
+            if self.r.get(key) == learner.encode():
+                self.r.delete(key)
 
     @redis_retry
     def set_cadence(self, cadence: Cadence) -> None:

@@ -266,11 +266,10 @@ class RunKeys:
         and it changes only while no shard of the old count holds its lease (storage.lease)."""
         return self._r + "shards"
 
-    @property
-    def genesis_proposer(self) -> str:
-        """String, expiring: the learner that proposes the run's version 0 (`Bus.claim_genesis`); the
-        others wait for its proposal instead of uploading their own initial values too."""
-        return self._r + "genesis_proposer"
+    def genesis_claim(self, fragment: int) -> str:
+        """String, expiring: the learner that proposes version 0 of `fragment` (`Bus.claim_genesis`);
+        the others propose other fragments instead of uploading the same initial values too."""
+        return self._r + f"genesis_claim:{fragment}"
 
     @property
     def cadence(self) -> str:

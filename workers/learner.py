@@ -63,6 +63,7 @@ from diloco.storage.protocol import Layout, LearnerFinished, LearnerLeft, Learne
 from diloco.storage.reach import check_servers
 from diloco.storage.settings import Endpoints
 from diloco.workers.fragments import clock_due, due_fragments, layout_mismatch, model_params, plan_layout, send_lead
+from diloco.workers.genesis import GenesisProposer
 from diloco.workers.hostcopy import Snapshot
 from diloco.workers.island import Replica
 from diloco.workers.losses import LossRecorder
@@ -219,11 +220,6 @@ FLAG_SAVE_STATE = 4
 
 WAIT_LOG_S = 5.0
 """While joining, how often a learner says what it is waiting for."""
-GENESIS_GRACE_S = 20.0
-"""A fragment still without version 0 this long after a joining learner found the run's layout: the
-learner that proposed the layout left before proposing that fragment (the first fragment's proposal
-fixes the layout), and this learner proposes it (a proposal that comes second is superseded)."""
-
 PREEMPTED_EXIT = 143
 """The exit code of a learner that left on SIGTERM: 128 + 15, as a process SIGTERM killed."""
 
@@ -325,7 +321,7 @@ class Learner:
         self._hook = None
         self._merges_first = True  # set when joining: a step takes versions before it sends (rebase)
         self._joined = False  # rank 0: joined (heartbeats then keep it in the run's joined set)
-        self._proposing = False  # rank 0: it claimed and proposed version 0 (`Bus.claim_genesis`)
+        self._genesis: GenesisProposer | None = None  # rank 0, while joining: its part in version 0
         self._run_end: RunEnd | None = None  # rank 0: the run's end, once a heartbeat has seen it
         self._run_finished = False  # every rank: as rank 0 last shared it
         self._stop = threading.Event()
@@ -564,8 +560,8 @@ class Learner:
     def _leave(self, finished: list[str] | None) -> None:
         try:
             self._heartbeat()
-            if self._proposing and not self._joined:  # gave up joining: another learner proposes at once
-                self.bus.release_genesis(self.learner_id)
+            if self._genesis is not None and not self._joined:  # gave up joining: another learner proposes at once
+                self._genesis.release()
             if finished is None:
                 left = LearnerLeft(self.learner_id, time.time() + self._clock_offset_s, self.step, self.preempted)
                 self.bus.leave(self.learner_id, left if self._joined else None)
@@ -673,17 +669,14 @@ class Learner:
                                     lambda: time.time() + self._clock_offset_s, self._stop,
                                     base_s=self.config.heartbeat_s)
         self._losses.start()
-        proposed = False  # our own proposals are on their way: never proposed twice
+        # Version 0 is proposed fragment by fragment, each by the first learner to claim it, so
+        # that learners starting together upload different fragments (`workers/genesis.py`).
+        self._genesis = genesis = GenesisProposer(self.bus, self.store, self.uploader, self.learner_id, initial)
 
         def layout_or_propose() -> Layout | None:
-            # One learner proposes version 0 (the first to claim it): the others' initial values would
-            # go up only to be superseded (a whole model each, over the links of learners that all
-            # start at once). A claim whose holder left lapses, and the next learner to ask proposes.
-            nonlocal proposed
             found = read_layout(self.store, keys)
-            if found is None and not proposed and self.bus.claim_genesis(self.learner_id, GENESIS_GRACE_S):
-                self._propose_genesis(mine, initial)
-                proposed = True
+            if found is None:  # the first proposal the coordinator reads fixes it
+                genesis.step(mine, self.bus.heads())
             return found
 
         if layout is None:
@@ -692,19 +685,13 @@ class Learner:
         if problem:
             raise ConfigError(f"this model does not fit run {self.run!r}: {problem}")
         self.layout = layout
-        found_at = time.monotonic()
 
         def heads_or_propose() -> dict[int, int] | None:
-            nonlocal proposed
-            heads = self._all_heads(layout)
-            if (heads is None and not proposed and time.monotonic() - found_at > GENESIS_GRACE_S
-                    and self.bus.claim_genesis(self.learner_id, GENESIS_GRACE_S)):
-                missing = [f for f in range(len(layout.fragments)) if f not in self.bus.heads()]
-                log.warning("learner %s: fragment(s) %s have no version 0 %.0fs after the run's layout was fixed "
-                            "(their proposer left first): proposing them", self.learner_id, missing, GENESIS_GRACE_S)
-                self._propose_genesis(layout, initial, missing)
-                proposed = True
-            return heads
+            heads = self.bus.heads()
+            if all(f in heads for f in range(len(layout.fragments))):
+                return heads
+            genesis.step(layout, heads)
+            return None
 
         heads = self._wait(heads_or_propose, deadline, "version 0 of every fragment")
         self._stager = Stager(self.replica.copies, self._anchor_for, threads=self._threads,
@@ -742,23 +729,6 @@ class Learner:
         if self.spec.merge_rule != "rebase" or self.config.dropped == "carry":
             return False
         return self.config.dropped == "keep" or codecs.get(self.spec.codec).drops
-
-    def _all_heads(self, layout: Layout) -> dict[int, int] | None:
-        heads = self.bus.heads()
-        return heads if all(f in heads for f in range(len(layout.fragments))) else None
-
-    def _propose_genesis(self, layout: Layout, initial: dict[str, torch.Tensor],
-                         fragments: list[int] | None = None) -> None:
-        """Propose this learner's initial values as version 0 of `fragments` (every one by default).
-        Its claim (`Bus.claim_genesis`) is extended on every heartbeat until it joins."""
-        self._proposing = True
-        self.store.put(self.bus.keys.genesis_layout(self.learner_id), layout.to_wire(), create_only=False)
-        for f, specs in enumerate(layout.fragments):
-            if fragments is not None and f not in fragments:
-                continue
-            tensors = {s.name: initial[s.name] for s in specs}
-            self.uploader.submit(UploadJob(f, tensors, base_version=-1, tokens=0, steps=0, step_time_s=0.0,
-                                           kind="genesis"))
 
     def _wait(self, probe, deadline: float, what: str, *, found: bool = True):  # noqa: ANN001, ANN202
         """Call `probe` until it returns a value (`found=False`: until it returns at all). S3 or
@@ -1063,8 +1033,8 @@ class Learner:
         """Report progress, and refresh the round clock, our offset to the Redis clock and whether
         the run is finished."""
         self.bus.heartbeat(self.learner_id, self.config.lease_s, self.progress(), joined=self._joined)
-        if self._proposing and not self._joined:  # its proposals still on their way: the others wait on
-            self.bus.claim_genesis(self.learner_id, GENESIS_GRACE_S)
+        if self._genesis is not None and not self._joined:  # its proposals still on their way: the others wait on
+            self._genesis.extend()
         before = time.time()
         server = self.bus.server_time()
         self._clock_offset_s = server - (before + time.time()) / 2

@@ -62,6 +62,9 @@ class UploadJob:
     deadline: float = 0.0
     final: bool = False
     """The learner's last piece for this fragment before it leaves (`Announcement.final`)."""
+    on_done: Callable[[bool], None] | None = None
+    """Called on the uploader's thread once the job has left: True when stored and announced,
+    False when dropped (a genesis proposal's next claim, `workers/genesis.py`)."""
     created_at: float = field(default_factory=time.monotonic)
     sent_at: float = field(default_factory=time.monotonic)
     """When the newest send this job carries was made (`absorb` moves it): its lag is measured from here."""
@@ -270,11 +273,12 @@ class Uploader(threading.Thread):
                     return
                 job = self._jobs.pop(0)
                 self._busy = True
-            retry = False
+            retry = sent = False
             job.attempts += 1
             cpu = time.thread_time()
             try:
                 self._send(job)
+                sent = True
             except (StorageUnavailable, redis.RedisError) as exc:  # unreachable past the adapters' retries
                 retry = self._failed(job, exc)
             except Exception as exc:  # noqa: BLE001 (a refusal or a bug: never kill the thread)
@@ -287,6 +291,11 @@ class Uploader(threading.Thread):
                 self._cv.notify_all()
                 if retry and not self._closed:
                     self._cv.wait(self.RETRY_PAUSE_S)
+            if not retry and job.on_done is not None:
+                try:
+                    job.on_done(sent)
+                except Exception:  # noqa: BLE001 (never kill the thread)
+                    log.exception("after the upload to fragment %d", job.fragment)
 
     def _failed(self, job: UploadJob, exc: BaseException) -> bool:
         """True to retry the job; False when it is past its deadline (then dropped)."""

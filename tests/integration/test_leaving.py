@@ -11,13 +11,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-import pytest
 import torch
 
 from diloco.storage.errors import ConfigError
 from diloco.storage.history import read_manifest
-from diloco.storage.keys import RunKeys
-from diloco.storage.objects import ObjectStore
 from diloco.workers.learner import Learner
 from harness import TINY_RUN, announcements, join, make_coordinator, tiny_learner, train
 
@@ -101,62 +98,4 @@ def test_a_learner_refused_at_join_neither_joins_nor_finishes(endpoints, run_id)
     alive = {t.name for t in threading.enumerate() if t.is_alive()}
     assert not alive & {"heartbeat", "fetcher", "uploader-misfit"}, "a refused learner left threads running"
     assert not [a for _, a in announcements(coord.bus) if a.learner == "misfit"]
-    coord.close()
-
-
-@pytest.mark.slow  # two joins that wait on purpose: `make test-all`
-def test_a_learner_that_fixed_the_layout_and_left_before_proposing_every_fragment_does_not_stall_the_run(
-        endpoints, run_id, monkeypatch):
-    """The first genesis proposal fixes the run's layout. Its proposer dies after proposing fragment 0
-    only: the next learner to join proposes what is missing once GENESIS_GRACE_S has passed, and joins."""
-    from diloco.workers import learner as learner_module
-
-    coord = make_coordinator(endpoints, run_id)
-    first, _ = tiny_learner(endpoints, run_id, "first")
-    first.config = dataclasses.replace(first.config, join_timeout_s=3.0)
-    real = Learner._propose_genesis
-    monkeypatch.setattr(Learner, "_propose_genesis", lambda self, layout, initial, fragments=None:
-                        real(self, layout, initial, [0] if self is first else fragments))
-    t = threading.Thread(target=lambda: _start_and_fail(first))
-    t.start()
-    while t.is_alive():
-        coord.step(block_ms=20)
-    assert coord.bus.heads() == {0: 0}  # fragment 1 was never proposed
-    monkeypatch.setattr(learner_module, "GENESIS_GRACE_S", 1.0)
-    second, _ = tiny_learner(endpoints, run_id, "second")
-    join_thread = threading.Thread(target=second.start)
-    join_thread.start()
-    while join_thread.is_alive():
-        coord.step(block_ms=20)
-    assert second.versions == {0: 0, 1: 0} and coord.bus.heads() == {0: 0, 1: 0}
-    second.close()
-    coord.close()
-
-
-def _start_and_fail(learner: Learner) -> None:
-    try:
-        learner.start()
-    except Exception:  # noqa: BLE001 (it gives up waiting for version 0 of fragment 1: it "died")
-        return
-    raise AssertionError("the first learner joined a run with a fragment nobody proposed")
-
-
-def test_learners_that_start_at_once_upload_one_proposal_of_version_0_and_all_join(endpoints, run_id):
-    """The first learner to claim version 0 proposes it; the others wait for it (a whole model each
-    would otherwise go up over their links, to be superseded)."""
-    coord = make_coordinator(endpoints, run_id)
-    learners = [tiny_learner(endpoints, run_id, f"l{i}")[0] for i in range(3)]
-    threads = [threading.Thread(target=learner.start) for learner in learners]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        coord.step(block_ms=20)
-    assert all(learner.versions == {0: 0, 1: 0} for learner in learners)
-    keys = RunKeys(endpoints.prefix, run_id)
-    proposed = {keys.parse_genesis_key(k)[0] for k in ObjectStore(endpoints).list(keys.root + "genesis/")
-                if not k.endswith("layout.msgpack")}
-    assert len(proposed) == 1
-    assert [learner.stats.uploaded for learner in learners].count(0) == 2  # the others sent nothing
-    for learner in learners:
-        learner.close()
     coord.close()
