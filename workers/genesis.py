@@ -71,6 +71,7 @@ class GenesisProposer:
         self._uploading: int | None = None
         self._layout_stored = False
         self._seen_held: dict[int, float] = {}  # fragment -> when first seen claimed by another
+        self._released = False
         self._lock = threading.Lock()
 
     def step(self, layout: Layout, heads: Mapping[int, int]) -> None:
@@ -78,7 +79,7 @@ class GenesisProposer:
         learner's to propose: one nobody claimed, else one whose holder is slow (`steal_after_s`).
         Nothing while a proposal of its own is on its way."""
         with self._lock:
-            if self._uploading is not None:
+            if self._uploading is not None or self._released:
                 return
             missing = [f for f in range(len(layout.fragments)) if f not in heads and f not in self.proposed]
             for fragment in missing:
@@ -103,8 +104,10 @@ class GenesisProposer:
                 self.bus.claim_genesis(self.learner, fragment, CLAIM_TTL_S)
 
     def release(self) -> None:
-        """Give up this learner's claims (it leaves before joining): the next learner to look takes them."""
+        """Give up this learner's claims, and propose nothing more (it leaves before joining): the
+        next learner to look takes them."""
         with self._lock:
+            self._released = True
             self.bus.release_genesis(self.learner, sorted(self.claimed))
             self.claimed.clear()
 
