@@ -92,8 +92,8 @@ class GenesisProposer:
                 held_s = now - self._seen_held.setdefault(fragment, now)
                 if held_s >= wait_s:
                     log.info("learner %s: fragment %d still has no version 0 %.1fs after another learner claimed "
-                             "it, twice this learner's own slowest upload or more: uploading it too",
-                             self.learner, fragment, held_s)
+                             "it (this learner waits %.1fs: steal_after_s): uploading it too",
+                             self.learner, fragment, held_s, wait_s)
                     self._submit(layout, fragment)
                     return
 
