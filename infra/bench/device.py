@@ -394,11 +394,18 @@ def _thread_settings(text: str) -> list[int]:
 def _nice_settings(text: str | None, gpu: bool) -> list[int]:
     """The Learner arms' `transfer_nice` values: as asked, else the default, and on the CPU also the
     GPU's setting (on the CPU the default keeps the loop's priority, which costs the loop spikes)."""
+    from diloco.workers.learner import LearnerConfig
+
     if text is None:
         return [-1] if gpu else [-1, GPU_NICE]
     values = whole_numbers(text, "--transfer-nice")
-    if not values or not all(-1 <= v <= 19 for v in values):
-        raise ConfigError(f"--transfer-nice takes numbers in -1..19 (-1: chosen for the device), got {text!r}")
+    if not values:
+        raise ConfigError(f"--transfer-nice takes at least one value, got {text!r}")
+    for value in values:
+        try:
+            LearnerConfig(transfer_nice=value)  # the learner's own check of the range
+        except ConfigError as exc:
+            raise ConfigError(f"--transfer-nice {text}: {exc}") from None
     return values
 
 
