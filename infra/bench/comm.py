@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from diloco.infra.output import figures_table
-from diloco.infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
+from diloco.infra.bench.trial import add_out_arguments, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
 from diloco.storage import codecs
 from diloco.storage.history import read_layout, read_manifest, read_input, list_versions, read_run_spec
 from diloco.storage.keys import RunKeys
@@ -43,7 +42,7 @@ HELP = "bytes per learner per token, up and down, for each codec vs a data-paral
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("out/bench/comm"), help="stack data and logs")
+    add_out_arguments(parser, "comm")
     parser.add_argument("--learners", type=int, default=4, help="M (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=300, help="inner steps per learner (default: %(default)s)")
     parser.add_argument("--sync-every", default="30,50,100", help="values of H, comma-separated (default: %(default)s)")
@@ -182,7 +181,7 @@ def run(args: argparse.Namespace) -> CommResult:
     periods = [int(h) for h in args.sync_every.split(",") if h.strip()]
     learners = tuple(LearnerPlan(f"learner-{i}", steps=args.steps, data_seed=i) for i in range(args.learners))
     arms: list[Arm] = []
-    with bench_stack(args.out) as stack:
+    with bench_stack(args.out, keep=args.keep_stack) as stack:
         store = ObjectStore(stack.endpoints)
         for h in periods:
             for codec in wanted:

@@ -29,10 +29,9 @@ import argparse
 import logging
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 from diloco.infra.output import figures_table
-from diloco.infra.bench.trial import (LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial,
+from diloco.infra.bench.trial import (add_out_arguments, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial,
                                       time_to)
 from diloco.workers.tasks.demo import DemoTask
 
@@ -43,7 +42,7 @@ HELP = "decoupled vs synchronous DiLoCo under seeded learner kills and a straggl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("out/bench/failures"), help="stack data and logs")
+    add_out_arguments(parser, "failures")
     parser.add_argument("--learners", type=int, default=4, help="M (default: %(default)s)")
     parser.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of each arm (default: %(default)s)")
     parser.add_argument("--step-time-s", type=float, default=0.12,
@@ -138,7 +137,7 @@ def run(args: argparse.Namespace) -> FailuresResult:
         "sync": sync_trial("sync", plans, args.budget_s, sync_every=args.sync_every, step_time_s=args.step_time_s),
     }
     trials = {}
-    with bench_stack(args.out) as stack:
+    with bench_stack(args.out, keep=args.keep_stack) as stack:
         for name, trial in arms.items():
             log.info("failures: arm %s ...", name)
             trials[name] = run_trial(stack, trial, task, args.out, curve_points=args.curve_points)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.infra.output import figures_table
-from diloco.infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
+from diloco.infra.bench.trial import add_out_arguments, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
 from diloco.workers.tasks.demo import DemoTask
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ ARMS = ("default", "sync", "fastest_alone", "equal_speed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("out/bench/hetero"), help="stack data and logs")
+    add_out_arguments(parser, "hetero")
     parser.add_argument("--profiles", default="A,B,C", help="comma-separated subset of A,B,C (default: %(default)s)")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of %(default)s")
     parser.add_argument("--budget-s", type=float, default=150.0, help="wall clock per arm (default: %(default)s)")
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> HeteroResult:
         raise SystemExit(f"unknown profile(s)/arm(s) {sorted(unknown)}: profiles {sorted(PROFILES)}, arms {ARMS}")
     task = DemoTask()
     results: dict[str, dict[str, TrialResult]] = {}
-    with bench_stack(args.out) as stack:
+    with bench_stack(args.out, keep=args.keep_stack) as stack:
         for p in profiles:
             for a in arms:
                 t = run_trial(stack, trial(p, a, args), task, args.out, curve_points=args.curve_points)

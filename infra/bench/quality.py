@@ -71,7 +71,6 @@ import os
 import signal
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -79,7 +78,7 @@ from diloco.coordinator.config import RunSettings
 from diloco.infra.bench.peer import run_torchft, torchft_missing
 from diloco.infra.bench.quality_report import PREEMPTED, ArmCurve, TaskReport, table
 from diloco.infra.bench.quality_tasks import TASKS, BenchTask, pick
-from diloco.infra.bench.trial import (SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial,
+from diloco.infra.bench.trial import (add_out_arguments, SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial,
                                       sync_trial)
 from diloco.infra.local.fleet import Outage
 from diloco.infra.local.stack import LocalStack
@@ -115,7 +114,7 @@ BUDGET_S = 3600.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("out/bench/quality"), help="stack data and logs")
+    add_out_arguments(parser, "quality")
     parser.add_argument("--tasks", default="demo",
                         help=f"comma-separated subset of {','.join(TASKS)}, or all (default: %(default)s)")
     parser.add_argument("--learners", type=int, default=4, help="M (default: %(default)s)")
@@ -321,7 +320,7 @@ def run(args: argparse.Namespace) -> QualityResult:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}: choose from {', '.join(ARMS)}")
     runs = [(b, bench) for name, bench in pick(args.tasks).items() for b in budgets(args, name, bench)]
     reports = []
-    with bench_stack(args.out) as stack, Progress("quality", unit="tasks") as bar:
+    with bench_stack(args.out, keep=args.keep_stack) as stack, Progress("quality", unit="tasks") as bar:
         bar.update(0, len(runs))
         for b, bench in runs:
             reports.append(run_task(b, bench, args, wanted, stack))

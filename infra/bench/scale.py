@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.coordinator.config import RunSettings
-from diloco.infra.bench.trial import bench_stack
+from diloco.infra.bench.trial import add_out_arguments, bench_stack
 from diloco.infra.local.fleet import Supervisor, diloco_command, learner_argv, process_env, wait_until
 from diloco.infra.output import figures_table, human_bytes
 from diloco.storage.bus import Bus
@@ -60,7 +60,7 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("out/bench/scale"), help="stack data and logs")
+    add_out_arguments(parser, "scale")
     parser.add_argument("--learners", type=int, default=2, help="M (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=16, help="inner steps per learner (default: %(default)s)")
     parser.add_argument("--sync-every", type=int, default=4, help="H (default: %(default)s)")
@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> ScaleResult:
     base = baseline(task_path, args.steps)
     run_id = f"scale-{int(time.time())}"
     names = [f"learner-{i}" for i in range(args.learners)]
-    with bench_stack(args.out) as stack:
+    with bench_stack(args.out, keep=args.keep_stack) as stack:
         started, started_at = time.monotonic(), time.time()
         with Supervisor(process_env(stack.env()), args.out / "logs") as fleet:
             fleet.add("coordinator", diloco_command(

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from pathlib import Path
 
 from diloco.infra.output import figures_table
-from diloco.infra.bench.trial import LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
+from diloco.infra.bench.trial import add_out_arguments, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
 from diloco.workers.tasks.demo import DemoTask
 
 NAME = "stall"
@@ -24,7 +23,7 @@ HELP = "fraction of learner wall time blocked on synchronization, decoupled vs s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("out/bench/stall"), help="stack data and logs")
+    add_out_arguments(parser, "stall")
     parser.add_argument("--learners", type=int, default=4, help="M (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=400, help="inner steps per learner (default: %(default)s)")
     parser.add_argument("--slow-factor", type=float, default=2.0, help="the last learner's slowdown (default: %(default)s)")
@@ -73,5 +72,5 @@ def run(args: argparse.Namespace) -> StallResult:
         "decoupled": Trial("decoupled", learners, 3600.0, run_args(2, args.sync_every, 3, "int8"), ("--min-quorum", "1")),
         "sync": sync_trial("sync", learners, 3600.0, sync_every=args.sync_every),
     }
-    with bench_stack(args.out) as stack:
+    with bench_stack(args.out, keep=args.keep_stack) as stack:
         return StallResult({name: run_trial(stack, trial, task, args.out, curve_points=1) for name, trial in arms.items()})

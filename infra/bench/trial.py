@@ -14,6 +14,7 @@ stack), supervises them, and afterwards reads everything back from S3 and Redis:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -298,16 +299,38 @@ def version_curve(task: Task, store: ObjectStore, layout: Layout, manifests: dic
     return curve, labels
 
 
+def add_out_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """`--out` (the stack's data and the processes' logs, `out/bench/NAME` by default) and `--keep-stack`."""
+    parser.add_argument("--out", type=Path, default=Path("out/bench") / name, help="stack data and logs")
+    parser.add_argument("--keep-stack", action="store_true",
+                        help="keep the local stack's server data under OUT/stack after the bench, to replay or "
+                             "inspect its runs (removed by default once the figures are read: a few hundred MB a run)")
+
+
 @contextmanager
-def bench_stack(out: Path) -> Iterator[LocalStack]:
+def bench_stack(out: Path, *, keep: bool = False, bind: str = "127.0.0.1") -> Iterator[LocalStack]:
     """A fresh local stack under `out/stack` (an earlier one's data removed), its credentials in
-    this process's environment for the figures read back from S3."""
-    if (out / "stack").exists():
-        shutil.rmtree(out / "stack")
+    this process's environment for the figures read back from S3.
+
+    Its servers' data (a few hundred MB a run: SeaweedFS's volumes) is removed once the bench has
+    read its figures, unless `keep` (`--keep-stack`: to replay or inspect the runs afterwards) or
+    the bench failed: then it stays for a look, and the log says where."""
+    data = out / "stack"
+    if data.exists():
+        shutil.rmtree(data)
     out.mkdir(parents=True, exist_ok=True)
-    with LocalStack(out / "stack") as stack, aws_env(stack.env()):
-        stack.start()
-        yield stack
+    with LocalStack(data, bind=bind) as stack, aws_env(stack.env()):
+        try:
+            yield stack
+        except BaseException:
+            log.warning("kept the stack's data under %s for a look at what failed", data)
+            raise
+    if keep:
+        log.info("kept the stack's data under %s (--keep-stack)", data)
+        return
+    size = sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
+    shutil.rmtree(data, ignore_errors=True)
+    log.info("removed the stack's data under %s (%.0f MB; --keep-stack keeps it)", data, size / 1e6)
 
 
 def time_to(curve: list[tuple[float, float]], target: float) -> float | None:

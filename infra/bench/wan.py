@@ -54,12 +54,10 @@ bytes each learner moved on its link (veth counters, every packet) as well as wh
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import logging
-import shutil
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,8 +65,9 @@ from diloco.coordinator.config import RunSettings
 from diloco.infra.bench.dataparallel import DpRun, _dp_worker, dp_equivalent_curve, ring_bytes, run_dp
 from diloco.infra.bench.netns import (Rates, WanNet, _sigterm_interrupts, entered, feasibility, netns_exec,
                                       remove_leftovers)
-from diloco.infra.bench.trial import LearnerPlan, Placement, Trial, TrialResult, run_trial, sync_trial, time_to
-from diloco.infra.local.stack import LocalStack, aws_env
+from diloco.infra.bench.trial import (add_out_arguments, LearnerPlan, Placement, Trial, TrialResult, bench_stack, run_trial, sync_trial,
+                                      time_to)
+from diloco.infra.local.stack import LocalStack
 from diloco.infra.output import figures_table
 from diloco.workers.tasks.demo import DemoTask
 from diloco.workers.tasks.base import Task
@@ -336,7 +335,7 @@ def diloco_figures(arm: str, lt: LinkedTrial, target: float | None) -> ArmFigure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("out/bench/wan"), help="stack data and logs")
+    add_out_arguments(parser, "wan")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of %(default)s")
     parser.add_argument("--learners", type=int, default=4, help="M (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=600,
@@ -431,16 +430,6 @@ def _trial(arm: str, args: argparse.Namespace) -> Trial:
     return Trial(f"wan-{arm}", learners, args.budget_s, extra, step_time_s=args.step_time_s)  # the defaults
 
 
-@contextlib.contextmanager
-def hub_stack(out: Path) -> Iterator[LocalStack]:
-    """A fresh local stack under `out/stack`, listening on every address of the namespace it runs in."""
-    if (out / "stack").exists():
-        shutil.rmtree(out / "stack")
-    out.mkdir(parents=True, exist_ok=True)
-    with LocalStack(out / "stack", bind="0.0.0.0") as stack, aws_env(stack.env()):
-        yield stack
-
-
 def run(args: argparse.Namespace) -> WanResult:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = set(arms) - set(ARMS)
@@ -473,7 +462,7 @@ def run(args: argparse.Namespace) -> WanResult:
                                               congestion_control=args.congestion_control) as net, entered(net.hub):
         diloco_arms = [a for a in ("decoupled", "sync", "mixed", "mixed_without") if a in arms]
         if diloco_arms:
-            with hub_stack(out) as stack:
+            with bench_stack(out, keep=args.keep_stack, bind="0.0.0.0") as stack:  # every address of the hub
                 for arm in diloco_arms:
                     linked[arm] = run_linked_trial(stack, net, _trial(arm, args), task, out / arm, _rates(args, arm),
                                                    curve_points=args.curve_points or None)
