@@ -157,7 +157,7 @@ KNOWN_SETTINGS = frozenset({
     "outer_lr", "outer_momentum", "overlap_steps", "own_version_wait", "radial_directional", "reach_timeout_s",
     "read_batch_bytes", "repair_s", "repeats", "rescale_s", "restart_delay_s", "restart_s", "reuse_freed_memory", "round_s", "run",
     "save_state", "scale_rounds", "seconds", "send_ahead", "seed", "slice_chips", "slow_factor", "slowdown", "speed_cv",
-    "stale_momentum", "staleness_discount", "staleness_relative", "standby", "state_every", "state_link_share", "state_max_age_s", "step_time_s", "steps", "shard", "shards", "sync_every", "tensors", "threads", "timeout_s", "transfer_nice", "transfer_threads",
+    "stale_momentum", "staleness_discount", "staleness_relative", "standby", "state_every", "state_link_share", "state_max_age_s", "step_time_s", "steps", "shard", "shards", "sync_every", "tensors", "threads", "timeout_s", "transfer_nice", "transfer_share", "transfer_threads",
     "token_budget", "until", "upload_deadline_s", "upload_s", "wait_for_merge", "window_s"
 })
 """Every setting name (field and flag spellings) of every command: `cli.every_setting()` declares

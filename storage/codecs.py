@@ -81,6 +81,7 @@ import torch.nn.functional as F
 import zstandard
 
 from diloco.storage.errors import Refused
+from diloco.storage.intraop import pace
 COMPRESSIONS = ("none", "zstd")
 MAGIC = b"DLCO"
 FORMAT_VERSION = 1
@@ -280,6 +281,7 @@ class Blocks(Codec):
                 codes_out[e0:e1].view(torch.int8).copy_(flat)
             else:
                 codes_out[e0 // per_byte:-(-e1 // per_byte)].copy_(_pack_codes(flat, self.bits, self.zero))
+            pace()
 
     def _quantized(self, x: torch.Tensor, block: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(the whole values, float32, one row per block, the last padded with 0; the scales)."""
@@ -789,9 +791,12 @@ def _encode(tensors: Mapping[str, torch.Tensor], codec: str, compress: bool,
             made[spec.name] = torch.empty(spec.shape)
             found.encode_lost(out, x, None if p is None else p.detach().to(device="cpu").reshape(-1),
                               made[spec.name].view(-1), block, spec)
+        pace()
     head = _framed_header(codec, "zstd" if compress else "none", len(buf), hashlib.sha256(buf).hexdigest(), block,
                           meta_map, specs)
+    pace()
     body = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(buf) if compress else buf
+    pace()
     return b"".join((head, body)), made
 
 
@@ -838,6 +843,7 @@ def encode_streamed(tensors: Mapping[str, torch.Tensor], *,
         flat.append(x)
         if x.numel():
             payload.update(byte_view(x))
+        pace()
     head = _framed_header("fp32", "none", sum(s.nbytes for s in specs), payload.hexdigest(), 0, meta_map, specs)
     views = (memoryview(head), *(byte_view(x) for x in flat if x.numel()))
     return Streamed(views, tuple(flat), sum(v.nbytes for v in views))
@@ -922,9 +928,11 @@ def open_object(blob: bytes | bytearray, *, max_bytes: int, expect: Mapping[str,
         buf: bytearray | memoryview = body  # a writable view of the caller's buffer
     else:
         buf = _decompress(header, body)
+        pace()
     if hashed:
         return Opened(header, buf)
     digest = hashlib.sha256(buf).hexdigest()
+    pace()
     if digest != header.payload_sha256:
         raise Refused("sha256_mismatch", f"payload sha256 is {digest}, header says {header.payload_sha256}: "
                                          "the object is corrupt or was tampered with")
@@ -934,7 +942,11 @@ def open_object(blob: bytes | bytearray, *, max_bytes: int, expect: Mapping[str,
 def decode_opened(opened: Opened) -> dict[str, torch.Tensor]:
     """The float32 CPU tensors of an opened object, with `decode`'s checks of the values. fp32
     tensors are views of the payload: read them, do not write to them."""
-    return {spec.name: codec.decode(seg, spec, block) for codec, seg, spec, block in _segments(opened)}
+    decoded = {}
+    for codec, seg, spec, block in _segments(opened):
+        decoded[spec.name] = codec.decode(seg, spec, block)
+        pace()
+    return decoded
 
 
 def tensor_decoders(opened: Opened, *, checked: bool = False) -> dict[str, Callable[[], torch.Tensor]]:

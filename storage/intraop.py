@@ -1,10 +1,20 @@
-"""Capping the intra-op threads of the torch ops one thread starts, and no other thread's.
+"""Capping the intra-op threads of the torch ops one thread starts, and no other thread's; pacing
+one thread's CPU use.
 
 `omp_set_num_threads` is per thread; `torch.set_num_threads` would also become the default of every
 thread started later. A pool of threads that each decode or encode whole tensors gets its
 parallelism from the pool: each of them on one intra-op thread, so that N threads do not start N
 OpenMP teams whose idle workers spin on the cores the others need (the learner's transfer threads,
 `workers.threads`; the coordinator's fetch threads, `coordinator.intake`).
+
+A thread may also be paced (`pace_this_thread`): its heavy work (encoding, decoding, hashing a
+fragment) then stops at `pace()` points, each a few milliseconds of work apart, and sleeps whenever
+it has used more than its share of a CPU. A token bucket: the thread earns `share` CPU seconds per
+second, up to BURST_S in hand, and spends its own CPU time (`time.thread_time`); below zero it sleeps
+until it is even again. Occasional small work (a small model's pieces) never waits; a burst (a 31M-value
+piece: about half a CPU second) is spread over 1/share times as long, so that a training loop it
+shares a core with is slowed by about `share` over several steps instead of twice as long for one
+(`workers.threads`).
 """
 
 from __future__ import annotations
@@ -12,6 +22,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -62,3 +75,54 @@ def _openmp() -> ctypes.CDLL | None:
         except (OSError, AttributeError):
             continue
     return None
+
+
+BURST_S = 0.05
+"""CPU seconds a paced thread may spend at once before it is held to its share."""
+
+
+class Pacer:
+    """One thread's token bucket (see the module's docstring). Read its figures from any thread."""
+
+    def __init__(self, share: float, *, cpu: Callable[[], float] = time.thread_time,
+                 wall: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"a paced thread's CPU share must be in (0, 1], got {share}")
+        self.share = share
+        self.slept_s = 0.0
+        """Seconds the thread has slept to keep to its share."""
+        self._clock, self._sleep = (cpu, wall), sleep
+        self._tokens = BURST_S
+        self._cpu, self._wall = cpu(), wall()
+
+    def step(self) -> None:
+        """Spend the CPU time used since the last step; sleep while the bucket is below zero."""
+        cpu, wall = (clock() for clock in self._clock)
+        self._tokens = min(BURST_S, self._tokens + self.share * (wall - self._wall)) - (cpu - self._cpu)
+        self._cpu, self._wall = cpu, wall
+        if self._tokens < 0.0:
+            pause = -self._tokens / self.share
+            self._sleep(pause)
+            self.slept_s += pause
+            # Earned while asleep: back to even (a late wake-up earns no more than the pause).
+            self._tokens = 0.0
+            self._cpu, self._wall = (clock() for clock in self._clock)
+
+
+_local = threading.local()
+
+
+def pace_this_thread(share: float) -> Pacer | None:
+    """Pace the calling thread's work at `pace()` points to `share` of a CPU (1: not paced). Returns
+    its pacer (None when not paced), whose `slept_s` says what the pacing cost the thread."""
+    _local.pacer = Pacer(share) if share < 1.0 else None
+    return _local.pacer
+
+
+def pace() -> None:
+    """A point in a long piece of work where the calling thread may wait for its CPU share (a no-op
+    unless `pace_this_thread` paced it): between the chunks of an encode, the tensors of a decode,
+    the views of a hash."""
+    pacer = getattr(_local, "pacer", None)
+    if pacer is not None:
+        pacer.step()

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from diloco.storage import codecs
+from diloco.storage.intraop import pace
 from diloco.storage.keys import RunKeys
 
 
@@ -112,7 +113,11 @@ def apply_update(parent: Mapping[str, Tensor], blob: bytes, *, max_bytes: int,
     `hashed`: as for `codecs.decode`, or the caller checks the params this returns against their
     recorded sha256 (a learner's take), which no damaged payload passes."""
     decoded, _ = codecs.decode(blob, max_bytes=max_bytes, expect=expect, hashed=hashed)
-    return {name: decoded[name].add_(p) for name, p in parent.items()}
+    params = {}
+    for name, p in parent.items():
+        params[name] = decoded[name].add_(p)
+        pace()
+    return params
 
 
 def chain_worth_it(update_bytes: list[int], params_bytes: int) -> bool:

@@ -22,6 +22,7 @@ from diloco.workers.hostcopy import Snapshot
 from diloco.workers.island import Replica
 from diloco.workers.state import (LearnerState, Stateful, StateSaver, full_form, latest_key, misfit,
                                   optimizer_params, pack_tree, save_fits_link, sharded_like, unpack_user)
+from diloco.workers.threads import ThreadLimits
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +77,12 @@ class StateKeeper:
         return optimizer_params(self.optimizer, {id(p): n for n, p in self.replica.params.items()})
 
     def find(self, store: Store, keys: RunKeys, heads: dict[int, int], clock: Callable[[], float], *,
-             max_age_s: float, threads: int | None, nice: int) -> None:
+             max_age_s: float, limits: ThreadLimits) -> None:
         """Rank 0, joining: this learner's newest saved state, kept for `restore` if it fits (else a
         line saying why); starts the saver after it. `clock`: the run's (Redis server time)."""
         key = latest_key(store, keys, self.learner_id)
         seq = 0 if key is None else keys.parse_learner_state_key(key)[1] + 1
-        self.saver = StateSaver(store, keys, self.learner_id, next_seq=seq, threads=threads, nice=nice)
+        self.saver = StateSaver(store, keys, self.learner_id, next_seq=seq, limits=limits)
         self.saver.start()
         if key is None:
             return

@@ -74,7 +74,7 @@ from diloco.workers.staging import Stager
 from diloco.workers.takes import Awaiting, refetch_after, wait_reason
 from diloco.storage.heap import reuse_freed_memory
 from diloco.storage.intraop import usable_cpus
-from diloco.workers.threads import abandon, transfer_nice, transfer_threads
+from diloco.workers.threads import ThreadLimits, abandon
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
 log = logging.getLogger(__name__)
@@ -137,16 +137,23 @@ class LearnerConfig:
     a thin link it delays the pieces it shares the link with until they are refused as stale. 1: no
     limit. The state saved on SIGTERM is always tried."""
     transfer_threads: int = 0
-    """CPU threads each of the learner's transfer threads (uploader, fetcher, state saver) may use for
-    torch's encoding, decoding and hashing of whole fragments. 0: a quarter of this process's CPUs
-    when the model is on a GPU (the thread that launches the kernels keeps its core), torch's own
-    count on the CPU (where capping them slows the loop's own parallel ops: `workers/threads.py`)."""
+    """CPU threads each of the learner's transfer threads (uploader, fetcher, stager, state saver)
+    may use for torch's encoding, decoding and hashing of whole fragments. 0: a quarter of this
+    process's CPUs when the model is on a GPU (the thread that launches the kernels keeps its core);
+    on the CPU one when their work is paced (`transfer_share`), else torch's own count."""
     transfer_nice: int = -1
     """How far below the training loop's priority the transfer threads run (Linux: a nice value of
     their own, the thread only): when they contend for a core, the loop wins. 0: the same priority.
     -1: chosen for the device (`threads.transfer_nice`): 10 when the model is on a GPU (the thread
     that launches its kernels is never kept waiting), 0 on the CPU (where a lowered transfer thread
     waits behind the loop's own work, and every take comes that much later)."""
+    transfer_share: float = 0.0
+    """The share of a CPU each transfer thread's heavy work may take over any stretch of more than
+    50 ms of it (`storage.intraop.pace_this_thread`): a burst (encoding a large piece, taking a
+    version) is spread out instead of slowing one step of a loop it shares a core with by up to
+    twice. 1: not paced. 0: chosen for the device (`threads.transfer_share`): 0.25 on the CPU, not
+    paced beside a GPU (where they run on cores of their own, below the loop). Their average load
+    must stay below it, or pieces queue: a 124M model on 2 CPUs uses 4% of one."""
     reuse_freed_memory: bool = True
     """Tune this process's malloc (glibc) to keep freed fragment-sized buffers for reuse instead of
     handing them back to the OS after every piece (`storage.heap`): the transfer threads' encoding and
@@ -177,6 +184,9 @@ class LearnerConfig:
             raise ConfigError(f"transfer_nice must be in 0..19 (or -1: chosen for the device), got {self.transfer_nice}")
         if self.dropped not in ("auto", "keep", "carry"):
             raise ConfigError(f"dropped must be auto, keep or carry, got {self.dropped!r}")
+        if not (math.isfinite(self.transfer_share) and 0 <= self.transfer_share <= 1):
+            raise ConfigError(f"transfer_share must be in (0, 1] (or 0: chosen for the device), got "
+                              f"{self.transfer_share!r}")
         if self.transfer_threads < 0:
             raise ConfigError(f"transfer_threads must be >= 0 (0: chosen for the device), got {self.transfer_threads}")
         if self.lease_s <= self.heartbeat_s or not self.lease_s <= MAX_LEASE_S:
@@ -653,14 +663,15 @@ class Learner:
                               f"({', '.join(codecs.CODECS)}): upgrade diloco to the coordinator's version")
         mine = plan_layout(model_params(self.model), self.spec.num_fragments)
         layout = self._wait(lambda: read_layout(self.store, keys), deadline, "the run's layout", found=False)
-        self._threads = transfer_threads(self.config.transfer_threads, self.replica.device.type, usable_cpus())
-        self._nice = transfer_nice(self.config.transfer_nice, self.replica.device.type)
+        self._limits = ThreadLimits.for_device(self.replica.device.type, usable_cpus(),
+                                               threads=self.config.transfer_threads, nice=self.config.transfer_nice,
+                                               share=self.config.transfer_share)
         if self.config.reuse_freed_memory:
             log.debug("learner %s: malloc: %s", self.learner_id, reuse_freed_memory())
         self.uploader = Uploader(self.store, self.bus, self.spec, self.learner_id, self.stats,
                                  deadline_s=self.config.upload_deadline_s, error_feedback=self.config.error_feedback,
                                  keep_dropped=self._keeps_dropped(),
-                                 threads=self._threads, nice=self._nice)
+                                 limits=self._limits)
         self.uploader.start()
         self._heartbeat()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -694,11 +705,9 @@ class Learner:
             return None
 
         heads = self._wait(heads_or_propose, deadline, "version 0 of every fragment")
-        self._stager = Stager(self.replica.copies, self._anchor_for, threads=self._threads,
-                              nice=self._nice)
+        self._stager = Stager(self.replica.copies, self._anchor_for, limits=self._limits)
         self._stager.start()
-        self.fetcher = Fetcher(self.store, self.bus, layout, self.stats, stager=self._stager, threads=self._threads,
-                               nice=self._nice)
+        self.fetcher = Fetcher(self.store, self.bus, layout, self.stats, stager=self._stager, limits=self._limits)
         values: dict[str, torch.Tensor] = {}
         for fragment, version in heads.items():
             what = f"version {version} of fragment {fragment}"
@@ -716,7 +725,7 @@ class Learner:
                      "not downloaded", self.learner_id, self.stats.joined_own, len(heads))
         if self.config.save_state:
             self.keeper.find(self.store, keys, heads, self.bus.server_time, max_age_s=self.config.state_max_age_s,
-                             threads=self._threads, nice=self._nice)
+                             limits=self._limits)
         self.fetcher.start()
         self.bus.join(self.learner_id)
         self._joined = True
@@ -943,6 +952,13 @@ class Learner:
         if self._stager is not None:
             phases["stage"] = self._stager.cpu_s
         return phases
+
+    @property
+    def transfer_paced_s(self) -> float:
+        """Seconds the transfer threads have slept to keep to their CPU share (`transfer_share`)."""
+        threads = (getattr(self, "uploader", None), getattr(self, "fetcher", None), self._stager,  # once joined
+                   self.keeper.saver)
+        return sum(t.pacer.slept_s for t in threads if t is not None and t.pacer is not None)
 
     def _anchor_for(self, fragment: int, version: int) -> tuple[Snapshot | None, list[str]] | None:
         """The stager's thread, about to make `version` ready: the anchor of the moment to compute it

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
+from diloco.storage.intraop import Pacer, pace
 from diloco.workers.hostcopy import HostCopies, Snapshot
-from diloco.workers.threads import lower_this_thread
+from diloco.workers.threads import ThreadLimits
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +134,13 @@ class Stager(threading.Thread):
     docstring): `submit` from any thread; `Staged.release` from the training thread."""
 
     def __init__(self, copies: HostCopies, anchor_of: AnchorOf | None = None, *, chunk_elems: int = CHUNK_ELEMS,
-                 threads: int | None = None, nice: int = 0) -> None:
+                 limits: ThreadLimits = ThreadLimits()) -> None:
         super().__init__(name="stager", daemon=True)
         self.anchor_of = anchor_of
-        self.threads, self.nice = threads, nice
-        """torch's intra-op threads for this thread's ops, and how far below the loop's priority it
-        runs (`workers.threads`); None: torch's own count."""
+        self.limits = limits
+        """What this thread may take of the machine (`workers.threads`), applied as it starts."""
+        self.pacer: Pacer | None = None
+        """Its pacer, once started, when its work is paced (`ThreadLimits.share`)."""
         self.cpu_s = 0.0
         """This thread's CPU time, in total."""
         self._jobs: dict[int, tuple[int, Mapping[str, torch.Tensor], Slot, int]] = {}  # fragment -> newest request
@@ -172,7 +174,7 @@ class Stager(threading.Thread):
             self._cond.notify_all()
 
     def run(self) -> None:
-        lower_this_thread(self.threads, self.nice)
+        self.pacer = self.limits.apply()
         while True:
             with self._cond:
                 while not self._jobs and not self._closed:
@@ -222,6 +224,7 @@ class Stager(threading.Thread):
             out = {n: torch.empty(params[n].shape, dtype=torch.float32) for n in names}
         for n in names:
             torch.sub(params[n], base[n], out=out[n])
+            pace()
         return Staged(version, anchor, out, functools.partial(self._give_back, pool))
 
     def _give_back(self, pool: list[dict[str, torch.Tensor]], values: dict[str, torch.Tensor]) -> None:
@@ -255,6 +258,7 @@ class Stager(threading.Thread):
             with streams.using(side):
                 flat_out[start:stop].copy_(chunk, non_blocking=True)
                 self._events[i] = streams.record(side)
+            pace()
         return out
 
 

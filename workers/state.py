@@ -51,11 +51,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from diloco.storage.codecs import Streamed, byte_view
 from diloco.storage.errors import Refused
+from diloco.storage.intraop import Pacer
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import Store
 from diloco.storage.protocol import pack, unpack
 from diloco.workers.hostcopy import Snapshot
-from diloco.workers.threads import lower_this_thread
+from diloco.workers.threads import ThreadLimits
 
 log = logging.getLogger(__name__)
 
@@ -287,12 +288,13 @@ class StateSaver(threading.Thread):
     """Uploads a learner's saved states in the background, the newest only: a state taken while
     the previous one is still uploading replaces any that waits. Deletes all but the last KEEP."""
 
-    def __init__(self, store: Store, keys: RunKeys, learner: str, next_seq: int, *, threads: int | None = None,
-                 nice: int = 0) -> None:
+    def __init__(self, store: Store, keys: RunKeys, learner: str, next_seq: int, *,
+                 limits: ThreadLimits = ThreadLimits()) -> None:
         super().__init__(name="state-saver", daemon=True)
-        self.threads, self.nice = threads, nice
-        """torch's intra-op threads for this thread's ops, and how far below the loop's priority it
-        runs (`workers.threads`); None: torch's own count."""
+        self.limits = limits
+        """What this thread may take of the machine (`workers.threads`), applied as it starts."""
+        self.pacer: Pacer | None = None
+        """Its pacer, once started, when its work is paced (`ThreadLimits.share`)."""
         self.store, self.keys, self.learner = store, keys, learner
         self._seq = next_seq
         self._cond = threading.Condition()
@@ -330,7 +332,7 @@ class StateSaver(threading.Thread):
             self._cond.notify_all()
 
     def run(self) -> None:
-        lower_this_thread(self.threads, self.nice)
+        self.pacer = self.limits.apply()
         while True:
             with self._cond:
                 while self._waiting is None and not self._closed:

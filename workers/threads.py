@@ -27,6 +27,15 @@ average (6 runs) against 1.6668 (7), waiting's 1.6611, in no more wall time. Low
 alone (the uploader, or the fetcher and stager) halved the gain. The cost: a transfer thread at
 nice 0 takes its share of a core while it runs, so a loop confined to one core has slower steps
 then (`diloco bench device` on the CPU: worst step 1.91x the median, one run, against 1.3-1.5x).
+
+So on the CPU their heavy work is paced instead (`LearnerConfig.transfer_share`,
+`storage.intraop.pace_this_thread`): each may take CPU_SHARE of a CPU over any stretch longer than
+a burst of 50 ms, on one intra-op thread (pacing counts the thread's own CPU time). A piece of a
+small model (the quality benchmark's: a few milliseconds) goes out as fast as before; a piece of
+31M values (half a CPU second) takes four times as long to go out, and the loop it shares a core
+with loses a quarter of that core over a few steps instead of half of it for one. A transfer thread's
+average load must stay under its share: a 124M model at 1.6 s a step uses 4% of a CPU for its
+transfers.
 """
 
 from __future__ import annotations
@@ -34,8 +43,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import dataclass
 
-from diloco.storage.intraop import cap_this_thread
+from diloco.storage.intraop import Pacer, cap_this_thread, pace_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +54,10 @@ CPU_NICE, GPU_NICE = 0, 10
 
 GPU_SHARE = 4
 """Beside a GPU, the transfer threads each get 1 / GPU_SHARE of the CPUs (at least one)."""
+
+CPU_SHARE = 0.25
+"""On the CPU, the share of a CPU each transfer thread's heavy work is paced to (`transfer_share`)."""
+
 
 def transfer_threads(setting: int, device_type: str, cpus: int) -> int | None:
     """The intra-op threads each transfer thread may use: `setting` when > 0 (at most `cpus`);
@@ -63,6 +77,45 @@ def transfer_nice(setting: int, device_type: str) -> int:
     if setting >= 0:
         return setting
     return CPU_NICE if device_type == "cpu" else GPU_NICE
+
+
+def transfer_share(setting: float, device_type: str) -> float:
+    """The share of a CPU each transfer thread's heavy work is paced to: `setting` when > 0 (1: not
+    paced); 0 (the default) means CPU_SHARE on the CPU, not paced beside a device (where the
+    transfer threads have cores of their own, `transfer_threads`, and run below the loop)."""
+    if not (0.0 <= setting <= 1.0):
+        raise ValueError(f"transfer_share must be in (0, 1] (or 0: chosen for the device), got {setting}")
+    if setting > 0.0:
+        return setting
+    return CPU_SHARE if device_type == "cpu" else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadLimits:
+    """What one of the learner's transfer threads may take of the machine; the thread applies them
+    to itself as it starts (`apply`)."""
+
+    threads: int | None = None
+    """Intra-op threads of its torch ops (None: torch's own count; `transfer_threads`)."""
+    nice: int = 0
+    """Steps below the loop's priority (`transfer_nice`)."""
+    share: float = 1.0
+    """Share of a CPU its heavy work is paced to (1: not paced; `transfer_share`)."""
+
+    @classmethod
+    def for_device(cls, device_type: str, cpus: int, *, threads: int = 0, nice: int = -1,
+                   share: float = 0.0) -> ThreadLimits:
+        """The limits the settings (`LearnerConfig`'s transfer_*, 0 or -1: chosen) give on `device_type`."""
+        paced = transfer_share(share, device_type)
+        count = transfer_threads(threads, device_type, cpus)
+        if paced < 1.0 and count is None:
+            count = 1  # pacing counts the thread's own CPU time: its ops run on it alone
+        return cls(count, transfer_nice(nice, device_type), paced)
+
+    def apply(self) -> Pacer | None:
+        """Apply the limits to the calling thread; its pacer, None when it is not paced."""
+        lower_this_thread(self.threads, self.nice)
+        return pace_this_thread(self.share)
 
 
 def lower_this_thread(threads: int | None, nice: int = 0) -> bool:

@@ -38,13 +38,14 @@ from diloco.storage import codecs
 from diloco.storage.bus import Bus
 from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
 from diloco.storage.history import params_limit, params_match, read_manifest, read_params, read_verified, sha256_hex
+from diloco.storage.intraop import Pacer
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, Layout, Manifest, ObjectMeta, RunSpec, VersionEvent
 from diloco.storage.updates import apply_update, chain_worth_it, encode_piece, params_body
 from diloco.workers.hostcopy import Snapshot
 from diloco.workers.staging import Slot, Stager
-from diloco.workers.threads import lower_this_thread
+from diloco.workers.threads import ThreadLimits
 
 log = logging.getLogger(__name__)
 
@@ -200,11 +201,12 @@ class Uploader(threading.Thread):
 
     def __init__(self, store: ObjectStore, bus: Bus, spec: RunSpec, learner: str, stats: TransferStats, *,
                  deadline_s: float = 120.0, error_feedback: bool = True, keep_dropped: bool = False,
-                 threads: int | None = None, nice: int = 0) -> None:
+                 limits: ThreadLimits = ThreadLimits()) -> None:
         super().__init__(name=f"uploader-{learner}", daemon=True)
-        self.threads, self.nice = threads, nice
-        """torch's intra-op threads for this thread's ops, and how far below the loop's priority it
-        runs (`workers.threads`); None: torch's own count."""
+        self.limits = limits
+        """What this thread may take of the machine (`workers.threads`), applied as it starts."""
+        self.pacer: Pacer | None = None
+        """Its pacer, once started, when its work is paced (`ThreadLimits.share`)."""
         self.store, self.bus, self.spec, self.learner, self.stats = store, bus, spec, learner, stats
         self.deadline_s = deadline_s
         self.error_feedback = error_feedback
@@ -264,7 +266,7 @@ class Uploader(threading.Thread):
             self._cv.notify_all()
 
     def run(self) -> None:
-        lower_this_thread(self.threads, self.nice)
+        self.pacer = self.limits.apply()
         while True:
             with self._cv:
                 while not self._jobs and not self._closed:
@@ -449,11 +451,12 @@ class _Fragment:
 
 class Fetcher(threading.Thread):
     def __init__(self, store: ObjectStore, bus: Bus, layout: Layout, stats: TransferStats, *,
-                 stager: Stager | None = None, threads: int | None = None, nice: int = 0) -> None:
+                 stager: Stager | None = None, limits: ThreadLimits = ThreadLimits()) -> None:
         super().__init__(name="fetcher", daemon=True)
-        self.threads, self.nice = threads, nice
-        """torch's intra-op threads for this thread's ops, and how far below the loop's priority it
-        runs (`workers.threads`); None: torch's own count."""
+        self.limits = limits
+        """What this thread may take of the machine (`workers.threads`), applied as it starts."""
+        self.pacer: Pacer | None = None
+        """Its pacer, once started, when its work is paced (`ThreadLimits.share`)."""
         self.store, self.bus, self.layout, self.stats = store, bus, layout, stats
         self._stager = stager
         """Makes each version downloaded ready to take, on its own thread (`workers.staging`)."""
@@ -551,7 +554,7 @@ class Fetcher(threading.Thread):
         self._closing.set()
 
     def run(self) -> None:
-        lower_this_thread(self.threads, self.nice)
+        self.pacer = self.limits.apply()
         while not self._closing.is_set():
             cpu = time.thread_time()
             try:

@@ -23,9 +23,9 @@ for the Learner the hook's own time, the versions taken in the timed window (and
 ready from the fetcher's thread), and the transfer threads' CPU per step. The verdict holds the
 Learner's synchronized mean to within 5% of the plain loop's on the CPU and 2% on a GPU, and no
 step over 1.5x the median. `--transfer-threads 0,1,16` runs one Learner arm per value of
-`LearnerConfig.transfer_threads`, each a run of its own; `--transfer-nice` the same per value of
-`LearnerConfig.transfer_nice` (default: the learner's choice for the device, then GPU_NICE on the
-CPU, so that the CPU run also times the setting a GPU gets).
+`LearnerConfig.transfer_threads`, each a run of its own; `--transfer-nice` and `--transfer-share`
+the same per pair of values of `LearnerConfig.transfer_nice` and `transfer_share` (default: the
+learner's choice for the device, then on the CPU the setting a GPU gets: GPU_NICE, not paced).
 """
 
 from __future__ import annotations
@@ -36,19 +36,23 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from diloco.coordinator.config import RunSettings
+from diloco.infra.bench.trial import add_out_arguments, bench_stack
 from diloco.infra.options import whole_numbers
 from diloco.infra.output import figures_table
 from diloco.storage.errors import ConfigError
 from diloco.storage.intraop import usable_cpu_ids
 from diloco.storage.settings import ENV_REDIS_URL, Endpoints
-from diloco.workers.threads import GPU_NICE
+from diloco.workers.threads import CPU_SHARE, GPU_NICE
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 NAME = "device"
 HELP = "the step hook's cost to a training loop (124M GPT-2 shape) on a GPU or the CPU, against a plain loop"
@@ -59,7 +63,7 @@ SPIKE = 1.5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = RunSettings()
-    parser.add_argument("--out", type=Path, default=Path("out/bench/device"), help="stack data and logs")
+    add_out_arguments(parser, "device")
     parser.add_argument("--device", default="auto", help="torch device: auto (cuda if available, else cpu), cuda, cpu...")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per arm (default: 200 on a GPU, 110 on the CPU)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 20 on a GPU, 10 on the CPU)")
@@ -81,13 +85,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "there are fragments, at most this long (default: %(default)s)")
     parser.add_argument("--transfer-threads", default="0",
                         help="one Learner arm per comma-separated value of LearnerConfig.transfer_threads (default: "
-                             "%(default)s, the learner's default: a quarter of the CPUs beside a GPU, torch's count on "
-                             "the CPU); the verdict is the first arm's")
+                             "%(default)s, the learner's default: a quarter of the CPUs beside a GPU, one on the CPU "
+                             "where the transfers are paced); the verdict is the first arm's")
     parser.add_argument("--transfer-nice", default=None,
                         help="one Learner arm per comma-separated value of LearnerConfig.transfer_nice (-1: the "
                              "learner's default, chosen for the device: its loop's priority on the CPU, %d below it "
                              "beside a GPU) (default: -1 on a GPU; -1,%d on the CPU, so that the CPU proxy also times "
-                             "the GPU's setting); the verdict is the first arm's" % (GPU_NICE, GPU_NICE))
+                             "the GPU's setting, not paced); the verdict is the first arm's" % (GPU_NICE, GPU_NICE))
+    parser.add_argument("--transfer-share", default=None,
+                        help="one Learner arm per comma-separated value of LearnerConfig.transfer_share, for each "
+                             "--transfer-nice (0: the learner's default, chosen for the device: %g of a CPU on the "
+                             "CPU, not paced beside a GPU; 1: not paced) (default: 0)" % CPU_SHARE)
 
 
 @dataclass
@@ -109,6 +117,8 @@ class Arm:
     transfer_phases: dict[str, float] = field(default_factory=dict)
     """`transfer_cpu_s` by what the transfer threads did (`Learner.transfer_cpu_phases`)."""
     process_cpu_s: float = 0.0
+    paced_s: float = 0.0
+    """Seconds the transfer threads slept to keep to their CPU share (`Learner.transfer_paced_s`)."""
     sent: int = 0
     coalesced: int = 0
     """Sends in the timed window that found the fragment's previous piece not yet uploaded (absorbed into it)."""
@@ -159,6 +169,8 @@ class Arm:
             n = len(self.steps_s)
             lines.append("transfer threads' CPU a step (ms): " + ", ".join(
                 f"{k} {1e3 * v / n:.1f}" for k, v in sorted(self.transfer_phases.items(), key=lambda kv: -kv[1])))
+        if self.paced_s:
+            lines.append(f"transfer threads paced to their CPU share: slept {self.paced_s:.2f} s in the timed window")
         if self.phases:
             lines.append("hook phases over the arm (total / longest ms): "
                          + ", ".join(f"{k} {1e3 * v[0]:.0f} / {1e3 * v[1]:.0f}" for k, v in sorted(self.phases.items())))
@@ -307,6 +319,7 @@ def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm: 
     taken0 = (learner.adopted, learner.taken_staged) if learner else (0, 0)
     cpu0, transfer0 = time.process_time(), learner.transfer_cpu_s if learner else 0.0
     phases0 = learner.transfer_cpu_phases if learner else {}
+    paced0 = learner.transfer_paced_s if learner else 0.0
     sent0 = (learner.stats.uploaded, learner.stats.coalesced) if learner else (0, 0)
     steps, hooks, marks = loop.timed(args.steps, learner)
     arm = Arm(name, steps, process_cpu_s=time.process_time() - cpu0, hook_steps_s=hooks, settle_steps=settle,
@@ -316,6 +329,7 @@ def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm: 
         arm.taken, arm.taken_ready = learner.adopted - taken0[0], learner.taken_staged - taken0[1]
         arm.transfer_cpu_s = learner.transfer_cpu_s - transfer0
         arm.transfer_phases = {k: v - phases0.get(k, 0.0) for k, v in learner.transfer_cpu_phases.items()}
+        arm.paced_s = learner.transfer_paced_s - paced0
         arm.sent, arm.coalesced = learner.stats.uploaded - sent0[0], learner.stats.coalesced - sent0[1]
     if loop.device.type != "cpu":
         arm.unsynced_s = loop.unsynced(args.steps)
@@ -327,7 +341,6 @@ def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm: 
 def run(args: argparse.Namespace) -> DeviceResult:
     import torch
 
-    from diloco.infra.bench.trial import bench_stack
     from diloco.infra.local.fleet import Supervisor, process_env
     from diloco.workers.learner import LearnerConfig
 
@@ -361,12 +374,12 @@ def run(args: argparse.Namespace) -> DeviceResult:
         torch.get_device_module(device).empty_cache()
 
     threads = _thread_settings(args.transfer_threads)
-    nices = _nice_settings(args.transfer_nice, gpu)
+    transfers = _transfer_settings(args.transfer_nice, args.transfer_share, gpu)
     with ExitStack() as stack:
         if os.environ.get(ENV_REDIS_URL):
             endpoints = Endpoints.from_env()
         else:
-            local = stack.enter_context(bench_stack(args.out))
+            local = stack.enter_context(bench_stack(args.out, keep=args.keep_stack))
             endpoints = local.endpoints
             # The storage servers too run elsewhere in a deployment: lowest priority here, as the coordinator.
             for server in (local.redis_server, local.s3_server):
@@ -374,10 +387,11 @@ def run(args: argparse.Namespace) -> DeviceResult:
                     _lowest_priority(server.pid, args.helpers_nice)
                     _pin(server.pid, helpers)
         fleet = stack.enter_context(Supervisor(process_env(endpoints.to_env() | _credentials()), args.out / "logs"))
-        for n, nice in [(n, nice) for nice in nices for n in threads]:
-            name = " ".join(["learner"] + [f"t={n}"] * (len(threads) > 1) + [f"nice={nice}"] * (nice >= 0))
+        for n, (nice, share) in [(n, t) for t in transfers for n in threads]:
+            name = " ".join(["learner"] + [f"t={n}"] * (len(threads) > 1) + [f"nice={nice}"] * (nice >= 0)
+                            + [f"share={share:g}"] * (share > 0))
             result.arms.append(_learner_arm(name, args, device, endpoints, fleet,
-                                            LearnerConfig(transfer_threads=n, transfer_nice=nice),
+                                            LearnerConfig(transfer_threads=n, transfer_nice=nice, transfer_share=share),
                                             helpers, result.arms[0]))
             if gpu:
                 torch.get_device_module(device).empty_cache()
@@ -391,22 +405,39 @@ def _thread_settings(text: str) -> list[int]:
     return values
 
 
-def _nice_settings(text: str | None, gpu: bool) -> list[int]:
-    """The Learner arms' `transfer_nice` values: as asked, else the default, and on the CPU also the
-    GPU's setting (on the CPU the default keeps the loop's priority, which costs the loop spikes)."""
+def _transfer_settings(nices: str | None, shares: str | None, gpu: bool) -> list[tuple[int, float]]:
+    """The Learner arms' (`transfer_nice`, `transfer_share`): every pair of the values asked (each
+    list the learner's default, chosen for the device, where not given); with neither given, the
+    default, and on the CPU also the GPU's setting (GPU_NICE, not paced), so that the CPU proxy also
+    times what a GPU's loop gets beside its transfer threads."""
     from diloco.workers.learner import LearnerConfig
 
-    if text is None:
-        return [-1] if gpu else [-1, GPU_NICE]
-    values = whole_numbers(text, "--transfer-nice")
-    if not values:
-        raise ConfigError(f"--transfer-nice takes at least one value, got {text!r}")
-    for value in values:
+    if nices is None and shares is None:
+        return [(-1, 0.0)] if gpu else [(-1, 0.0), (GPU_NICE, 1.0)]
+    pairs = [(nice, share) for nice in _values(nices, "--transfer-nice", whole_numbers, [-1])
+             for share in _values(shares, "--transfer-share", _fractions, [0.0])]
+    for nice, share in pairs:
         try:
-            LearnerConfig(transfer_nice=value)  # the learner's own check of the range
+            LearnerConfig(transfer_nice=nice, transfer_share=share)  # the learner's own checks of the ranges
         except ConfigError as exc:
-            raise ConfigError(f"--transfer-nice {text}: {exc}") from None
+            raise ConfigError(f"--transfer-nice {nices} --transfer-share {shares}: {exc}") from None
+    return pairs
+
+
+def _values(text: str | None, option: str, parse: Callable[[str, str], list[T]], default: list[T]) -> list[T]:
+    if text is None:
+        return default
+    values = parse(text, option)
+    if not values:
+        raise ConfigError(f"{option} takes at least one value, got {text!r}")
     return values
+
+
+def _fractions(text: str, option: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{option} takes comma-separated numbers, got {text!r}") from None
 
 
 def _learner_arm(name: str, args: argparse.Namespace, device, endpoints: Endpoints, fleet,  # noqa: ANN001

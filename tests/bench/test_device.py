@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from diloco.infra.bench import device
-from diloco.infra.bench.device import Arm, DeviceResult, _nice_settings, _thread_settings
+from diloco.infra.bench.device import Arm, DeviceResult, _transfer_settings, _thread_settings
 from diloco.storage.errors import ConfigError
 
 
@@ -28,13 +28,16 @@ def test_each_value_of_transfer_threads_is_an_arm_of_its_own():
             _thread_settings(bad)
 
 
-def test_the_cpu_run_also_times_the_transfer_threads_at_the_gpus_nice_and_a_gpu_its_default_alone():
-    assert _nice_settings(None, gpu=False) == [-1, 10]
-    assert _nice_settings(None, gpu=True) == [-1]
-    assert _nice_settings("0,19", gpu=False) == [0, 19]
-    for bad in ("", "20", "-2", "a"):
+def test_the_cpu_run_also_times_the_transfer_threads_as_beside_a_gpu_and_a_gpu_its_default_alone():
+    assert _transfer_settings(None, None, gpu=False) == [(-1, 0.0), (10, 1.0)]  # the GPU's: nice 10, not paced
+    assert _transfer_settings(None, None, gpu=True) == [(-1, 0.0)]
+    assert _transfer_settings("0,19", None, gpu=False) == [(0, 0.0), (19, 0.0)]
+    assert _transfer_settings(None, "0,1", gpu=False) == [(-1, 0.0), (-1, 1.0)]
+    assert _transfer_settings("0", "0.5,1", gpu=True) == [(0, 0.5), (0, 1.0)]
+    for nices, shares in (("", None), ("20", None), ("-2", None), ("a", None), (None, ""), (None, "1.5"),
+                          (None, "-0.1"), (None, "x"), (None, "nan")):
         with pytest.raises(ConfigError):
-            _nice_settings(bad, gpu=False)
+            _transfer_settings(nices, shares, gpu=False)
 
 
 def test_the_verdict_holds_the_mean_to_2_percent_on_a_gpu_and_5_on_the_cpu_and_names_each_slow_step():

@@ -1,5 +1,6 @@
 """The transfer threads' CPU share (workers/threads.py): the count chosen per device, a cap that holds
-for the thread that set it only, and a priority below the loop's for that thread only."""
+for the thread that set it only, a priority below the loop's for that thread only, and their heavy
+work paced to a share of a CPU (storage/intraop.py)."""
 
 import os
 import threading
@@ -7,9 +8,12 @@ import threading
 import pytest
 import torch
 
+from diloco.storage import codecs
 from diloco.storage.errors import ConfigError
+from diloco.storage.intraop import BURST_S, Pacer, pace
 from diloco.workers.learner import LearnerConfig
-from diloco.workers.threads import cap_this_thread, lower_this_thread, transfer_nice, transfer_threads
+from diloco.workers.threads import (CPU_SHARE, ThreadLimits, cap_this_thread, lower_this_thread, transfer_nice,
+                                    transfer_share, transfer_threads)
 
 
 def test_beside_a_gpu_a_quarter_of_the_cpus_on_the_cpu_torchs_own():
@@ -76,3 +80,89 @@ def test_beside_a_gpu_the_transfers_run_below_the_loop_on_the_cpu_beside_it():
     LearnerConfig(transfer_nice=-1)
     with pytest.raises(ConfigError, match="transfer_nice"):
         LearnerConfig(transfer_nice=-2)
+
+
+# --- pacing: a transfer thread's heavy work held to a share of a CPU ------------------------------
+
+
+class _Clocks:
+    """A thread's CPU time and the wall clock, moved by hand: work advances both, a sleep the wall's."""
+
+    def __init__(self) -> None:
+        self.cpu = self.wall = 0.0
+        self.sleeps: list[float] = []
+
+    def work(self, s: float) -> None:
+        self.cpu += s
+        self.wall += s
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.wall += s
+
+    def pacer(self, share: float) -> Pacer:
+        return Pacer(share, cpu=lambda: self.cpu, wall=lambda: self.wall, sleep=self.sleep)
+
+
+def test_small_work_now_and_then_never_waits_and_a_burst_is_held_to_its_share():
+    clocks = _Clocks()
+    pacer = clocks.pacer(0.25)
+    for _ in range(20):  # a small model's pieces: 5 ms of work a second
+        clocks.work(0.005)
+        pacer.step()
+        clocks.wall += 1.0
+        pacer.step()
+    assert clocks.sleeps == [] and pacer.slept_s == 0.0
+
+    start_cpu, start_wall = clocks.cpu, clocks.wall
+    for _ in range(200):  # a large piece: 200 chunks of 5 ms
+        clocks.work(0.005)
+        pacer.step()
+    cpu, wall = clocks.cpu - start_cpu, clocks.wall - start_wall
+    assert cpu == pytest.approx(1.0)
+    assert wall == pytest.approx((cpu - BURST_S) / 0.25 + BURST_S, rel=0.02)  # the burst in hand, then its share
+    assert pacer.slept_s == pytest.approx(sum(clocks.sleeps)) and all(s <= 0.005 / 0.25 + 1e-9 for s in clocks.sleeps)
+
+
+def test_a_thread_that_was_idle_earns_one_burst_not_its_whole_idle_time():
+    clocks = _Clocks()
+    pacer = clocks.pacer(0.5)
+    clocks.wall += 3600.0  # an hour idle
+    pacer.step()
+    clocks.work(0.5)
+    pacer.step()
+    assert pacer.slept_s == pytest.approx((0.5 - BURST_S) / 0.5)
+    with pytest.raises(ValueError, match="share"):
+        Pacer(0.0)
+
+
+def test_on_the_cpu_the_transfers_are_paced_on_one_thread_and_beside_a_gpu_not_at_all():
+    assert LearnerConfig().transfer_share == 0.0  # chosen for the device
+    assert transfer_share(0.0, "cpu") == CPU_SHARE and transfer_share(0.0, "cuda") == 1.0
+    assert transfer_share(0.5, "cuda") == 0.5 and transfer_share(1.0, "cpu") == 1.0  # a setting is kept
+    assert ThreadLimits.for_device("cpu", 16) == ThreadLimits(threads=1, nice=0, share=CPU_SHARE)
+    assert ThreadLimits.for_device("cpu", 16, share=1.0) == ThreadLimits(threads=None, nice=0, share=1.0)
+    assert ThreadLimits.for_device("cpu", 16, threads=3) == ThreadLimits(threads=3, nice=0, share=CPU_SHARE)
+    assert ThreadLimits.for_device("cuda", 16) == ThreadLimits(threads=4, nice=10, share=1.0)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="transfer_share"):
+            LearnerConfig(transfer_share=bad)
+
+
+def test_a_paced_thread_encodes_the_same_bytes_and_sleeps_for_its_share_where_an_unpaced_one_does_not():
+    x = {"w": torch.randn(1 << 25, generator=torch.Generator().manual_seed(0))}  # 32M values: ~0.15 s of int4
+    made: dict[str, tuple[bytes, float | None]] = {}
+
+    def body(name: str, limits: ThreadLimits) -> None:
+        pacer = limits.apply()
+        blob = codecs.encode(x, "int4", compress=True)
+        made[name] = (blob, None if pacer is None else pacer.slept_s)
+
+    for name, limits in (("paced", ThreadLimits(threads=1, share=0.5)), ("free", ThreadLimits(threads=1))):
+        t = threading.Thread(target=body, args=(name, limits))
+        t.start()
+        t.join()
+    assert made["paced"][0] == made["free"][0]
+    assert made["free"][1] is None
+    assert made["paced"][1] > 0.05  # about the encode's CPU time beyond the first 50 ms, again
+    pace()  # this thread is not paced: a no-op
