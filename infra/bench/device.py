@@ -36,7 +36,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +108,10 @@ class Arm:
     hook_steps_s: list[float] = field(default_factory=list)
     """The Learner's step hook's share of each timed step."""
     step_marks: list[str] = field(default_factory=list)
+    helpers_busy: list[float] = field(default_factory=list)
+    """The share of the coordinator's and the servers' CPUs that was busy during each timed step
+    (empty without CPUs of their own): on a machine whose cores share memory bandwidth and caches,
+    the coordinator's merge and publish slow the loop beside them, where a deployment runs it elsewhere."""
     """What the Learner did during each timed step (`MARKS`, comma-separated; "" for none)."""
     phases: dict = field(default_factory=dict)
     """The hook's phases (`Learner.hook_phases`): name -> [total s, longest s], over the whole arm."""
@@ -156,7 +160,9 @@ class Arm:
     def details(self) -> str:
         """A Learner arm's slow steps with their hook share, its sends, and the hook's phases."""
         marks = self.step_marks or [""] * len(self.steps_s)
-        slow = [(i, s, h, m) for i, (s, h, m) in enumerate(zip(self.steps_s, self.hook_steps_s, marks))
+        busy = self.helpers_busy or [None] * len(self.steps_s)
+        slow = [(i, s, h, _with_busy(m, b))
+                for i, (s, h, m, b) in enumerate(zip(self.steps_s, self.hook_steps_s, marks, busy))
                 if s > SPIKE * self.median]
         lines = [f"timed from {self.settle_steps} steps after the warmup (the first takes); {self.sent} pieces "
                  f"uploaded and {self.taken} versions taken in the timed window, {self.coalesced} sends absorbed "
@@ -169,6 +175,14 @@ class Arm:
             n = len(self.steps_s)
             lines.append("transfer threads' CPU a step (ms): " + ", ".join(
                 f"{k} {1e3 * v / n:.1f}" for k, v in sorted(self.transfer_phases.items(), key=lambda kv: -kv[1])))
+        if self.helpers_busy:
+            loaded = [s for s, b in zip(self.steps_s, self.helpers_busy) if b >= HELPERS_BUSY]
+            quiet = [s for s, b in zip(self.steps_s, self.helpers_busy) if b < HELPERS_BUSY]
+            if loaded and quiet:
+                lines.append(f"steps while the coordinator's and servers' CPUs were at least {HELPERS_BUSY:.0%} busy: "
+                             f"{len(loaded)}, mean {1e3 * statistics.fmean(loaded):.0f} ms, max "
+                             f"{max(loaded) / self.median:.2f}x the median; the other {len(quiet)}: mean "
+                             f"{1e3 * statistics.fmean(quiet):.0f} ms, max {max(quiet) / self.median:.2f}x")
         if self.paced_s:
             lines.append(f"transfer threads paced to their CPU share: slept {self.paced_s:.2f} s in the timed window")
         if self.phases:
@@ -246,10 +260,12 @@ def _model(n_layer: int, seq_len: int, device):  # noqa: ANN001, ANN202
 class Loop:
     """The training loop both arms run: random tokens, AdamW, bf16 autocast on a GPU."""
 
-    def __init__(self, args: argparse.Namespace, device) -> None:  # noqa: ANN001
+    def __init__(self, args: argparse.Namespace, device, helpers: Sequence[int] = ()) -> None:  # noqa: ANN001
         import torch
 
         self.device, self.args = device, args
+        self.helpers = tuple(helpers)
+        """The CPUs of the coordinator and the servers, whose load beside each step `timed` measures."""
         self.model = _model(args.n_layer, args.seq_len, device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.1)
         self.generator = torch.Generator(device=device).manual_seed(1)
@@ -266,9 +282,11 @@ class Loop:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def timed(self, steps: int, learner=None) -> tuple[list[float], list[float], list[str]]:  # noqa: ANN001
-        """Each step's time, the Learner's hook's part of it, and what its threads did meanwhile (`_marks`)."""
-        times, hooks, marks = [], [], []
+    def timed(self, steps: int, learner=None) -> tuple[list[float], list[float], list[str], list[float]]:  # noqa: ANN001
+        """Each step's time, the Learner's hook's part of it, what its threads did meanwhile (`_marks`),
+        and the share of the helpers' CPUs that was busy meanwhile (`busy_ticks`; none: empty)."""
+        times, hooks, marks, busy = [], [], [], []
+        ticks = busy_ticks(self.helpers)
         for _ in range(steps):
             hook0 = learner.sync_s if learner is not None else 0.0
             seen = _marks(learner)
@@ -278,7 +296,10 @@ class Loop:
             times.append(time.perf_counter() - t0)
             hooks.append(learner.sync_s - hook0 if learner is not None else 0.0)
             marks.append(",".join(name for name, a, b in zip(MARKS, seen, _marks(learner)) if a != b))
-        return times, hooks, marks
+            if ticks is not None and (now := busy_ticks(self.helpers)) is not None:
+                busy.append(min(1.0, (now - ticks) / (_TICKS_PER_S * len(self.helpers) * times[-1])))
+                ticks = now
+        return times, hooks, marks, busy
 
     def unsynced(self, steps: int) -> float:
         self.sync()
@@ -289,10 +310,42 @@ class Loop:
         return (time.perf_counter() - t0) / steps
 
 
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def busy_ticks(cpus: Sequence[int]) -> int | None:
+    """The clock ticks `cpus` have spent busy since boot (/proc/stat: all but idle and iowait), summed;
+    None without CPUs or where /proc/stat cannot be read (not Linux)."""
+    if not cpus:
+        return None
+    wanted, total = {f"cpu{c}" for c in cpus}, 0
+    try:
+        with open("/proc/stat") as stat:
+            for line in stat:
+                name, *fields = line.split()
+                if name in wanted:
+                    values = [int(v) for v in fields[:8]]
+                    total += sum(values) - values[3] - values[4]
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
 MARKS = ("take", "sent", "uploaded", "download", "fetched", "saved")
 """What a Learner did during a step, named beside its slow steps: a version taken (in the hook), a
 piece queued (in the hook), a piece stored and announced, bytes read from S3, a version fetched,
 its state saved (the last four on its threads)."""
+
+
+HELPERS_BUSY = 0.5
+"""A step during which the helpers' CPUs were at least this busy is counted apart in `Arm.details`."""
+
+
+def _with_busy(marks: str, busy: float | None) -> str:
+    """A slow step's marks with the helpers' load during it."""
+    if busy is None:
+        return marks
+    return ", ".join(m for m in (marks, f"helpers {busy:.0%} busy") if m)
 
 
 def _marks(learner) -> tuple:  # noqa: ANN001
@@ -321,9 +374,9 @@ def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm: 
     phases0 = learner.transfer_cpu_phases if learner else {}
     paced0 = learner.transfer_paced_s if learner else 0.0
     sent0 = (learner.stats.uploaded, learner.stats.coalesced) if learner else (0, 0)
-    steps, hooks, marks = loop.timed(args.steps, learner)
+    steps, hooks, marks, busy = loop.timed(args.steps, learner)
     arm = Arm(name, steps, process_cpu_s=time.process_time() - cpu0, hook_steps_s=hooks, settle_steps=settle,
-              step_marks=marks)
+              step_marks=marks, helpers_busy=busy)
     if learner is not None:
         arm.hook_s = learner.sync_s - hook0
         arm.taken, arm.taken_ready = learner.adopted - taken0[0], learner.taken_staged - taken0[1]
@@ -363,7 +416,7 @@ def run(args: argparse.Namespace) -> DeviceResult:
                 "seq": args.seq_len, "steps": args.steps, "warmup": args.warmup, "helper CPUs": len(helpers),
                 "torch": torch.__version__}
 
-    loop = Loop(args, device)
+    loop = Loop(args, device, helpers)
     params = sum(p.numel() for p in loop.model.parameters())
     result = DeviceResult(device.type, name, params, settings)
     log.info("device: %s, %s parameters; the plain loop first", name, f"{params:,}")
@@ -458,7 +511,7 @@ def _learner_arm(name: str, args: argparse.Namespace, device, endpoints: Endpoin
         "--codec", args.codec, "--min-quorum", "1"), service=True)
     _lowest_priority(member.proc.pid, args.helpers_nice)
     _pin(member.proc.pid, helpers)  # while it starts: the threads it starts later inherit the CPUs
-    loop = Loop(args, device)
+    loop = Loop(args, device, helpers)
     learner = Learner(loop.model, loop.optimizer, run=run_id, endpoints=endpoints, learner_id="device",
                       tokens_per_step=args.batch_size * args.seq_len, config=config)
     with learner:

@@ -57,6 +57,26 @@ def test_the_verdict_holds_the_mean_to_2_percent_on_a_gpu_and_5_on_the_cpu_and_n
     assert "no version taken in the timed window: merges not measured" in idle.table()
 
 
+def test_each_slow_step_says_how_busy_the_coordinators_cpus_were_and_steps_beside_a_busy_one_are_counted_apart():
+    plain = [1.0] * 20
+    learner = [1.0] * 16 + [1.2, 1.3, 1.7, 1.6]
+    result = _result("cpu", plain, learner, [0.0] * 20, [""] * 18 + ["uploaded", ""])
+    result.arms[1].helpers_busy = [0.05] * 16 + [0.9, 0.1, 0.95, 0.8]
+    table = result.table()
+    assert "#18: 1700 (0; uploaded, helpers 95% busy), #19: 1600 (0; helpers 80% busy)" in table
+    assert ("steps while the coordinator's and servers' CPUs were at least 50% busy: 3, mean 1500 ms, max 1.70x "
+            "the median; the other 17: mean 1018 ms, max 1.30x") in table
+
+
+def test_the_busy_ticks_of_these_cpus_only_grow_and_are_none_without_cpus():
+    first = device.busy_ticks([0])
+    assert first is not None and first >= 0
+    sum(i * i for i in range(2_000_000))  # this CPU or another: busy for a few ticks
+    assert device.busy_ticks([0]) >= first
+    assert device.busy_ticks([]) is None
+    assert device.busy_ticks([10_000]) == 0  # no such CPU: nothing counted
+
+
 # About two and a half minutes: a stack, a coordinator and two arms of a small model. The coordinator
 # keeps its priority and shares both cores: at nice 19 (and its scheduling group) beside a loop that
 # fills both cores it barely ran, and alone on one core beside the servers it merged too slowly to see
