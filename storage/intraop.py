@@ -24,7 +24,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,18 @@ def pace_this_thread(share: float) -> Pacer | None:
     its pacer (None when not paced), whose `slept_s` says what the pacing cost the thread."""
     _local.pacer = Pacer(share) if share < 1.0 else None
     return _local.pacer
+
+
+@contextmanager
+def unpaced() -> Iterator[None]:
+    """The calling thread's work inside the block is not paced (a learner's proposal of version 0,
+    made before its loop trains: there is nothing to leave room for)."""
+    pacer = getattr(_local, "pacer", None)
+    _local.pacer = None
+    try:
+        yield
+    finally:
+        _local.pacer = pacer
 
 
 def pace() -> None:

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from dataclasses import dataclass, field
 
@@ -38,7 +38,7 @@ from diloco.storage import codecs
 from diloco.storage.bus import Bus
 from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
 from diloco.storage.history import params_limit, params_match, read_manifest, read_params, read_verified, sha256_hex
-from diloco.storage.intraop import Pacer
+from diloco.storage.intraop import Pacer, unpaced
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, Layout, Manifest, ObjectMeta, RunSpec, VersionEvent
@@ -319,8 +319,8 @@ class Uploader(threading.Thread):
     def _send(self, job: UploadJob) -> None:
         t0 = time.monotonic()
         if job.blob is None:
-            with self.stats.cpu_phase("encode"):
-                job.blob = self._encode(job)
+            with self.stats.cpu_phase("encode"), unpaced() if job.kind == "genesis" else nullcontext():
+                job.blob = self._encode(job)  # version 0 is proposed before the loop trains: not paced
         if job.key is None:
             with self.stats.cpu_phase("put"):
                 self._store(job)

@@ -10,7 +10,7 @@ import torch
 
 from diloco.storage import codecs
 from diloco.storage.errors import ConfigError
-from diloco.storage.intraop import BURST_S, Pacer, pace
+from diloco.storage.intraop import BURST_S, Pacer, pace, unpaced
 from diloco.workers.learner import LearnerConfig
 from diloco.workers.threads import (CPU_SHARE, ThreadLimits, cap_this_thread, lower_this_thread, transfer_nice,
                                     transfer_share, transfer_threads)
@@ -166,3 +166,21 @@ def test_a_paced_thread_encodes_the_same_bytes_and_sleeps_for_its_share_where_an
     assert made["free"][1] is None
     assert made["paced"][1] > 0.05  # about the encode's CPU time beyond the first 50 ms, again
     pace()  # this thread is not paced: a no-op
+
+
+def test_work_inside_unpaced_is_not_paced_and_the_pacer_comes_back_after():
+    seen: list[float] = []
+
+    def body() -> None:
+        pacer = ThreadLimits(threads=1, share=0.5).apply()
+        with unpaced():
+            codecs.encode({"w": torch.ones(1 << 24)}, "int4", compress=True)
+            pace()
+        seen.append(pacer.slept_s)
+        codecs.encode({"w": torch.ones(1 << 25)}, "int4", compress=True)
+        seen.append(pacer.slept_s)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen[0] == 0.0 and seen[1] > 0.0
