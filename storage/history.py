@@ -16,8 +16,8 @@ import torch
 
 from diloco.storage import codecs
 from diloco.storage.errors import Refused
-from diloco.storage.keys import RunKeys
 from diloco.storage.intraop import pace
+from diloco.storage.keys import RunKeys
 from diloco.storage.objects import Body, ObjectMissing, Store, views_of
 from diloco.storage.protocol import (MAX_MESSAGE_BYTES, MAX_RECORD_BYTES, Collection, Contribution, Layout, Manifest,
                                      RunEnd, RunSpec, VersionEvent)
