@@ -93,11 +93,22 @@ class Pacer:
         self.slept_s = 0.0
         """Seconds the thread has slept to keep to its share."""
         self._clock, self._sleep = (cpu, wall), sleep
+        self._stopped = False
         self._tokens = BURST_S
         self._cpu, self._wall = cpu(), wall()
 
+    def stop(self) -> None:
+        """No more pacing (from any thread): the next `step` and every one after return at once."""
+        self._stopped = True
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
     def step(self) -> None:
         """Spend the CPU time used since the last step; sleep while the bucket is below zero."""
+        if self._stopped:
+            return
         cpu, wall = (clock() for clock in self._clock)
         self._tokens = min(BURST_S, self._tokens + self.share * (wall - self._wall)) - (cpu - self._cpu)
         self._cpu, self._wall = cpu, wall

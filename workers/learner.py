@@ -73,7 +73,7 @@ from diloco.workers.state import Stateful
 from diloco.workers.staging import Stager
 from diloco.workers.takes import Awaiting, refetch_after, wait_reason
 from diloco.storage.heap import reuse_freed_memory
-from diloco.storage.intraop import usable_cpus
+from diloco.storage.intraop import Pacer, usable_cpus
 from diloco.workers.threads import ThreadLimits, abandon
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
@@ -153,7 +153,8 @@ class LearnerConfig:
     version) is spread out instead of slowing one step of a loop it shares a core with by up to
     twice. 1: not paced. 0: chosen for the device (`threads.transfer_share`): 0.25 on the CPU, not
     paced beside a GPU (where they run on cores of their own, below the loop). Their average load
-    must stay below it, or pieces queue: a 124M model on 2 CPUs uses 4% of one."""
+    must stay below it, or pieces queue: a 124M model on 2 CPUs uses 4% of one. Version 0's
+    proposal and the final pieces of a learner leaving are not paced: no loop trains beside them."""
     reuse_freed_memory: bool = True
     """Tune this process's malloc (glibc) to keep freed fragment-sized buffers for reuse instead of
     handing them back to the OS after every piece (`storage.heap`): the transfer threads' encoding and
@@ -479,6 +480,7 @@ class Learner:
         if self._hook is None:
             return  # never joined (refused, or failed to start), or left already
         self._leave_by = time.monotonic() + self.config.close_timeout_s  # sending and leaving, together
+        self._stop_pacing()  # the loop is done: the final pieces go out as fast as they can
         final = self._send_progress(final=True)
         if preempted and self._saves_state and self.replica.share(
                 [int(self._run_end is None)] if self.is_leader else None, 1)[0]:
@@ -536,6 +538,7 @@ class Learner:
         if not self.is_leader:
             return
         deadline = self._leave_by or time.monotonic() + self.config.close_timeout_s
+        self._stop_pacing()
         if not self.uploader.flush(max(0.0, deadline - time.monotonic())):
             log.warning("leaving with %d contribution(s) not uploaded after %.0fs: abandoned", self.uploader.pending(),
                         self.config.close_timeout_s)
@@ -956,9 +959,17 @@ class Learner:
     @property
     def transfer_paced_s(self) -> float:
         """Seconds the transfer threads have slept to keep to their CPU share (`transfer_share`)."""
+        return sum(pacer.slept_s for pacer in self._pacers())
+
+    def _pacers(self) -> list[Pacer]:
         threads = (getattr(self, "uploader", None), getattr(self, "fetcher", None), self._stager,  # once joined
                    self.keeper.saver)
-        return sum(t.pacer.slept_s for t in threads if t is not None and t.pacer is not None)
+        return [t.pacer for t in threads if t is not None and t.pacer is not None]
+
+    def _stop_pacing(self) -> None:
+        """Leaving: the transfer threads' work is no longer paced (the loop they left room for is done)."""
+        for pacer in self._pacers():
+            pacer.stop()
 
     def _anchor_for(self, fragment: int, version: int) -> tuple[Snapshot | None, list[str]] | None:
         """The stager's thread, about to make `version` ready: the anchor of the moment to compute it

@@ -167,14 +167,16 @@ def test_a_bf16_model_trains_in_a_run_whose_global_model_is_fp32(endpoints, run_
     coord.close()
 
 
-def test_on_the_cpu_the_transfer_threads_run_at_the_loops_priority_unless_told(endpoints, run_id):
+def test_on_the_cpu_the_transfer_threads_run_at_the_loops_priority_paced_unless_told(endpoints, run_id):
     """The transfer threads' nice value is chosen for the device (`threads.transfer_nice`): on the
     CPU a lowered thread would make every piece and every take wait behind the loop's own ops. A
-    learner given `transfer_nice` runs them that far below the loop."""
+    learner given `transfer_nice` runs them that far below the loop. On the CPU their work is
+    paced to a share of a CPU (`transfer_share`) until the learner leaves; 1 is not paced."""
     import threading
     import time
 
     from diloco.workers.learner import LearnerConfig
+    from diloco.workers.threads import CPU_SHARE
 
     def priorities(learner: Learner) -> dict[str, int]:
         threads = {"uploader": learner.uploader, "fetcher": learner.fetcher, "stager": learner._stager}
@@ -191,12 +193,16 @@ def test_on_the_cpu_the_transfer_threads_run_at_the_loops_priority_unless_told(e
     torch.manual_seed(0)
     model = Tiny()
     told = Learner(model, torch.optim.SGD(model.parameters(), lr=0.1), run=run_id, endpoints=endpoints,
-                   learner_id="told", tokens_per_step=10, config=LearnerConfig(transfer_nice=7))
+                   learner_id="told", tokens_per_step=10, config=LearnerConfig(transfer_nice=7, transfer_share=1.0))
     try:
         start_beside(coord, told)
         assert priorities(chosen) == dict.fromkeys(("uploader", "fetcher", "stager"), loop)
         assert priorities(told) == dict.fromkeys(("uploader", "fetcher", "stager"), min(19, loop + 7))
+        paced = [t.pacer for t in (chosen.uploader, chosen.fetcher, chosen._stager)]
+        assert all(p is not None and p.share == CPU_SHARE and not p.stopped for p in paced)
+        assert [t.pacer for t in (told.uploader, told.fetcher, told._stager)] == [None] * 3
     finally:
         for learner in (chosen, told):
             learner.close()
         coord.close()
+    assert all(p.stopped for p in paced)  # leaving: the last pieces go out as fast as they can

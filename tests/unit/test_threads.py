@@ -184,3 +184,12 @@ def test_work_inside_unpaced_is_not_paced_and_the_pacer_comes_back_after():
     t.start()
     t.join()
     assert seen[0] == 0.0 and seen[1] > 0.0
+
+
+def test_a_stopped_pacer_never_sleeps_again():
+    clocks = _Clocks()
+    pacer = clocks.pacer(0.25)
+    pacer.stop()  # a learner leaving: its final pieces go out as fast as they can
+    clocks.work(1.0)
+    pacer.step()
+    assert clocks.sleeps == [] and pacer.slept_s == 0.0
