@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from diloco.infra.output import figures_table
-from diloco.infra.bench.trial import add_out_arguments, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial
+from diloco.infra.bench.trial import (LearnerPlan, Trial, TrialResult, add_out_arguments, bench_stack, run_args,
+                                      run_trial)
 from diloco.storage import codecs
 from diloco.storage.history import read_layout, read_manifest, read_input, list_versions, read_run_spec
 from diloco.storage.keys import RunKeys

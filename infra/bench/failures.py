@@ -31,8 +31,8 @@ import random
 from dataclasses import dataclass
 
 from diloco.infra.output import figures_table
-from diloco.infra.bench.trial import (add_out_arguments, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial,
-                                      time_to)
+from diloco.infra.bench.trial import (LearnerPlan, Trial, TrialResult, add_out_arguments, bench_stack, run_args,
+                                      run_trial, sync_trial, time_to)
 from diloco.workers.tasks.demo import DemoTask
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.infra.output import figures_table
-from diloco.infra.bench.trial import add_out_arguments, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
+from diloco.infra.bench.trial import (LearnerPlan, Trial, TrialResult, add_out_arguments, bench_stack, run_args,
+                                      run_trial, sync_trial)
 from diloco.workers.tasks.demo import DemoTask
 
 log = logging.getLogger(__name__)

@@ -78,8 +78,8 @@ from diloco.coordinator.config import RunSettings
 from diloco.infra.bench.peer import run_torchft, torchft_missing
 from diloco.infra.bench.quality_report import PREEMPTED, ArmCurve, TaskReport, table
 from diloco.infra.bench.quality_tasks import TASKS, BenchTask, pick
-from diloco.infra.bench.trial import (add_out_arguments, SYNC_LEARNER, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial,
-                                      sync_trial)
+from diloco.infra.bench.trial import (SYNC_LEARNER, LearnerPlan, Trial, TrialResult, add_out_arguments, bench_stack,
+                                      run_args, run_trial, sync_trial)
 from diloco.infra.local.fleet import Outage
 from diloco.infra.local.stack import LocalStack
 from diloco.infra.output import Progress

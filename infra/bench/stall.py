@@ -15,7 +15,8 @@ import argparse
 from dataclasses import dataclass
 
 from diloco.infra.output import figures_table
-from diloco.infra.bench.trial import add_out_arguments, LearnerPlan, Trial, TrialResult, bench_stack, run_args, run_trial, sync_trial
+from diloco.infra.bench.trial import (LearnerPlan, Trial, TrialResult, add_out_arguments, bench_stack, run_args,
+                                      run_trial, sync_trial)
 from diloco.workers.tasks.demo import DemoTask
 
 NAME = "stall"

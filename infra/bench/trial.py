@@ -304,7 +304,8 @@ def add_out_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--out", type=Path, default=Path("out/bench") / name, help="stack data and logs")
     parser.add_argument("--keep-stack", action="store_true",
                         help="keep the local stack's server data under OUT/stack after the bench, to replay or "
-                             "inspect its runs (removed by default once the figures are read: a few hundred MB a run)")
+                             "inspect its runs (removed by default once the figures are read: from a few hundred MB "
+                             "a run to many GB for a large model)")
 
 
 @contextmanager
@@ -312,9 +313,10 @@ def bench_stack(out: Path, *, keep: bool = False, bind: str = "127.0.0.1") -> It
     """A fresh local stack under `out/stack` (an earlier one's data removed), its credentials in
     this process's environment for the figures read back from S3.
 
-    Its servers' data (a few hundred MB a run: SeaweedFS's volumes) is removed once the bench has
-    read its figures, unless `keep` (`--keep-stack`: to replay or inspect the runs afterwards) or
-    the bench failed: then it stays for a look, and the log says where."""
+    Its servers' data (SeaweedFS's volumes: a few hundred MB a run, 16 GB for `bench device`'s 124M
+    model) is removed once the bench has read its figures, unless `keep` (`--keep-stack`: to replay
+    or inspect the runs afterwards) or the bench failed: then it stays for a look, and the log says
+    where."""
     data = out / "stack"
     if data.exists():
         shutil.rmtree(data)

@@ -65,8 +65,8 @@ from diloco.coordinator.config import RunSettings
 from diloco.infra.bench.dataparallel import DpRun, _dp_worker, dp_equivalent_curve, ring_bytes, run_dp
 from diloco.infra.bench.netns import (Rates, WanNet, _sigterm_interrupts, entered, feasibility, netns_exec,
                                       remove_leftovers)
-from diloco.infra.bench.trial import (add_out_arguments, LearnerPlan, Placement, Trial, TrialResult, bench_stack, run_trial, sync_trial,
-                                      time_to)
+from diloco.infra.bench.trial import (LearnerPlan, Placement, Trial, TrialResult, add_out_arguments, bench_stack,
+                                      run_trial, sync_trial, time_to)
 from diloco.infra.local.stack import LocalStack
 from diloco.infra.output import figures_table
 from diloco.workers.tasks.demo import DemoTask
