@@ -70,7 +70,10 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -137,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "override them), e.g. '--fragments 1' or '--no-staleness-discount'")
     parser.add_argument("--arms", default=",".join(ARMS),
                         help="comma-separated subset of %(default)s (default: all)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each arm, the arms in turn; finals and ratios are then means, with their "
+                             "spread (the baseline, one process from fixed seeds, runs once) (default: %(default)s)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,9 +272,11 @@ def trial_curve(t: TrialResult) -> ArmCurve:
 
 def run_task(b: Budget, bench: BenchTask, args: argparse.Namespace, wanted: list[str],
              stack: LocalStack) -> TaskReport:
+    """Every wanted arm on one task, `args.repeats` times: the arms in turn, each repeat starting one
+    arm further along (a machine whose speed drifts over the minutes weighs on every arm alike); the
+    baseline, one process from fixed seeds, once."""
     name, task, out = b.label, bench.task, args.out / b.label
     out.mkdir(parents=True, exist_ok=True)
-    arms: dict[str, ArmCurve] = {}
     skipped: dict[str, str] = {}
     ours = our_arms(args, b)
     paced = set(PACED) & set(wanted)
@@ -277,15 +285,8 @@ def run_task(b: Budget, bench: BenchTask, args: argparse.Namespace, wanted: list
         log.info("quality %s: straggler arms paced at %.3fs per step (the straggler x%g)", name, pace_s,
                  STRAGGLER_SLOWDOWN)
         ours |= paced_arms(args, b, ours["decoupled"], pace_s)
-    for arm, trial in ours.items():
-        if arm in wanted:
-            log.info("quality %s: arm %s ...", name, arm)
-            result = run_trial(stack, trial, task, out, curve_points=None)
-            arms[arm] = trial_curve(result)
-            if trial.step_time_s:
-                arms[arm].details["pace_s"] = trial.step_time_s
-            arms[arm].details |= rejoin_details(trial, result)
-            log.info("quality %s: arm %s: eval %.4f in %.0fs", name, arm, result.eval_loss, result.wall_s)
+    runners: dict[str, Callable[[], ArmCurve]] = {
+        arm: partial(run_ours, trial, task, out, stack, name) for arm, trial in ours.items() if arm in wanted}
     for arm, replicas, step_s in (("torchft", args.learners, 0.0), ("torchft_without", args.learners - 1, pace_s)):
         if arm not in wanted:
             continue
@@ -294,26 +295,57 @@ def run_task(b: Budget, bench: BenchTask, args: argparse.Namespace, wanted: list
             skipped[arm] = missing
             log.warning("quality %s: %s arm skipped: %s", name, arm, missing)
             continue
-        log.info("quality %s: arm %s ...", name, arm)
-        task_path = out / "task.json"
-        task_path.write_text(json.dumps(task.to_wire()))
-        peer = run_torchft(task, task_path, out, replicas=replicas, steps=b.steps, sync_every=b.sync_every,
-                           budget_s=BUDGET_S, name=arm, step_time_s=step_s)
-        arms[arm] = ArmCurve(arm, peer.curve, peer.wall_s,
-                             details={"steps": peer.steps, "unsynced_steps": peer.unsynced_steps,
-                                      **({"pace_s": step_s} if step_s else {})})
-        log.info("quality %s: arm %s: eval %.4f in %.0fs", name, arm, peer.eval_loss, peer.wall_s)
+        runners[arm] = partial(run_peer, task, out, b, replicas, arm, step_s, name)
+    arms: dict[str, list[ArmCurve]] = {}
+    for repeat, order in enumerate(turns(list(runners), args.repeats)):
+        if args.repeats > 1:
+            log.info("quality %s: repeat %d of %d: %s", name, repeat + 1, args.repeats, ", ".join(order))
+        for arm in order:
+            arms.setdefault(arm, []).append(runners[arm]())
     if "baseline" in wanted:
         torch.set_num_threads(2)
         t0 = time.monotonic()
         total = args.learners * b.steps
         initial = task.eval_loss(task.make_model(0))
         curve = train_baseline(task, total, seed=0, eval_every=args.learners * b.sync_every)
-        arms["baseline"] = ArmCurve("baseline", [(0.0, initial), *curve], time.monotonic() - t0, x_unit="steps")
+        arms["baseline"] = [ArmCurve("baseline", [(0.0, initial), *curve], time.monotonic() - t0, x_unit="steps")]
     return TaskReport(name, b.steps, b.sync_every, task.entropy_floor(), arms, skipped, task.to_wire())
 
 
+def turns(arms: list[str], repeats: int) -> list[list[str]]:
+    """The order the arms run in, repeat by repeat: each repeat starts one arm further along, so that
+    over repeats as many as the arms each arm runs first, second... once."""
+    return [arms[r % len(arms):] + arms[:r % len(arms)] if arms else [] for r in range(repeats)]
+
+
+def run_ours(trial: Trial, task: Task, out: Path, stack: LocalStack, label: str) -> ArmCurve:
+    """One run of one of our arms: its curve and details."""
+    log.info("quality %s: arm %s ...", label, trial.name)
+    result = run_trial(stack, trial, task, out, curve_points=None)
+    arm = trial_curve(result)
+    if trial.step_time_s:
+        arm.details["pace_s"] = trial.step_time_s
+    arm.details |= rejoin_details(trial, result)
+    log.info("quality %s: arm %s: eval %.4f in %.0fs", label, trial.name, result.eval_loss, result.wall_s)
+    return arm
+
+
+def run_peer(task: Task, out: Path, b: Budget, replicas: int, arm: str, step_s: float, label: str) -> ArmCurve:
+    """One run of a torchft arm: `replicas` replicas, paced at `step_s` per step (0: not paced)."""
+    log.info("quality %s: arm %s ...", label, arm)
+    task_path = out / "task.json"
+    task_path.write_text(json.dumps(task.to_wire()))
+    peer = run_torchft(task, task_path, out, replicas=replicas, steps=b.steps, sync_every=b.sync_every,
+                       budget_s=BUDGET_S, name=arm, step_time_s=step_s)
+    log.info("quality %s: arm %s: eval %.4f in %.0fs", label, arm, peer.eval_loss, peer.wall_s)
+    return ArmCurve(arm, peer.curve, peer.wall_s,
+                    details={"steps": peer.steps, "unsynced_steps": peer.unsynced_steps,
+                             **({"pace_s": step_s} if step_s else {})})
+
+
 def run(args: argparse.Namespace) -> QualityResult:
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     wanted = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = set(wanted) - set(ARMS)
     if unknown:

@@ -3,6 +3,11 @@ ratios to the peer, the baseline and the same arm with waiting learners, the gap
 verdict against the targets.
 Pure functions of the measured curves.
 
+Repeats (`diloco bench quality --repeats N`): each arm runs N times, alternated with the other arms.
+An arm's final is the mean of its runs' finals, its spread (max - min) / mean, its end-of-run damage
+the worst run's; ratios are of means, and a preempted arm's rejoin figures the mean over its runs,
+each against the paced arm's run of the same repeat.
+
 End of the run: the best eval loss over the last 10% of an arm's curve points (counted in points,
 i.e. committed versions for our arms, outer steps for torchft, evaluations every M x H steps for the
 baseline; the genesis point not counted, the final point included), and the final loss minus that
@@ -159,24 +164,36 @@ class TaskReport:
     """Inner steps per learner."""
     sync_every: int
     floor: float | None
-    arms: dict[str, ArmCurve]
+    arms: dict[str, list[ArmCurve]]
+    """Each arm's runs, in the order they ran (one per repeat)."""
     skipped: dict[str, str]
     """Arms that did not run, and why."""
     wire: dict | None = None
     """The task's wire form (what every arm trained), for the JSON."""
 
+    def final(self, arm: str) -> float | None:
+        """The mean of the arm's runs' final eval losses (None if it did not run)."""
+        runs = self.arms.get(arm)
+        return math.fsum(r.end.final for r in runs) / len(runs) if runs else None
+
+    def spread(self, arm: str) -> float:
+        """(max - min) / mean of the arm's finals: 0 for a single run."""
+        finals = [r.end.final for r in self.arms[arm]]
+        return (max(finals) - min(finals)) / (math.fsum(finals) / len(finals))
+
     def ratio(self, arm: str, to: str) -> float | None:
-        if arm not in self.arms or to not in self.arms:
-            return None
-        return self.arms[arm].end.final / self.arms[to].end.final
+        mine, theirs = self.final(arm), self.final(to)
+        return None if mine is None or theirs is None else mine / theirs
 
     def rows(self) -> list[list]:
         rows = []
-        for name, arm in self.arms.items():
-            end = arm.end
-            rows.append([self.task, name, end.final, end.best_last, 100 * end.damage_share,
+        for name, runs in self.arms.items():
+            final = self.final(name)
+            rows.append([self.task, name, len(runs), final, 100 * self.spread(name),
+                         _mean([r.end.best_last for r in runs]), 100 * self.damage(name),
                          self.ratio(name, "torchft"), self.ratio(name, "baseline"),
-                         None if self.floor is None else end.final - self.floor, len(arm.curve) - 1, arm.wall_s])
+                         None if self.floor is None else final - self.floor, len(runs[0].curve) - 1,
+                         _mean([r.wall_s for r in runs])])
         return rows
 
     def verdict(self) -> dict[str, bool | None]:
@@ -194,17 +211,18 @@ class TaskReport:
                 "restarted_end": None if restarted is None else restarted <= MAX_DAMAGE,
                 "restore_recovers": None if restored is None else restored >= MIN_RECOVERED}
 
+    def _paired_rejoins(self, name: str) -> list[Rejoin]:
+        """The preempted arm `name`'s runs, each against the paced arm's run of the same repeat; the
+        arms' details carry `preempt_s`, `restart_s` and `others_end_s` (`infra.bench.quality`)."""
+        return [rejoin(arm.curve, paced.curve, preempt_s=arm.details["preempt_s"], restart_s=arm.details["restart_s"],
+                       others_end_s=arm.details["others_end_s"], paced_others_end_s=paced.details["others_end_s"])
+                for arm, paced in zip(self.arms.get(name, []), self.arms["paced"])]
+
     def rejoins(self) -> dict[str, Rejoin]:
-        """Each preempted arm that ran against the paced arm (none without it); the arms' details
-        carry `preempt_s`, `restart_s` and `others_end_s` (`infra.bench.quality`)."""
+        """Each preempted arm that ran against the paced arm (none without it): the mean over its runs."""
         if "paced" not in self.arms:
             return {}
-        paced = self.arms["paced"]
-        return {name: rejoin(arm.curve, paced.curve, preempt_s=arm.details["preempt_s"],
-                             restart_s=arm.details["restart_s"],
-                             others_end_s=arm.details["others_end_s"],
-                             paced_others_end_s=paced.details["others_end_s"])
-                for name in PREEMPTED if (arm := self.arms.get(name)) is not None}
+        return {name: _mean_rejoin(pairs) for name in PREEMPTED if (pairs := self._paired_rejoins(name))}
 
     def recovered(self) -> float | None:
         """What the state restore recovers of a cold rejoin's cost at the others' end (None: an arm
@@ -214,8 +232,8 @@ class TaskReport:
 
     def rejoin_rows(self) -> list[list]:
         paced = self.arms["paced"]
-        rows = [[self.task, "paced", loss_at(paced.curve, paced.details["others_end_s"]), 0.0, paced.curve[-1][1], 0.0,
-                 None, None, None]]
+        rows = [[self.task, "paced", _mean([loss_at(p.curve, p.details["others_end_s"]) for p in paced]), 0.0,
+                 _mean([p.curve[-1][1] for p in paced]), 0.0, None, None, None]]
         return rows + [[self.task, name, c.at_others_end, c.cost, c.final, c.final_cost, c.bump, c.mean_excess,
                         c.bump_before]
                        for name, c in self.rejoins().items()]
@@ -230,8 +248,8 @@ class TaskReport:
                 f"(>= {MIN_RECOVERED}: {said})")
 
     def damage(self, arm: str) -> float | None:
-        """The arm's end-of-run damage share (None if it did not run)."""
-        return self.arms[arm].end.damage_share if arm in self.arms else None
+        """The arm's end-of-run damage share, its worst run's (None if it did not run)."""
+        return max(r.end.damage_share for r in self.arms[arm]) if arm in self.arms else None
 
     def straggler_ratio(self) -> float | None:
         """The straggler arm's final over the better of the fleets without it that ran (None: the
@@ -247,7 +265,9 @@ class TaskReport:
         to_torchft, to_baseline = self.ratio("decoupled", "torchft"), self.ratio("decoupled", "baseline")
         to_waiting = self.ratio("decoupled", "waiting")
         damage, restarted = self.damage("decoupled"), self.damage("restarted")
-        return (f"{self.task}: decoupled / torchft {_fmt(to_torchft, '.4f')} (<= {MAX_TO_TORCHFT}: "
+        runs = max(len(r) for r in self.arms.values())
+        return (f"{self.task}{f' (means of {runs} runs)' if runs > 1 else ''}: decoupled / torchft "
+                f"{_fmt(to_torchft, '.4f')} (<= {MAX_TO_TORCHFT}: "
                 f"{said(v['to_torchft'])}), / baseline {_fmt(to_baseline, '.4f')} (<= {MAX_TO_BASELINE}: "
                 f"{said(v['to_baseline'])}), / waiting {_fmt(to_waiting, '.4f')} (<= {MAX_TO_WAITING}: "
                 f"{said(v['to_waiting'])}), end-of-run damage {_fmt(damage and 100 * damage, '.2f')}% "
@@ -258,24 +278,41 @@ class TaskReport:
 
     def to_json(self) -> dict:
         return {"task": self.wire, "steps_per_learner": self.steps, "sync_every": self.sync_every, "entropy_floor": self.floor,
-                "arms": {name: {**arm.to_json(), "ratio_to_torchft": self.ratio(name, "torchft"),
+                "arms": {name: {"final": self.final(name), "finals": [r.end.final for r in runs],
+                                "spread": self.spread(name), "damage_share": self.damage(name),
+                                "ratio_to_torchft": self.ratio(name, "torchft"),
                                 "ratio_to_baseline": self.ratio(name, "baseline"),
-                                "gap_to_floor": None if self.floor is None else arm.end.final - self.floor}
-                         for name, arm in self.arms.items()},
+                                "gap_to_floor": None if self.floor is None else self.final(name) - self.floor,
+                                "runs": [r.to_json() for r in runs]}
+                         for name, runs in self.arms.items()},
                 "skipped": self.skipped, "verdict": self.verdict(),
                 **({"rejoin": {name: dataclasses.asdict(c) for name, c in rejoins.items()}, "recovered": self.recovered()}
                    if (rejoins := self.rejoins()) else {})}
 
 
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+def _mean_rejoin(pairs: Sequence[Rejoin]) -> Rejoin:
+    """The mean of each figure over a preempted arm's runs (a figure nan in every run stays nan)."""
+    def mean(name: str) -> float:
+        values = [v for p in pairs if not math.isnan(v := getattr(p, name))]
+        return _mean(values) if values else math.nan
+
+    return Rejoin(**{f.name: mean(f.name) for f in dataclasses.fields(Rejoin)})
+
+
 REJOIN_HEADERS = ["task", "arm", "at others' end", "cost", "final", "final cost", "bump", "mean excess",
                   "bump before"]
-HEADERS = ["task", "arm", "final", "best last 10%", "damage %", "/ torchft", "/ baseline", "- floor", "points",
-           "wall s"]
+HEADERS = ["task", "arm", "runs", "final", "spread %", "best last 10%", "damage %", "/ torchft", "/ baseline",
+           "- floor", "points", "wall s"]
 
 
 def table(reports: Sequence[TaskReport], learners: int) -> str:
     head = (f"quality: {learners} learners (replicas) per arm, the same tokens, seeds, model, inner optimizer and "
-            f"H in every arm; best last 10% = over the last 10% of each arm's curve points")
+            f"H in every arm; best last 10% = over the last 10% of each arm's curve points; with several runs, "
+            f"final and best last are means, spread (max - min) / mean of the finals, damage the worst run's")
     lines = [head, figures_table(HEADERS, [row for r in reports for row in r.rows()])]
     for r in reports:
         floor = "unknown" if r.floor is None else f"{r.floor:.4f}"

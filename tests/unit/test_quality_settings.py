@@ -74,3 +74,12 @@ def test_a_learners_work_reached_the_model_when_the_last_version_holding_a_piece
     manifests = {0: [manifest(100.0), manifest(105.0, "a", "b"), manifest(112.0, "a")],
                  1: [manifest(100.0), manifest(108.0, "b"), manifest(111.0, "a")]}
     assert trial.last_merged_s(manifests, 100.0) == {"a": 12.0, "b": 8.0}
+
+
+def test_repeats_take_the_arms_in_turn_each_starting_one_further_along() -> None:
+    assert quality.turns(["decoupled", "waiting", "torchft"], 4) == [
+        ["decoupled", "waiting", "torchft"], ["waiting", "torchft", "decoupled"],
+        ["torchft", "decoupled", "waiting"], ["decoupled", "waiting", "torchft"]]
+    assert quality.turns(["straggler"], 2) == [["straggler"], ["straggler"]] and quality.turns([], 2) == [[], []]
+    with pytest.raises(SystemExit, match="--repeats must be at least 1"):
+        quality.run(args("--repeats", "0"))
