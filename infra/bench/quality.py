@@ -81,8 +81,9 @@ from diloco.coordinator.config import RunSettings
 from diloco.infra.bench.peer import run_torchft, torchft_missing
 from diloco.infra.bench.quality_report import PREEMPTED, ArmCurve, TaskReport, table
 from diloco.infra.bench.quality_tasks import TASKS, BenchTask, pick
-from diloco.infra.bench.trial import (SYNC_LEARNER, LearnerPlan, Trial, TrialResult, add_out_arguments, bench_stack,
-                                      run_args, run_trial, sync_trial)
+from diloco.infra.bench.trial import (SYNC_LEARNER, LearnerPlan, Trial, TrialResult, add_out_arguments,
+                                      add_repeats_argument, bench_stack, run_args, run_dir, run_trial, sync_trial,
+                                      turns)
 from diloco.infra.local.fleet import Outage
 from diloco.infra.local.stack import LocalStack
 from diloco.infra.output import Progress
@@ -140,9 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "override them), e.g. '--fragments 1' or '--no-staleness-discount'")
     parser.add_argument("--arms", default=",".join(ARMS),
                         help="comma-separated subset of %(default)s (default: all)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of each arm, the arms in turn; finals and ratios are then means, with their "
-                             "spread (the baseline, one process from fixed seeds, runs once) (default: %(default)s)")
+    add_repeats_argument(parser, "the baseline, one process from fixed seeds, runs once")
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,8 +284,8 @@ def run_task(b: Budget, bench: BenchTask, args: argparse.Namespace, wanted: list
         log.info("quality %s: straggler arms paced at %.3fs per step (the straggler x%g)", name, pace_s,
                  STRAGGLER_SLOWDOWN)
         ours |= paced_arms(args, b, ours["decoupled"], pace_s)
-    runners: dict[str, Callable[[], ArmCurve]] = {
-        arm: partial(run_ours, trial, task, out, stack, name) for arm, trial in ours.items() if arm in wanted}
+    runners: dict[str, Callable[[Path], ArmCurve]] = {
+        arm: partial(run_ours, trial, task, stack, name) for arm, trial in ours.items() if arm in wanted}
     for arm, replicas, step_s in (("torchft", args.learners, 0.0), ("torchft_without", args.learners - 1, pace_s)):
         if arm not in wanted:
             continue
@@ -295,13 +294,14 @@ def run_task(b: Budget, bench: BenchTask, args: argparse.Namespace, wanted: list
             skipped[arm] = missing
             log.warning("quality %s: %s arm skipped: %s", name, arm, missing)
             continue
-        runners[arm] = partial(run_peer, task, out, b, replicas, arm, step_s, name)
+        runners[arm] = partial(run_peer, task, b, replicas, arm, step_s, name)
     arms: dict[str, list[ArmCurve]] = {}
     for repeat, order in enumerate(turns(list(runners), args.repeats)):
         if args.repeats > 1:
             log.info("quality %s: repeat %d of %d: %s", name, repeat + 1, args.repeats, ", ".join(order))
+        where = run_dir(out, repeat, args.repeats)
         for arm in order:
-            arms.setdefault(arm, []).append(runners[arm]())
+            arms.setdefault(arm, []).append(runners[arm](where))
     if "baseline" in wanted:
         torch.set_num_threads(2)
         t0 = time.monotonic()
@@ -312,14 +312,8 @@ def run_task(b: Budget, bench: BenchTask, args: argparse.Namespace, wanted: list
     return TaskReport(name, b.steps, b.sync_every, task.entropy_floor(), arms, skipped, task.to_wire())
 
 
-def turns(arms: list[str], repeats: int) -> list[list[str]]:
-    """The order the arms run in, repeat by repeat: each repeat starts one arm further along, so that
-    over repeats as many as the arms each arm runs first, second... once."""
-    return [arms[r % len(arms):] + arms[:r % len(arms)] if arms else [] for r in range(repeats)]
-
-
-def run_ours(trial: Trial, task: Task, out: Path, stack: LocalStack, label: str) -> ArmCurve:
-    """One run of one of our arms: its curve and details."""
+def run_ours(trial: Trial, task: Task, stack: LocalStack, label: str, out: Path) -> ArmCurve:
+    """One run of one of our arms (its logs under `out`): its curve and details."""
     log.info("quality %s: arm %s ...", label, trial.name)
     result = run_trial(stack, trial, task, out, curve_points=None)
     arm = trial_curve(result)
@@ -330,9 +324,11 @@ def run_ours(trial: Trial, task: Task, out: Path, stack: LocalStack, label: str)
     return arm
 
 
-def run_peer(task: Task, out: Path, b: Budget, replicas: int, arm: str, step_s: float, label: str) -> ArmCurve:
-    """One run of a torchft arm: `replicas` replicas, paced at `step_s` per step (0: not paced)."""
+def run_peer(task: Task, b: Budget, replicas: int, arm: str, step_s: float, label: str, out: Path) -> ArmCurve:
+    """One run of a torchft arm: `replicas` replicas, paced at `step_s` per step (0: not paced), its
+    logs under `out`."""
     log.info("quality %s: arm %s ...", label, arm)
+    out.mkdir(parents=True, exist_ok=True)
     task_path = out / "task.json"
     task_path.write_text(json.dumps(task.to_wire()))
     peer = run_torchft(task, task_path, out, replicas=replicas, steps=b.steps, sync_every=b.sync_every,
@@ -344,8 +340,6 @@ def run_peer(task: Task, out: Path, b: Budget, replicas: int, arm: str, step_s: 
 
 
 def run(args: argparse.Namespace) -> QualityResult:
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     wanted = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = set(wanted) - set(ARMS)
     if unknown:

@@ -308,6 +308,35 @@ def add_out_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                              "a run to many GB for a large model)")
 
 
+def add_repeats_argument(parser: argparse.ArgumentParser, once: str) -> None:
+    """`--repeats N`: each arm N times, the arms in turn (`turns`); `once` says what runs once."""
+    parser.add_argument("--repeats", type=positive_int, default=1,
+                        help=f"runs of each arm, the arms in turn, each repeat starting one arm further along; "
+                             f"finals, times and ratios are then means, with the spread of the finals ({once}) "
+                             f"(default: %(default)s)")
+
+
+def run_dir(out: Path, repeat: int, repeats: int) -> Path:
+    """Where one run of an arm keeps its logs: `out` itself for a single run, `out/run-K` (K from 1)
+    for each of several, so that a repeat does not overwrite the logs of the one before."""
+    return out if repeats == 1 else out / f"run-{repeat + 1}"
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def turns(arms: list[str], repeats: int) -> list[list[str]]:
+    """The order the arms run in, repeat by repeat: each repeat starts one arm further along, so that
+    over repeats as many as the arms each arm runs first, second... once."""
+    return [arms[r % len(arms):] + arms[:r % len(arms)] if arms else [] for r in range(repeats)]
+
+
+
 @contextmanager
 def bench_stack(out: Path, *, keep: bool = False, bind: str = "127.0.0.1") -> Iterator[LocalStack]:
     """A fresh local stack under `out/stack` (an earlier one's data removed), its credentials in

@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -65,8 +66,9 @@ from diloco.coordinator.config import RunSettings
 from diloco.infra.bench.dataparallel import DpRun, _dp_worker, dp_equivalent_curve, ring_bytes, run_dp
 from diloco.infra.bench.netns import (Rates, WanNet, _sigterm_interrupts, entered, feasibility, netns_exec,
                                       remove_leftovers)
-from diloco.infra.bench.trial import (LearnerPlan, Placement, Trial, TrialResult, add_out_arguments, bench_stack,
-                                      run_trial, sync_trial, time_to)
+from diloco.infra.bench.trial import (LearnerPlan, Placement, Trial, TrialResult, add_out_arguments,
+                                      add_repeats_argument, bench_stack, run_dir, run_trial, sync_trial, time_to,
+                                      turns)
 from diloco.infra.local.stack import LocalStack
 from diloco.infra.output import figures_table
 from diloco.workers.tasks.demo import DemoTask
@@ -207,6 +209,17 @@ class ArmFigures:
     reported: list[tuple[int, int]] | None
     """(bytes up, bytes down) per learner from its heartbeats (DiLoCo arms)."""
     detail: dict = field(default_factory=dict)
+    finals: list[float] = field(default_factory=list)
+    """Each run's final eval (`--repeats`): `final_eval` is their mean; empty: one run."""
+
+    @property
+    def runs(self) -> int:
+        return len(self.finals) or 1
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / mean of the runs' finals: 0 for one run."""
+        return (max(self.finals) - min(self.finals)) / self.final_eval if self.finals else 0.0
 
     def mean_wire(self, way: int) -> float:
         return sum(w[way] for w in self.wire) / max(1, len(self.wire))
@@ -217,8 +230,8 @@ class ArmFigures:
     def to_json(self) -> dict:
         return {"arm": self.arm, "rates_mbit": [[r.up_mbit, r.down_mbit] for r in self.rates],
                 "time_to_target_s": self.time_to_target_s, "how": self.how, "tokens_per_s": self.tokens_per_s,
-                "final_eval": self.final_eval, "steps": self.steps, "wire_bytes": self.wire,
-                "reported_bytes": self.reported, **self.detail}
+                "final_eval": self.final_eval, "finals": self.finals or [self.final_eval], "spread": self.spread,
+                "steps": self.steps, "wire_bytes": self.wire, "reported_bytes": self.reported, **self.detail}
 
 
 @dataclass
@@ -277,12 +290,13 @@ class WanResult:
             f = self.arms[a]
             rates = sorted({r.up_mbit for r in f.rates}, reverse=True)
             rows.append([a, "/".join(f"{r:g}" for r in rates), f.time_to_target_s, f.how, f.tokens_per_s,
-                         f.final_eval, round(sum(f.steps) / max(1, len(f.steps))), f.mean_wire(0) / 1e6,
+                         f.runs, f.final_eval, 100 * f.spread, round(sum(f.steps) / max(1, len(f.steps))),
+                         f.mean_wire(0) / 1e6,
                          f.mean_wire(1) / 1e6,
                          None if f.mean_reported(0) is None else f.mean_reported(0) / 1e6,
                          None if f.mean_reported(1) is None else f.mean_reported(1) / 1e6])
-        parts = [head, figures_table(["arm", "Mbit/s", "s to target", "how", "tokens/s", "final eval",
-                                      "steps/learner", "wire MB up", "wire MB down", "reported MB up",
+        parts = [head, figures_table(["arm", "Mbit/s", "s to target", "how", "tokens/s", "runs", "final eval",
+                                      "spread %", "steps/learner", "wire MB up", "wire MB down", "reported MB up",
                                       "reported MB down"], rows)]
         if "mixed" in self.arms:
             f = self.arms["mixed"]
@@ -330,6 +344,44 @@ def diloco_figures(arm: str, lt: LinkedTrial, target: float | None) -> ArmFigure
                        "tbf_dropped": lt.dropped})
 
 
+def combined(runs: Sequence[ArmFigures]) -> ArmFigures:
+    """An arm's figures over its runs (`--repeats`): the means of its times to the target (None, "not
+    reached in K of N runs", if some run did not reach it), tokens per second, final evals, steps,
+    bytes per learner, and of the mixed arm's per-learner figures; each run's own figures in
+    `detail["runs"]`. One run: itself."""
+    if len(runs) == 1:
+        return runs[0]
+    first, n = runs[0], len(runs)
+    times = [f.time_to_target_s for f in runs]
+    missed = sum(t is None for t in times)
+    time_s = None if missed else _mean(times)
+    how = "measured" if not missed else f"not reached in {missed} of {n} runs"
+    per_learner = {name: {"merged": _mean([f.detail["per_learner"].get(name, {}).get("merged", 0) for f in runs]),
+                          "mean_staleness": _mean([s for f in runs
+                                                   if (s := f.detail["per_learner"].get(name, {}).get("mean_staleness"))
+                                                   is not None] or [math.nan])}
+                   for name in sorted({k for f in runs for k in f.detail.get("per_learner", {})})}
+    dropped = [f.detail.get("tbf_dropped") for f in runs]
+    return ArmFigures(first.arm, first.rates, time_s, how, _mean([f.tokens_per_s for f in runs]),
+                      _mean([f.final_eval for f in runs]),
+                      [round(_mean(steps)) for steps in zip(*(f.steps for f in runs))],
+                      _mean_pairs([f.wire for f in runs]),
+                      None if any(f.reported is None for f in runs) else _mean_pairs([f.reported for f in runs]),
+                      {"per_learner": per_learner,
+                       "tbf_dropped": _mean_pairs(dropped) if all(dropped) else [],
+                       "runs": [f.to_json() for f in runs]},
+                      finals=[f.final_eval for f in runs])
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+def _mean_pairs(runs: Sequence[Sequence[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Per learner, the mean (up, down) over the runs."""
+    return [(_mean([p[0] for p in pairs]), _mean([p[1] for p in pairs])) for pairs in zip(*runs)]
+
+
 # ---------------------------------------------------------------------------------------------
 # The command.
 
@@ -337,6 +389,7 @@ def diloco_figures(arm: str, lt: LinkedTrial, target: float | None) -> ArmFigure
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_out_arguments(parser, "wan")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of %(default)s")
+    add_repeats_argument(parser, "dp, whose loss per step does not depend on the link, runs once")
     parser.add_argument("--learners", type=int, default=4, help="M (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=600,
                         help="inner steps per learner: the token budget of every arm (default: %(default)s)")
@@ -456,18 +509,22 @@ def run(args: argparse.Namespace) -> WanResult:
     result.notes.append(f"links: TCP congestion control {args.congestion_control or _host_congestion_control()}, "
                         f"tbf queue {args.latency_ms:g} ms")
     out = args.out.resolve()
-    linked: dict[str, LinkedTrial] = {}
+    linked: dict[str, list[LinkedTrial]] = {}
     dp: DpRun | None = None
     with _sigterm_interrupts(), WanNet(args.learners, latency_ms=args.latency_ms,
                                               congestion_control=args.congestion_control) as net, entered(net.hub):
         diloco_arms = [a for a in ("decoupled", "sync", "mixed", "mixed_without") if a in arms]
         if diloco_arms:
             with bench_stack(out, keep=args.keep_stack, bind="0.0.0.0") as stack:  # every address of the hub
-                for arm in diloco_arms:
-                    linked[arm] = run_linked_trial(stack, net, _trial(arm, args), task, out / arm, _rates(args, arm),
-                                                   curve_points=args.curve_points or None)
-                    log.info("wan: %s: eval %.4f, %d versions", arm, linked[arm].trial.eval_loss,
-                             linked[arm].trial.counters.get("versions_committed", 0))
+                for repeat, order in enumerate(turns(diloco_arms, args.repeats)):
+                    for arm in order:
+                        lt = run_linked_trial(stack, net, _trial(arm, args), task,
+                                              run_dir(out / arm, repeat, args.repeats), _rates(args, arm),
+                                              curve_points=args.curve_points or None)
+                        linked.setdefault(arm, []).append(lt)
+                        log.info("wan: %s%s: eval %.4f, %d versions", arm,
+                                 f" (run {repeat + 1} of {args.repeats})" if args.repeats > 1 else "",
+                                 lt.trial.eval_loss, lt.trial.counters.get("versions_committed", 0))
         if "dp" in arms:
             dp = run_dp(net, task, out / "dp", steps=args.steps, budget_s=args.dp_budget_s,
                         step_time_s=args.step_time_s, rate=_rates(args, "dp")[0])
@@ -477,11 +534,12 @@ def run(args: argparse.Namespace) -> WanResult:
     if args.target_loss is not None:
         result.target, result.target_source = args.target_loss, "--target-loss"
     elif compared:
-        result.target = max(linked[a].trial.eval_loss for a in compared)
-        result.target_source = (f"the highest final eval loss of {' and '.join(compared)}: a loss "
+        result.target = max(lt.trial.eval_loss for a in compared for lt in linked[a])
+        result.target_source = (f"the highest final eval loss of {' and '.join(compared)}"
+                                f"{' over their runs' if args.repeats > 1 else ''}: a loss "
                                 f"{'both' if len(compared) == 2 else 'it'} reached")
-    for arm, lt in linked.items():
-        result.arms[arm] = diloco_figures(arm, lt, result.target)
+    for arm, runs in linked.items():
+        result.arms[arm] = combined([diloco_figures(arm, lt, result.target) for lt in runs])
     if dp is not None:
         result.arms["dp"] = dp_figures(dp, task, args, result)
         if "mixed" in result.arms:

@@ -189,6 +189,29 @@ def test_the_verdicts_hold_mixed_links_to_equal_links_and_to_the_fleet_without_t
     assert "1.3500 against 1.4000 without them (met" in verdicts
 
 
+def test_repeated_runs_of_an_arm_are_held_to_their_means():
+    """`--repeats`: an arm's final, time to the target, bytes and per-learner figures are the means of
+    its runs; one run that missed the target leaves the arm without a time; a single run is itself."""
+    def run(final: float, reached: float | None, up: int, staleness: float, merged: int) -> wan.ArmFigures:
+        return wan.ArmFigures("mixed", [netns.Rates(1.25, 1.25)], reached, "measured", 100.0, final, [600], [(up, 10)],
+                              [(up // 2, 5)], {"per_learner": {"learner-0": {"merged": merged,
+                                                                            "mean_staleness": staleness}},
+                                              "tbf_dropped": [(0.1, 0.2)]})
+
+    one = run(1.35, 70.0, 1000, 0.5, 50)
+    assert wan.combined([one]) is one and one.runs == 1 and one.spread == 0.0
+    both = wan.combined([one, run(1.39, 80.0, 3000, 0.25, 60)])
+    assert both.final_eval == pytest.approx(1.37) and both.finals == [1.35, 1.39] and both.runs == 2
+    assert both.spread == pytest.approx(0.04 / 1.37) and both.time_to_target_s == pytest.approx(75.0)
+    assert both.wire == [(2000.0, 10.0)] and both.reported == [(1000.0, 5.0)] and both.steps == [600]
+    assert both.detail["per_learner"]["learner-0"] == {"merged": 55.0, "mean_staleness": 0.375}
+    assert len(both.detail["runs"]) == 2 and both.to_json()["finals"] == [1.35, 1.39]
+    missed = wan.combined([one, run(1.45, None, 1000, 0.5, 50)])
+    assert missed.time_to_target_s is None and missed.how == "not reached in 1 of 2 runs"
+    table = wan.WanResult(None, False, None, target=1.4, arms={"mixed": both}).table()
+    assert "mixed arm, per learner" in table and "1.37" in table
+
+
 def test_every_namespace_takes_the_congestion_control_asked_for():
     if reason := netns.feasibility().reason:
         pytest.skip(reason)
