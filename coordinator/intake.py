@@ -236,8 +236,9 @@ class Intake:
         held = {c.entry_id for f in s.fragments.values() for c in f.round}
         with s.timing("check"):
             ids = [item.contribution_id for _, item in entries if not isinstance(item, Refused)]
-            # Applied: what Redis says, and what this process committed (in S3, whatever Redis forgot).
-            ours = set().union(*(c for frag in s.fragments.values() for c in frag.committed))
+            # Applied: what Redis says, and what the manifests this process knows merged (in S3, whatever
+            # Redis forgot: `Fragment.applied`).
+            ours = set().union(*(ids for frag in s.fragments.values() for ids in frag.applied.values()))
             applied = s.bus.applied_among(ids) | (ours & set(ids))
             for entry_id, item in entries:
                 if entry_id in held:

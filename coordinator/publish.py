@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -192,7 +192,8 @@ def commit_existing(bus: Bus, manifest: Manifest, *, epoch: int, keep_applied: i
 
 
 def roll_forward(store: ObjectStore, bus: Bus, fragments: Iterable[int], epoch: int, *,
-                 keep_applied: int) -> dict[int, int]:
+                 keep_applied: int, committed: Callable[[Manifest], None] = lambda manifest: None
+                 ) -> dict[int, int]:
     """Make Redis heads of `fragments` (a shard's) agree with the manifests in S3 (the truth); returns
     their heads.
 
@@ -204,7 +205,8 @@ def roll_forward(store: ObjectStore, bus: Bus, fragments: Iterable[int], epoch: 
       max_staleness and would be refused anyway (a commit keeps no more of them either).
 
     Never past the run's end: a version written above a fragment's final version (by a shard that
-    had not seen the end) is not part of the run.
+    had not seen the end) is not part of the run. `committed` is called with each manifest whose
+    contributions this marks applied.
     """
     fragments = list(fragments)
     heads = {f: v for f, v in bus.heads().items() if f in fragments}
@@ -221,15 +223,17 @@ def roll_forward(store: ObjectStore, bus: Bus, fragments: Iterable[int], epoch: 
                 continue
         if fragment not in heads:
             for version in range(max(0, latest - keep_applied), latest):
-                bus.mark_applied(fragment, [c.contribution_id for c in read_manifest(store, bus.keys, fragment,
-                                                                                     version).inputs],
-                                 keep_applied=keep_applied)
-            commit_existing(bus, read_manifest(store, bus.keys, fragment, latest), epoch=epoch,
-                            keep_applied=keep_applied, rebuild=True)
+                manifest = read_manifest(store, bus.keys, fragment, version)
+                bus.mark_applied(fragment, [c.contribution_id for c in manifest.inputs], keep_applied=keep_applied)
+                committed(manifest)
+            manifest = read_manifest(store, bus.keys, fragment, latest)
+            commit_existing(bus, manifest, epoch=epoch, keep_applied=keep_applied, rebuild=True)
+            committed(manifest)
             heads[fragment] = latest
             continue
         for version in range(heads[fragment] + 1, latest + 1):
-            commit_existing(bus, read_manifest(store, bus.keys, fragment, version), epoch=epoch,
-                            keep_applied=keep_applied)
+            manifest = read_manifest(store, bus.keys, fragment, version)
+            commit_existing(bus, manifest, epoch=epoch, keep_applied=keep_applied)
+            committed(manifest)
             heads[fragment] = version
     return heads

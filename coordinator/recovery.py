@@ -35,7 +35,7 @@ from diloco.storage.errors import ConfigError, Refused
 from diloco.storage.history import read_manifest, sha256_hex
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
-from diloco.storage.protocol import Announcement, ObjectMeta
+from diloco.storage.protocol import Announcement, Manifest, ObjectMeta
 
 if TYPE_CHECKING:
     from diloco.coordinator.state import ShardState
@@ -142,9 +142,16 @@ class Recovery:
     def roll_forward(self) -> dict[int, int]:
         """Bring Redis up to the manifests in S3 (`publish.roll_forward`) and take its heads: a
         fragment whose head moved is reloaded from S3, and an open round keeps only contributions
-        not applied since."""
+        not applied since. What the manifests committed again merged is kept as applied
+        (`Fragment.applied`)."""
         s = self.state
-        heads = roll_forward(s.store, s.bus, list(s.fragments), s.epoch, keep_applied=s.keep_applied)
+
+        def committed(manifest: Manifest) -> None:
+            s.fragments[manifest.fragment].record_applied(
+                manifest.version, (c.contribution_id for c in manifest.inputs), s.keep_applied)
+
+        heads = roll_forward(s.store, s.bus, list(s.fragments), s.epoch, keep_applied=s.keep_applied,
+                             committed=committed)
         for fragment, frag in s.fragments.items():
             if heads.get(fragment, -1) != frag.head:
                 frag.forget_head(heads.get(fragment, -1))

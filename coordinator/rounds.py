@@ -240,6 +240,7 @@ class Rounds:
             return
         merged = {c.contribution_id for c in manifest.inputs}
         frag.round = [c for c in frag.round if c.announcement.contribution_id not in merged]
+        frag.record_applied(version, merged, s.keep_applied)
         frag.forget_head(version)
         frag.merged_tokens = manifest.merged_tokens
         s.bus.incr("versions_adopted")
@@ -268,31 +269,40 @@ class Rounds:
 
     def _ensure_loaded(self, fragment: int, frag: Fragment) -> None:
         s = self.state
-        if frag.params is not None:
+        if frag.params is not None and frag.state is not None:
             return
         assert s.layout is not None
         manifest = read_manifest(s.store, s.keys, fragment, frag.head)
-        frag.params = read_params(s.store, s.layout, manifest)
+        params = read_params(s.store, s.layout, manifest)
         limit = 2 * s.layout.fragment_bytes(fragment) + (1 << 20)
-        frag.state = decode_state(read_verified(s.store, manifest.outer_state_key, manifest.outer_state_sha256,
-                                                max_bytes=limit, buffer=True), limit, in_place=True, hashed=True)
+        state = decode_state(read_verified(s.store, manifest.outer_state_key, manifest.outer_state_sha256,
+                                           max_bytes=limit, buffer=True), limit, in_place=True, hashed=True)
+        # Both or neither: S3 failing between the two reads leaves the fragment to load again, whole.
+        frag.params, frag.state = params, state
         if not frag.recent:
             self.load_recent(fragment, frag, manifest)
 
     def load_recent(self, fragment: int, frag: Fragment, head: Manifest | None = None) -> None:
         """The fragment's last RECENT_ROUNDS merged rounds and their claims, oldest first, from their
         manifests, and when their learners last sent: a restarted or standby coordinator scales
-        rounds, counts claims and knows which of its fleet send pieces as its predecessor did."""
+        rounds, counts claims and knows which of its fleet send pieces as its predecessor did. Also
+        what the last `keep_applied` versions merged (`Fragment.applied`): none of it merges again,
+        whatever Redis forgets after this process started."""
         s = self.state
         rounds: list[RoundSize] = []
         claims: list[tuple[Claim, ...]] = []
         manifest = head if head is not None or frag.head < 1 else read_manifest(s.store, s.keys, fragment,
                                                                                   frag.head)
-        while manifest is not None and manifest.settings.kind == "delta" and len(rounds) < RECENT_ROUNDS:
-            rounds.append(round_size(manifest.inputs, manifest.settings.update_norm))
-            claims.append(tuple(Claim(c.learner, c.tokens, c.steps, c.norm) for c in manifest.inputs))
-            for c in manifest.inputs:
-                s.view.sent(c.learner, manifest.committed_at)
+        walked, depth = 0, max(RECENT_ROUNDS, s.keep_applied)
+        while manifest is not None and manifest.settings.kind == "delta" and walked < depth:
+            walked += 1
+            if walked <= s.keep_applied:
+                frag.record_applied(manifest.version, (c.contribution_id for c in manifest.inputs), s.keep_applied)
+            if walked <= RECENT_ROUNDS:
+                rounds.append(round_size(manifest.inputs, manifest.settings.update_norm))
+                claims.append(tuple(Claim(c.learner, c.tokens, c.steps, c.norm) for c in manifest.inputs))
+                for c in manifest.inputs:
+                    s.view.sent(c.learner, manifest.committed_at)
             previous = manifest.version - 1
             manifest = read_manifest(s.store, s.keys, fragment, previous) if previous > 0 else None
         frag.recent, frag.claims = rounds[::-1], claims[::-1]
@@ -369,7 +379,7 @@ class Rounds:
             frag.recent = [*frag.recent, round_size(counted, manifest.settings.update_norm)][-RECENT_ROUNDS:]
             frag.claims = [*frag.claims, tuple(Claim(a.learner, a.tokens, a.steps, a.norm) for a in counted)
                            ][-RECENT_ROUNDS:]
-        frag.committed = [*frag.committed, frozenset(merged)][-(s.round_cfg.max_staleness + 1):]
+        frag.record_applied(version, merged, s.keep_applied)
         frag.head, frag.wake_at = version, None
         # Without hold_state, the next merge reads them back (`_ensure_loaded`).
         frag.params, frag.state = (params, state) if s.config.hold_state else (None, None)

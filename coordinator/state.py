@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -69,10 +70,19 @@ class Fragment:
     merged_tokens: int | None = None
     """The tokens merged into the fragment up to its head (`Manifest.merged_tokens`); None: read from
     the head's manifest when needed (the head moved by another path than our own commit)."""
-    committed: list[frozenset[str]] = field(default_factory=list)
-    """The contribution ids of the last versions this process committed here (max_staleness + 1 of
-    them): applied, since their manifests are in S3, whatever Redis says (it may forget its last
-    writes); anything older would be refused as stale."""
+    applied: dict[int, frozenset[str]] = field(default_factory=dict)
+    """Version -> the contribution ids it merged, for the last versions this process knows the
+    manifests of (max_staleness + 1 of them: anything older would be refused as stale): those it
+    committed, those it committed again from S3 (a predecessor's, after a crash or a Redis that forgot
+    commits), and those it read as it started. Applied, since their manifests are in S3, whatever
+    Redis says: a Redis restored from an older snapshot forgets its applied set and hands the
+    announcements back, and a coordinator that checked Redis alone would merge them a second time."""
+
+    def record_applied(self, version: int, ids: Iterable[str], keep: int) -> None:
+        """`version`'s manifest merged `ids`: keep them among the last `keep` versions' (`applied`)."""
+        self.applied[version] = frozenset(ids)
+        for old in sorted(self.applied)[:-keep]:
+            del self.applied[old]
 
     def forget_head(self, head: int) -> None:
         """The head moved by another path than this process's own commit: what was loaded for the old one goes."""

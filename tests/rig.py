@@ -53,6 +53,7 @@ class Rig:
         config = CoordinatorConfig(round_s=round_s, max_round_bytes=max_round_bytes, round=RoundConfig(
             min_quorum=min_quorum, max_grace_s=max_grace_s, max_staleness=max_staleness))
         self.coord = Coordinator(endpoints, run_id, settings=settings, config=config)
+        self._settings, self._config = settings, config
         self.bus, self.store, self.keys, self.spec = self.coord.bus, self.coord.store, self.coord.keys, self.coord.spec
         self.caplog = caplog
         self.endpoints = endpoints
@@ -72,6 +73,11 @@ class Rig:
         assert self.bus.heads() == {0: 0, 1: 0}
         assert self.coord.layout is not None
         self.layout = self.coord.layout
+
+    def restart(self) -> None:
+        """The coordinator gives the run up and a successor of the same settings takes it over."""
+        self.coord.close()
+        self.coord = Coordinator(self.endpoints, self.spec.run, settings=self._settings, config=self._config)
 
     def close(self) -> None:
         for u in self._uploaders.values():

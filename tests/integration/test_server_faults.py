@@ -248,6 +248,66 @@ def test_a_redis_that_forgot_a_commit_is_brought_up_to_s3_and_nothing_is_merged_
         rig.close()
 
 
+def test_a_redis_restored_under_a_successor_merges_nothing_of_the_versions_it_read_again(own_stack, caplog, tmp_path):
+    """`diloco chaos --seconds 600 --seed 7`: a coordinator died once its manifest was written; its
+    successor committed that version from S3 as it started; then Redis was restored from a snapshot
+    older than the commit, and one of the version's contributions came back pending and not applied
+    before the successor noticed the restart. Checking Redis alone, it merged that contribution into
+    its next version: applied twice. It knows what the manifests it read merged (`Fragment.applied`):
+    the contribution is refused as a duplicate. (The snapshot here predates the successor's lease too,
+    so its next commit is fenced: the test stops before it.)"""
+    stack, _env, _procs = own_stack
+    caplog.set_level(logging.WARNING, logger="diloco.coordinator")
+    rig = Rig(stack.endpoints, RUN, caplog, min_quorum=2)
+    for learner in ("good", "other"):
+        rig.bus.heartbeat(learner, 600.0)  # two live learners: a round waits for both
+    try:
+        head = rig.head(0)
+        _, first = rig.send_good("good")
+        rig.coord.step()  # held in the open round: read, pending
+        stack.snapshot_redis(tmp_path / "snapshot")
+        _, second = rig.send_good("other")
+        rig.coord.step()
+        assert rig.head(0) == head + 1
+        rig.restart()  # the successor reads the head's manifest as it starts
+        stack.restore_redis(tmp_path / "snapshot")  # forgets the commit: `first` is pending again
+        assert rig.head(0) == head and not rig.bus.is_applied(first.contribution_id)
+        for learner in ("good", "other"):
+            rig.bus.heartbeat(learner, 600.0)
+        third_entry, _ = rig.send_good("other")
+        # Before its loop notices the restart: its own pending entry again (`first`), then `third`.
+        # Had `first` been taken, the round would hold both learners and merge them.
+        rig.coord.step()
+        rig.coord.step()
+        assert f"contribution {first.contribution_id} from good was applied in a committed version" in caplog.text
+        assert latest_version(rig.store, rig.keys, 0) == head + 1  # nothing merged with it
+        pending = rig.bus.r.xpending_range(rig.keys.announcements, rig.keys.GROUP, "-", "+", 10)
+        assert [p["message_id"].decode() for p in pending] == [third_entry]  # `first` acknowledged, refused
+    finally:
+        rig.close()
+
+
+def test_a_fragment_whose_load_stopped_halfway_is_loaded_again_whole(endpoints, caplog):
+    """A merge reads the fragment's params, then its outer state; in `diloco chaos` S3 went away
+    between the two reads, and the next round's merge found params without a state and the
+    coordinator exited on an assertion. The two are taken together: a fragment holding one without
+    the other is loaded again, whole (the state of such a fragment is set here by hand)."""
+    rig = Rig(endpoints, f"halfway-{time.time_ns()}", caplog)
+    try:
+        head = rig.head(0)
+        rig.send_good("good")
+        rig.coord.step()
+        assert rig.head(0) == head + 1
+        frag = rig.coord.fragments[0]
+        assert frag.params is not None
+        frag.state = None  # params read, the state's GET failed
+        rig.send_good("good")
+        rig.coord.step()
+        assert rig.head(0) == head + 2 and frag.state is not None
+    finally:
+        rig.close()
+
+
 def test_a_commit_refused_because_redis_forgot_the_head_before_the_coordinator_noticed_brings_it_up_to_s3(
         own_stack, caplog, tmp_path):
     """Redis restored from an older snapshot between two merges, before the coordinator noticed the
