@@ -248,6 +248,7 @@ def test_a_redis_that_forgot_a_commit_is_brought_up_to_s3_and_nothing_is_merged_
         rig.close()
 
 
+@pytest.mark.slow  # a stack of its own (10 s): make test stays under 8 minutes, make test-slow runs it
 def test_a_redis_restored_under_a_successor_merges_nothing_of_the_versions_it_read_again(own_stack, caplog, tmp_path):
     """`diloco chaos --seconds 600 --seed 7`: a coordinator died once its manifest was written; its
     successor committed that version from S3 as it started; then Redis was restored from a snapshot
