@@ -238,7 +238,7 @@ class Intake:
             ids = [item.contribution_id for _, item in entries if not isinstance(item, Refused)]
             # Applied: what Redis says, and what the manifests this process knows merged (in S3, whatever
             # Redis forgot: `Fragment.applied`).
-            ours = set().union(*(ids for frag in s.fragments.values() for ids in frag.applied.values()))
+            ours = set().union(*(merged for frag in s.fragments.values() for merged in frag.applied.values()))
             applied = s.bus.applied_among(ids) | (ours & set(ids))
             for entry_id, item in entries:
                 if entry_id in held:
