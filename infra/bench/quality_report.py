@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from statistics import fmean
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -174,12 +175,12 @@ class TaskReport:
     def final(self, arm: str) -> float | None:
         """The mean of the arm's runs' final eval losses (None if it did not run)."""
         runs = self.arms.get(arm)
-        return math.fsum(r.end.final for r in runs) / len(runs) if runs else None
+        return fmean([r.end.final for r in runs]) if runs else None
 
     def spread(self, arm: str) -> float:
         """(max - min) / mean of the arm's finals: 0 for a single run."""
         finals = [r.end.final for r in self.arms[arm]]
-        return (max(finals) - min(finals)) / (math.fsum(finals) / len(finals))
+        return (max(finals) - min(finals)) / fmean(finals)
 
     def ratio(self, arm: str, to: str) -> float | None:
         mine, theirs = self.final(arm), self.final(to)
@@ -190,10 +191,10 @@ class TaskReport:
         for name, runs in self.arms.items():
             final = self.final(name)
             rows.append([self.task, name, len(runs), final, 100 * self.spread(name),
-                         _mean([r.end.best_last for r in runs]), 100 * self.damage(name),
+                         fmean([r.end.best_last for r in runs]), 100 * self.damage(name),
                          self.ratio(name, "torchft"), self.ratio(name, "baseline"),
                          None if self.floor is None else final - self.floor, len(runs[0].curve) - 1,
-                         _mean([r.wall_s for r in runs])])
+                         fmean([r.wall_s for r in runs])])
         return rows
 
     def verdict(self) -> dict[str, bool | None]:
@@ -232,8 +233,8 @@ class TaskReport:
 
     def rejoin_rows(self) -> list[list]:
         paced = self.arms["paced"]
-        rows = [[self.task, "paced", _mean([loss_at(p.curve, p.details["others_end_s"]) for p in paced]), 0.0,
-                 _mean([p.curve[-1][1] for p in paced]), 0.0, None, None, None]]
+        rows = [[self.task, "paced", fmean([loss_at(p.curve, p.details["others_end_s"]) for p in paced]), 0.0,
+                 fmean([p.curve[-1][1] for p in paced]), 0.0, None, None, None]]
         return rows + [[self.task, name, c.at_others_end, c.cost, c.final, c.final_cost, c.bump, c.mean_excess,
                         c.bump_before]
                        for name, c in self.rejoins().items()]
@@ -290,15 +291,12 @@ class TaskReport:
                    if (rejoins := self.rejoins()) else {})}
 
 
-def _mean(values: Sequence[float]) -> float:
-    return math.fsum(values) / len(values)
-
 
 def _mean_rejoin(pairs: Sequence[Rejoin]) -> Rejoin:
     """The mean of each figure over a preempted arm's runs (a figure nan in every run stays nan)."""
     def mean(name: str) -> float:
         values = [v for p in pairs if not math.isnan(v := getattr(p, name))]
-        return _mean(values) if values else math.nan
+        return fmean(values) if values else math.nan
 
     return Rejoin(**{f.name: mean(f.name) for f in dataclasses.fields(Rejoin)})
 

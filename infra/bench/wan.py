@@ -57,6 +57,7 @@ import argparse
 import dataclasses
 import logging
 import math
+from statistics import fmean
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -354,17 +355,18 @@ def combined(runs: Sequence[ArmFigures]) -> ArmFigures:
     first, n = runs[0], len(runs)
     times = [f.time_to_target_s for f in runs]
     missed = sum(t is None for t in times)
-    time_s = None if missed else _mean(times)
+    time_s = None if missed else fmean(times)
     how = "measured" if not missed else f"not reached in {missed} of {n} runs"
-    per_learner = {name: {"merged": _mean([f.detail["per_learner"].get(name, {}).get("merged", 0) for f in runs]),
-                          "mean_staleness": _mean([s for f in runs
-                                                   if (s := f.detail["per_learner"].get(name, {}).get("mean_staleness"))
-                                                   is not None] or [math.nan])}
-                   for name in sorted({k for f in runs for k in f.detail.get("per_learner", {})})}
+    per_learner = {}
+    for name in sorted({k for f in runs for k in f.detail.get("per_learner", {})}):
+        theirs = [f.detail["per_learner"].get(name, {}) for f in runs]
+        stale = [x["mean_staleness"] for x in theirs if x.get("mean_staleness") is not None]
+        per_learner[name] = {"merged": fmean([x.get("merged", 0) for x in theirs]),
+                             "mean_staleness": fmean(stale) if stale else math.nan}
     dropped = [f.detail.get("tbf_dropped") for f in runs]
-    return ArmFigures(first.arm, first.rates, time_s, how, _mean([f.tokens_per_s for f in runs]),
-                      _mean([f.final_eval for f in runs]),
-                      [round(_mean(steps)) for steps in zip(*(f.steps for f in runs))],
+    return ArmFigures(first.arm, first.rates, time_s, how, fmean([f.tokens_per_s for f in runs]),
+                      fmean([f.final_eval for f in runs]),
+                      [round(fmean(steps)) for steps in zip(*(f.steps for f in runs))],
                       _mean_pairs([f.wire for f in runs]),
                       None if any(f.reported is None for f in runs) else _mean_pairs([f.reported for f in runs]),
                       {"per_learner": per_learner,
@@ -373,13 +375,10 @@ def combined(runs: Sequence[ArmFigures]) -> ArmFigures:
                       finals=[f.final_eval for f in runs])
 
 
-def _mean(values: Sequence[float]) -> float:
-    return math.fsum(values) / len(values)
-
 
 def _mean_pairs(runs: Sequence[Sequence[tuple[float, float]]]) -> list[tuple[float, float]]:
     """Per learner, the mean (up, down) over the runs."""
-    return [(_mean([p[0] for p in pairs]), _mean([p[1] for p in pairs])) for pairs in zip(*runs)]
+    return [(fmean([p[0] for p in pairs]), fmean([p[1] for p in pairs])) for pairs in zip(*runs)]
 
 
 # ---------------------------------------------------------------------------------------------

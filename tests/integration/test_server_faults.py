@@ -210,6 +210,22 @@ def test_an_announcement_lost_in_a_redis_restart_is_found_in_s3_and_merged(own_s
     learner.close()
 
 
+def commit_after_a_snapshot(rig: Rig, stack, snapshot) -> tuple[int, Announcement, Announcement]:  # noqa: ANN001
+    """Two live learners' pieces merged into the next version of fragment 0, Redis snapshotted to
+    `snapshot` in between: the first piece was read and held (pending, not acknowledged), the second
+    not sent. Returns the head before, and the two announcements."""
+    for learner in ("good", "other"):
+        rig.bus.heartbeat(learner, 600.0)  # two live learners: a round waits for both
+    head = rig.head(0)
+    _, first = rig.send_good("good")
+    rig.coord.step()  # read, held in the open round: pending, unacknowledged
+    stack.snapshot_redis(snapshot)
+    _, second = rig.send_good("other")
+    rig.coord.step()
+    assert rig.head(0) == head + 1  # committed: both applied, both entries acknowledged
+    return head, first, second
+
+
 def test_a_redis_that_forgot_a_commit_is_brought_up_to_s3_and_nothing_is_merged_twice(own_stack, caplog, tmp_path):
     """Redis restored from an older snapshot (or failed over to a lagging replica) forgets the
     commit of a version whose manifest is in S3, and the entry of one of its contributions is
@@ -220,16 +236,8 @@ def test_a_redis_that_forgot_a_commit_is_brought_up_to_s3_and_nothing_is_merged_
     stack, _env, _procs = own_stack
     caplog.set_level(logging.WARNING, logger="diloco.coordinator")
     rig = Rig(stack.endpoints, RUN, caplog, min_quorum=2)
-    for learner in ("good", "other"):
-        rig.bus.heartbeat(learner, 600.0)  # two live learners: a round waits for both
     try:
-        head = rig.head(0)
-        _, first = rig.send_good("good")
-        rig.coord.step()  # read, held in the open round: pending, unacknowledged
-        stack.snapshot_redis(tmp_path / "snapshot")
-        _, second = rig.send_good("other")
-        rig.coord.step()
-        assert rig.head(0) == head + 1  # committed: both applied, both entries acknowledged
+        head, first, second = commit_after_a_snapshot(rig, stack, tmp_path / "snapshot")
         stack.restore_redis(tmp_path / "snapshot")  # forgets that commit; `first` is pending again
         assert rig.head(0) == head and not rig.bus.is_applied(first.contribution_id)
         with serving(rig.coord):
@@ -260,16 +268,8 @@ def test_a_redis_restored_under_a_successor_merges_nothing_of_the_versions_it_re
     stack, _env, _procs = own_stack
     caplog.set_level(logging.WARNING, logger="diloco.coordinator")
     rig = Rig(stack.endpoints, RUN, caplog, min_quorum=2)
-    for learner in ("good", "other"):
-        rig.bus.heartbeat(learner, 600.0)  # two live learners: a round waits for both
     try:
-        head = rig.head(0)
-        _, first = rig.send_good("good")
-        rig.coord.step()  # held in the open round: read, pending
-        stack.snapshot_redis(tmp_path / "snapshot")
-        _, second = rig.send_good("other")
-        rig.coord.step()
-        assert rig.head(0) == head + 1
+        head, first, second = commit_after_a_snapshot(rig, stack, tmp_path / "snapshot")
         rig.restart()  # the successor reads the head's manifest as it starts
         stack.restore_redis(tmp_path / "snapshot")  # forgets the commit: `first` is pending again
         assert rig.head(0) == head and not rig.bus.is_applied(first.contribution_id)
