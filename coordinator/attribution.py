@@ -143,5 +143,6 @@ def round_without(parent_params: Tensors, parent_state: NesterovState, inputs: S
     others' deltas with the weights `weights_without` gives them, the same outer step."""
     kept, weights = weights_without(inputs, learner, parent_version, settings)
     params, _ = apply_round(parent_params, parent_state, [deltas[i] for i in kept], weights, settings,
-                            staleness=[inputs[i].staleness for i in kept])
+                            staleness=[inputs[i].staleness for i in kept],
+                            bounded=[bool(inputs[i].bounded) for i in kept])
     return params

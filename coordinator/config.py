@@ -245,6 +245,7 @@ class CoordinatorConfig:
                                staleness_discount=r.staleness_discount, max_staleness=r.max_staleness,
                                staleness_relative=r.staleness_relative,
                                stale_momentum=r.stale_momentum or not self.scale_rounds,
+                               bounded_momentum=r.bounded_momentum or not self.scale_rounds,
                                min_quorum=r.min_quorum, grace_gamma=r.grace_gamma,
                                downstream=downstream if kind == "delta" else "fp32",  # genesis publishes as proposed
                                torch=torch.__version__, cpu_capability=torch.backends.cpu.get_cpu_capability())

@@ -254,16 +254,18 @@ def update_norm(delta: Mapping[str, Tensor]) -> float:
 
 def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequence[Mapping[str, Tensor]],
                 weights: Sequence[float], settings: VersionSettings, *, staleness: Sequence[int] | None = None,
-                timed: Timed = untimed) -> tuple[dict[str, Tensor], NesterovState]:
+                bounded: Sequence[bool] | None = None, timed: Timed = untimed
+                ) -> tuple[dict[str, Tensor], NesterovState]:
     """One round: merge `deltas` (in merge order) with `weights` (`round_delta`), one outer Nesterov
     step of the round's `progress` (`outer_step`), then the published params through the downstream
     codec (`downstream_step`), as `settings` (read from the version's manifest) configure them: the
-    live coordinator and a replay run the very same computation. `staleness`: each input's, as its
-    manifest records it (needed when `settings.stale_momentum` is False). `timed` times the merge
-    ("merge") and the outer step ("outer")."""
+    live coordinator and a replay run the very same computation. `staleness` and `bounded`: each
+    input's, as its manifest records them (`Contribution.staleness`, and whether its `bounded` is
+    not empty; needed when `settings.stale_momentum` or `settings.bounded_momentum` is False). `timed`
+    times the merge ("merge") and the outer step ("outer")."""
     with timed("merge"):
         delta = round_delta(deltas, weights, settings)
-        fresh = fresh_part(deltas, weights, staleness, settings, delta)
+        fresh = fresh_part(deltas, weights, staleness, settings, delta, bounded=bounded)
     with timed("outer"):
         target, new_state = outer_step(params, state, delta, settings, buffered=fresh)
         published, new_state, _ = downstream_step(params, target, new_state, settings)
@@ -287,26 +289,47 @@ def downstream_step(parent: Mapping[str, Tensor], target: Mapping[str, Tensor], 
 
 
 def fresh_part(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], staleness: Sequence[int] | None,
-               settings: VersionSettings, update: Mapping[str, Tensor], *,
+               settings: VersionSettings, update: Mapping[str, Tensor], *, bounded: Sequence[bool] | None = None,
                pool: Executor | None = None) -> dict[str, Tensor] | None:
-    """What the momentum buffer takes of a round when `settings.stale_momentum` is False and some
-    input is stale: the round's merged update of its fresh inputs alone (with their weights in the
-    round; zeros shaped like the round's `update` if none is fresh), scaled like the whole. None
-    otherwise: the buffer takes the update.
-
-    A stale piece's progress was computed against a version the buffer has moved on from; fed to
-    the buffer again it acts as extra momentum, and the published model overshoots (`bench wan`'s
-    mixed links, 6 runs a side: 1.376 against 1.463)."""
-    if settings.stale_momentum:
+    """What the momentum buffer takes of a round when it does not take every input
+    (`buffered_inputs`): the round's merged update of the inputs it takes alone (with their weights
+    in the round; zeros shaped like the round's `update` if it takes none), scaled like the whole.
+    None when it takes them all: the buffer takes the update."""
+    taken = buffered_inputs(settings, len(weights), staleness, bounded)
+    if taken is None:
         return None
-    if staleness is None or len(staleness) != len(weights):
-        raise ValueError("stale_momentum False needs each input's staleness")
-    if not any(s > 0 for s in staleness):
-        return None
-    kept = [i for i, s in enumerate(staleness) if s == 0 and weights[i] != 0]
+    kept = [i for i, take in enumerate(taken) if take and weights[i] != 0]
     if not kept:
         return {name: torch.zeros_like(t, dtype=torch.float32) for name, t in update.items()}
     return round_delta([deltas[i] for i in kept], [weights[i] for i in kept], settings, pool=pool)
+
+
+def buffered_inputs(settings: VersionSettings, n: int, staleness: Sequence[int] | None,
+                    bounded: Sequence[bool] | None) -> list[bool] | None:
+    """Which of a round's `n` inputs enter the momentum buffer (the params take them all); None: all.
+
+    - Stale inputs do not, when `settings.stale_momentum` is False. A stale piece's progress was
+      computed against a version the buffer has moved on from; fed to the buffer again it acts as
+      extra momentum, and the published model overshoots (`bench wan`'s mixed links, 6 runs a side:
+      1.376 against 1.463).
+    - Bounded inputs do not, when `settings.bounded_momentum` is False: pieces whose learner's
+      claims or norms the merge cut (`coordinator.influence`, the manifest's `bounded`). Such a
+      piece moves the params once, at its bounded share; in the buffer its push would come back in
+      every later round (about 1 / (1 - momentum) times in all), and a learner sending noise as large
+      as the bound allows would steer the run. When every input was bounded (a backlog after the
+      coordinator was down cuts every learner alike) the buffer takes them all.
+    """
+    taken = [True] * n
+    if not settings.stale_momentum:
+        if staleness is None or len(staleness) != n:
+            raise ValueError("stale_momentum False needs each input's staleness")
+        taken = [s == 0 for s in staleness]
+    if not settings.bounded_momentum:
+        if bounded is None or len(bounded) != n:
+            raise ValueError("bounded_momentum False needs whether each input was bounded")
+        if not all(bounded):
+            taken = [t and not b for t, b in zip(taken, bounded, strict=True)]
+    return None if all(taken) else taken
 
 
 def outer_step(params: Mapping[str, Tensor], state: NesterovState, delta: Mapping[str, Tensor],

@@ -83,6 +83,12 @@ class RoundConfig:
     """Stale pieces enter the outer momentum buffer too. False (the default): the buffer takes only
     the round's fresh pieces, the params all of them (`outer.fresh_part`). Whole steps (no
     `scale_rounds`) always take all."""
+    bounded_momentum: bool = False
+    """Pieces the merge bounded (a learner's claims or norms cut against the others',
+    `coordinator.influence`) enter the outer momentum buffer too. False (the default): they move
+    the params once, at their bounded share, and the buffer takes the round's other pieces
+    (`outer.buffered_inputs`), so that what a learner may push once does not come back every round.
+    Whole steps (no `scale_rounds`) always take all."""
     max_claim_ratio: float = 4.0
     """How far one learner's claims may stray from the other learners' median (`coordinator.influence`):
     a learner's pieces in a round count at most this many times their median tokens and merge

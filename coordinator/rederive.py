@@ -145,7 +145,8 @@ def rederive(manifest: Manifest, keys: RunKeys, inputs: Sequence[Mapping[str, Te
         try:
             params, state = apply_round(parent_params, parent_state, list(inputs),
                                         [c.weight for c in manifest.inputs], manifest.settings,
-                                        staleness=[c.staleness for c in manifest.inputs])
+                                        staleness=[c.staleness for c in manifest.inputs],
+                                        bounded=[bool(c.bounded) for c in manifest.inputs])
         except ValueError as exc:
             return Rederived(None, None, (*problems, Problem("settings", str(exc))))
     f, v = manifest.fragment, manifest.version

@@ -120,7 +120,8 @@ class Rounds:
             weights = [w * clips[a.learner][0] for w, a in
                        zip(merge_weights(ordered, frag.head, s.round_cfg, usual, rate), ordered, strict=True)]
             published, settings = self._step_round(fragment, frag, contributions, weights, ordered, usual, interval,
-                                                   rate, lookahead(live, len(gone), finishing=state.finish_asked))
+                                                   rate, lookahead(live, len(gone), finishing=state.finish_asked),
+                                                   bounded=[a.contribution_id in notes for a in ordered])
             s.metrics.merged(fragment, time.monotonic() - started)
             if published is not None:
                 for cid, note in notes.items():
@@ -152,14 +153,17 @@ class Rounds:
         return usual, interval
 
     def _step_round(self, fragment: int, frag: Fragment, contributions: list[PendingDelta], weights: list[float],
-                    ordered: tuple[Arrival, ...], usual: dict[str, int], interval: int, rate: int, ahead: float
+                    ordered: tuple[Arrival, ...], usual: dict[str, int], interval: int, rate: int, ahead: float,
+                    bounded: list[bool]
                     ) -> tuple[tuple[dict[str, torch.Tensor], NesterovState, bytes | None] | None, VersionSettings]:
         """Merge the round's pieces (in merge order, with their weights), take the outer step (scaled
         against the round's usual size for the fleet's `usual` pieces, `_usual_pieces`) and the
         downstream step: the version's params, outer state and update object (None if the step
         overflowed float32), and the settings its manifest records. `ahead`: the share of the
-        momentum's look-ahead the step takes (`policy.lookahead`). These configure the merge itself:
-        a replay's `apply_round` runs the same merge, scale and outer step from them.
+        momentum's look-ahead the step takes (`policy.lookahead`); `bounded`: whether each piece's
+        learner was bounded (`influence`; such pieces move the params only, `outer.buffered_inputs`).
+        These configure the merge itself: a replay's `apply_round` runs the same merge, scale and
+        outer step from them.
 
         Each whole-fragment temporary goes as soon as it has been used, not at the end of the round:
         each piece's tensor once added to the sum (decoded as the merge reads it, `_pieces`), the
@@ -177,7 +181,7 @@ class Rounds:
                 update = scale_update(update, step.scale)
             fresh = fresh_part(pieces, weights,
                                [staleness_verdict(a.base_version, frag.head, s.round_cfg)[1] for a in ordered], settings,
-                               update, pool=pool)
+                               update, bounded=bounded, pool=pool)
         with s.timing("outer"):
             target, state = outer_step(frag.params, frag.state, update, settings, buffered=fresh)
             del fresh

@@ -148,7 +148,7 @@ def check_sources(commands: Sequence[str]) -> None:
 
 
 KNOWN_SETTINGS = frozenset({
-    "alpha", "cadence", "checkpoint_every", "chips", "claim_idle_s", "cover_shards", "close_timeout_s", "codec", "compress",
+    "alpha", "bounded_momentum", "cadence", "checkpoint_every", "chips", "claim_idle_s", "cover_shards", "close_timeout_s", "codec", "compress",
     "consumer", "contributions", "data_seed", "downstream_codec", "drain_s", "dropped", "error_feedback",
     "fetch_threads", "fragment_mb", "fragments", "gone_after_s", "grace_gamma", "heartbeat_s", "hold_state", "hours", "join_timeout_s", "junk_mb", "junk_stats",
     "dropped", "keep_serving", "kill_at", "learner_failure", "learners", "lease_s", "made_up_ids", "max_claim_ratio", "max_norm_ratio", "max_grace_s", "max_object_bytes",

@@ -524,6 +524,9 @@ class VersionSettings(Record):
     stale_momentum: bool = True
     """Stale inputs (staleness > 0) enter the momentum buffer too. False: only the fresh inputs'
     part (`coordinator.outer.fresh_part`); True in older manifests."""
+    bounded_momentum: bool = True
+    """Inputs the merge bounded (`Contribution.bounded` not empty) enter the momentum buffer too.
+    False: they move the params only (`coordinator.outer.buffered_inputs`); True in older manifests."""
     update_norm: float | None = None
     """L2 norm of the merged update before its scale; None: not measured."""
     downstream: str = "fp32"
@@ -551,6 +554,8 @@ class VersionSettings(Record):
                  f"progress {self.progress!r} must be a number in (0, 1], and 1 for whole steps")
         _require(self.stale_momentum or self.outer != "nesterov",
                  "stale_momentum False needs the fractional outer step")
+        _require(self.bounded_momentum or self.outer != "nesterov",
+                 "bounded_momentum False needs the fractional outer step")
         _require(0.0 <= self.lookahead <= 1.0 and (self.outer != "nesterov" or self.lookahead == 1.0),
                  f"lookahead {self.lookahead!r} must be a number in [0, 1], and 1 for whole steps")
         _require(self.update_norm is None or (math.isfinite(self.update_norm) and self.update_norm >= 0),

@@ -147,7 +147,8 @@ def loss_impacts(run: Run, task: DemoTask, sampled: list[Round]) -> tuple[dict[s
             continue
         merge = m.settings
         merged, _ = apply_round(parent_params, parent_state, deltas, [c.weight for c in m.inputs], merge,
-                                staleness=[c.staleness for c in m.inputs])
+                                staleness=[c.staleness for c in m.inputs],
+                                bounded=[bool(c.bounded) for c in m.inputs])
         with_all = evaluator.loss(merged)
         for learner in dict.fromkeys(c.learner for c in m.inputs):
             without = round_without(parent_params, parent_state, m.inputs, deltas, learner, m.parent_version, merge)

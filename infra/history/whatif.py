@@ -101,6 +101,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Scalar]]] = {
     "rate_steps": ("an integer >= 0; 0: slow learners are not raised to the fleet's rate", _steps),
     "lookahead": ("a number in [0, 1]: the share of the momentum's look-ahead every step takes", _share),
     "stale_momentum": ("true or false: stale inputs enter the momentum buffer", _boolean),
+    "bounded_momentum": ("true or false: inputs the merge bounded enter the momentum buffer", _boolean),
 }
 """Manifest settings the merge and the outer step are configured by (`outer.apply_round`,
 `merge_weights`): name -> (what a value must be, parser)."""
@@ -302,7 +303,8 @@ class _Run:
         settings = whatif_settings(m.settings, self.changes, self.source)
         weights = recomputed_weights(m.inputs, m.parent_version, settings)
         new_params, new_state = apply_round(params, state, inputs, weights, settings,
-                                            staleness=[c.staleness for c in m.inputs])
+                                            staleness=[c.staleness for c in m.inputs],
+                                            bounded=[bool(c.bounded) for c in m.inputs])
         if not all(bool(torch.isfinite(t).all()) for t in [*new_params.values(), *new_state.momentum.values()]):
             return new_params, new_state, None
         written = write_version(self.store, self.into, fragment=m.fragment, version=m.version, params=new_params,

@@ -133,13 +133,15 @@ def test_weights_without_a_learner_are_what_merge_weights_gives_the_rest():
 def test_round_without_takes_the_same_outer_step_from_the_same_parent():
     gen = torch.Generator().manual_seed(7)
     parent = tensors(gen)
-    _, state = apply_round(parent, NesterovState(), [tensors(gen, 0.1)], [1.0], SETTINGS, staleness=[0])  # momentum
+    _, state = apply_round(parent, NesterovState(), [tensors(gen, 0.1)], [1.0], SETTINGS, staleness=[0],
+                           bounded=[False])  # momentum
     inputs = [contribution("a"), contribution("b"), contribution("c")]
     deltas = [tensors(gen, 0.1) for _ in inputs]
     without_b = round_without(parent, state, inputs, deltas, "b", 4, SETTINGS)
     expected, _ = apply_round(parent, state, [deltas[0], deltas[2]], [0.5, 0.5], SETTINGS,
-                              staleness=[inputs[0].staleness, inputs[2].staleness])
+                              staleness=[inputs[0].staleness, inputs[2].staleness], bounded=[False, False])
     assert all(torch.equal(without_b[k], expected[k]) for k in SHAPES)
-    with_all, _ = apply_round(parent, state, deltas, [1 / 3] * 3, SETTINGS, staleness=[c.staleness for c in inputs])
+    with_all, _ = apply_round(parent, state, deltas, [1 / 3] * 3, SETTINGS, staleness=[c.staleness for c in inputs],
+                              bounded=[False] * 3)
     assert not torch.equal(without_b["w"], with_all["w"])
     assert math.isfinite(float(flat(without_b).sum()))

@@ -367,6 +367,57 @@ def test_a_round_of_stale_pieces_alone_moves_the_params_and_leaves_the_momentum_
                                    rtol=1e-5, atol=1e-6)
 
 
+def test_a_bounded_piece_moves_the_params_once_and_never_enters_the_momentum() -> None:
+    """A piece whose learner the merge bounded (`influence`: as large as the bound allows, and noise)
+    moves the params at its share and leaves the buffer to the round's other pieces: it is not
+    pushed again in every later round, as it is when the buffer takes it (about 1 / (1 - momentum)
+    times as far in all)."""
+    gen = torch.Generator().manual_seed(13)
+    params, state = random_tensors(gen), NesterovState()
+    params, state = nesterov_step(params, random_tensors(gen, 0.1), state)
+    honest, noise = random_tensors(gen, 0.1), random_tensors(gen, 0.4)
+    quiet = {k: torch.zeros_like(v) for k, v in honest.items()}
+    on = typed(outer="fractional_nesterov")
+    off = typed(outer="fractional_nesterov", bounded_momentum=False)
+    moved, moved_state = apply_round(params, state, [honest, noise], [0.5, 0.5], off, bounded=[False, True])
+    for k in params:  # the buffer took the honest half; the params moved by both
+        torch.testing.assert_close(moved_state.momentum[k], state.momentum[k] * 0.9 + honest[k] * 0.5,
+                                   rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(moved[k], params[k] - 0.7 * ((honest[k] + noise[k]) * 0.5
+                                                                 + 0.9 * moved_state.momentum[k]), rtol=1e-5, atol=1e-6)
+
+    def run_on(settings: VersionSettings, pieces: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The round, then 30 rounds in which the learners moved nothing."""
+        p, st = apply_round(params, state, pieces, [0.5, 0.5], settings, bounded=[False, True])
+        for _ in range(30):
+            p, st = apply_round(p, st, [quiet, quiet], [0.5, 0.5], settings, bounded=[False, False])
+        return p
+
+    def reach(settings: VersionSettings) -> float:
+        """How far the noise moved the params in all, against the same rounds without it."""
+        with_noise, without = run_on(settings, [honest, noise]), run_on(settings, [honest, quiet])
+        return math.sqrt(sum(float((with_noise[k] - without[k]).norm()) ** 2 for k in params))
+
+    once = 0.7 * 0.5 * math.sqrt(sum(float(noise[k].norm()) ** 2 for k in params))
+    assert reach(off) == pytest.approx(once, rel=1e-4)
+    assert reach(on) > 8 * once  # the buffer pushed it again in every round
+
+
+def test_the_buffer_takes_every_input_when_every_one_was_bounded_and_says_what_it_needs() -> None:
+    from diloco.coordinator.outer import buffered_inputs
+    off = typed(outer="fractional_nesterov", bounded_momentum=False, stale_momentum=False)
+    assert buffered_inputs(off, 3, [0, 1, 0], [False, False, True]) == [True, False, False]
+    assert buffered_inputs(off, 2, [0, 0], [False, False]) is None
+    # A backlog after the coordinator was down cuts every learner alike: nothing is left out for it.
+    assert buffered_inputs(off, 2, [0, 0], [True, True]) is None
+    assert buffered_inputs(off, 2, [0, 1], [True, True]) == [True, False]
+    assert buffered_inputs(typed(outer="fractional_nesterov"), 2, None, None) is None  # older manifests
+    with pytest.raises(ValueError, match="bounded"):
+        buffered_inputs(off, 2, [0, 0], None)
+    with pytest.raises(Refused):
+        typed(bounded_momentum=False)  # whole steps take everything into the buffer
+
+
 class Reading(Mapping):
     """A piece that records each tensor read of it (the coordinator's pieces decode a tensor when read)."""
 

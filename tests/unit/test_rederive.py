@@ -41,17 +41,20 @@ def a_version(radial: bool = False, rate: int = 0) -> tuple[Manifest, list[dict[
                                    rate_steps=rate)
     parent = tensors(gen)
     merge = settings
-    _, state = apply_round(parent, NesterovState(), [tensors(gen, 0.1)], [1.0], merge, staleness=[0])
+    _, state = apply_round(parent, NesterovState(), [tensors(gen, 0.1)], [1.0], merge, staleness=[0], bounded=[False])
     arrivals = [Arrival(uuid.uuid4().hex, learner, base, tokens, steps, 0.0, 0.0)
                 for learner, base, tokens, steps in (("b", 2, 40, 4), ("a", 1, 90, 9), ("b", 2, 40, 4))]
     ordered = merge_order(arrivals)
     weights = merge_weights(ordered, 2, cfg, USUAL if rate else None, rate)
     deltas = [tensors(gen, 0.01) for _ in ordered]
-    params, new_state = apply_round(parent, state, deltas, weights, merge, staleness=[2 - a.base_version for a in ordered])
+    # "b"'s second piece was bounded (its claims cut): it moves the params, not the momentum.
+    bounded = [i == 2 for i in range(len(ordered))]
+    params, new_state = apply_round(parent, state, deltas, weights, merge, staleness=[2 - a.base_version for a in ordered],
+                                    bounded=bounded)
     inputs = tuple(Contribution(contribution_id=a.contribution_id, learner=a.learner, seq=i, object_key=f"k/{i}",
                                 sha256="0" * 64, base_version=a.base_version, staleness=2 - a.base_version,
                                 tokens=a.tokens, steps=a.steps, weight=w, stream_id="",
-                                usual=USUAL[a.learner] if rate else 0)
+                                usual=USUAL[a.learner] if rate else 0, bounded="claimed more" if bounded[i] else "")
                    for i, (a, w) in enumerate(zip(ordered, weights)))
     manifest = Manifest(run="run", fragment=0, version=3, parent_version=2, params_key="x", outer_state_key="y",
                         params_sha256=sha256_hex(params_body(params, KEYS, 0, 3)),
