@@ -74,10 +74,12 @@ class Tiny(torch.nn.Module):
 TINY_RUN = RunSettings(num_fragments=2, sync_every=4, overlap_steps=1, codec="fp32", compress=False)
 
 
-def make_coordinator(endpoints, run_id, *, settings: RunSettings = TINY_RUN, **config) -> Coordinator:  # noqa: ANN001
-    """Two fragments, H = 4 steps, fp32 (`settings`); rounds merge as soon as one contribution is in."""
+def make_coordinator(endpoints, run_id, *, settings: RunSettings = TINY_RUN, round_cfg: RoundConfig | None = None,  # noqa: ANN001
+                     **config) -> Coordinator:
+    """Two fragments, H = 4 steps, fp32 (`settings`); rounds merge as soon as one contribution is in
+    (unless `round_cfg` says otherwise)."""
     return Coordinator(endpoints, run_id, settings=settings,
-                       config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0), **config))
+                       config=CoordinatorConfig(round=round_cfg or RoundConfig(min_quorum=1, max_grace_s=0.0), **config))
 
 
 def tiny_learner(endpoints: Endpoints, run_id: str, name: str) -> tuple[Learner, torch.optim.Optimizer]:

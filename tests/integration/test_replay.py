@@ -24,6 +24,7 @@ from diloco.storage.history import read_manifest
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
 from diloco.storage.settings import ENV_REDIS_URL, Endpoints
+from diloco.coordinator.policy import RoundConfig
 from harness import TINY_RUN, join, make_coordinator, train, two_learners
 
 
@@ -165,5 +166,33 @@ def test_a_round_with_a_stale_piece_keeps_it_out_of_the_momentum_and_replays_bit
     mixed = [m for m in history if {c.staleness for c in m.inputs} == {0, 1}]
     assert mixed, [[(c.learner, c.staleness) for c in m.inputs] for m in history]
     assert all(not m.settings.stale_momentum for m in history)
+    report = replay(dead_redis(endpoints), run_id)
+    assert report.ok and all(c.bit_exact for c in report.checks), report.summary()
+
+
+def test_a_bounded_learners_pieces_stay_out_of_the_momentum_and_replay_bit_exact(endpoints, run_id):
+    """By default (`RoundConfig.bounded_momentum` False) the pieces of a learner whose claims the
+    merge cut (here: max_claim_ratio 1, and l1 sends twice l0's tokens into one round) move the
+    params but not the outer momentum; the manifest records the bound, and replay re-derives the
+    version bit for bit from it."""
+    coord = make_coordinator(endpoints, run_id, settings=dataclasses.replace(TINY_RUN, cadence="steps"),
+                             round_cfg=RoundConfig(min_quorum=1, max_grace_s=0.0, max_claim_ratio=1.0))
+    l0, opt0 = join(endpoints, run_id, coord, "l0")
+    l1, opt1 = join(endpoints, run_id, coord, "l1")
+    try:
+        train(l0, opt0, 4)  # one piece of fragment 0...
+        train(l1, opt1, 8)  # ...and two of l1's, all based on version 0: one round
+        for _ in range(4):
+            coord.step(block_ms=50)
+        head = coord.bus.heads()[0]
+    finally:
+        l0.close()
+        l1.close()
+        coord.close()
+    store, keys = ObjectStore(endpoints), RunKeys(endpoints.prefix, run_id)
+    history = [read_manifest(store, keys, 0, v) for v in range(1, head + 1)]
+    cut = [c for m in history for c in m.inputs if c.bounded]
+    assert cut and {c.learner for c in cut} == {"l1"}, [[(c.learner, c.bounded) for c in m.inputs] for m in history]
+    assert all(not m.settings.bounded_momentum for m in history)
     report = replay(dead_redis(endpoints), run_id)
     assert report.ok and all(c.bit_exact for c in report.checks), report.summary()
