@@ -253,6 +253,7 @@ class Reads(ObjectStore):
         return super().get_buffer(key, max_bytes=max_bytes)
 
 
+@pytest.mark.slow  # 8 s; `make test` keeps learners taking updates bit for bit
 def test_a_fetcher_following_the_stream_takes_versions_without_their_manifests(endpoints, run_id):
     """A fetcher one version behind, following the versions stream, takes each new version as the
     update beside its params (the event names the params' key and sha256): after its first

@@ -63,6 +63,7 @@ def merged_ids(coord) -> list[str]:  # noqa: ANN001
     return [c.contribution_id for history in manifests(coord).values() for m in history for c in m.inputs]
 
 
+@pytest.mark.slow  # 8 s; `make test` keeps the finish command's and the token budget's ends
 def test_learners_ending_at_staggered_times_each_send_final_pieces_merged_once_and_the_run_ends(endpoints, run_id):
     # Quorum 3 of 3: a round merges once every learner still in the fleet has sent its piece.
     coord = Coordinator(endpoints, run_id, settings=STEPS_RUN,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from diloco.storage.bus import Bus
 from diloco.storage.history import read_manifest
 from diloco.storage.keys import RunKeys
@@ -66,6 +68,7 @@ def test_learners_that_start_at_once_upload_each_fragment_of_version_0_once_and_
     coord.close()
 
 
+@pytest.mark.slow  # 9 s; `make test` keeps genesis at once and a lapsed claim
 def test_a_slow_proposer_is_overtaken_and_the_fleet_joins_on_the_others_upload(endpoints, run_id, monkeypatch):
     """Learner "slow" claims fragment 0 first, and its uploads take 6 s (a thin link). Learner "fast"
     claims fragment 1, uploads it, and then fragment 0 too once it has waited twice its own upload:

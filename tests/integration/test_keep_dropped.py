@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from diloco.workers.learner import Learner, LearnerConfig
@@ -49,6 +50,7 @@ def trained(endpoints, run_id, dropped: str) -> tuple[float, Learner]:  # noqa: 
         coord.close()
 
 
+@pytest.mark.slow  # 14 s; `make test` keeps the dropped part's other test
 def test_kept_dropped_progress_stays_in_the_model_and_carried_progress_leaves_it(endpoints, run_id):
     kept, learner = trained(endpoints, run_id, dropped="auto")  # sign8 drops: kept
     assert kept < 1e-5 and learner.kept_dropped >= 4, (kept, learner.kept_dropped)

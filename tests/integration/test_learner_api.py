@@ -133,6 +133,7 @@ def test_gradient_accumulation_and_bf16_autocast_count_optimizer_steps_and_their
     coord.close()
 
 
+@pytest.mark.slow  # 6 s; `make test` keeps bf16 autocast with gradient accumulation
 def test_a_bf16_model_trains_in_a_run_whose_global_model_is_fp32(endpoints, run_id):
     """Parameters that are bf16 themselves (half the memory of weights, gradients and moments): the
     run's layout records them as such, the global model stays fp32, the learner's pieces merge, its

@@ -226,6 +226,7 @@ def commit_after_a_snapshot(rig: Rig, stack, snapshot) -> tuple[int, Announcemen
     return head, first, second
 
 
+@pytest.mark.slow  # 9 s; `make test` keeps a commit refused because Redis forgot the head
 def test_a_redis_that_forgot_a_commit_is_brought_up_to_s3_and_nothing_is_merged_twice(own_stack, caplog, tmp_path):
     """Redis restored from an older snapshot (or failed over to a lagging replica) forgets the
     commit of a version whose manifest is in S3, and the entry of one of its contributions is

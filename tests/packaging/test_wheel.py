@@ -105,6 +105,7 @@ def test_diloco_imports_beside_the_users_own_storage_and_workers(wheel: Path, ve
     assert Path(seen["workers"]).parent == user_project / "workers"
 
 
+@pytest.mark.slow  # 6 s; `make test` keeps the import beside the user's own packages
 def test_the_command_line_runs_from_the_users_project(venv: Path, user_project: Path):
     assert "usage: diloco" in _run([str(venv / "bin" / "diloco"), "--help"], cwd=user_project)
     # `python -m` puts the working directory, and so the user's packages, first on sys.path.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
 from diloco.infra.bench import rejoin
@@ -54,6 +55,7 @@ def test_a_replica_away_sends_its_last_pieces_then_nothing_and_takes_nothing() -
         torch.testing.assert_close(fleet.params[1][n], away[n])  # it took nothing
 
 
+@pytest.mark.slow  # 7 s of trained arms; `make test` keeps the bench's other tests
 def test_the_arms_are_deterministic_and_differ_by_the_rejoin_alone() -> None:
     a = args(learners=2, steps=12, sync_every=4, down=3)
     none, warm, cold = (rejoin.run_arm(TASK, a, arm) for arm in rejoin.ARMS)
