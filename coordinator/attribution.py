@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from diloco.coordinator.outer import NesterovState, apply_round, round_delta
+from diloco.coordinator.outer import NesterovState, apply_recorded, round_delta
 from diloco.coordinator.rederive import recomputed_weights
 from diloco.storage.protocol import Contribution, VersionSettings
 
@@ -142,7 +142,6 @@ def round_without(parent_params: Tensors, parent_state: NesterovState, inputs: S
     """The parameters a version would have had without `learner`'s inputs: the same parent, the
     others' deltas with the weights `weights_without` gives them, the same outer step."""
     kept, weights = weights_without(inputs, learner, parent_version, settings)
-    params, _ = apply_round(parent_params, parent_state, [deltas[i] for i in kept], weights, settings,
-                            staleness=[inputs[i].staleness for i in kept],
-                            bounded=[bool(inputs[i].bounded) for i in kept])
+    params, _ = apply_recorded(parent_params, parent_state, [deltas[i] for i in kept], weights, settings,
+                               [inputs[i] for i in kept])
     return params

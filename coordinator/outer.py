@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from diloco.coordinator.timing import Timed, untimed
-from diloco.storage.protocol import VersionSettings
+from diloco.storage.protocol import Contribution, VersionSettings
 from diloco.storage.updates import encode_update
 
 def merge_deltas(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], *,
@@ -265,11 +265,21 @@ def apply_round(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequ
     times the merge ("merge") and the outer step ("outer")."""
     with timed("merge"):
         delta = round_delta(deltas, weights, settings)
-        fresh = fresh_part(deltas, weights, staleness, settings, delta, bounded=bounded)
+        buffered = buffered_part(deltas, weights, staleness, settings, delta, bounded=bounded)
     with timed("outer"):
-        target, new_state = outer_step(params, state, delta, settings, buffered=fresh)
+        target, new_state = outer_step(params, state, delta, settings, buffered=buffered)
         published, new_state, _ = downstream_step(params, target, new_state, settings)
         return published, new_state
+
+
+def apply_recorded(params: Mapping[str, Tensor], state: NesterovState, deltas: Sequence[Mapping[str, Tensor]],
+                   weights: Sequence[float], settings: VersionSettings, inputs: Sequence[Contribution]
+                   ) -> tuple[dict[str, Tensor], NesterovState]:
+    """`apply_round` of recorded `inputs` (a manifest's, in merge order, one per delta): each one's
+    staleness and bound as the manifest records them. Replay, blame, attribution and whatif all
+    re-derive rounds through it."""
+    return apply_round(params, state, deltas, weights, settings, staleness=[c.staleness for c in inputs],
+                       bounded=[bool(c.bounded) for c in inputs])
 
 
 def downstream_step(parent: Mapping[str, Tensor], target: Mapping[str, Tensor], state: NesterovState,
@@ -288,7 +298,7 @@ def downstream_step(parent: Mapping[str, Tensor], target: Mapping[str, Tensor], 
     return published, replace(state, residual=residual), blob
 
 
-def fresh_part(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], staleness: Sequence[int] | None,
+def buffered_part(deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], staleness: Sequence[int] | None,
                settings: VersionSettings, update: Mapping[str, Tensor], *, bounded: Sequence[bool] | None = None,
                pool: Executor | None = None) -> dict[str, Tensor] | None:
     """What the momentum buffer takes of a round when it does not take every input

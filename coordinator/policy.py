@@ -81,7 +81,7 @@ class RoundConfig:
     moves as far as a fresh one. False: every stale piece shrinks the round (manifests before it)."""
     stale_momentum: bool = False
     """Stale pieces enter the outer momentum buffer too. False (the default): the buffer takes only
-    the round's fresh pieces, the params all of them (`outer.fresh_part`). Whole steps (no
+    the round's fresh pieces, the params all of them (`outer.buffered_part`). Whole steps (no
     `scale_rounds`) always take all."""
     bounded_momentum: bool = False
     """Pieces the merge bounded (a learner's claims or norms cut against the others',

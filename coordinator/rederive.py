@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from diloco.coordinator.outer import NesterovState, apply_round
+from diloco.coordinator.outer import NesterovState, apply_recorded
 from diloco.coordinator.policy import Arrival, RoundConfig, merge_order, merge_weights
 from diloco.coordinator.publish import state_body
 from diloco.storage.updates import params_body
@@ -143,10 +143,8 @@ def rederive(manifest: Manifest, keys: RunKeys, inputs: Sequence[Mapping[str, Te
         if parent_params is None or parent_state is None:
             raise ValueError(f"version {manifest.version} needs its parent's params and outer state")
         try:
-            params, state = apply_round(parent_params, parent_state, list(inputs),
-                                        [c.weight for c in manifest.inputs], manifest.settings,
-                                        staleness=[c.staleness for c in manifest.inputs],
-                                        bounded=[bool(c.bounded) for c in manifest.inputs])
+            params, state = apply_recorded(parent_params, parent_state, list(inputs),
+                                           [c.weight for c in manifest.inputs], manifest.settings, manifest.inputs)
         except ValueError as exc:
             return Rederived(None, None, (*problems, Problem("settings", str(exc))))
     f, v = manifest.fragment, manifest.version

@@ -21,7 +21,7 @@ import torch
 from diloco.coordinator.influence import Claim, clip_norms, count_claims, usual_fleet
 from diloco.coordinator.intake import PendingDelta, Piece
 from diloco.coordinator.leadership import Fenced
-from diloco.coordinator.outer import (NesterovState, downstream_step, fresh_part, outer_step, round_delta, scale_update,
+from diloco.coordinator.outer import (NesterovState, buffered_part, downstream_step, outer_step, round_delta, scale_update,
                                       update_norm)
 from diloco.coordinator.policy import (RECENT_ROUNDS, Arrival, RoundSize, RoundState, decide_round, last_in, lookahead,
                                        merge_order, merge_weights, round_size, round_step, served_deadline,
@@ -179,12 +179,11 @@ class Rounds:
                 settings = replace(settings, round_scale=step.scale, progress=step.progress, update_norm=norm,
                                    lookahead=ahead)
                 update = scale_update(update, step.scale)
-            fresh = fresh_part(pieces, weights,
-                               [staleness_verdict(a.base_version, frag.head, s.round_cfg)[1] for a in ordered], settings,
-                               update, bounded=bounded, pool=pool)
+            staleness = [staleness_verdict(a.base_version, frag.head, s.round_cfg)[1] for a in ordered]
+            buffered = buffered_part(pieces, weights, staleness, settings, update, bounded=bounded, pool=pool)
         with s.timing("outer"):
-            target, state = outer_step(frag.params, frag.state, update, settings, buffered=fresh)
-            del fresh
+            target, state = outer_step(frag.params, frag.state, update, settings, buffered=buffered)
+            del buffered
             del update
             return self._downstream(fragment, frag, target, state, settings), settings
 

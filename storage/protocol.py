@@ -523,7 +523,7 @@ class VersionSettings(Record):
     manifests."""
     stale_momentum: bool = True
     """Stale inputs (staleness > 0) enter the momentum buffer too. False: only the fresh inputs'
-    part (`coordinator.outer.fresh_part`); True in older manifests."""
+    part (`coordinator.outer.buffered_part`); True in older manifests."""
     bounded_momentum: bool = True
     """Inputs the merge bounded (`Contribution.bounded` not empty) enter the momentum buffer too.
     False: they move the params only (`coordinator.outer.buffered_inputs`); True in older manifests."""

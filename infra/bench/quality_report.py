@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from statistics import fmean
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import fmean
 
 from diloco.infra.output import figures_table
 
@@ -289,7 +289,6 @@ class TaskReport:
                 "skipped": self.skipped, "verdict": self.verdict(),
                 **({"rejoin": {name: dataclasses.asdict(c) for name, c in rejoins.items()}, "recovered": self.recovered()}
                    if (rejoins := self.rejoins()) else {})}
-
 
 
 def _mean_rejoin(pairs: Sequence[Rejoin]) -> Rejoin:

@@ -57,11 +57,11 @@ import argparse
 import dataclasses
 import logging
 import math
-from statistics import fmean
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import fmean
 
 from diloco.coordinator.config import RunSettings
 from diloco.infra.bench.dataparallel import DpRun, _dp_worker, dp_equivalent_curve, ring_bytes, run_dp
@@ -373,7 +373,6 @@ def combined(runs: Sequence[ArmFigures]) -> ArmFigures:
                        "tbf_dropped": _mean_pairs(dropped) if all(dropped) else [],
                        "runs": [f.to_json() for f in runs]},
                       finals=[f.final_eval for f in runs])
-
 
 
 def _mean_pairs(runs: Sequence[Sequence[tuple[float, float]]]) -> list[tuple[float, float]]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.coordinator.attribution import LearnerRound, learner_rounds, round_without
-from diloco.coordinator.outer import apply_round
+from diloco.coordinator.outer import apply_recorded
 from diloco.infra.history.rounds import Round, Run, check_fragment, read_state, rounds, versions
 from diloco.infra.history.task_model import check_task_fits, load_params, load_version
 from diloco.infra.history.verdict import MIN_OTHERS, LearnerBlame, judge, ranked
@@ -146,9 +146,7 @@ def loss_impacts(run: Run, task: DemoTask, sampled: list[Round]) -> tuple[dict[s
             skipped.append(f"fragment {m.fragment} version {m.version}: not re-derived for loss evidence: {exc}")
             continue
         merge = m.settings
-        merged, _ = apply_round(parent_params, parent_state, deltas, [c.weight for c in m.inputs], merge,
-                                staleness=[c.staleness for c in m.inputs],
-                                bounded=[bool(c.bounded) for c in m.inputs])
+        merged, _ = apply_recorded(parent_params, parent_state, deltas, [c.weight for c in m.inputs], merge, m.inputs)
         with_all = evaluator.loss(merged)
         for learner in dict.fromkeys(c.learner for c in m.inputs):
             without = round_without(parent_params, parent_state, m.inputs, deltas, learner, m.parent_version, merge)

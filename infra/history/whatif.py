@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from diloco.coordinator.outer import NesterovState, apply_round
+from diloco.coordinator.outer import NesterovState, apply_recorded
 from diloco.coordinator.publish import decode_state, write_version
 from diloco.coordinator.rederive import recomputed_weights
 from diloco.infra.history.rounds import Run, check_fragment, open_run, versions
@@ -302,9 +302,7 @@ class _Run:
                              max_bytes=self.history.spec.max_object_bytes) for c in m.inputs]
         settings = whatif_settings(m.settings, self.changes, self.source)
         weights = recomputed_weights(m.inputs, m.parent_version, settings)
-        new_params, new_state = apply_round(params, state, inputs, weights, settings,
-                                            staleness=[c.staleness for c in m.inputs],
-                                            bounded=[bool(c.bounded) for c in m.inputs])
+        new_params, new_state = apply_recorded(params, state, inputs, weights, settings, m.inputs)
         if not all(bool(torch.isfinite(t).all()) for t in [*new_params.values(), *new_state.momentum.values()]):
             return new_params, new_state, None
         written = write_version(self.store, self.into, fragment=m.fragment, version=m.version, params=new_params,

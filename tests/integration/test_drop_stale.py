@@ -11,15 +11,12 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import pytest
-
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.policy import RoundConfig
 from diloco.coordinator.service import Coordinator
 from harness import TINY_RUN, announcements, join, train
 
 
-@pytest.mark.slow  # 7 s: `make test-all`
 def test_a_piece_that_would_be_refused_as_stale_is_not_sent_and_the_next_one_is_merged(endpoints, run_id):
     coord = Coordinator(endpoints, run_id, settings=dataclasses.replace(TINY_RUN, cadence="steps"),  # H = 4
                         config=CoordinatorConfig(round=RoundConfig(min_quorum=1, max_grace_s=0.0, max_staleness=0)))

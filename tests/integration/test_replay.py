@@ -16,6 +16,7 @@ import subprocess
 
 import pytest
 
+from diloco.coordinator.policy import RoundConfig
 from diloco.infra.cli import build_parser
 from diloco.infra.history.replay import ReplayReport, replay_run
 from diloco.infra.local.fleet import diloco_command, process_env
@@ -24,7 +25,6 @@ from diloco.storage.history import read_manifest
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
 from diloco.storage.settings import ENV_REDIS_URL, Endpoints
-from diloco.coordinator.policy import RoundConfig
 from harness import TINY_RUN, join, make_coordinator, train, two_learners
 
 

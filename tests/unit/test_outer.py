@@ -435,8 +435,8 @@ class Reading(Mapping):
         return len(self.tensors)
 
 
-def test_fresh_part_reads_only_the_fresh_pieces() -> None:
-    from diloco.coordinator.outer import fresh_part, round_delta
+def test_buffered_part_reads_only_the_fresh_pieces() -> None:
+    from diloco.coordinator.outer import buffered_part, round_delta
     gen = torch.Generator().manual_seed(12)
     pieces = [random_tensors(gen, 0.1) for _ in range(3)]
     read: list[tuple[int, str]] = []
@@ -444,11 +444,11 @@ def test_fresh_part_reads_only_the_fresh_pieces() -> None:
 
     off = typed(outer="fractional_nesterov", stale_momentum=False)
     update = round_delta(pieces, [0.2, 0.3, 0.5], off)
-    part = fresh_part(reading, [0.2, 0.3, 0.5], [0, 1, 0], off, update)
+    part = buffered_part(reading, [0.2, 0.3, 0.5], [0, 1, 0], off, update)
     assert sorted({i for i, _ in read}) == [0, 2]  # the stale piece is not decoded again
     assert sorted(read) == sorted((i, name) for i in (0, 2) for name in pieces[0])  # each tensor once
     assert part is not None and same(part, round_delta([pieces[0], pieces[2]], [0.2, 0.5], off))
     read.clear()
-    zeros = fresh_part(reading, [0.2, 0.3, 0.5], [1, 1, 2], off, update)
+    zeros = buffered_part(reading, [0.2, 0.3, 0.5], [1, 1, 2], off, update)
     assert read == [] and zeros is not None  # all stale: zeros shaped like the update, nothing decoded
     assert all(zeros[k].shape == update[k].shape and not zeros[k].any() for k in update)
