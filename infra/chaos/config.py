@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from diloco.infra.chaos.faults import KINDS
+from diloco.infra.options import chosen
 from diloco.storage.errors import ConfigError
 
 
@@ -31,7 +33,18 @@ class ChaosConfig:
     """At the end: how long the coordinator may take to merge or refuse what is still pending."""
     run: str = "chaos"
     """Run id."""
+    kinds: str = ""
+    """The kinds of fault to inject, comma-separated (blank: every kind: learner_kill, learner_term,
+    coordinator_kill, redis_restart, redis_rollback, s3_restart, corrupt_object, hostile). A run with some
+    kinds left out says what they cost the model: same seed, with and without them."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.shards <= 2:
             raise ConfigError(f"shards must be 1 or 2 (the chaos run has two fragments), got {self.shards}")
+        if self.kinds.strip():
+            chosen(self.kinds, "--kinds", KINDS)
+
+    def fault_kinds(self) -> tuple[str, ...]:
+        """The kinds of fault this run injects, in FAULT_KINDS' order."""
+        picked = set(chosen(self.kinds, "--kinds", KINDS)) if self.kinds.strip() else set(KINDS)
+        return tuple(k for k in KINDS if k in picked)

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import redis
 
 from diloco.infra.chaos.config import ChaosConfig
-from diloco.infra.chaos.faults import BOUNDED, CORRUPTIONS, FAULT_KINDS, HEAVY, Fault, forge, labels, schedule
+from diloco.infra.chaos.faults import BOUNDED, CORRUPTIONS, FAULT_KINDS, HEAVY, KINDS, Fault, forge, labels, schedule
 from diloco.infra.chaos.hostile import HostileInput, HostileLearner, Verdict, judge_hostile
 from diloco.infra.chaos.ledger import Ledger, StreamWatcher, account, gather
 from diloco.infra.chaos.processes import ChaosSupervisor, Tally
@@ -118,10 +118,12 @@ class ChaosReport:
     """Scheduled faults that could not be carried out in time (every label fired all the same, or
     `problems()` says which did not)."""
     wall_s: float = 0.0
+    kinds: tuple[str, ...] = KINDS
+    """The kinds of fault the run injected (`--kinds`): each of their labels must have fired."""
 
     def figures(self) -> dict:
         """The figures written by `--json`."""
-        return {"faults": {label: self.faults.get(label, 0) for label in labels()}, **self.ledger.figures(),
+        return {"faults": {label: self.faults.get(label, 0) for label in labels(self.kinds)}, **self.ledger.figures(),
                 "hostile": dict(sorted(Counter(v.kind for v in self.hostile).items()))}
 
     def to_wire(self) -> dict:
@@ -139,7 +141,7 @@ class ChaosReport:
     def problems(self) -> list[str]:
         led = self.ledger
         out = list(self.failures)
-        out += [f"fault {label} never fired" for label in labels() if not self.faults.get(label)]
+        out += [f"fault {label} never fired" for label in labels(self.kinds) if not self.faults.get(label)]
         out += led.problems
         if led.lost:
             out.append(f"{len(led.lost)} announced contribution(s) lost: {sorted(led.lost)[:5]}")
@@ -225,7 +227,7 @@ class Chaos:
         unknown = set(FAULT_KINDS) - set(self._handlers()) - {"coordinator_kill"}
         if unknown:
             raise ChaosError(f"fault kinds {sorted(unknown)} are scheduled but not carried out: add their handlers")
-        faults = schedule(self.cfg.seed, self.cfg.seconds, learners=tuple(s.name for s in self.fleet.slots))
+        faults = schedule(self.cfg.seed, self.cfg.seconds, self.cfg.fault_kinds(), learners=tuple(s.name for s in self.fleet.slots))
         self.fleet.coordinator_faults = [f for f in faults if f.kind == "coordinator_kill"]
         log.info("chaos: %d faults scheduled over %gs (seed %d)", len(faults), self.cfg.seconds, self.cfg.seed)
         watcher = StreamWatcher(Bus(self.stack.endpoints, self.cfg.run, quick=True))
@@ -467,6 +469,6 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
                          loss_start=start, loss_end=end, forged=dict(chaos.forged),
                          hostile=judge_hostile(chaos.hostile_inputs, ledger), failures=list(chaos.tally.failures),
                          restarts=chaos.fleet.restarts, deposed=chaos.fleet.deposed, skipped=chaos.skipped,
-                         wall_s=time.monotonic() - started)
+                         wall_s=time.monotonic() - started, kinds=cfg.fault_kinds())
     (cfg.out / "report.json").write_text(json.dumps(report.to_wire(), indent=2) + "\n")
     return report

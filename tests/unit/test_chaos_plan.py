@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import replace
 
@@ -9,11 +10,14 @@ import pytest
 import torch
 
 from diloco.coordinator.recovery import announcement_from_object
+from diloco.infra.chaos.cli import add_chaos_arguments
+from diloco.infra.chaos.config import ChaosConfig
 from diloco.infra.chaos.faults import CORRUPTIONS, HEAVY, HOSTILE, KINDS, forge, labels, schedule
 from diloco.infra.chaos.hostile import HostileInput, bad_stats, judge_hostile, random_bytes, well_formed
 from diloco.infra.chaos.ledger import Evidence, Ledger, account
+from diloco.infra.chaos.suite import ChaosReport
 from diloco.storage import codecs
-from diloco.storage.errors import Refused
+from diloco.storage.errors import ConfigError, Refused
 from diloco.storage.history import sha256_hex
 from diloco.storage.protocol import Contribution, LearnerStats, Manifest, Refusal, VersionSettings
 
@@ -48,6 +52,24 @@ def test_the_schedule_is_a_function_of_its_arguments():
                                                                  "committed")}
     assert set(labels()) >= {f"hostile:{v}" for v in HOSTILE} | {"redis_rollback"}
     assert len(KINDS) == 8
+
+
+def test_a_run_may_leave_fault_kinds_out_and_a_kind_it_does_not_know_is_refused_by_name(tmp_path):
+    cfg = ChaosConfig(out=tmp_path, kinds="redis_rollback, learner_kill")
+    assert cfg.fault_kinds() == ("learner_kill", "redis_rollback")  # in the registry's order
+    assert ChaosConfig(out=tmp_path).fault_kinds() == KINDS
+    with pytest.raises(ConfigError, match=r"--kinds .*learner_kill.* \(meteor: not one of them\)"):
+        ChaosConfig(out=tmp_path, kinds="learner_kill,meteor")
+    parser = argparse.ArgumentParser()
+    add_chaos_arguments(parser)
+    assert parser.parse_args(["--kinds", "hostile"]).kinds == "hostile"
+    # Only the kinds chosen are drawn, and only their labels must fire.
+    assert {f.kind for f in schedule(5, 45, cfg.fault_kinds())} == {"learner_kill", "redis_rollback"}
+    report = ChaosReport(seed=5, seconds=45, faults={"learner_kill": 2}, ledger=account(_evidence()), loss_start=3.0,
+                         loss_end=2.0, forged={}, hostile=[], failures=[], kinds=cfg.fault_kinds())
+    assert report.figures()["faults"] == {"learner_kill": 2, "redis_rollback": 0}
+    fired = [p for p in report.problems() if p.startswith("fault ")]
+    assert fired == ["fault redis_rollback never fired"]  # not the kinds left out
 
 
 SHAPES = {"blocks.0.weight": (4, 3), "blocks.0.bias": (4,)}
