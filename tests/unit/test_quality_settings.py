@@ -81,5 +81,8 @@ def test_repeats_take_the_arms_in_turn_each_starting_one_further_along() -> None
         ["decoupled", "waiting", "torchft"], ["waiting", "torchft", "decoupled"],
         ["torchft", "decoupled", "waiting"], ["decoupled", "waiting", "torchft"]]
     assert trial.turns(["straggler"], 2) == [["straggler"], ["straggler"]] and trial.turns([], 2) == [[], []]
+    # The waiting arm trains the same bits every run: it runs in the first repeat only.
+    assert quality.repeat_turns(["decoupled", "waiting", "torchft"], 3) == [
+        ["decoupled", "waiting", "torchft"], ["torchft", "decoupled"], ["torchft", "decoupled"]]
     with pytest.raises(SystemExit):
         args("--repeats", "0")
