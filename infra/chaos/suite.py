@@ -25,9 +25,10 @@ faults of `infra.chaos.faults.schedule(seed, seconds)` are carried out:
   fault, every fragment's head must advance within ADVANCE_S.
 
 The processes are supervised by `infra.chaos.processes`, which also arms the coordinators with
-their crash points. Heavy faults (servers, coordinator) wait for the one before to play out; light
-ones do not, but corrupt objects and hostile input wait while a server is down or rolled back.
-Then the learners are stopped (SIGTERM), the coordinator drains what is pending and is stopped, and
+their crash points. Heavy faults (servers, coordinator) wait for the one before to play out and
+for every head to advance after it (its recovery, which must come within ADVANCE_S); light ones
+do not, but corrupt objects and hostile input wait while a server is down or rolled back. Then
+the learners are stopped (SIGTERM), the coordinator drains what is pending and is stopped, and
 `infra.chaos.ledger` accounts for every announced contribution from S3 and Redis; each hostile
 input is judged by `infra.chaos.hostile.judge_hostile`. The global model is evaluated at version 0 and at
 the heads. `ChaosReport.problems()` lists everything that went wrong; an empty list is a pass
@@ -76,14 +77,17 @@ TICK_S = 0.2
 ROLLBACK_RECOVERY_S = 30.0
 """After a redis_rollback, Redis's heads must be back where they were (re-committed from S3) within this."""
 ADVANCE_S = 10.0
-"""After a hostile fault, every fragment's head must advance within this many seconds of undisturbed
-running (no server down or rolled back, a plain coordinator holding the run): at the chaos run's
+"""After a hostile fault, and after each heavy fault has played out, every fragment's head must advance
+within this many seconds of undisturbed running (no server down or rolled back, a plain coordinator
+holding the run): at the chaos run's
 pace, rounds merge several times a second, so a head that stands still this long is held."""
 
 
 @dataclass(slots=True)
 class Watch:
-    """A hostile fault whose aftermath is watched: every head must move past `heads`."""
+    """A fault whose aftermath is watched: every head must move past `heads`. A hostile fault's is
+    watched from when it was carried out; a heavy fault's (`recovery`) from when it has played out,
+    and the next heavy fault waits until it ends."""
 
     label: str
     heads: dict[int, int]
@@ -92,6 +96,7 @@ class Watch:
     """time.monotonic() then."""
     quiet_s: float = 0.0
     """Undisturbed seconds since (see ADVANCE_S)."""
+    recovery: bool = False
 
 
 class ChaosError(DilocoError):
@@ -217,7 +222,9 @@ class Chaos:
         self.hostile = HostileLearner(self.bus, self.store, stack.endpoints, tokens_per_step=TASK.tokens_per_step())
         self.hostile_inputs: list[HostileInput] = []
         self.watches: list[Watch] = []
-        """Hostile faults whose aftermath is still watched: every head must advance past its value then."""
+        """Faults whose aftermath is still watched: every head must advance past its value then."""
+        self.disturbed = ""
+        """The heavy fault playing out (a server's restart, a coordinator's kills), "" when none is."""
         self.skipped = 0
         self.server_fault: threading.Thread | None = None
         self.spec: RunSpec | None = None
@@ -274,7 +281,9 @@ class Chaos:
         while True:
             now = time.monotonic() - t0
             tick_s, elapsed = now - elapsed, now
-            self.fleet.supervise(elapsed, arming=True, restart=True, may_kill=not self._server_busy())
+            self._watch_recovery()  # before any fault is due: one that has just played out holds the next
+            self.fleet.supervise(elapsed, arming=True, restart=True,
+                                 may_kill=not (self._server_busy() or self._recovering()))
             for fault in [f for f in todo if f.at_s <= elapsed]:
                 if self._execute(fault):
                     todo.remove(fault)
@@ -336,7 +345,7 @@ class Chaos:
 
     def _in_thread(self, restart: Callable[[Fault], None]) -> Callable[[Fault], bool]:
         def start(fault: Fault) -> bool:
-            if self._server_busy() or not self.fleet.coordinator_settled():
+            if self._server_busy() or self._recovering() or not self.fleet.coordinator_settled():
                 return False
             self.server_fault = threading.Thread(target=self._restart_server, args=(restart, fault), daemon=True,
                                                  name=fault.kind)
@@ -419,9 +428,28 @@ class Chaos:
         self.watches.append(Watch(fault.label, heads, time.monotonic()))
         return True
 
+    def _recovering(self) -> bool:
+        """A heavy fault is playing out, or the heads have yet to advance after it."""
+        return bool(self.disturbed) or any(w.recovery for w in self.watches)
+
+    def _watch_recovery(self) -> None:
+        """Once a heavy fault has played out (its server back, or a plain coordinator holding every
+        shard again), watch the heads: the next heavy fault waits until they have all advanced, so
+        that each fault's recovery is seen, and one that does not come is a failure (`_watch_heads`).
+        Back-to-back outages would otherwise leave the run mostly down: a server is only just back
+        when its window of the schedule has passed."""
+        fault = self.server_fault.name if self._server_busy() else ""
+        if not fault and not self.fleet.coordinator_settled():
+            fault = "coordinator_kill"
+        if self.disturbed and not fault and (heads := self._heads()):
+            self.watches.append(Watch(f"recovery from {self.disturbed}", heads, time.monotonic(), recovery=True))
+            self.disturbed = ""
+        elif fault:
+            self.disturbed = self.disturbed or fault  # a coordinator deposed by a Redis restart is the restart's
+
     def _watch_heads(self, tick_s: float, *, final: bool = False) -> None:
-        """A watch ends once every head has moved past its value when the hostile fault came; it
-        fails after ADVANCE_S undisturbed seconds (or at the end of the run: `final`)."""
+        """A watch ends once every head has moved past its value when it began; it fails after
+        ADVANCE_S undisturbed seconds (or at the end of the run: `final`)."""
         heads = self._heads()
         if not heads and not final:
             return  # Redis does not answer right now
@@ -430,8 +458,8 @@ class Chaos:
             w.quiet_s += tick_s if quiet else 0.0
             if all(heads.get(f, -1) > v for f, v in w.heads.items()):
                 self.watches.remove(w)
-                log.info("chaos: heads advanced %.1fs after %s: %s -> %s", time.monotonic() - w.at, w.label, w.heads,
-                         heads)
+                log.info("chaos: heads advanced %.1fs after %s%s: %s -> %s", time.monotonic() - w.at, w.label,
+                         " had played out" if w.recovery else "", w.heads, heads)
             elif final or w.quiet_s > ADVANCE_S:
                 self.watches.remove(w)
                 self.tally.fail(f"{w.label}: heads {w.heads} had not all advanced {time.monotonic() - w.at:.0f}s "
