@@ -46,7 +46,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -125,10 +125,13 @@ class ChaosReport:
     wall_s: float = 0.0
     kinds: tuple[str, ...] = KINDS
     """The kinds of fault the run injected (`--kinds`): each of their labels must have fired."""
+    recovered: dict[str, int] = field(default_factory=dict)
+    """Heavy fault kind -> recoveries seen: the heads advanced after one had played out."""
 
     def figures(self) -> dict:
         """The figures written by `--json`."""
-        return {"faults": {label: self.faults.get(label, 0) for label in labels(self.kinds)}, **self.ledger.figures(),
+        return {"faults": {label: self.faults.get(label, 0) for label in labels(self.kinds)},
+                "recovered": {k: self.recovered.get(k, 0) for k in self.kinds if k in HEAVY}, **self.ledger.figures(),
                 "hostile": dict(sorted(Counter(v.kind for v in self.hostile).items()))}
 
     def to_wire(self) -> dict:
@@ -182,7 +185,9 @@ class ChaosReport:
         f = self.figures()
         faults = " ".join(f"{k}={v}" for k, v in f["faults"].items())
         problems = self.problems()
-        return (f"chaos seed {self.seed}, {self.seconds:g}s: faults {faults}; {f['versions_committed']} versions "
+        recovered = " ".join(f"{k}={v}" for k, v in f["recovered"].items()) or "none"
+        return (f"chaos seed {self.seed}, {self.seconds:g}s: faults {faults}; recoveries seen {recovered}; "
+                f"{f['versions_committed']} versions "
                 f"committed; {f['announced']} contributions announced: {f['applied']} applied, {f['refused']} refused, "
                 f"{f['dropped']} dropped as stale, {f['pending']} pending; lost {f['lost']}, duplicated "
                 f"{f['duplicated']}; {len(self.hostile)} hostile inputs: "
@@ -225,6 +230,8 @@ class Chaos:
         """Faults whose aftermath is still watched: every head must advance past its value then."""
         self.disturbed = ""
         """The heavy fault playing out (a server's restart, a coordinator's kills), "" when none is."""
+        self.recovered = Counter[str]()
+        """Heavy fault kind -> how many times the heads advanced after one had played out."""
         self.skipped = 0
         self.server_fault: threading.Thread | None = None
         self.spec: RunSpec | None = None
@@ -442,7 +449,7 @@ class Chaos:
         if not fault and not self.fleet.coordinator_settled():
             fault = "coordinator_kill"
         if self.disturbed and not fault and (heads := self._heads()):
-            self.watches.append(Watch(f"recovery from {self.disturbed}", heads, time.monotonic(), recovery=True))
+            self.watches.append(Watch(self.disturbed, heads, time.monotonic(), recovery=True))
             self.disturbed = ""
         elif fault:
             self.disturbed = self.disturbed or fault  # a coordinator deposed by a Redis restart is the restart's
@@ -458,11 +465,12 @@ class Chaos:
             w.quiet_s += tick_s if quiet else 0.0
             if all(heads.get(f, -1) > v for f, v in w.heads.items()):
                 self.watches.remove(w)
+                self.recovered[w.label] += w.recovery
                 log.info("chaos: heads advanced %.1fs after %s%s: %s -> %s", time.monotonic() - w.at, w.label,
                          " had played out" if w.recovery else "", w.heads, heads)
             elif final or w.quiet_s > ADVANCE_S:
                 self.watches.remove(w)
-                self.tally.fail(f"{w.label}: heads {w.heads} had not all advanced {time.monotonic() - w.at:.0f}s "
+                self.tally.fail(f"{'recovery from ' * w.recovery}{w.label}: heads {w.heads} had not all advanced {time.monotonic() - w.at:.0f}s "
                                 f"later ({w.quiet_s:.0f}s of them undisturbed): {heads}")
 
     def _backlog(self) -> int:
@@ -497,6 +505,7 @@ def run_chaos(cfg: ChaosConfig) -> ChaosReport:
                          loss_start=start, loss_end=end, forged=dict(chaos.forged),
                          hostile=judge_hostile(chaos.hostile_inputs, ledger), failures=list(chaos.tally.failures),
                          restarts=chaos.fleet.restarts, deposed=chaos.fleet.deposed, skipped=chaos.skipped,
+                         recovered=dict(chaos.recovered),
                          wall_s=time.monotonic() - started, kinds=cfg.fault_kinds())
     (cfg.out / "report.json").write_text(json.dumps(report.to_wire(), indent=2) + "\n")
     return report

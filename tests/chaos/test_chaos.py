@@ -33,6 +33,8 @@ def test_every_contribution_is_accounted_for_under_every_kind_of_fault(tmp_path,
 
     # Every kind of fault really happened, the coordinator died at every commit step.
     assert all(figures["faults"][label] > 0 for label in labels()), figures["faults"]
+    # Each heavy fault played out before the next one came, and the heads advanced after it.
+    assert all(n > 0 for n in figures["recovered"].values()), figures["recovered"]
 
     # Nothing lost, nothing applied twice: every announcement has exactly one outcome.
     assert figures["lost"] == 0, sorted(led.lost)

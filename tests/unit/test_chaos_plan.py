@@ -68,6 +68,7 @@ def test_a_run_may_leave_fault_kinds_out_and_a_kind_it_does_not_know_is_refused_
     report = ChaosReport(seed=5, seconds=45, faults={"learner_kill": 2}, ledger=account(_evidence()), loss_start=3.0,
                          loss_end=2.0, forged={}, hostile=[], failures=[], kinds=cfg.fault_kinds())
     assert report.figures()["faults"] == {"learner_kill": 2, "redis_rollback": 0}
+    assert report.figures()["recovered"] == {"redis_rollback": 0}  # heavy kinds only
     fired = [p for p in report.problems() if p.startswith("fault ")]
     assert fired == ["fault redis_rollback never fired"]  # not the kinds left out
 
