@@ -279,8 +279,8 @@ class Chaos:
     def _inject(self, faults: list[Fault]) -> None:
         """Carry out the faults. A fault waits while it cannot be carried out (a heavy one while the
         previous one plays out, a learner fault while no learner qualifies); past `seconds`, the run
-        goes on only while a fault of a label that has not fired yet is still waiting, or the heads
-        have yet to advance after a hostile fault."""
+        goes on only while a fault of a label that has not fired yet is still waiting, a heavy one is
+        playing out, or the heads have yet to advance after a hostile or a heavy fault."""
         todo = sorted(faults, key=lambda f: f.at_s)
         t0 = time.monotonic()
         overtime = self.cfg.seconds * 0.5 + 30.0
@@ -299,7 +299,8 @@ class Chaos:
             self._watch_heads(tick_s)
             waiting = todo + self.fleet.coordinator_faults
             unfired = [f for f in waiting if not self.tally.fired[f.label]]
-            if elapsed >= self.cfg.seconds and (not (unfired or self.watches) or elapsed > self.cfg.seconds + overtime):
+            if elapsed >= self.cfg.seconds and (not (unfired or self.watches or self.disturbed)
+                                                or elapsed > self.cfg.seconds + overtime):
                 break
             time.sleep(TICK_S)
         self._watch_heads(0.0, final=True)
@@ -356,6 +357,7 @@ class Chaos:
                 return False
             self.server_fault = threading.Thread(target=self._restart_server, args=(restart, fault), daemon=True,
                                                  name=fault.kind)
+            self.disturbed = fault.kind  # now: a short restart may be over before the next tick looks
             self.server_fault.start()
             return True
         return start
@@ -445,7 +447,7 @@ class Chaos:
         that each fault's recovery is seen, and one that does not come is a failure (`_watch_heads`).
         Back-to-back outages would otherwise leave the run mostly down: a server is only just back
         when its window of the schedule has passed."""
-        fault = self.server_fault.name if self._server_busy() else ""
+        fault = self.server_fault.name if self._server_busy() else ""  # set as it starts, too (`_in_thread`)
         if not fault and not self.fleet.coordinator_settled():
             fault = "coordinator_kill"
         if self.disturbed and not fault and (heads := self._heads()):
