@@ -77,10 +77,10 @@ TICK_S = 0.2
 ROLLBACK_RECOVERY_S = 30.0
 """After a redis_rollback, Redis's heads must be back where they were (re-committed from S3) within this."""
 ADVANCE_S = 10.0
-"""After a hostile fault, and after each heavy fault has played out, every fragment's head must advance
-within this many seconds of undisturbed running (no server down or rolled back, a plain coordinator
-holding the run): at the chaos run's
-pace, rounds merge several times a second, so a head that stands still this long is held."""
+"""After a hostile fault, and after each heavy fault has played out, every fragment's head must
+advance within this many seconds of undisturbed running (no server down or rolled back, a plain
+coordinator holding the run): at the chaos run's pace, rounds merge several times a second, so a
+head that stands still this long is held."""
 
 
 @dataclass(slots=True)
@@ -241,7 +241,8 @@ class Chaos:
         unknown = set(FAULT_KINDS) - set(self._handlers()) - {"coordinator_kill"}
         if unknown:
             raise ChaosError(f"fault kinds {sorted(unknown)} are scheduled but not carried out: add their handlers")
-        faults = schedule(self.cfg.seed, self.cfg.seconds, self.cfg.fault_kinds(), learners=tuple(s.name for s in self.fleet.slots))
+        faults = schedule(self.cfg.seed, self.cfg.seconds, self.cfg.fault_kinds(),
+                          learners=tuple(s.name for s in self.fleet.slots))
         self.fleet.coordinator_faults = [f for f in faults if f.kind == "coordinator_kill"]
         log.info("chaos: %d faults scheduled over %gs (seed %d)", len(faults), self.cfg.seconds, self.cfg.seed)
         watcher = StreamWatcher(Bus(self.stack.endpoints, self.cfg.run, quick=True))
@@ -445,8 +446,8 @@ class Chaos:
         """Once a heavy fault has played out (its server back, or a plain coordinator holding every
         shard again), watch the heads: the next heavy fault waits until they have all advanced, so
         that each fault's recovery is seen, and one that does not come is a failure (`_watch_heads`).
-        Back-to-back outages would otherwise leave the run mostly down: a server is only just back
-        when its window of the schedule has passed."""
+        Without the wait, a server restarted on a slow machine was often only just back when the
+        next heavy fault came, and what followed one fault was never seen apart from the next."""
         fault = self.server_fault.name if self._server_busy() else ""  # set as it starts, too (`_in_thread`)
         if not fault and not self.fleet.coordinator_settled():
             fault = "coordinator_kill"
