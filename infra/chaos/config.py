@@ -34,9 +34,9 @@ class ChaosConfig:
     run: str = "chaos"
     """Run id."""
     kinds: str = ""
-    """The kinds of fault to inject, comma-separated (blank: every kind: learner_kill, learner_term,
-    coordinator_kill, redis_restart, redis_rollback, s3_restart, corrupt_object, hostile). A run with some
-    kinds left out says what they cost the model: same seed, with and without them."""
+    """The kinds of fault to inject, comma-separated (blank: every kind; a kind it does not know is
+    refused with the list). A run with some kinds left out says what they cost the model: the same
+    seed with and without them."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.shards <= 2:
