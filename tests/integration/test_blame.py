@@ -74,10 +74,26 @@ def train_fleet(endpoints: Endpoints, run_id: str, poison: dict[str, str]) -> No
                             for p in model.parameters():
                                 p.add_(torch.randn_like(p) * NOISE_STD)
                 time.sleep(0.005)  # lets the coordinator's thread and the fetchers in
+            merged_everything(coord, [learner for _, learner, *_ in fleet])
         finally:
             for _, learner, *_ in fleet:
                 learner.close()
         time.sleep(1.0)  # the last round merges
+
+
+def merged_everything(coord: Coordinator, learners: list[Learner], timeout_s: float = 60.0) -> None:
+    """Wait until every piece the learners uploaded has been merged: leaving one by one would lower
+    the quorum for the last round, and a piece still uploading would then merge in a round of its own."""
+    deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
+    while time.monotonic() < deadline:
+        now = (sum(learner.progress().uploaded for learner in learners),
+               coord.bus.counters().get("contributions_applied"), coord.bus.backlog().waiting)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif now[2] == 0 and time.monotonic() - since > 2.0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the learners' pieces were not all merged after {timeout_s:.0f}s: {last}")
 
 
 def blame(tmp_path, *argv: str) -> dict:  # noqa: ANN001
