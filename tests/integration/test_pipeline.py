@@ -59,7 +59,7 @@ def test_three_learners_train_the_global_model(endpoints, run_id, tmp_path, flee
     assert all(contributors[f] == {"l0", "l1", "l2"} for f in heads), contributors
 
 
-@pytest.mark.slow  # a SIGKILLed learner rejoining is in the chaos run of `make test` too
+@pytest.mark.slow  # `make test-slow`, beside the chaos run's learner kills
 def test_learner_sigkilled_midrun_others_go_on_and_it_rejoins(endpoints, run_id, tmp_path, fleet_env):
     env, procs = fleet_env
     procs.append(spawn_coordinator(run_id, env, tmp_path))

@@ -86,7 +86,10 @@ def test_a_step_without_a_new_finite_loss_is_not_sampled(tmp_path: Path) -> None
     assert len(rec.buffer) == 1
 
 
-def test_a_store_that_fails_costs_samples_never_an_exception(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+def test_a_store_that_fails_costs_samples_never_an_exception(tmp_path: Path, caplog, monkeypatch) -> None:  # noqa: ANN001
+    # Small logs: the same bound, without serialising thousands of 256-sample logs (5 s).
+    monkeypatch.setattr(losses, "SAMPLES_PER_LOG", 8)
+    monkeypatch.setattr(losses, "MAX_BUFFERED", 32)
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where the store's folder should be")
     rec = recorder(DirStore(blocker), Progress())
