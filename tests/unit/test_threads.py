@@ -4,6 +4,7 @@ work paced to a share of a CPU (storage/intraop.py)."""
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -152,10 +153,13 @@ def test_on_the_cpu_the_transfers_are_paced_on_one_thread_and_beside_a_gpu_not_a
 def test_a_paced_thread_encodes_the_same_bytes_and_sleeps_for_its_share_where_an_unpaced_one_does_not():
     x = {"w": torch.randn(1 << 25, generator=torch.Generator().manual_seed(0))}  # 32M values: ~0.15 s of int4
     made: dict[str, tuple[bytes, float | None]] = {}
+    used: dict[str, float] = {}
 
     def body(name: str, limits: ThreadLimits) -> None:
         pacer = limits.apply()
+        wall, cpu = time.monotonic(), time.thread_time()
         blob = codecs.encode(x, "int4", compress=True)
+        used[name] = (time.thread_time() - cpu) / (time.monotonic() - wall)
         made[name] = (blob, None if pacer is None else pacer.slept_s)
 
     for name, limits in (("paced", ThreadLimits(threads=1, share=0.5)), ("free", ThreadLimits(threads=1))):
@@ -164,7 +168,9 @@ def test_a_paced_thread_encodes_the_same_bytes_and_sleeps_for_its_share_where_an
         t.join()
     assert made["paced"][0] == made["free"][0]
     assert made["free"][1] is None
-    assert made["paced"][1] > 0.05  # about the encode's CPU time beyond the first 50 ms, again
+    # It slept about the encode's CPU time beyond the first 50 ms, again; unless another process
+    # held the CPU so much that the thread got no more than its share of it anyway.
+    assert made["paced"][1] > 0.05 or used["paced"] < 0.6, (made["paced"][1], used)
     pace()  # this thread is not paced: a no-op
 
 
