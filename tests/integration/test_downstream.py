@@ -51,7 +51,8 @@ def trained_run(endpoints, run_id, rounds: int = 4, *, between=None, hold_state:
         raise
 
 
-@pytest.mark.parametrize("hold_state", [True, False], ids=["held", "read-back"])
+# --no-hold-state in `make test-slow`: `make test` stays under 8 minutes.
+@pytest.mark.parametrize("hold_state", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["held", "read-back"])
 def test_learners_take_updates_and_hold_the_committed_params_bit_for_bit(endpoints, run_id, hold_state):
     """Also with --no-hold-state: the coordinator holds no fragment's params or outer state between
     its rounds, and each merge reads them back from S3 (in place, views of one buffer): the same
