@@ -74,7 +74,7 @@ from diloco.workers.staging import Stager
 from diloco.workers.takes import Awaiting, refetch_after, wait_reason
 from diloco.storage.heap import reuse_freed_memory
 from diloco.storage.intraop import Pacer, usable_cpus
-from diloco.workers.threads import ThreadLimits, abandon
+from diloco.workers.threads import ThreadLimits, abandon, check_settings as check_transfer_settings
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
 log = logging.getLogger(__name__)
@@ -181,15 +181,9 @@ class LearnerConfig:
         if self.state_every < 0:
             raise ConfigError(f"state_every must be >= 0 sends (0: save the state on SIGTERM only), got "
                               f"{self.state_every}")
-        if not -1 <= self.transfer_nice <= 19:
-            raise ConfigError(f"transfer_nice must be in 0..19 (or -1: chosen for the device), got {self.transfer_nice}")
         if self.dropped not in ("auto", "keep", "carry"):
             raise ConfigError(f"dropped must be auto, keep or carry, got {self.dropped!r}")
-        if not (math.isfinite(self.transfer_share) and 0 <= self.transfer_share <= 1):
-            raise ConfigError(f"transfer_share must be in (0, 1] (or 0: chosen for the device), got "
-                              f"{self.transfer_share!r}")
-        if self.transfer_threads < 0:
-            raise ConfigError(f"transfer_threads must be >= 0 (0: chosen for the device), got {self.transfer_threads}")
+        check_transfer_settings(self.transfer_threads, self.transfer_nice, self.transfer_share)
         if self.lease_s <= self.heartbeat_s or not self.lease_s <= MAX_LEASE_S:
             raise ConfigError(f"lease_s ({self.lease_s}) must exceed heartbeat_s ({self.heartbeat_s}) and be at "
                               f"most {MAX_LEASE_S:g} s")

@@ -41,10 +41,12 @@ transfers.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass
 
+from diloco.storage.errors import ConfigError
 from diloco.storage.intraop import Pacer, cap_this_thread, pace_this_thread
 
 log = logging.getLogger(__name__)
@@ -59,11 +61,33 @@ CPU_SHARE = 0.25
 """On the CPU, the share of a CPU each transfer thread's heavy work is paced to (`transfer_share`)."""
 
 
+def check_settings(threads: int, nice: int, share: float) -> None:
+    """The transfer_* settings (`LearnerConfig`'s), each in its range, or ConfigError naming the
+    one that is not."""
+    _check_threads(threads)
+    _check_nice(nice)
+    _check_share(share)
+
+
+def _check_threads(setting: int) -> None:
+    if setting < 0:
+        raise ConfigError(f"transfer_threads must be >= 0 (0: chosen for the device), got {setting}")
+
+
+def _check_nice(setting: int) -> None:
+    if not -1 <= setting <= 19:
+        raise ConfigError(f"transfer_nice must be in 0..19 (or -1: chosen for the device), got {setting}")
+
+
+def _check_share(setting: float) -> None:
+    if not (math.isfinite(setting) and 0.0 <= setting <= 1.0):
+        raise ConfigError(f"transfer_share must be in (0, 1] (or 0: chosen for the device), got {setting!r}")
+
+
 def transfer_threads(setting: int, device_type: str, cpus: int) -> int | None:
     """The intra-op threads each transfer thread may use: `setting` when > 0 (at most `cpus`);
     0 (the default) means a quarter of `cpus` beside a device, torch's own (None) on the CPU."""
-    if setting < 0:
-        raise ValueError(f"transfer_threads must be >= 0 (0: chosen for the device), got {setting}")
+    _check_threads(setting)
     if setting:
         return min(setting, cpus)
     return None if device_type == "cpu" else max(1, cpus // GPU_SHARE)
@@ -72,8 +96,7 @@ def transfer_threads(setting: int, device_type: str, cpus: int) -> int | None:
 def transfer_nice(setting: int, device_type: str) -> int:
     """How far below the loop's priority the transfer threads run: `setting` when >= 0; -1 (the
     default) means GPU_NICE beside a device, CPU_NICE on the CPU."""
-    if not -1 <= setting <= 19:
-        raise ValueError(f"transfer_nice must be in 0..19 (or -1: chosen for the device), got {setting}")
+    _check_nice(setting)
     if setting >= 0:
         return setting
     return CPU_NICE if device_type == "cpu" else GPU_NICE
@@ -83,8 +106,7 @@ def transfer_share(setting: float, device_type: str) -> float:
     """The share of a CPU each transfer thread's heavy work is paced to: `setting` when > 0 (1: not
     paced); 0 (the default) means CPU_SHARE on the CPU, not paced beside a device (where the
     transfer threads have cores of their own, `transfer_threads`, and run below the loop)."""
-    if not (0.0 <= setting <= 1.0):
-        raise ValueError(f"transfer_share must be in (0, 1] (or 0: chosen for the device), got {setting}")
+    _check_share(setting)
     if setting > 0.0:
         return setting
     return CPU_SHARE if device_type == "cpu" else 1.0

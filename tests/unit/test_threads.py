@@ -23,7 +23,7 @@ def test_beside_a_gpu_a_quarter_of_the_cpus_on_the_cpu_torchs_own():
     assert transfer_threads(0, "cpu", 16) is None
     assert transfer_threads(3, "cpu", 16) == 3
     assert transfer_threads(64, "cuda", 16) == 16  # never more threads than CPUs
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="transfer_threads"):
         transfer_threads(-1, "cuda", 16)
     with pytest.raises(ConfigError, match="transfer_threads"):
         LearnerConfig(transfer_threads=-2)
@@ -76,7 +76,7 @@ def test_beside_a_gpu_the_transfers_run_below_the_loop_on_the_cpu_beside_it():
     assert transfer_nice(-1, "cuda") == 10
     assert transfer_nice(-1, "cpu") == 0
     assert transfer_nice(5, "cpu") == 5 and transfer_nice(0, "cuda") == 0  # a setting is kept
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="transfer_nice"):
         transfer_nice(-2, "cpu")
     LearnerConfig(transfer_nice=-1)
     with pytest.raises(ConfigError, match="transfer_nice"):
@@ -148,6 +148,8 @@ def test_on_the_cpu_the_transfers_are_paced_on_one_thread_and_beside_a_gpu_not_a
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ConfigError, match="transfer_share"):
             LearnerConfig(transfer_share=bad)
+        with pytest.raises(ConfigError, match="transfer_share"):
+            ThreadLimits.for_device("cpu", 16, share=bad)
 
 
 def test_a_paced_thread_encodes_the_same_bytes_and_sleeps_for_its_share_where_an_unpaced_one_does_not():
