@@ -155,7 +155,10 @@ def unusable(endpoints: Endpoints) -> Endpoints:
                                bucket="no-such-bucket-island")
 
 
-@pytest.mark.parametrize("mode", [pytest.param("replicated", marks=pytest.mark.slow), "sharded"])
+# Both modes in `make test-slow` (an island is a torchrun of learner processes: 10 s each), so that
+# `make test` stays under 8 minutes.
+@pytest.mark.parametrize("mode", [pytest.param("replicated", marks=pytest.mark.slow),
+                                  pytest.param("sharded", marks=pytest.mark.slow)])
 def test_island_ranks_stay_consistent_and_only_rank0_talks_to_the_run(mode, endpoints, run_id, tmp_path):
     coord = Coordinator(endpoints, run_id,
                         settings=RunSettings(num_fragments=2, sync_every=4, overlap_steps=1, codec="fp32",
