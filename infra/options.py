@@ -151,7 +151,7 @@ KNOWN_SETTINGS = frozenset({
     "alpha", "bounded_momentum", "cadence", "checkpoint_every", "chips", "claim_idle_s", "cover_shards", "close_timeout_s", "codec", "compress",
     "consumer", "contributions", "data_seed", "downstream_codec", "drain_s", "dropped", "error_feedback",
     "fetch_threads", "fragment_mb", "fragments", "gone_after_s", "grace_gamma", "heartbeat_s", "hold_state", "hours", "join_timeout_s", "junk_mb", "junk_stats",
-    "dropped", "keep_serving", "kinds", "kill_at", "learner_failure", "learners", "lease_s", "made_up_ids", "max_claim_ratio", "max_norm_ratio", "max_grace_s", "max_object_bytes",
+    "keep_serving", "kinds", "kill_at", "learner_failure", "learners", "lease_s", "made_up_ids", "max_claim_ratio", "max_norm_ratio", "max_grace_s", "max_object_bytes",
     "max_link_share", "max_refusals_listed", "max_round_bytes", "max_silent_rounds", "max_staleness", "merge_rule", "merge_s",
     "merge_wait_s", "metrics_port", "min_quorum", "min_round_s", "model_seed", "mtbi_years", "num_fragments",
     "outer_lr", "outer_momentum", "overlap_steps", "own_version_wait", "radial_directional", "reach_timeout_s",

@@ -21,7 +21,7 @@ def test_three_learners_train_the_global_model(endpoints, run_id, tmp_path, flee
     coordinator = spawn_coordinator(run_id, env, tmp_path)
     procs.append(coordinator)
     # Slowed down so that the run spans several rounds of the clock (whose period is at least 1 s).
-    learners = [spawn_learner(run_id, env, tmp_path, f"l{i}", steps=200, seed=i, slowdown=3.0) for i in range(3)]
+    learners = [spawn_learner(run_id, env, tmp_path, f"l{i}", steps=300, seed=i, slowdown=3.0) for i in range(3)]
     procs.extend(learners)
     wait_all(learners)
     assert coordinator.wait(30) == 0, coordinator.tail()  # every learner finished: the run ends, and its coordinator
