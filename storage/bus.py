@@ -272,13 +272,14 @@ return 1
 """
 
 _HEARTBEAT_LUA = """
--- KEYS: learners, learner_stats, joined
+-- KEYS: learners, learner_stats, joined, cadence, finished
 -- ARGV: learner, ttl_s, joined (1/0), forget_s, max_ttl_s, max_stats_bytes, max_live, [stats]
--- Returns 1, or 0 with nothing written if the stats are over max_stats_bytes, -1 if max_live other
--- learners are live already.
+-- Returns {1, TIME's seconds, TIME's microseconds, the cadence, the run's end} (the last two false
+-- where unset): what a learner reads with each heartbeat, in the same round trip. {0} with nothing
+-- written if the stats are over max_stats_bytes, {-1} if max_live other learners are live already.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-if ARGV[8] and #ARGV[8] > tonumber(ARGV[6]) then return 0 end
+if ARGV[8] and #ARGV[8] > tonumber(ARGV[6]) then return {0} end
 -- learners whose heartbeat lapsed more than forget_s ago are forgotten, a few per call (their stats
 -- and their membership of the joined set too: they are long gone)
 for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[4]), 'LIMIT', 0, 16)) do
@@ -288,12 +289,12 @@ for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumbe
 end
 local mine = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not (mine and tonumber(mine) >= now) and redis.call('ZCOUNT', KEYS[1], now, '+inf') >= tonumber(ARGV[7]) then
-  return -1
+  return {-1}
 end
 redis.call('ZADD', KEYS[1], now + math.min(tonumber(ARGV[2]), tonumber(ARGV[5])), ARGV[1])
 if ARGV[3] == '1' then redis.call('SADD', KEYS[3], ARGV[1]) end
 if ARGV[8] then redis.call('HSET', KEYS[2], ARGV[1], ARGV[8]) end
-return 1
+return {1, t[1], t[2], redis.call('GET', KEYS[4]), redis.call('GET', KEYS[5])}
 """
 
 _FLEET_LUA = """
@@ -364,6 +365,18 @@ def connect(url: str, timeout_s: float = SOCKET_TIMEOUT_S) -> redis.Redis:
 
 
 Entry = tuple[str, "Announcement | Refused"]
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """What a learner reads with each heartbeat (`Bus.heartbeat`), in its round trip."""
+
+    server_time: float
+    """Redis server time as the heartbeat was written, unix seconds (`Bus.server_time`)."""
+    cadence: Cadence | None
+    """The round clock (`Bus.cadence`), None before the coordinator sets it."""
+    run_end: RunEnd | None
+    """The run's end (`Bus.run_end`), None while it goes on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -844,21 +857,30 @@ class Bus:
     # ---- learners ----------------------------------------------------------------------
     @redis_retry
     def heartbeat(self, learner: str, ttl_s: float, stats: LearnerStats | None = None, *,
-                  joined: bool = False) -> None:
+                  joined: bool = False) -> Beat:
         """Live until `ttl_s` from now on the Redis server's clock (machines' clocks may disagree).
-        `joined`: also (again, should Redis have lost it) a member of the joined set."""
+        `joined`: also (again, should Redis have lost it) a member of the joined set. Returns what a
+        learner reads with each heartbeat, read in the same round trip (on a thin link, a learner's
+        Redis traffic is mostly round trips this small: four of them a second cost it more than
+        their bytes). A cadence or run end that does not decode raises Refused, the heartbeat
+        written."""
         if not (math.isfinite(ttl_s) and ttl_s > 0):
             raise ValueError(f"a heartbeat's ttl must be a finite number of seconds > 0, got {ttl_s!r}")
         args: list[Any] = [learner, ttl_s, int(joined), LEARNERS_FORGOTTEN_S, MAX_LEASE_S, MAX_STATS_BYTES,
                            MAX_LIVE_LEARNERS] + ([] if stats is None else [stats.to_wire()])
-        done = self._heartbeat(keys=[self.keys.learners, self.keys.learner_stats, self.keys.joined], args=args)
-        if done == 0:
+        done = self._heartbeat(keys=[self.keys.learners, self.keys.learner_stats, self.keys.joined,
+                                     self.keys.cadence, self.keys.finished], args=args)
+        if done[0] == 0:
             raise Refused("too_large", f"learner {learner}'s stats are {len(args[-1])} bytes, over the "
                           f"{MAX_STATS_BYTES} a heartbeat may carry: not written")
-        if done == -1:
+        if done[0] == -1:
             raise Refused("fleet_full", f"run {self.keys.run!r} has {MAX_LIVE_LEARNERS} live learners, the most "
                           f"one run takes: learner {learner} is not counted live (start fewer learners, or "
                           "wait for leases to lapse)")
+        _, sec, usec, cadence, end = done
+        return Beat(server_time=int(sec) + int(usec) / 1e6,
+                    cadence=None if cadence is None else Cadence.from_wire(cadence),
+                    run_end=None if end is None else RunEnd.from_wire(end))
 
     @redis_retry
     def leave(self, learner: str, record: LearnerLeft | None = None) -> None:

@@ -23,6 +23,7 @@ from the standard AWS chain and are never logged.
 from __future__ import annotations
 
 import bisect
+import importlib.metadata
 import io
 import itertools
 import logging
@@ -230,8 +231,27 @@ def window(views: Sequence[memoryview], start: int, stop: int) -> tuple[memoryvi
     return tuple(out)
 
 
+def _user_agent() -> str:
+    try:
+        return f"diloco/{importlib.metadata.version('diloco')}"
+    except importlib.metadata.PackageNotFoundError:  # a checkout on the path, not installed
+        return "diloco"
+
+
+USER_AGENT = _user_agent()
+"""What every S3 request of ours says it is (`make_client`)."""
+
+
 def make_client(endpoints: Endpoints, *, timeout_s: float = 30.0):  # noqa: ANN201 (boto3 client type)
-    """A boto3 S3 client for the endpoint; checksums only where S3 requires them (servers differ)."""
+    """A boto3 S3 client for the endpoint; checksums only where S3 requires them (servers differ).
+
+    Lean on a thin link: a PUT sends its body at once, without `Expect: 100-continue` (botocore's
+    default for a PutObject or UploadPart: the body waits for the server's go-ahead, a round trip
+    per object and longer on a link busy the other way: 8% of a 17 kB piece's PUT on a 0.156 Mbit/s
+    link that is downloading a version. What the go-ahead saves is the body of a PUT the server
+    refuses, a wrong credential: `check_servers` refuses those at start), and the User-Agent names
+    diloco and its version (about 30 bytes, not 190, on every request; server logs tell diloco's
+    requests apart)."""
     config = Config(
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
@@ -240,9 +260,19 @@ def make_client(endpoints: Endpoints, *, timeout_s: float = 30.0):  # noqa: ANN2
         connect_timeout=min(timeout_s, 10.0),
         read_timeout=timeout_s,
         max_pool_connections=32,
+        user_agent=USER_AGENT,
     )
-    return boto3.session.Session().client("s3", endpoint_url=endpoints.s3_endpoint,
-                                          region_name=endpoints.region, config=config)
+    client = boto3.session.Session().client("s3", endpoint_url=endpoints.s3_endpoint,
+                                            region_name=endpoints.region, config=config)
+    for operation in ("PutObject", "UploadPart"):
+        client.meta.events.register(f"before-sign.s3.{operation}", _send_body_at_once)
+    return client
+
+
+def _send_body_at_once(request, **_: object) -> None:  # noqa: ANN001 (botocore's AWSRequest)
+    """botocore's `before-sign` hook: drop the `Expect: 100-continue` header it adds (`make_client`)."""
+    if "Expect" in request.headers:
+        del request.headers["Expect"]
 
 
 class ObjectStore:

@@ -74,7 +74,8 @@ from diloco.workers.staging import Stager
 from diloco.workers.takes import Awaiting, refetch_after, wait_reason
 from diloco.storage.heap import reuse_freed_memory
 from diloco.storage.intraop import Pacer, usable_cpus
-from diloco.workers.threads import ThreadLimits, abandon, check_settings as check_transfer_settings
+from diloco.workers.threads import (CHOSEN_NICE, CHOSEN_SHARE, CHOSEN_THREADS, ThreadLimits, abandon,
+                                    check_settings as check_transfer_settings)
 from diloco.workers.transfer import Fetched, Fetcher, TransferStats, Uploader, UploadJob
 
 log = logging.getLogger(__name__)
@@ -136,18 +137,18 @@ class LearnerConfig:
     is two to three times the model (AdamW's moments), twice the pieces of ten rounds at int4, and on
     a thin link it delays the pieces it shares the link with until they are refused as stale. 1: no
     limit. The state saved on SIGTERM is always tried."""
-    transfer_threads: int = 0
+    transfer_threads: int = CHOSEN_THREADS
     """CPU threads each of the learner's transfer threads (uploader, fetcher, stager, state saver)
     may use for torch's encoding, decoding and hashing of whole fragments. 0: a quarter of this
     process's CPUs when the model is on a GPU (the thread that launches the kernels keeps its core);
     on the CPU one when their work is paced (`transfer_share`), else torch's own count."""
-    transfer_nice: int = -1
+    transfer_nice: int = CHOSEN_NICE
     """How far below the training loop's priority the transfer threads run (Linux: a nice value of
     their own, the thread only): when they contend for a core, the loop wins. 0: the same priority.
     -1: chosen for the device (`threads.transfer_nice`): 10 when the model is on a GPU (the thread
     that launches its kernels is never kept waiting), 0 on the CPU (where a lowered transfer thread
     waits behind the loop's own work, and every take comes that much later)."""
-    transfer_share: float = 0.0
+    transfer_share: float = CHOSEN_SHARE
     """The share of a CPU each transfer thread's heavy work may take over any stretch of more than
     50 ms of it (`storage.intraop.pace_this_thread`): a burst (encoding a large piece, taking a
     version) is spread out instead of slowing one step of a loop it shares a core with by up to
@@ -304,7 +305,14 @@ class Learner:
         the others' arithmetic ran in the step hook."""
         self.kept_dropped = 0
         """Takes that left what the codec dropped of the piece in the model (`LearnerConfig.dropped`)."""
+        # Rank 0's connections and threads, made as it joins (`_join`); None before, and on other ranks.
+        self.store: ObjectStore | None = None
+        self.bus: Bus | None = None
+        self.uploader: Uploader | None = None
+        self.fetcher: Fetcher | None = None
         self._stager: Stager | None = None
+        self._heartbeat_thread: threading.Thread | None = None
+        self._losses: LossRecorder | None = None
         self.stats = TransferStats()
         # Names without the prefixes of DDP, torch.compile and other wrappers: a DDP island, a compiled
         # learner and a plain one train the same run.
@@ -585,8 +593,8 @@ class Learner:
         The learner never joined, so it neither sends nor finishes anything."""
         self._stop.set()
         self._restore_sigterm_handler()
-        threads = [t for t in (*(getattr(self, n, None) for n in ("uploader", "fetcher", "_stager", "_heartbeat_thread",
-                                                                   "_losses")), self.keeper.saver) if t is not None]
+        threads = [t for t in (self.uploader, self.fetcher, self._stager, self._heartbeat_thread, self._losses,
+                               self.keeper.saver) if t is not None]
         for thread in threads:
             if hasattr(thread, "close"):
                 thread.close()
@@ -595,7 +603,7 @@ class Learner:
             if thread.is_alive():
                 thread.join(timeout=max(0.1, deadline - time.monotonic()))
         self.replica.copies.close()  # the snapshots' lander, started by reading the model at join on a device
-        if getattr(self, "bus", None) is not None:
+        if self.bus is not None:
             leaving = threading.Thread(target=self._leave, args=(None,), name="leave", daemon=True)
             leaving.start()
             leaving.join(timeout=2.0)  # the lease lapses anyway
@@ -956,8 +964,7 @@ class Learner:
         return sum(pacer.slept_s for pacer in self._pacers())
 
     def _pacers(self) -> list[Pacer]:
-        threads = (getattr(self, "uploader", None), getattr(self, "fetcher", None), self._stager,  # once joined
-                   self.keeper.saver)
+        threads = (self.uploader, self.fetcher, self._stager, self.keeper.saver)
         return [t.pacer for t in threads if t is not None and t.pacer is not None]
 
     def _stop_pacing(self) -> None:
@@ -1031,7 +1038,7 @@ class Learner:
     # ---- heartbeats --------------------------------------------------------------------------
     def progress(self) -> LearnerStats:
         """What the next heartbeat reports."""
-        store = getattr(self, "store", None)
+        store = self.store
         link = 0.0
         if store is not None:
             self.stats.bytes_downloaded = store.bytes_read
@@ -1052,15 +1059,15 @@ class Learner:
 
     def _heartbeat(self) -> None:
         """Report progress, and refresh the round clock, our offset to the Redis clock and whether
-        the run is finished."""
-        self.bus.heartbeat(self.learner_id, self.config.lease_s, self.progress(), joined=self._joined)
+        the run is finished: one round trip (`Bus.heartbeat`)."""
+        progress = self.progress()
+        before = time.time()
+        beat = self.bus.heartbeat(self.learner_id, self.config.lease_s, progress, joined=self._joined)
+        self._clock_offset_s = beat.server_time - (before + time.time()) / 2
         if self._genesis is not None and not self._joined:  # its proposals still on their way: the others wait on
             self._genesis.extend()
-        before = time.time()
-        server = self.bus.server_time()
-        self._clock_offset_s = server - (before + time.time()) / 2
-        self._cadence = self.bus.cadence()
-        if self._run_end is None and self._joined and (end := self.bus.run_end()) is not None:
+        self._cadence = beat.cadence
+        if self._run_end is None and self._joined and (end := beat.run_end) is not None:
             log.info("run %s is finished (%s; final versions %s): learner %s sends nothing more", self.run,
                      end.reason, list(end.versions), self.learner_id)
             self._run_end = end

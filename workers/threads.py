@@ -60,6 +60,12 @@ GPU_SHARE = 4
 CPU_SHARE = 0.25
 """On the CPU, the share of a CPU each transfer thread's heavy work is paced to (`transfer_share`)."""
 
+CHOSEN_THREADS = 0
+CHOSEN_NICE = -1
+CHOSEN_SHARE = 0.0
+"""The transfer settings' values that mean "chosen for the device" (`LearnerConfig`'s defaults):
+`transfer_threads`, `transfer_nice` and `transfer_share` below say what each chooses."""
+
 
 def check_settings(threads: int, nice: int, share: float) -> None:
     """The transfer_* settings (`LearnerConfig`'s), each in its range, or ConfigError naming the
@@ -88,7 +94,7 @@ def transfer_threads(setting: int, device_type: str, cpus: int) -> int | None:
     """The intra-op threads each transfer thread may use: `setting` when > 0 (at most `cpus`);
     0 (the default) means a quarter of `cpus` beside a device, torch's own (None) on the CPU."""
     _check_threads(setting)
-    if setting:
+    if setting != CHOSEN_THREADS:
         return min(setting, cpus)
     return None if device_type == "cpu" else max(1, cpus // GPU_SHARE)
 
@@ -97,7 +103,7 @@ def transfer_nice(setting: int, device_type: str) -> int:
     """How far below the loop's priority the transfer threads run: `setting` when >= 0; -1 (the
     default) means GPU_NICE beside a device, CPU_NICE on the CPU."""
     _check_nice(setting)
-    if setting >= 0:
+    if setting != CHOSEN_NICE:
         return setting
     return CPU_NICE if device_type == "cpu" else GPU_NICE
 
@@ -107,7 +113,7 @@ def transfer_share(setting: float, device_type: str) -> float:
     paced); 0 (the default) means CPU_SHARE on the CPU, not paced beside a device (where the
     transfer threads have cores of their own, `transfer_threads`, and run below the loop)."""
     _check_share(setting)
-    if setting > 0.0:
+    if setting != CHOSEN_SHARE:
         return setting
     return CPU_SHARE if device_type == "cpu" else 1.0
 
@@ -125,8 +131,8 @@ class ThreadLimits:
     """Share of a CPU its heavy work is paced to (1: not paced; `transfer_share`)."""
 
     @classmethod
-    def for_device(cls, device_type: str, cpus: int, *, threads: int = 0, nice: int = -1,
-                   share: float = 0.0) -> ThreadLimits:
+    def for_device(cls, device_type: str, cpus: int, *, threads: int = CHOSEN_THREADS, nice: int = CHOSEN_NICE,
+                   share: float = CHOSEN_SHARE) -> ThreadLimits:
         """The limits the settings (`LearnerConfig`'s transfer_*, 0 or -1: chosen) give on `device_type`."""
         paced = transfer_share(share, device_type)
         count = transfer_threads(threads, device_type, cpus)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -68,11 +70,20 @@ def test_each_slow_step_says_how_busy_the_coordinators_cpus_were_and_steps_besid
             "the median; the other 17: mean 1018 ms, max 1.30x") in table
 
 
-def test_the_busy_ticks_of_these_cpus_only_grow_and_are_none_without_cpus():
-    first = device.busy_ticks([0])
-    assert first is not None and first >= 0
-    sum(i * i for i in range(2_000_000))  # this CPU or another: busy for a few ticks
-    assert device.busy_ticks([0]) >= first
+def test_the_busy_ticks_of_a_cpu_grow_by_the_work_done_on_it_and_are_none_without_cpus():
+    cpu = min(os.sched_getaffinity(0))
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})  # this thread works on `cpu` alone
+    try:
+        first = device.busy_ticks([cpu])
+        assert first is not None and first >= 0
+        spun = time.thread_time()
+        while time.thread_time() - spun < 0.3:  # 0.3 s of CPU, all on `cpu`: 30 ticks at 100 Hz
+            pass
+        grown = device.busy_ticks([cpu]) - first
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert grown >= 0.2 * os.sysconf("SC_CLK_TCK"), grown  # at least 0.2 s of it (ticks are counted coarsely)
     assert device.busy_ticks([]) is None
     assert device.busy_ticks([10_000]) == 0  # no such CPU: nothing counted
 

@@ -1,15 +1,15 @@
 """A coordinator reads a long backlog in batches its memory budget holds, and merges all of it.
 
-A coordinator that restarts on a backlog decodes every announcement of a read into fp32 before it
-merges: `read_batch_bytes` bounds one read by the largest fragment's size, so a backlog of large
-fragments is taken a few at a time. Nothing is lost or refused on the way.
+A coordinator that restarts on a backlog holds every announcement of a read until its round merges:
+`read_batch_bytes` bounds one read by the largest fragment's decoded (fp32) size, so a backlog of
+large fragments is taken a few at a time. Nothing is lost or refused on the way.
 """
 
 from __future__ import annotations
 
-import pytest
-
 import dataclasses
+
+import pytest
 
 from diloco.storage.history import read_manifest
 from diloco.workers.fragments import model_params, plan_layout

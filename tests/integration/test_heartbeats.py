@@ -15,8 +15,9 @@ import pytest
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.service import Coordinator
 from diloco.storage.bus import Bus
+from diloco.storage.errors import Refused
 from diloco.storage.objects import ObjectStore
-from diloco.storage.protocol import SCHEMA_VERSION, LearnerStats
+from diloco.storage.protocol import SCHEMA_VERSION, Cadence, LearnerStats, RunEnd
 
 
 def test_stats_that_do_not_decode_are_skipped_and_the_clock_follows_the_honest_learners(endpoints, run_id, caplog):
@@ -95,3 +96,21 @@ def test_a_store_counts_the_time_its_transfers_keep_the_link_busy(endpoints, run
     assert up > 0.0 and down == 0.0
     assert store.get(f"{run_id}/linkuse", max_bytes=1 << 20) == b"x" * 100_000
     assert store.link.busy_s()[0] == up and store.link.busy_s()[1] > 0.0
+
+
+def test_a_heartbeat_reads_the_redis_clock_the_round_clock_and_the_runs_end_in_its_round_trip(endpoints, run_id):
+    bus = Bus(endpoints, run_id)
+    before = bus.server_time()
+    beat = bus.heartbeat("l0", 30.0)
+    assert before <= beat.server_time <= bus.server_time()
+    assert beat.cadence is None and beat.run_end is None  # no coordinator yet
+    cadence = Cadence(origin=before, period_s=5.0)
+    bus.set_cadence(cadence)
+    end = RunEnd(run=run_id, finished_at=before, by="operator", reason="stopped", versions=(3, 4), epoch=1)
+    bus.r.set(bus.keys.finished, end.to_wire())
+    beat = bus.heartbeat("l0", 30.0)
+    assert (beat.cadence, beat.run_end) == (cadence, end)
+    bus.r.set(bus.keys.cadence, b"\x93not a cadence")  # a corrupt clock is refused, the heartbeat written
+    with pytest.raises(Refused):
+        bus.heartbeat("l1", 30.0)
+    assert "l1" in bus.live_learners()

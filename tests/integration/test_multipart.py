@@ -16,6 +16,7 @@ import threading
 import botocore.exceptions as bexc
 import pytest
 
+import diloco
 from diloco.storage.errors import Conflict
 from diloco.storage.objects import MAX_PARTS, MIN_PART_BYTES, ObjectStore, make_client
 from smalls3 import MiB, PART, THRESHOLD, bucket, calls, endpoints, open_uploads, small_store  # noqa: F401 (fixtures)
@@ -34,6 +35,28 @@ def test_a_big_object_goes_up_in_parts_and_reads_back_byte_for_byte(endpoints):
     assert seen["HeadObject"] == 2 and seen["GetObject"] == 0
     assert store.get(key, max_bytes=BIG) == data
     assert open_uploads(endpoints) == []
+
+
+def test_every_put_and_part_sends_its_body_at_once_and_names_diloco(endpoints):
+    """No `Expect: 100-continue` (a round trip per object, longer on a busy link) and a short
+    User-Agent, on the wire to the real server: and the objects still land."""
+    store = small_store(endpoints)
+    sent: list[tuple[str, dict[str, str]]] = []
+
+    def record(request, event_name: str, **_) -> None:
+        sent.append((event_name.rsplit(".", 1)[-1], {k: v.decode() if isinstance(v, bytes) else v
+                                                     for k, v in request.headers.items()}))
+
+    store._s3.meta.events.register("before-send.s3", record)
+    small, big = os.urandom(1000), os.urandom(BIG)
+    store.put(f"{endpoints.prefix}/small", small)
+    store.put(f"{endpoints.prefix}/big", big)
+    assert store.get(f"{endpoints.prefix}/small", max_bytes=BIG) == small
+    assert store.get(f"{endpoints.prefix}/big", max_bytes=BIG) == big
+    bodies = [(op, headers) for op, headers in sent if op in ("PutObject", "UploadPart")]
+    assert [op for op, _ in bodies] == ["PutObject", "UploadPart", "UploadPart", "UploadPart"], sent
+    assert not [op for op, headers in bodies if "Expect" in headers]
+    assert all(headers["User-Agent"].startswith(f"diloco/{diloco.__version__} ") for _, headers in sent)
 
 
 @pytest.mark.parametrize("size", [1024, THRESHOLD])
