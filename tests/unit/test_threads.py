@@ -161,6 +161,8 @@ def test_a_paced_thread_encodes_the_same_bytes_and_sleeps_for_its_share_where_an
         pacer = limits.apply()
         wall, cpu = time.monotonic(), time.thread_time()
         blob = codecs.encode(x, "int4", compress=True)
+        for _ in range(2):  # about 0.45 s of CPU in all: its share's sleep far above the first 50 ms
+            assert codecs.encode(x, "int4", compress=True) == blob
         used[name] = (time.thread_time() - cpu) / (time.monotonic() - wall)
         made[name] = (blob, None if pacer is None else pacer.slept_s)
 
@@ -170,8 +172,9 @@ def test_a_paced_thread_encodes_the_same_bytes_and_sleeps_for_its_share_where_an
         t.join()
     assert made["paced"][0] == made["free"][0]
     assert made["free"][1] is None
-    # It slept about the encode's CPU time beyond the first 50 ms, again; unless another process
-    # held the CPU so much that the thread got no more than its share of it anyway.
+    # It slept about the encodes' CPU time beyond the first 50 ms, again; unless another process
+    # held the CPU so much that the thread got no more than its share of it anyway. (One encode of
+    # 0.15 s slept 42 ms once, on a quiet machine: its last stretch's debt is paid at the next pace.)
     assert made["paced"][1] > 0.05 or used["paced"] < 0.6, (made["paced"][1], used)
     pace()  # this thread is not paced: a no-op
 
