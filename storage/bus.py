@@ -866,12 +866,10 @@ class Bus:
         written."""
         if not (math.isfinite(ttl_s) and ttl_s > 0):
             raise ValueError(f"a heartbeat's ttl must be a finite number of seconds > 0, got {ttl_s!r}")
-        args: list[Any] = [learner, ttl_s, int(joined), LEARNERS_FORGOTTEN_S, MAX_LEASE_S, MAX_STATS_BYTES,
-                           MAX_LIVE_LEARNERS] + ([] if stats is None else [stats.to_wire()])
-        done = self._heartbeat(keys=[self.keys.learners, self.keys.learner_stats, self.keys.joined,
-                                     self.keys.cadence, self.keys.finished], args=args)
+        wire = None if stats is None else stats.to_wire()
+        done = self.heartbeat_script(learner, ttl_s, wire, joined=joined)
         if done[0] == 0:
-            raise Refused("too_large", f"learner {learner}'s stats are {len(args[-1])} bytes, over the "
+            raise Refused("too_large", f"learner {learner}'s stats are {len(wire or b'')} bytes, over the "
                           f"{MAX_STATS_BYTES} a heartbeat may carry: not written")
         if done[0] == -1:
             raise Refused("fleet_full", f"run {self.keys.run!r} has {MAX_LIVE_LEARNERS} live learners, the most "
@@ -881,6 +879,15 @@ class Bus:
         return Beat(server_time=int(sec) + int(usec) / 1e6,
                     cadence=None if cadence is None else Cadence.from_wire(cadence),
                     run_end=None if end is None else RunEnd.from_wire(end))
+
+    def heartbeat_script(self, learner: str, ttl_s: float, stats: bytes | None, *, joined: bool = False) -> list:
+        """The heartbeat script's reply to `stats` as bytes (`heartbeat`'s one call of it; a caller
+        that writes bytes no learner would, as a hostile learner's may, reads the status itself): see
+        _HEARTBEAT_LUA."""
+        args: list[Any] = [learner, ttl_s, int(joined), LEARNERS_FORGOTTEN_S, MAX_LEASE_S, MAX_STATS_BYTES,
+                           MAX_LIVE_LEARNERS] + ([] if stats is None else [stats])
+        return self._heartbeat(keys=[self.keys.learners, self.keys.learner_stats, self.keys.joined,
+                                     self.keys.cadence, self.keys.finished], args=args)
 
     @redis_retry
     def leave(self, learner: str, record: LearnerLeft | None = None) -> None:

@@ -40,7 +40,7 @@ from diloco.infra.bench.throughput import join
 from diloco.infra.local.stack import LocalStack, aws_env
 from diloco.infra.options import add_options, build, require_at_least
 from diloco.infra.output import figures_table
-from diloco.storage.bus import LEARNERS_FORGOTTEN_S, MAX_LEASE_S, MAX_LIVE_LEARNERS, MAX_STATS_BYTES, Bus
+from diloco.storage.bus import Bus
 from diloco.storage.errors import ConfigError, Refused
 from diloco.storage.settings import Endpoints
 
@@ -205,13 +205,10 @@ def write_stats(endpoints: Endpoints, run_id: str, config: FloodConfig, queue: m
     counts = {"stats refused": 0, "stats written raw": 0}
     rng = random.Random(0)
     t0 = time.monotonic()
-    keys = [bus.keys.learners, bus.keys.learner_stats, bus.keys.joined, bus.keys.cadence, bus.keys.finished]
     for i in range(config.junk_stats):
         junk = rng.randbytes(size)
         # What the heartbeat script writes (nothing: the stats are over MAX_STATS_BYTES), then the hash itself.
-        done = bus._heartbeat(keys=keys, args=[HOSTILE, 600.0, 1, LEARNERS_FORGOTTEN_S, MAX_LEASE_S, MAX_STATS_BYTES,
-                                                MAX_LIVE_LEARNERS, junk])
-        counts["stats refused"] += done[0] == 0
+        counts["stats refused"] += bus.heartbeat_script(HOSTILE, 600.0, junk, joined=True)[0] == 0
         bus.r.hset(bus.keys.learner_stats, HOSTILE, junk)
         counts["stats written raw"] += 1
         time.sleep(max(0.0, t0 + (i + 1) * 0.8 * config.window_s / config.junk_stats - time.monotonic()))

@@ -109,12 +109,9 @@ def test_a_heartbeat_is_bounded_in_size_ttl_and_live_ids(endpoints, run_id, monk
     try:
         # The script itself refuses oversize stats (a typed LearnerStats is a few hundred bytes; a
         # learner calling the script with its own bytes gets nothing written).
-        keys = [bus.keys.learners, bus.keys.learner_stats, bus.keys.joined, bus.keys.cadence, bus.keys.finished]
-        args = ["big", 30.0, 0, bus_module.LEARNERS_FORGOTTEN_S, bus_module.MAX_LEASE_S, bus_module.MAX_STATS_BYTES,
-                bus_module.MAX_LIVE_LEARNERS]
-        assert bus._heartbeat(keys=keys, args=[*args, b"x" * (8 << 20)]) == [0]
+        assert bus.heartbeat_script("big", 30.0, b"x" * (8 << 20)) == [0]
         assert bus.r.hget(bus.keys.learner_stats, "big") is None and "big" not in bus.fleet().live
-        assert bus._heartbeat(keys=keys, args=[*args, b"x" * 100])[0] == 1
+        assert bus.heartbeat_script("big", 30.0, b"x" * 100)[0] == 1
         bus.leave("big")
         bus.heartbeat("forever", 1e9)
         lapses = bus.r.zscore(bus.keys.learners, "forever") - bus.server_time()
