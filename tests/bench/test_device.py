@@ -59,6 +59,20 @@ def test_the_verdict_holds_the_mean_to_2_percent_on_a_gpu_and_5_on_the_cpu_and_n
     assert "no version taken in the timed window: merges not measured" in idle.table()
 
 
+def test_the_verdict_gives_the_plain_loops_own_worst_step_and_says_when_the_machine_alone_breaks_the_goal():
+    calm = [1.0] * 20
+    quiet = _result("cpu", calm, [1.01] * 20, [0.0] * 20).table()
+    assert "the plain loop's own: 1.00x)" in quiet and "the machine's own stalls" not in quiet
+    stalling = [1.0] * 18 + [1.74, 1.6]  # a plain loop with no Learner in it: 2 steps over 1.5x its median
+    noisy = _result("cpu", stalling, [1.03] * 19 + [2.07], [0.0] * 20)
+    noisy.arms[0].page_faults, noisy.arms[1].page_faults = 20 * 203_000, 20 * 210_000
+    table = noisy.table()
+    assert ("worst step 2.01x the median (goal <= 1.5: NOT met; the plain loop's own: 1.74x, 2 of its steps over "
+            "1.5x: the machine's own stalls") in table
+    header, _rule, plain_row, learner_row = table.splitlines()[1:5]
+    assert header.split()[-1] == "faults/step" and plain_row.split()[-1] == "203000" and learner_row.split()[-1] == "210000"
+
+
 def test_each_slow_step_says_how_busy_the_coordinators_cpus_were_and_steps_beside_a_busy_one_are_counted_apart():
     plain = [1.0] * 20
     learner = [1.0] * 16 + [1.2, 1.3, 1.7, 1.6]
@@ -115,6 +129,7 @@ def test_a_small_run_on_the_cpu_times_both_arms_in_the_steady_state_and_every_ta
     # may come first); the deterministic same-step test holds every take there to the stager's value.
     assert learner["taken"] >= 2 and 2 * learner["taken_ready"] >= learner["taken"]
     assert "mean ratio" in done.stdout and "against the plain loop" in done.stdout
+    assert "the plain loop's own: " in done.stdout and plain["page_faults"] >= 0 and learner["page_faults"] > 0
 
 
 def test_the_helpers_get_the_last_cpus_on_the_cpu_and_none_on_a_gpu(monkeypatch) -> None:
