@@ -23,9 +23,9 @@ the process's page faults per step (`Arm.page_faults`), and for the Learner the 
 the versions taken in the timed window (and how many came ready from the fetcher's thread), and the
 transfer threads' CPU per step. The verdict holds the Learner's synchronized mean to within 5% of
 the plain loop's on the CPU and 2% on a GPU, and no step over 1.5x the median, and gives the plain
-loop's own worst step beside it: where that breaks the goal too, the machine stalls by itself. `--transfer-threads 0,1,16` runs one Learner arm per value of
-`LearnerConfig.transfer_threads`, each a run of its own; `--transfer-nice` and `--transfer-share`
-the same per pair of values of `LearnerConfig.transfer_nice` and `transfer_share` (default: the
+loop's own worst step beside it: where that breaks the goal too, the machine stalls by itself.
+`--transfer-threads 0,1,16` runs one Learner arm per value of `LearnerConfig.transfer_threads`,
+each a run of its own; `--transfer-nice` and `--transfer-share` the same per pair of values of `LearnerConfig.transfer_nice` and `transfer_share` (default: the
 learner's choice for the device, then on the CPU the setting a GPU gets: GPU_NICE, not paced).
 """
 
@@ -147,13 +147,18 @@ class Arm:
         return statistics.quantiles(self.steps_s, n=10)[-1] if len(self.steps_s) > 1 else self.steps_s[0]
 
     @property
+    def worst(self) -> float:
+        """The longest step over the median."""
+        return max(self.steps_s) / self.median
+
+    @property
     def spikes(self) -> int:
         return sum(1 for s in self.steps_s if s > SPIKE * self.median)
 
     def summary(self, plain: Arm) -> str:
         """One line of the arm's figures, logged as soon as it is done."""
         line = (f"{self.name}: mean {1e3 * self.mean:.2f} ms ({self.mean / plain.mean:.3f}x plain), median "
-                f"{1e3 * self.median:.2f}, max {1e3 * max(self.steps_s):.1f} ({max(self.steps_s) / self.median:.2f}x), "
+                f"{1e3 * self.median:.2f}, max {1e3 * max(self.steps_s):.1f} ({self.worst:.2f}x), "
                 f"{self.spikes} steps > {SPIKE}x median")
         if self.unsynced_s is not None and plain.unsynced_s:
             line += f"; unsynced {1e3 * self.unsynced_s:.2f} ms ({self.unsynced_s / plain.unsynced_s:.3f}x)"
@@ -210,7 +215,7 @@ class DeviceResult:
         for arm in self.arms:
             n = len(arm.steps_s)
             rows.append([arm.name, 1e3 * arm.mean, 1e3 * arm.median, 1e3 * arm.p90, 1e3 * max(arm.steps_s),
-                         max(arm.steps_s) / arm.median, arm.spikes, arm.mean / plain.mean,
+                         arm.worst, arm.spikes, arm.mean / plain.mean,
                          None if arm.unsynced_s is None else 1e3 * arm.unsynced_s,
                          None if arm.unsynced_s is None or plain.unsynced_s is None else arm.unsynced_s / plain.unsynced_s,
                          1e3 * arm.hook_s / n if arm.name != "plain" else None,
@@ -226,7 +231,7 @@ class DeviceResult:
         learner = self.arms[1]
         goal = 0.02 if self.device != "cpu" else 0.05
         ratio = learner.mean / plain.mean
-        worst = max(learner.steps_s) / learner.median
+        worst = learner.worst
         if not learner.taken:
             verdict = "no version taken in the timed window: merges not measured (more --steps, or --settle-s)\n"
         else:
@@ -234,7 +239,7 @@ class DeviceResult:
         verdict += (f"mean {100 * (ratio - 1):+.1f}% against the plain loop (goal within {100 * goal:.0f}%: "
                    f"{'met' if ratio <= 1 + goal else 'NOT met'}); worst step {worst:.2f}x the median "
                    f"(goal <= {SPIKE}: {'met' if worst <= SPIKE else 'NOT met'}; the plain loop's own: "
-                   f"{max(plain.steps_s) / plain.median:.2f}x{self._noise(plain)})")
+                   f"{plain.worst:.2f}x{self._noise(plain)})")
         return f"{head}\n{table}\n{verdict}"
 
     @staticmethod

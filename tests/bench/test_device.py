@@ -129,7 +129,7 @@ def test_a_small_run_on_the_cpu_times_both_arms_in_the_steady_state_and_every_ta
     # may come first); the deterministic same-step test holds every take there to the stager's value.
     assert learner["taken"] >= 2 and 2 * learner["taken_ready"] >= learner["taken"]
     assert "mean ratio" in done.stdout and "against the plain loop" in done.stdout
-    assert "the plain loop's own: " in done.stdout and plain["page_faults"] >= 0 and learner["page_faults"] > 0
+    assert "the plain loop's own: " in done.stdout and learner["page_faults"] > 0
 
 
 def test_the_helpers_get_the_last_cpus_on_the_cpu_and_none_on_a_gpu(monkeypatch) -> None:

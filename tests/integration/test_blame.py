@@ -42,7 +42,8 @@ STEPS = 120
 """Inner steps per learner: 12 rounds of each fragment at H = 10."""
 RUN = RunSettings(num_fragments=2, sync_every=10, overlap_steps=2, codec="int8", compress=True, cadence="steps")
 MIN_VERSIONS = 10
-"""Versions of evidence a blame needs here: as many as its loss impact re-derives per fragment."""
+"""Versions of evidence a blame needs here: as many as its loss impact re-derives per fragment
+(`blame_run`'s `loss_versions`)."""
 NOISE_STD = 0.02
 """Per-step weight noise of the `noise` poison: its deltas come out ~10x the honest ones."""
 
