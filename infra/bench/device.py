@@ -25,8 +25,9 @@ transfer threads' CPU per step. The verdict holds the Learner's synchronized mea
 the plain loop's on the CPU and 2% on a GPU, and no step over 1.5x the median, and gives the plain
 loop's own worst step beside it: where that breaks the goal too, the machine stalls by itself.
 `--transfer-threads 0,1,16` runs one Learner arm per value of `LearnerConfig.transfer_threads`,
-each a run of its own; `--transfer-nice` and `--transfer-share` the same per pair of values of `LearnerConfig.transfer_nice` and `transfer_share` (default: the
-learner's choice for the device, then on the CPU the setting a GPU gets: GPU_NICE, not paced).
+each a run of its own; `--transfer-nice` and `--transfer-share` the same per pair of values of
+`LearnerConfig.transfer_nice` and `transfer_share` (default: the learner's choice for the device,
+then on the CPU the setting a GPU gets: GPU_NICE, not paced).
 """
 
 from __future__ import annotations
