@@ -110,11 +110,11 @@ class Arm:
     hook_steps_s: list[float] = field(default_factory=list)
     """The Learner's step hook's share of each timed step."""
     step_marks: list[str] = field(default_factory=list)
+    """What the Learner did during each timed step (`MARKS`, comma-separated; "" for none)."""
     helpers_busy: list[float] = field(default_factory=list)
     """The share of the coordinator's and the servers' CPUs that was busy during each timed step
     (empty without CPUs of their own): on a machine whose cores share memory bandwidth and caches,
     the coordinator's merge and publish slow the loop beside them, where a deployment runs it elsewhere."""
-    """What the Learner did during each timed step (`MARKS`, comma-separated; "" for none)."""
     phases: dict = field(default_factory=dict)
     """The hook's phases (`Learner.hook_phases`): name -> [total s, longest s], over the whole arm."""
     taken: int = 0
