@@ -19,7 +19,8 @@ as there are fragments, so that the timed window is the steady state with merges
 stall in the hook shows); on a GPU it then runs `--steps` more without that wait, timed as a block
 (a loop that never waits for the device hides the hook behind the device's queue). Printed per arm:
 mean, median, p90 and max step, the worst step over the median, the steps over 1.5x the median, and
-the process's page faults per step (`Arm.page_faults`), and for the Learner the hook's own time,
+the process's page faults per step (`Arm.page_faults`), where the slow steps' time went (the loop's
+own CPU, the process's other threads', or neither: `Arm.where_slow`), and for the Learner the hook's own time,
 the versions taken in the timed window (and how many came ready from the fetcher's thread), and the
 transfer threads' CPU per step. The verdict holds the Learner's synchronized mean to within 5% of
 the plain loop's on the CPU and 2% on a GPU, and no step over 1.5x the median, and gives the plain
@@ -62,6 +63,10 @@ HELP = "the step hook's cost to a training loop (124M GPT-2 shape) on a GPU or t
 SPIKE = 1.5
 """A step longer than this many medians is a stall."""
 
+SLOW = 1.25
+"""Steps over this many times the median are the slow ones `Arm.where_slow` accounts for (below
+SPIKE, so that a plain loop's own have a few)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = RunSettings()
@@ -101,6 +106,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass
+class Steps:
+    """What `Loop.timed` saw of each timed step."""
+
+    times: list[float] = field(default_factory=list)
+    hooks: list[float] = field(default_factory=list)
+    """The Learner's step hook's part of the step."""
+    marks: list[str] = field(default_factory=list)
+    """What the Learner's threads did meanwhile (`_marks`)."""
+    busy: list[float] = field(default_factory=list)
+    """The share of the helpers' CPUs that was busy meanwhile (`busy_ticks`; none: empty)."""
+    loop_cpu: list[float] = field(default_factory=list)
+    """CPU seconds the loop's own thread spent (`time.thread_time`)."""
+    others_cpu: list[float] = field(default_factory=list)
+    """CPU seconds every other thread of the process spent (the Learner's transfer threads)."""
+    faults: list[int] = field(default_factory=list)
+    """The process's minor page faults."""
+
+
+@dataclass
 class Arm:
     name: str
     steps_s: list[float]
@@ -130,6 +154,13 @@ class Arm:
     """Sends in the timed window that found the fragment's previous piece not yet uploaded (absorbed into it)."""
     settle_steps: int = 0
     """Untimed steps after the warmup until the Learner had taken as many versions as there are fragments."""
+    loop_cpu_s: list[float] = field(default_factory=list)
+    """CPU seconds the loop's own thread spent in each timed step: a step much longer than its CPU
+    time waited (for the CPU, taken by the process's other threads, `others_cpu_s`, or by the machine)."""
+    others_cpu_s: list[float] = field(default_factory=list)
+    """CPU seconds the process's other threads (the Learner's) spent during each timed step."""
+    step_faults: list[int] = field(default_factory=list)
+    """The process's minor page faults during each timed step."""
     page_faults: int = 0
     """Minor page faults of this process over the timed window (every thread's; Linux `ru_minflt`): pages
     the kernel faulted in and zeroed for fresh allocations. On a CPU each step's large tensors, freed
@@ -168,6 +199,30 @@ class Arm:
                      f"ready, {self.settle_steps} settling steps")
         return line
 
+    def where_slow(self, over: float = SLOW) -> str:
+        """Where the time of the steps over `over` x the median went, beside a median step's: the loop
+        thread's own CPU, the process's other threads' CPU, and the rest, when the loop's CPU (one
+        thread on a CPU of its own) was taken by neither: waits inside the process or the machine's
+        (its kernel threads, its hypervisor). "" without per-step CPU figures."""
+        if not self.loop_cpu_s:
+            return ""
+        slow = [i for i, s in enumerate(self.steps_s) if s > over * self.median]
+        if not slow:
+            return f"no step over {over}x the median"
+        mid = statistics.median
+        typical = [mid(self.steps_s), mid(self.loop_cpu_s), mid(self.others_cpu_s), mid(self.step_faults)]
+
+        def excess(values: list[float], base: float) -> float:
+            return statistics.fmean(values[i] for i in slow) - base
+
+        wall, own, others = (1e3 * excess(v, b) for v, b in zip((self.steps_s, self.loop_cpu_s, self.others_cpu_s),
+                                                              typical))
+        faults = excess(self.step_faults, typical[3])
+        return (f"the {len(slow)} steps over {over}x the median, on average {wall:+.0f} ms beside a median step "
+                f"({1e3 * typical[0]:.0f} ms, of which {1e3 * typical[1]:.0f} on the loop's CPU and "
+                f"{1e3 * typical[2]:.0f} the other threads'): the loop's CPU {own:+.0f} ms, the other threads' "
+                f"{others:+.0f}, neither {wall - own - others:+.0f}; page faults {faults:+.0f}")
+
     def details(self) -> str:
         """A Learner arm's slow steps with their hook share, its sends, and the hook's phases."""
         marks = self.step_marks or [""] * len(self.steps_s)
@@ -182,6 +237,8 @@ class Arm:
             lines.append("slow steps (#index: ms, of which in the hook; what the Learner did meanwhile): "
                          + ", ".join(f"#{i}: {1e3 * s:.0f} ({1e3 * h:.0f}{'; ' + m if m else ''})"
                                      for i, s, h, m in slow))
+        if (where := self.where_slow()):
+            lines.append(where)
         if self.transfer_phases:
             n = len(self.steps_s)
             lines.append("transfer threads' CPU a step (ms): " + ", ".join(
@@ -227,6 +284,8 @@ class DeviceResult:
         table = figures_table(["arm", "mean ms", "median ms", "p90 ms", "max ms", "max/median",
                                f"steps > {SPIKE}x median", "mean ratio", "unsynced ms", "unsynced ratio",
                                "hook ms/step", "taken (ready)", "transfer CPU ms/step", "page faults/step"], rows)
+        if (where := plain.where_slow()):
+            table += f"\nplain: {where}"
         for learner in self.arms[1:]:
             table += f"\n{learner.name}: " + learner.details()
         learner = self.arms[1]
@@ -301,24 +360,28 @@ class Loop:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def timed(self, steps: int, learner=None) -> tuple[list[float], list[float], list[str], list[float]]:  # noqa: ANN001
-        """Each step's time, the Learner's hook's part of it, what its threads did meanwhile (`_marks`),
-        and the share of the helpers' CPUs that was busy meanwhile (`busy_ticks`; none: empty)."""
-        times, hooks, marks, busy = [], [], [], []
+    def timed(self, steps: int, learner=None) -> Steps:  # noqa: ANN001
+        """`steps` timed steps, each one's figures (`Steps`)."""
+        out = Steps()
         ticks = busy_ticks(self.helpers)
         for _ in range(steps):
             hook0 = learner.sync_s if learner is not None else 0.0
             seen = _marks(learner)
+            faults0, cpu0, own0 = _page_faults(), time.process_time(), time.thread_time()
             t0 = time.perf_counter()
             self.step()
             self.sync()
-            times.append(time.perf_counter() - t0)
-            hooks.append(learner.sync_s - hook0 if learner is not None else 0.0)
-            marks.append(",".join(name for name, a, b in zip(MARKS, seen, _marks(learner)) if a != b))
+            out.times.append(time.perf_counter() - t0)
+            own = time.thread_time() - own0
+            out.loop_cpu.append(own)
+            out.others_cpu.append(max(0.0, time.process_time() - cpu0 - own))
+            out.faults.append(_page_faults() - faults0)
+            out.hooks.append(learner.sync_s - hook0 if learner is not None else 0.0)
+            out.marks.append(",".join(name for name, a, b in zip(MARKS, seen, _marks(learner)) if a != b))
             if ticks is not None and (now := busy_ticks(self.helpers)) is not None:
-                busy.append(min(1.0, (now - ticks) / (_TICKS_PER_S * len(self.helpers) * times[-1])))
+                out.busy.append(min(1.0, (now - ticks) / (_TICKS_PER_S * len(self.helpers) * out.times[-1])))
                 ticks = now
-        return times, hooks, marks, busy
+        return out
 
     def unsynced(self, steps: int) -> float:
         self.sync()
@@ -394,9 +457,10 @@ def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm: 
     paced0 = learner.transfer_paced_s if learner else 0.0
     sent0 = (learner.stats.uploaded, learner.stats.coalesced) if learner else (0, 0)
     faults0 = _page_faults()
-    steps, hooks, marks, busy = loop.timed(args.steps, learner)
-    arm = Arm(name, steps, process_cpu_s=time.process_time() - cpu0, hook_steps_s=hooks, settle_steps=settle,
-              step_marks=marks, helpers_busy=busy, page_faults=_page_faults() - faults0)
+    steps = loop.timed(args.steps, learner)
+    arm = Arm(name, steps.times, process_cpu_s=time.process_time() - cpu0, hook_steps_s=steps.hooks,
+              settle_steps=settle, step_marks=steps.marks, helpers_busy=steps.busy, loop_cpu_s=steps.loop_cpu,
+              others_cpu_s=steps.others_cpu, step_faults=steps.faults, page_faults=_page_faults() - faults0)
     if learner is not None:
         arm.hook_s = learner.sync_s - hook0
         arm.taken, arm.taken_ready = learner.adopted - taken0[0], learner.taken_staged - taken0[1]
