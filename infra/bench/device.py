@@ -38,6 +38,7 @@ import dataclasses
 import logging
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -122,6 +123,8 @@ class Steps:
     """CPU seconds every other thread of the process spent (the Learner's transfer threads)."""
     faults: list[int] = field(default_factory=list)
     """The process's minor page faults."""
+    threads_cpu: list[dict[str, float]] = field(default_factory=list)
+    """`others_cpu` by thread (`_threads_cpu`: named as `_thread_kind` names them)."""
 
 
 @dataclass
@@ -161,6 +164,9 @@ class Arm:
     """CPU seconds the process's other threads (the Learner's) spent during each timed step."""
     step_faults: list[int] = field(default_factory=list)
     """The process's minor page faults during each timed step."""
+    threads_cpu_s: list[dict[str, float]] = field(default_factory=list)
+    """`others_cpu_s` by thread ("uploader-<learner>", "fetcher", "stager", "state-saver"...; `_thread_kind`),
+    each timed step."""
     page_faults: int = 0
     """Minor page faults of this process over the timed window (every thread's; Linux `ru_minflt`): pages
     the kernel faulted in and zeroed for fresh allocations. On a CPU each step's large tensors, freed
@@ -218,10 +224,16 @@ class Arm:
         wall, own, others = (1e3 * excess(v, b) for v, b in zip((self.steps_s, self.loop_cpu_s, self.others_cpu_s),
                                                               typical))
         faults = excess(self.step_faults, typical[3])
+        by_thread = ""
+        if self.threads_cpu_s:
+            kinds = sorted({k for i in slow for k in self.threads_cpu_s[i]})
+            spent = {k: 1e3 * statistics.fmean(self.threads_cpu_s[i].get(k, 0.0) for i in slow) for k in kinds}
+            named = [f"{k} {v:.0f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v >= 0.5]
+            by_thread = f" (in those steps, ms: {', '.join(named)})" if named else ""
         return (f"the {len(slow)} steps over {over}x the median, on average {wall:+.0f} ms beside a median step "
                 f"({1e3 * typical[0]:.0f} ms, of which {1e3 * typical[1]:.0f} on the loop's CPU and "
                 f"{1e3 * typical[2]:.0f} the other threads'): the loop's CPU {own:+.0f} ms, the other threads' "
-                f"{others:+.0f}, neither {wall - own - others:+.0f}; page faults {faults:+.0f}")
+                f"{others:+.0f}{by_thread}, neither {wall - own - others:+.0f}; page faults {faults:+.0f}")
 
     def details(self) -> str:
         """A Learner arm's slow steps with their hook share, its sends, and the hook's phases."""
@@ -367,7 +379,7 @@ class Loop:
         for _ in range(steps):
             hook0 = learner.sync_s if learner is not None else 0.0
             seen = _marks(learner)
-            faults0, cpu0, own0 = _page_faults(), time.process_time(), time.thread_time()
+            faults0, cpu0, own0, threads0 = _page_faults(), time.process_time(), time.thread_time(), _threads_cpu()
             t0 = time.perf_counter()
             self.step()
             self.sync()
@@ -376,6 +388,8 @@ class Loop:
             out.loop_cpu.append(own)
             out.others_cpu.append(max(0.0, time.process_time() - cpu0 - own))
             out.faults.append(_page_faults() - faults0)
+            threads = _threads_cpu()
+            out.threads_cpu.append({k: v - threads0.get(k, 0.0) for k, v in threads.items() if v > threads0.get(k, 0.0)})
             out.hooks.append(learner.sync_s - hook0 if learner is not None else 0.0)
             out.marks.append(",".join(name for name, a, b in zip(MARKS, seen, _marks(learner)) if a != b))
             if ticks is not None and (now := busy_ticks(self.helpers)) is not None:
@@ -460,7 +474,8 @@ def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm: 
     steps = loop.timed(args.steps, learner)
     arm = Arm(name, steps.times, process_cpu_s=time.process_time() - cpu0, hook_steps_s=steps.hooks,
               settle_steps=settle, step_marks=steps.marks, helpers_busy=steps.busy, loop_cpu_s=steps.loop_cpu,
-              others_cpu_s=steps.others_cpu, step_faults=steps.faults, page_faults=_page_faults() - faults0)
+              others_cpu_s=steps.others_cpu, step_faults=steps.faults, threads_cpu_s=steps.threads_cpu,
+              page_faults=_page_faults() - faults0)
     if learner is not None:
         arm.hook_s = learner.sync_s - hook0
         arm.taken, arm.taken_ready = learner.adopted - taken0[0], learner.taken_staged - taken0[1]
@@ -605,6 +620,29 @@ def _learner_arm(name: str, args: argparse.Namespace, device, endpoints: Endpoin
     wait_until(lambda: bus.run_end() is not None, 60.0)
     fleet.stop([coordinator])
     return arm
+
+
+def _thread_kind(name: str) -> str:
+    """A thread's name, a pool's workers under one: "fetch_3" -> "fetch", "stager" -> "stager"."""
+    head, _, tail = name.rpartition("_")
+    return head if head and tail.isdigit() else name
+
+
+def _threads_cpu() -> dict[str, float]:
+    """CPU seconds so far of every thread of this process but the calling one, summed by kind
+    (`_thread_kind`; each thread's CPU clock, Linux and most Unixes; {} elsewhere)."""
+    totals: dict[str, float] = {}
+    me = threading.get_ident()
+    for thread in threading.enumerate():
+        if thread.ident is None or thread.ident == me:
+            continue
+        try:
+            spent = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (AttributeError, OSError):  # not supported here, or the thread just ended
+            continue
+        kind = _thread_kind(thread.name)
+        totals[kind] = totals.get(kind, 0.0) + spent
+    return totals
 
 
 def _page_faults() -> int:

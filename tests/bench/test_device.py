@@ -87,12 +87,13 @@ def test_each_slow_step_says_how_busy_the_coordinators_cpus_were_and_steps_besid
 def test_the_slow_steps_time_is_split_into_the_loops_cpu_the_other_threads_and_what_neither_took():
     steps = [1.0] * 16 + [1.5, 1.4, 1.3, 1.6]
     arm = Arm("learner", steps, loop_cpu_s=[0.9] * 16 + [1.2, 0.9, 0.9, 0.9], others_cpu_s=[0.05] * 16 + [0.05, 0.35, 0.05, 0.05],
-              step_faults=[100] * 16 + [100, 100, 100, 30_100])
+              step_faults=[100] * 16 + [100, 100, 100, 30_100],
+              threads_cpu_s=[{"stager": 0.05}] * 16 + [{"stager": 0.05}, {"uploader": 0.3, "stager": 0.05}, {}, {"saver": 0.0001}])
     # Over 1.25x: the last four. Beside the median step (1000 ms; 900 on the loop's CPU, 50 the others'):
     # +450 ms on average, of which the loop +75 (its 300 in one step), the other threads +75, neither +300.
     assert arm.where_slow() == ("the 4 steps over 1.25x the median, on average +450 ms beside a median step (1000 ms, "
                                 "of which 900 on the loop's CPU and 50 the other threads'): the loop's CPU +75 ms, "
-                                "the other threads' +75, neither +300; page faults +7500")
+                                "the other threads' +75 (in those steps, ms: uploader 75, stager 25), neither +300; page faults +7500")
     assert Arm("plain", [1.0] * 4, loop_cpu_s=[1.0] * 4, others_cpu_s=[0.0] * 4,
                step_faults=[0] * 4).where_slow() == "no step over 1.25x the median"
     assert Arm("old", steps).where_slow() == ""  # figures from before steps were split: nothing to say
@@ -122,13 +123,15 @@ def test_each_timed_step_records_the_loops_own_cpu_and_the_other_threads():
         while time.thread_time() < until:
             pass
 
-    other = threading.Thread(target=beside)
+    other = threading.Thread(target=beside, name="uploader-test")
     other.start()
     busy.wait(5)
     spin["s"] = 0.1
     shared = loop.timed(2)
     other.join()
     assert min(shared.loop_cpu) >= 0.1 and sum(shared.others_cpu) > 0.05
+    assert sum(step.get("uploader-test", 0.0) for step in shared.threads_cpu) > 0.05  # named by its name
+    assert device._thread_kind("fetch_3") == "fetch" and device._thread_kind("state-saver") == "state-saver"
 
 
 def test_the_busy_ticks_of_a_cpu_grow_by_the_work_done_on_it_and_are_none_without_cpus():
