@@ -9,7 +9,8 @@ OpenMP teams whose idle workers spin on the cores the others need (the learner's
 
 A thread may also be paced (`pace_this_thread`): its heavy work (encoding, decoding, hashing a
 fragment) then stops at `pace()` points, each a few milliseconds of work apart, and sleeps whenever
-it has used more than its share of a CPU. A token bucket: the thread earns `share` CPU seconds per
+it has used more than its share of a CPU. A token bucket (`Budget`: the thread's own, or one that
+several threads spend from together, `share` between them): the thread earns `share` CPU seconds per
 second, up to BURST_S in hand, and spends its own CPU time (`time.thread_time`); below zero it sleeps
 until it is even again. Occasional small work (a small model's pieces) never waits; a burst (a 31M-value
 piece: about half a CPU second) is spread over 1/share times as long, so that a training loop it
@@ -82,20 +83,43 @@ BURST_S = 0.05
 """CPU seconds a paced thread may spend at once before it is held to its share."""
 
 
-class Pacer:
-    """One thread's token bucket (see the module's docstring). Read its figures from any thread."""
+class Budget:
+    """A token bucket of CPU time that several paced threads spend together (see the module's
+    docstring): between them they take `share` of a CPU, not `share` each. Thread-safe."""
 
-    def __init__(self, share: float, *, cpu: Callable[[], float] = time.thread_time,
-                 wall: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(self, share: float, *, wall: Callable[[], float] = time.monotonic) -> None:
         if not 0.0 < share <= 1.0:
             raise ValueError(f"a paced thread's CPU share must be in (0, 1], got {share}")
         self.share = share
+        self._wall = wall
+        self._lock = threading.Lock()
+        self._tokens = BURST_S
+        self._last = wall()
+
+    def spend(self, cpu_s: float) -> float:
+        """Spend `cpu_s` CPU seconds; the seconds the spender is to sleep until the bucket is even
+        again (0: none). Time asleep earns back the debt; an idle stretch earns at most BURST_S."""
+        with self._lock:
+            now = self._wall()
+            self._tokens = min(BURST_S, self._tokens + self.share * (now - self._last)) - cpu_s
+            self._last = now
+            return -self._tokens / self.share if self._tokens < 0.0 else 0.0
+
+
+class Pacer:
+    """One thread's pacing (see the module's docstring): it spends the thread's own CPU time from
+    its `Budget`, a bucket of its own unless one shared with other threads is given. Read its
+    figures from any thread."""
+
+    def __init__(self, share: float, *, budget: Budget | None = None, cpu: Callable[[], float] = time.thread_time,
+                 wall: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.budget = budget if budget is not None else Budget(share, wall=wall)
+        self.share = self.budget.share
         self.slept_s = 0.0
         """Seconds the thread has slept to keep to its share."""
-        self._clock, self._sleep = (cpu, wall), sleep
+        self._thread_cpu, self._sleep = cpu, sleep
         self._stopped = False
-        self._tokens = BURST_S
-        self._cpu, self._wall = cpu(), wall()
+        self._cpu = cpu()
 
     def stop(self) -> None:
         """No more pacing (from any thread): the next `step` and every one after return at once."""
@@ -106,28 +130,25 @@ class Pacer:
         return self._stopped
 
     def step(self) -> None:
-        """Spend the CPU time used since the last step; sleep while the bucket is below zero."""
+        """Spend the CPU time this thread used since its last step; sleep while the budget is below zero."""
         if self._stopped:
             return
-        cpu, wall = (clock() for clock in self._clock)
-        self._tokens = min(BURST_S, self._tokens + self.share * (wall - self._wall)) - (cpu - self._cpu)
-        self._cpu, self._wall = cpu, wall
-        if self._tokens < 0.0:
-            pause = -self._tokens / self.share
+        cpu = self._thread_cpu()
+        pause = self.budget.spend(cpu - self._cpu)
+        self._cpu = cpu
+        if pause > 0.0:
             self._sleep(pause)
             self.slept_s += pause
-            # Earned while asleep: back to even (a late wake-up earns no more than the pause).
-            self._tokens = 0.0
-            self._cpu, self._wall = (clock() for clock in self._clock)
 
 
 _local = threading.local()
 
 
-def pace_this_thread(share: float) -> Pacer | None:
-    """Pace the calling thread's work at `pace()` points to `share` of a CPU (1: not paced). Returns
-    its pacer (None when not paced), whose `slept_s` says what the pacing cost the thread."""
-    _local.pacer = Pacer(share) if share < 1.0 else None
+def pace_this_thread(share: float, budget: Budget | None = None) -> Pacer | None:
+    """Pace the calling thread's work at `pace()` points to `share` of a CPU (1: not paced), spent
+    from `budget` when given (shared with the other threads paced from it: `share` between them).
+    Returns its pacer (None when not paced), whose `slept_s` says what the pacing cost the thread."""
+    _local.pacer = Pacer(share, budget=budget) if share < 1.0 else None
     return _local.pacer
 
 
@@ -150,3 +171,17 @@ def pace() -> None:
     pacer = getattr(_local, "pacer", None)
     if pacer is not None:
         pacer.step()
+
+
+PACE_ELEMENTS = 1 << 20
+"""Elements of a flat tensor op between two `pace()` points in `paced_slices`: a subtraction of
+them takes about a millisecond, a fresh buffer's page faults for them a few."""
+
+
+def paced_slices(n: int, step: int = PACE_ELEMENTS) -> Iterator[slice]:
+    """Slices over `n` elements, `step` at a time, with a `pace()` after each: an elementwise op over
+    a large tensor done in parts, so that a paced thread keeps to its share inside it (one
+    subtraction of a 38.6M-value embedding into fresh memory is over a tenth of a CPU second)."""
+    for start in range(0, n, step):
+        yield slice(start, min(n, start + step))
+        pace()

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from diloco.storage import codecs
-from diloco.storage.intraop import pace
+from diloco.storage.intraop import paced_slices
 from diloco.storage.keys import RunKeys
 
 
@@ -115,8 +115,10 @@ def apply_update(parent: Mapping[str, Tensor], blob: bytes, *, max_bytes: int,
     decoded, _ = codecs.decode(blob, max_bytes=max_bytes, expect=expect, hashed=hashed)
     params = {}
     for name, p in parent.items():
-        params[name] = decoded[name].add_(p)
-        pace()
+        into, flat = decoded[name].view(-1), p.reshape(-1)
+        for part in paced_slices(into.numel()):
+            into[part].add_(flat[part])
+        params[name] = decoded[name]
     return params
 
 

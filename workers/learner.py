@@ -149,8 +149,8 @@ class LearnerConfig:
     that launches its kernels is never kept waiting), 0 on the CPU (where a lowered transfer thread
     waits behind the loop's own work, and every take comes that much later)."""
     transfer_share: float = CHOSEN_SHARE
-    """The share of a CPU each transfer thread's heavy work may take over any stretch of more than
-    50 ms of it (`storage.intraop.pace_this_thread`): a burst (encoding a large piece, taking a
+    """The share of a CPU the transfer threads' heavy work may take between them over any stretch of
+    more than 50 ms of it (`storage.intraop.pace_this_thread`, one `Budget`): a burst (encoding a large piece, taking a
     version) is spread out instead of slowing one step of a loop it shares a core with by up to
     twice. 1: not paced. 0: chosen for the device (`threads.transfer_share`): 0.25 on the CPU, not
     paced beside a GPU (where they run on cores of their own, below the loop). Their average load

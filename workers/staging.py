@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from diloco.storage.intraop import Pacer, pace
+from diloco.storage.intraop import Pacer, pace, paced_slices
 from diloco.workers.hostcopy import HostCopies, Snapshot
 from diloco.workers.threads import ThreadLimits
 
@@ -223,8 +223,9 @@ class Stager(threading.Thread):
         if out is None or any(out[n].shape != params[n].shape for n in names):
             out = {n: torch.empty(params[n].shape, dtype=torch.float32) for n in names}
         for n in names:
-            torch.sub(params[n], base[n], out=out[n])
-            pace()
+            into, got, had = out[n].view(-1), params[n].reshape(-1), base[n].reshape(-1)
+            for part in paced_slices(into.numel()):
+                torch.sub(got[part], had[part], out=into[part])
         return Staged(version, anchor, out, functools.partial(self._give_back, pool))
 
     def _give_back(self, pool: list[dict[str, torch.Tensor]], values: dict[str, torch.Tensor]) -> None:

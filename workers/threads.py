@@ -29,13 +29,16 @@ nice 0 takes its share of a core while it runs, so a loop confined to one core h
 then (`diloco bench device` on the CPU: worst step 1.91x the median, one run, against 1.3-1.5x).
 
 So on the CPU their heavy work is paced instead (`LearnerConfig.transfer_share`,
-`storage.intraop.pace_this_thread`): each may take CPU_SHARE of a CPU over any stretch longer than
-a burst of 50 ms, on one intra-op thread (pacing counts the thread's own CPU time). A piece of a
+`storage.intraop.pace_this_thread`): together they may take CPU_SHARE of a CPU over any stretch
+longer than a burst of 50 ms (one `intraop.Budget` that a learner's threads spend from), each on one
+intra-op thread (pacing counts the thread's own CPU time). Paced each to a share of its own, an
+encode and a take at work together took twice it, and those were the slow steps (`diloco bench
+device` splits a slow step's time by thread: docs/benchmarks.md). A piece of a
 small model (the quality benchmark's: a few milliseconds) goes out as fast as before; a piece of
 31M values (half a CPU second) takes four times as long to go out, and the loop it shares a core
 with loses a quarter of that core over a few steps instead of half of it for one. A transfer thread's
 average load must stay under its share: a 124M model at 1.6 s a step uses 4% of a CPU for its
-transfers.
+transfers, and all its transfer threads' load together must stay under the one share.
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ import logging
 import math
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diloco.storage.errors import ConfigError
-from diloco.storage.intraop import Pacer, cap_this_thread, pace_this_thread
+from diloco.storage.intraop import Budget, Pacer, cap_this_thread, pace_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,8 @@ GPU_SHARE = 4
 """Beside a GPU, the transfer threads each get 1 / GPU_SHARE of the CPUs (at least one)."""
 
 CPU_SHARE = 0.25
-"""On the CPU, the share of a CPU each transfer thread's heavy work is paced to (`transfer_share`)."""
+"""On the CPU, the share of a CPU a learner's transfer threads' heavy work is paced to, between them
+(`transfer_share`)."""
 
 CHOSEN_THREADS = 0
 CHOSEN_NICE = -1
@@ -129,6 +133,9 @@ class ThreadLimits:
     """Steps below the loop's priority (`transfer_nice`)."""
     share: float = 1.0
     """Share of a CPU its heavy work is paced to (1: not paced; `transfer_share`)."""
+    budget: Budget | None = field(default=None, compare=False)
+    """The CPU time the threads given these limits spend together, `share` of a CPU between them
+    (None: each thread its own share)."""
 
     @classmethod
     def for_device(cls, device_type: str, cpus: int, *, threads: int = CHOSEN_THREADS, nice: int = CHOSEN_NICE,
@@ -138,12 +145,12 @@ class ThreadLimits:
         count = transfer_threads(threads, device_type, cpus)
         if paced < 1.0 and count is None:
             count = 1  # pacing counts the thread's own CPU time: its ops run on it alone
-        return cls(count, transfer_nice(nice, device_type), paced)
+        return cls(count, transfer_nice(nice, device_type), paced, Budget(paced) if paced < 1.0 else None)
 
     def apply(self) -> Pacer | None:
         """Apply the limits to the calling thread; its pacer, None when it is not paced."""
         lower_this_thread(self.threads, self.nice)
-        return pace_this_thread(self.share)
+        return pace_this_thread(self.share, self.budget)
 
 
 def lower_this_thread(threads: int | None, nice: int = 0) -> bool:

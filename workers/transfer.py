@@ -38,7 +38,7 @@ from diloco.storage import codecs
 from diloco.storage.bus import Bus
 from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
 from diloco.storage.history import params_limit, params_match, read_manifest, read_params, read_verified, sha256_hex
-from diloco.storage.intraop import Pacer, unpaced
+from diloco.storage.intraop import Pacer, paced_slices, unpaced
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, Layout, Manifest, ObjectMeta, RunSpec, VersionEvent
@@ -106,10 +106,16 @@ class UploadJob:
         anchor, local = (s.wait() for s in self.pending.pop(0))
         for name, value in local.items():
             self.dtypes[name] = value.dtype
-            if name in self.delta:
-                self.delta[name].add_(anchor[name]).sub_(value)
+            base, flat = anchor[name].reshape(-1), value.reshape(-1)
+            if name not in self.delta:  # in fp32, whatever the model's dtype
+                self.delta[name] = torch.empty(value.shape, dtype=torch.float32)
+                into = self.delta[name].view(-1)
+                for part in paced_slices(flat.numel()):  # in parts: the uploader's thread is paced
+                    torch.sub(base[part].float(), flat[part], out=into[part])
             else:
-                self.delta[name] = anchor[name].float() - value  # in fp32, whatever the model's dtype
+                into = self.delta[name].view(-1)
+                for part in paced_slices(flat.numel()):
+                    into[part].add_(base[part]).sub_(flat[part])
 
     def absorb(self, newer: UploadJob) -> None:
         """Take in a newer job of the same fragment, on the training thread (`Uploader.submit`), so

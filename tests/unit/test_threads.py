@@ -11,7 +11,8 @@ import torch
 
 from diloco.storage import codecs
 from diloco.storage.errors import ConfigError
-from diloco.storage.intraop import BURST_S, Pacer, pace, unpaced
+from diloco.storage import intraop
+from diloco.storage.intraop import BURST_S, PACE_ELEMENTS, Budget, Pacer, pace, paced_slices, unpaced
 from diloco.workers.learner import LearnerConfig
 from diloco.workers.threads import (CPU_SHARE, ThreadLimits, cap_this_thread, lower_this_thread, transfer_nice,
                                     transfer_share, transfer_threads)
@@ -123,6 +124,73 @@ def test_small_work_now_and_then_never_waits_and_a_burst_is_held_to_its_share():
     assert cpu == pytest.approx(1.0)
     assert wall == pytest.approx((cpu - BURST_S) / 0.25 + BURST_S, rel=0.02)  # the burst in hand, then its share
     assert pacer.slept_s == pytest.approx(sum(clocks.sleeps)) and all(s <= 0.005 / 0.25 + 1e-9 for s in clocks.sleeps)
+
+
+def test_threads_paced_from_one_budget_take_its_share_between_them_not_each():
+    clocks = _Clocks()
+    budget = Budget(0.25, wall=lambda: clocks.wall)
+    threads = [[0.0], [0.0]]  # each thread's own CPU time
+
+    def pacer(own: list[float]) -> Pacer:
+        return Pacer(0.25, budget=budget, cpu=lambda: own[0], wall=lambda: clocks.wall, sleep=clocks.sleep)
+
+    pacers = [pacer(own) for own in threads]
+    start = clocks.wall
+    for _ in range(100):  # two threads at work together, 5 ms chunks in turn
+        for own, paced in zip(threads, pacers):
+            own[0] += 0.005
+            clocks.wall += 0.005
+            paced.step()
+    cpu = sum(own[0] for own in threads)
+    assert cpu == pytest.approx(1.0)
+    assert clocks.wall - start == pytest.approx((cpu - BURST_S) / 0.25 + BURST_S, rel=0.03)  # a quarter of a CPU together
+    assert sum(p.slept_s for p in pacers) == pytest.approx(sum(clocks.sleeps))
+
+
+def test_a_learners_limits_give_its_threads_one_budget():
+    cpu = ThreadLimits.for_device("cpu", 2)
+    assert cpu.budget is not None and cpu.budget.share == CPU_SHARE
+    assert ThreadLimits.for_device("cuda", 16).budget is None  # not paced beside a device
+
+
+def test_a_large_elementwise_op_done_in_paced_slices_keeps_a_paced_thread_to_its_share_inside_it():
+    assert [(s.start, s.stop) for s in paced_slices(10, 4)] == [(0, 4), (4, 8), (8, 10)]
+    assert list(paced_slices(0)) == []
+    clocks = _Clocks()
+    ticks = []
+    pacer = clocks.pacer(0.25)
+    pacer.step = lambda step=pacer.step: (ticks.append(1), step())[1]  # count the pace points
+    threads_pacer = intraop._local.__dict__.get("pacer")
+    intraop._local.pacer = pacer
+    try:
+        for _ in paced_slices(8 * PACE_ELEMENTS):  # 8 slices, 10 ms of CPU each: past one burst
+            clocks.work(0.01)
+    finally:
+        intraop._local.pacer = threads_pacer
+    assert len(ticks) == 8 and sum(clocks.sleeps) > 0  # a pace point after every slice, and the bucket ran dry
+
+
+def test_the_uploaders_delta_in_paced_slices_has_the_bits_of_one_subtraction():
+    from diloco.workers.transfer import UploadJob
+
+    class Ready:
+        def __init__(self, values: dict) -> None:
+            self.values = values
+
+        def wait(self) -> dict:
+            return self.values
+
+    gen = torch.Generator().manual_seed(0)
+    anchor = {"w": torch.randn(3 * PACE_ELEMENTS + 7, generator=gen), "b": torch.randn(5, 3, generator=gen)}
+    local = {n: (t + torch.randn(t.shape, generator=gen)).to(torch.bfloat16) for n, t in anchor.items()}
+    later = {n: t + 0.5 for n, t in anchor.items()}
+    job = UploadJob(fragment=0, delta={}, base_version=0, tokens=1, steps=1, step_time_s=0.1,
+                    pending=[(Ready(anchor), Ready(local)), (Ready(later), Ready(anchor))])
+    delta = job.settle()
+    for n in anchor:
+        want = (anchor[n].float() - local[n]).add_(later[n]).sub_(anchor[n])
+        assert delta[n].dtype == torch.float32 and delta[n].shape == anchor[n].shape
+        assert torch.equal(delta[n], want)
 
 
 def test_a_thread_that_was_idle_earns_one_burst_not_its_whole_idle_time():
