@@ -107,27 +107,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class Steps:
-    """What `Loop.timed` saw of each timed step."""
-
-    times: list[float] = field(default_factory=list)
-    hooks: list[float] = field(default_factory=list)
-    """The Learner's step hook's part of the step."""
-    marks: list[str] = field(default_factory=list)
-    """What the Learner's threads did meanwhile (`_marks`)."""
-    busy: list[float] = field(default_factory=list)
-    """The share of the helpers' CPUs that was busy meanwhile (`busy_ticks`; none: empty)."""
-    loop_cpu: list[float] = field(default_factory=list)
-    """CPU seconds the loop's own thread spent (`time.thread_time`)."""
-    others_cpu: list[float] = field(default_factory=list)
-    """CPU seconds every other thread of the process spent (the Learner's transfer threads)."""
-    faults: list[int] = field(default_factory=list)
-    """The process's minor page faults."""
-    threads_cpu: list[dict[str, float]] = field(default_factory=list)
-    """`others_cpu` by thread (`_threads_cpu`: named as `_thread_kind` names them)."""
-
-
-@dataclass
 class Arm:
     name: str
     steps_s: list[float]
@@ -372,9 +351,10 @@ class Loop:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def timed(self, steps: int, learner=None) -> Steps:  # noqa: ANN001
-        """`steps` timed steps, each one's figures (`Steps`)."""
-        out = Steps()
+    def timed(self, name: str, steps: int, learner=None) -> Arm:  # noqa: ANN001
+        """An arm of `steps` timed steps, with each one's figures (the per-step fields of `Arm`;
+        `helpers_busy` from `busy_ticks`, empty without helper CPUs)."""
+        arm = Arm(name, [])
         ticks = busy_ticks(self.helpers)
         for _ in range(steps):
             hook0 = learner.sync_s if learner is not None else 0.0
@@ -383,19 +363,19 @@ class Loop:
             t0 = time.perf_counter()
             self.step()
             self.sync()
-            out.times.append(time.perf_counter() - t0)
+            arm.steps_s.append(time.perf_counter() - t0)
             own = time.thread_time() - own0
-            out.loop_cpu.append(own)
-            out.others_cpu.append(max(0.0, time.process_time() - cpu0 - own))
-            out.faults.append(_page_faults() - faults0)
+            arm.loop_cpu_s.append(own)
+            arm.others_cpu_s.append(max(0.0, time.process_time() - cpu0 - own))
+            arm.step_faults.append(_page_faults() - faults0)
             threads = _threads_cpu()
-            out.threads_cpu.append({k: v - threads0.get(k, 0.0) for k, v in threads.items() if v > threads0.get(k, 0.0)})
-            out.hooks.append(learner.sync_s - hook0 if learner is not None else 0.0)
-            out.marks.append(",".join(name for name, a, b in zip(MARKS, seen, _marks(learner)) if a != b))
+            arm.threads_cpu_s.append({k: v - threads0.get(k, 0.0) for k, v in threads.items() if v > threads0.get(k, 0.0)})
+            arm.hook_steps_s.append(learner.sync_s - hook0 if learner is not None else 0.0)
+            arm.step_marks.append(",".join(n for n, a, b in zip(MARKS, seen, _marks(learner)) if a != b))
             if ticks is not None and (now := busy_ticks(self.helpers)) is not None:
-                out.busy.append(min(1.0, (now - ticks) / (_TICKS_PER_S * len(self.helpers) * out.times[-1])))
+                arm.helpers_busy.append(min(1.0, (now - ticks) / (_TICKS_PER_S * len(self.helpers) * arm.steps_s[-1])))
                 ticks = now
-        return out
+        return arm
 
     def unsynced(self, steps: int) -> float:
         self.sync()
@@ -471,11 +451,8 @@ def _arm(name: str, loop: Loop, args: argparse.Namespace, learner=None) -> Arm: 
     paced0 = learner.transfer_paced_s if learner else 0.0
     sent0 = (learner.stats.uploaded, learner.stats.coalesced) if learner else (0, 0)
     faults0 = _page_faults()
-    steps = loop.timed(args.steps, learner)
-    arm = Arm(name, steps.times, process_cpu_s=time.process_time() - cpu0, hook_steps_s=steps.hooks,
-              settle_steps=settle, step_marks=steps.marks, helpers_busy=steps.busy, loop_cpu_s=steps.loop_cpu,
-              others_cpu_s=steps.others_cpu, step_faults=steps.faults, threads_cpu_s=steps.threads_cpu,
-              page_faults=_page_faults() - faults0)
+    arm = loop.timed(name, args.steps, learner)
+    arm.process_cpu_s, arm.settle_steps, arm.page_faults = time.process_time() - cpu0, settle, _page_faults() - faults0
     if learner is not None:
         arm.hook_s = learner.sync_s - hook0
         arm.taken, arm.taken_ready = learner.adopted - taken0[0], learner.taken_staged - taken0[1]

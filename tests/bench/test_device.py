@@ -112,9 +112,9 @@ def test_each_timed_step_records_the_loops_own_cpu_and_the_other_threads():
             pass
 
     loop.step = step
-    alone = loop.timed(2)
-    assert len(alone.loop_cpu) == len(alone.others_cpu) == len(alone.faults) == len(alone.times) == 2
-    assert min(alone.loop_cpu) >= 0.05 and max(alone.others_cpu) < 0.02
+    alone = loop.timed("plain", 2)
+    assert len(alone.loop_cpu_s) == len(alone.others_cpu_s) == len(alone.step_faults) == len(alone.steps_s) == 2
+    assert min(alone.loop_cpu_s) >= 0.05 and max(alone.others_cpu_s) < 0.02
     busy = threading.Event()
 
     def beside() -> None:  # another thread of the process at work through the steps
@@ -127,10 +127,10 @@ def test_each_timed_step_records_the_loops_own_cpu_and_the_other_threads():
     other.start()
     busy.wait(5)
     spin["s"] = 0.1
-    shared = loop.timed(2)
+    shared = loop.timed("plain", 2)
     other.join()
-    assert min(shared.loop_cpu) >= 0.1 and sum(shared.others_cpu) > 0.05
-    assert sum(step.get("uploader-test", 0.0) for step in shared.threads_cpu) > 0.05  # named by its name
+    assert min(shared.loop_cpu_s) >= 0.1 and sum(shared.others_cpu_s) > 0.05
+    assert sum(step.get("uploader-test", 0.0) for step in shared.threads_cpu_s) > 0.05  # named by its name
     assert device._thread_kind("fetch_3") == "fetch" and device._thread_kind("state-saver") == "state-saver"
 
 
