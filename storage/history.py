@@ -16,7 +16,7 @@ import torch
 
 from diloco.storage import codecs
 from diloco.storage.errors import Refused
-from diloco.storage.intraop import pace
+from diloco.storage.intraop import paced_views
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import Body, ObjectMissing, Store, views_of
 from diloco.storage.protocol import (MAX_MESSAGE_BYTES, MAX_RECORD_BYTES, Collection, Contribution, Layout, Manifest,
@@ -51,8 +51,8 @@ def params_match(body: bytes | Body, recorded: Manifest | VersionEvent) -> bool:
 
 def _hex(digest: Any, data: bytes | Body) -> str:
     for view in views_of(data):
-        digest.update(view)
-        pace()
+        for part in paced_views(view):
+            digest.update(part)
     return digest.hexdigest()
 
 

@@ -166,8 +166,8 @@ def unpaced() -> Iterator[None]:
 
 def pace() -> None:
     """A point in a long piece of work where the calling thread may wait for its CPU share (a no-op
-    unless `pace_this_thread` paced it): between the chunks of an encode, the tensors of a decode,
-    the views of a hash."""
+    unless `pace_this_thread` paced it): between the chunks of an encode or a decode, the parts of
+    a hash or a zstd pass (`paced_views`), the slices of an elementwise op (`paced_slices`)."""
     pacer = getattr(_local, "pacer", None)
     if pacer is not None:
         pacer.step()
@@ -185,3 +185,17 @@ def paced_slices(n: int, step: int = PACE_ELEMENTS) -> Iterator[slice]:
     for start in range(0, n, step):
         yield slice(start, min(n, start + step))
         pace()
+
+
+PACE_BYTES = 1 << 22
+"""Bytes a hash or a zstd pass takes between two `pace()` points in `paced_views`: a few milliseconds."""
+
+
+def paced_views(data: bytes | bytearray | memoryview, step: int = PACE_BYTES) -> Iterator[memoryview]:
+    """Flat byte views over `data`, `step` bytes at a time, with a `pace()` after each (no copy): a
+    hash or a compression fed in parts, so that a paced thread keeps to its share inside one object
+    (hashing or compressing a 31M-value int4 piece in one call takes tens of milliseconds)."""
+    with memoryview(data) as whole, whole.cast("B") as flat:
+        for start in range(0, len(flat), step):
+            yield flat[start:start + step]
+            pace()

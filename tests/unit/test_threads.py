@@ -170,6 +170,51 @@ def test_a_large_elementwise_op_done_in_paced_slices_keeps_a_paced_thread_to_its
     assert len(ticks) == 8 and sum(clocks.sleeps) > 0  # a pace point after every slice, and the bucket ran dry
 
 
+class _PacePoints:
+    """Counts the calling thread's pace points inside the block (a pacer that never sleeps)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> "_PacePoints":
+        pacer = _Clocks().pacer(1.0)
+        pacer.step = lambda: setattr(self, "count", self.count + 1)
+        self._before, intraop._local.pacer = intraop._local.__dict__.get("pacer"), pacer
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        intraop._local.pacer = self._before
+
+
+def test_one_large_tensors_decode_hash_and_zstd_stop_at_pace_points_inside_it_with_the_one_shot_results():
+    import hashlib
+
+    import zstandard
+
+    gen = torch.Generator().manual_seed(0)
+    n = 5 * codecs.CHUNK_ELEMENTS + 11  # five chunks and a bit; an odd count: int4's last byte has a pad
+    x = {"w": torch.randn(n, generator=gen)}
+    for codec in ("int4", "int8"):
+        blob = codecs.encode(x, codec, compress=True)
+        opened = codecs.open_object(blob, max_bytes=1 << 30)
+        (found, seg, spec, block), = codecs._segments(opened)
+        scales, values = found._scales_and_values(seg, spec, block)
+        whole = found._scaled(values, scales, spec, block)  # the one-pass arithmetic
+        with _PacePoints() as points:
+            got = codecs.decode_opened(opened)["w"]
+        assert points.count >= 6, (codec, points.count)  # a pace point after each chunk
+        assert torch.equal(got.view(torch.int32), whole.view(torch.int32)) and got.shape == (n,)
+        assert torch.equal(codecs.tensor_decoders(opened, checked=True)["w"]().view(torch.int32),
+                           whole.view(torch.int32))
+    payload = bytearray(torch.randint(0, 16, (2 * intraop.PACE_BYTES + 5,), dtype=torch.uint8, generator=gen).numpy())
+    with _PacePoints() as points:
+        digest, frame = codecs._sha256_hex(payload), codecs._compressed(payload)
+    assert points.count == 6  # three parts for each
+    assert digest == hashlib.sha256(payload).hexdigest()
+    assert frame == zstandard.ZstdCompressor(level=codecs.ZSTD_LEVEL).compress(payload)
+    assert codecs._compressed(bytearray()) == zstandard.ZstdCompressor(level=codecs.ZSTD_LEVEL).compress(b"")
+
+
 def test_the_uploaders_delta_in_paced_slices_has_the_bits_of_one_subtraction():
     from diloco.workers.transfer import UploadJob
 
