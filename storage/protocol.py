@@ -224,30 +224,30 @@ CADENCES = typing.get_args(CadenceKind)
 
 @dataclass(frozen=True, slots=True)
 class RunSpec(Record):
-    """A run's settings, written once by the coordinator that creates the run (`run.msgpack`)."""
+    """A run's settings (`run.msgpack`), written once by the coordinator creating the run."""
 
     run: str
     num_fragments: int
-    """P: the model is split into this many fragments, each synced on its own schedule."""
+    """P: fragments the model is split into, each synced on its own schedule."""
     sync_every: int
-    """H: inner steps between two contributions of the same fragment."""
+    """H: inner steps between two contributions of a fragment."""
     overlap_steps: int
-    """tau: inner steps a learner keeps training before it merges the new global fragment."""
+    """tau: inner steps a learner trains on before it merges the new global fragment."""
     merge_rule: TakeRule
-    """How a learner takes a new global fragment: 'adopt' takes it as it is (the steps trained since the
-    send are dropped), 'rebase' keeps that progress on top of it, 'mix' blends with alpha."""
+    """How a learner takes a new global fragment: 'adopt' as is (steps since the send dropped), 'rebase'
+    with that progress kept on top, 'mix' blended with alpha."""
     alpha: float
     """For merge_rule 'mix': local = alpha * local + (1 - alpha) * global (0 = adopt)."""
     codec: str
-    """Outer-gradient codec: one of `storage.codecs.CODECS` (the registry)."""
+    """Outer-gradient codec: one of `storage.codecs.CODECS`."""
     compress: bool
     """zstd on top of the codec."""
     max_object_bytes: int
-    """Objects larger than this are refused unread."""
+    """Larger objects are refused unread."""
     created_at: float
     """Unix seconds."""
     cadence: CadenceKind = "clock"
-    """When learners send: 'clock' (at the coordinator's round deadlines, see Cadence) or 'steps' (every H steps)."""
+    """When learners send: 'clock' (at the round deadlines, `Cadence`) or 'steps' (every H steps)."""
 
     def __post_init__(self) -> None:
         check_id("run", self.run)
@@ -275,7 +275,7 @@ class ParamSpec(Record):
     """Its name in the model's state dict, not empty."""
     shape: tuple[int, ...]
     dtype: str
-    """The model's dtype, e.g. 'float32' (tensor objects are float32 whatever it is)."""
+    """The model's dtype, e.g. 'float32' (tensor objects are float32 regardless)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "empty parameter name")
@@ -291,7 +291,7 @@ class ParamSpec(Record):
 
 @dataclass(frozen=True, slots=True)
 class Layout(Record):
-    """Which parameters belong to which fragment (`layout.msgpack`), fixed for the life of a run."""
+    """Which parameters make up each fragment (`layout.msgpack`), fixed for the run's life."""
 
     MAX_BYTES: ClassVar[int] = MAX_RECORD_BYTES
     fragments: tuple[tuple[ParamSpec, ...], ...]
@@ -318,22 +318,22 @@ class Announcement(Record):
     """Learner -> coordinator: "my contribution for this fragment is at object_key"."""
 
     kind: PieceKind
-    """'delta' (an outer gradient) or 'genesis' (a learner's initial parameters, proposed as version 0)."""
+    """'delta' (an outer gradient) or 'genesis' (initial parameters proposed as version 0)."""
     run: str
     fragment: int
     learner: str
     seq: int
     """Per-learner counter, part of the object key."""
     contribution_id: str
-    """Unique id of this contribution (deduplicates a re-sent XADD)."""
+    """Unique; deduplicates a re-sent XADD."""
     base_version: int
-    """Global version of the fragment the delta was computed against (-1 for genesis)."""
+    """Version of the fragment the delta was computed against (-1 for genesis)."""
     tokens: int
-    """Tokens trained since this learner's previous contribution to this fragment."""
+    """Tokens trained since the learner's previous contribution to the fragment."""
     steps: int
     """Inner steps in that interval."""
     step_time_s: float
-    """The learner's recent mean inner-step time, for the grace window."""
+    """Recent mean inner-step time, for the grace window."""
     object_key: str
     size_bytes: int
     """Of the whole object (> 0)."""
@@ -342,14 +342,14 @@ class Announcement(Record):
     sent_at: float
     """Learner wall clock, informational."""
     deadline: float = 0.0
-    """The clock round (Cadence deadline, unix seconds) this was sent for; 0 when sent on a step count."""
+    """The `Cadence` deadline (unix seconds) it was sent for; 0: sent on a step count."""
     final: bool = False
-    """The sender's last piece for this fragment: it leaves the run after it (it finished, or was
-    preempted), so no round need wait for more from it."""
+    """The sender's last piece for the fragment: it leaves (finished or preempted), so no round waits
+    for more from it."""
     recovered: bool = False
-    """Made again by the coordinator from the stored object (`coordinator.recovery`), the learner's own
-    announcement being lost with Redis's last writes, or maybe only late: whichever copy comes second
-    is acknowledged as repeated, not refused."""
+    """Made again by the coordinator from the stored object (`coordinator.recovery`), the learner's
+    announcement lost with Redis's last writes or only late; the second copy is acknowledged as
+    repeated, not refused."""
 
     def __post_init__(self) -> None:
         _require(self.kind in KINDS, f"unknown kind {self.kind!r}")
@@ -370,11 +370,10 @@ class Announcement(Record):
 
 @dataclass(frozen=True, slots=True)
 class ObjectMeta(Record):
-    """What a learner stamps in the header of each contribution object (the tensor object's `meta`
-    map): the object describes itself, so that after Redis lost an announcement the coordinator can
-    make it again from the object alone (`coordinator.recovery`); a header without the counts (as the
-    chaos suite's hostile learner writes) cannot be announced again. A meta map holds str, int and float
-    values only: `to_meta` writes `final` as 1, and only when true."""
+    """A contribution object's header `meta`, written by its learner: from it the coordinator can
+    announce the object again after Redis lost the announcement (`coordinator.recovery`), unless it
+    lacks the counts (as the chaos suite's hostile learner's does). Values are str, int or float:
+    `to_meta` writes `final` as 1, only when true."""
 
     run: str
     fragment: int
@@ -427,28 +426,27 @@ class Contribution(Record):
     """Tokens counted (see `bounded`)."""
     steps: int
     weight: float
-    """Merge weight (`coordinator.policy.merge_weights`): the weights of a version sum to 1 unless the
+    """Merge weight (`coordinator.policy.merge_weights`): a version's weights sum to 1 unless the
     staleness discount shrank a stale input's or the fleet's rate raised a slow learner's."""
     stream_id: str
-    """Redis stream entry id the announcement arrived as (informational; S3 history never needs Redis)."""
+    """The announcement's Redis stream entry id (informational: S3 history never needs Redis)."""
     bounded: str = ""
-    """When the merge counted fewer tokens or more steps than the learner claimed (`tokens` and `steps`
-    are what it counted, `coordinator.influence.count_claims`), or scaled its pieces down (`clip`):
-    what was claimed and why it was cut."""
+    """Set when the merge counted fewer tokens or more steps than claimed (`tokens`, `steps` are the
+    counts, `coordinator.influence.count_claims`) or scaled the pieces down (`clip`): the claim and why
+    it was cut."""
     norm: float | None = None
-    """L2 norm of the piece's decoded delta, as the coordinator measured it when it read the piece;
-    None in versions made before norms were recorded."""
+    """L2 norm of the piece's decoded delta, measured when the coordinator read it; None in versions
+    made before it was recorded."""
     clip: float = 1.0
-    """In (0, 1]: the factor its learner's pieces in this round were scaled by, their summed norm
-    against the other learners' (`coordinator.influence.clip_norms`); `weight` includes it."""
+    """In (0, 1]: the factor its learner's pieces in the round were scaled by, their summed norm against
+    the other learners' (`coordinator.influence.clip_norms`); `weight` includes it."""
     usual: int = 0
-    """Its learner's usual piece in inner steps (`coordinator.policy.usual_pieces`), when the version's
-    weights are at the fleet's rate (`VersionSettings.rate_steps`); 0 otherwise."""
+    """Its learner's usual piece in inner steps (`coordinator.policy.usual_pieces`) when the version's
+    weights are at the fleet's rate (`VersionSettings.rate_steps`); else 0."""
     waited_s: float = 0.0
-    """Seconds it waited in its round, from its arrival (read and checked by the coordinator) to the
-    round's close (the merge decision): the pieces that held a round open waited for nothing, the
-    others for them (`diloco inspect`). About 0 for the piece that closed it, and 0 in versions made
-    before it was recorded."""
+    """Seconds from its arrival (read and checked) to its round's close (the merge decision): pieces
+    that held a round open waited for nothing, the others for them (`diloco inspect`). About 0 for the
+    piece that closed it; 0 in versions made before it was recorded."""
 
     def __post_init__(self) -> None:
         _require(0.0 < self.clip <= 1.0, f"clip {self.clip!r} must be in (0, 1]")
@@ -460,17 +458,17 @@ class Contribution(Record):
 
 @dataclass(frozen=True, slots=True)
 class Refusal(Record):
-    """A contribution refused (`refusals` stream, `Manifest.refused`); learner and ids are empty when
+    """A refused contribution (`refusals` stream, `Manifest.refused`); learner and ids are empty when
     the entry did not decode."""
 
     contribution_id: str
     learner: str
     code: str
-    """Why, in a word: one of the refusal codes (PROTOCOL.md)."""
+    """Why: one of the refusal codes (PROTOCOL.md)."""
     reason: str
     """For a person: at most 2000 characters plus a note of how many were cut."""
     object_key: str = ""
-    """The refused contribution's object ("" when the entry named none, e.g. a malformed entry)."""
+    """The refused object ("": the entry named none, e.g. a malformed one)."""
 
 
 MergeKind = Literal["weighted_mean", "radial_directional"]
@@ -484,10 +482,10 @@ before fractional steps existed); 'fractional_nesterov' takes the step of the ro
 
 @dataclass(frozen=True, slots=True)
 class VersionSettings(Record):
-    """How a version was made (`Manifest.settings`): what its merge and outer step were configured by,
-    the round's own figures and the kernels that computed it. The live coordinator configures the
-    arithmetic from this very record (`coordinator.outer.apply_round`), and a replay reads it back.
-    Defaults are what versions made before a field existed meant."""
+    """How a version was made (`Manifest.settings`): merge and outer-step configuration, the round's own
+    figures, the kernels used. The live coordinator configures the arithmetic from it
+    (`coordinator.outer.apply_round`); replay reads it back. Defaults: what versions made before a field
+    existed meant."""
 
     kind: PieceKind
     """'genesis' (version 0, a learner's parameters) or 'delta' (a merged round)."""
@@ -503,14 +501,12 @@ class VersionSettings(Record):
     staleness_discount: bool = True
     """Weights discount stale inputs."""
     staleness_relative: bool = False
-    """The discount is relative to the round's median staleness (`merge_weights`); False in
-    manifests written before it."""
+    """The discount is relative to the round's median staleness; False in older manifests."""
     rate_steps: int = 0
-    """The usual piece of the fleet's fastest learner, in inner steps: a slower learner's weight is
-    raised by this over its own (`Contribution.usual`), at most to the heaviest other's
-    (`coordinator.policy.merge_weights`). 0: weights are not raised."""
+    """The fastest fleet learner's usual piece, in inner steps: a slower learner's weight is raised by
+    this over its own (`Contribution.usual`), at most to the heaviest other's. 0: not raised."""
     max_staleness: int | None = None
-    """Inputs based on a version further behind the head than this were refused (None: not recorded)."""
+    """Inputs based further behind the head than this were refused (None: not recorded)."""
     min_quorum: int = 1
     grace_gamma: float = 0.5
     round_scale: float = 1.0
@@ -518,22 +514,20 @@ class VersionSettings(Record):
     progress: float = 1.0
     """In (0, 1]: the fractional step's progress; 1 for whole ('nesterov') steps."""
     lookahead: float = 1.0
-    """In [0, 1]: the share of the momentum's push the step takes, that of the round's learners
-    that train on from the version (`coordinator.policy.lookahead`); 1 for whole steps and older
-    manifests."""
+    """In [0, 1]: the share of the momentum's push taken, that of the round's learners training on from
+    the version (`coordinator.policy.lookahead`); 1 for whole steps and older manifests."""
     stale_momentum: bool = True
     """Stale inputs (staleness > 0) enter the momentum buffer too. False: only the fresh inputs'
     part (`coordinator.outer.buffered_part`); True in older manifests."""
     bounded_momentum: bool = True
-    """Inputs the merge bounded (`Contribution.bounded` not empty) enter the momentum buffer too.
-    False: they move the params only (`coordinator.outer.buffered_inputs`); True in older manifests."""
+    """Bounded inputs (`Contribution.bounded` set) enter the momentum buffer too. False: they move the
+    params only (`coordinator.outer.buffered_inputs`); True in older manifests."""
     update_norm: float | None = None
     """L2 norm of the merged update before its scale; None: not measured."""
     downstream: str = "fp32"
-    """The codec of the version's update object (`storage.updates`). 'fp32': the outer step's result
-    is published as it is."""
+    """Codec of the version's update object; 'fp32': the outer step's result is published as is."""
     torch: str = ""
-    """The torch version that computed it ("" before it was recorded): a replay elsewhere may differ."""
+    """The torch version that computed it ("": not recorded); a replay elsewhere may differ."""
     cpu_capability: str = ""
     """torch's CPU kernels (e.g. 'AVX2') that computed it."""
     whatif_of: str = ""
@@ -593,7 +587,7 @@ class Manifest(Record):
     """The outer optimizer's state after this version (momentum), a tensor object."""
     outer_state_sha256: str
     inputs: tuple[Contribution, ...]
-    """In merge order: replaying them in this order reproduces params_sha256 bit for bit."""
+    """In merge order: replayed in it, they reproduce params_sha256 bit for bit."""
     settings: VersionSettings
     """Everything the merge and the outer step used."""
     refused: tuple[Refusal, ...]
@@ -603,23 +597,21 @@ class Manifest(Record):
     epoch: int
     """Fencing epoch of the coordinator that wrote it."""
     update_key: str = ""
-    """The version as an update of its parent, in the downstream codec (`storage.updates`): what a
-    learner holding the parent downloads instead of the params. Empty: none (version 0, or a
-    version published in fp32)."""
+    """The version as an update of its parent in the downstream codec (`storage.updates`), downloaded
+    instead of the params by a learner holding the parent. Empty: none (version 0, or published in
+    fp32)."""
     update_sha256: str = ""
     update_bytes: int = 0
-    """Size of the update object: a learner several versions behind takes the chain of updates only
-    while it is smaller than the params."""
+    """Size of the update object (a chain of updates is taken only while smaller than the params)."""
     params_bytes: int = 0
-    """Size of the params object (0 in manifests made before sizes were recorded)."""
+    """Size of the params object (0 in older manifests)."""
     merged_tokens: int = 0
-    """The tokens merged into the fragment since version 0, this version's inputs included (counted
-    as they weighed): what `--token-budget` measures. Counted from 0 again after manifests made
-    before it was recorded."""
+    """Tokens merged into the fragment since version 0, this version's inputs included, as they weighed:
+    what `--token-budget` measures. Restarts from 0 after older manifests."""
     params_blake3: str = ""
-    """BLAKE3 of the params object, the bytes params_sha256 covers: what a learner checks the params
-    it makes from update objects against, bit for bit, at about three times sha256's speed on one
-    core. Empty in manifests made before it was recorded (then params_sha256 is checked)."""
+    """BLAKE3 of the params object (the bytes params_sha256 covers; about 3x sha256's speed on one
+    core): what a learner checks params built from update objects against, bit for bit. Empty in older
+    manifests (then params_sha256 is checked)."""
 
     @classmethod
     def _upgrade(cls, body: dict[str, Any], schema: int) -> dict[str, Any]:
@@ -640,12 +632,10 @@ class Manifest(Record):
 
 @dataclass(frozen=True, slots=True)
 class Collection(Record):
-    """Where the replayable history of a run's prefix starts (`collections/{n}`).
-
-    `diloco gc` writes one before it deletes anything, so that a pass cut short still leaves the
-    record of what it removes. A what-if run (`diloco whatif`) writes one too: its history starts
-    at the first version it re-derived. Replay starts each fragment at the highest
-    `first_replayable` of all the records and reports older versions as collected."""
+    """Where the replayable history of a run's prefix starts (`collections/{n}`), written by `diloco gc`
+    before its first delete (so a pass cut short leaves a record of what it removes) and by
+    `diloco whatif` (its history starts at its first re-derived version). Replay starts each fragment at
+    the highest `first_replayable` of all; older versions are reported as collected."""
 
     run: str
     created_at: float
@@ -664,11 +654,10 @@ class Collection(Record):
 
 @dataclass(frozen=True, slots=True)
 class Cadence(Record):
-    """The coordinator's round clock, published in Redis: fragment p of P has a deadline at
-    origin + (k + p/P) * period_s for every integer k >= 0. Learners send a fragment at their last step
-    boundary before its deadline, less the time their pieces take to go out, with however many steps
-    they managed; the round merges then.
-    Times are Redis server time (unix seconds), so every machine reads the same clock."""
+    """The coordinator's round clock, in Redis: fragment p of P has a deadline at origin + (k + p/P) *
+    period_s for every integer k >= 0. A learner sends a fragment at its last step boundary before the
+    deadline less its pieces' time to go out, with the steps it managed; the round merges then. Times:
+    Redis server time (unix seconds), one clock for all."""
 
     origin: float
     """Redis server time (unix seconds)."""
@@ -687,7 +676,7 @@ class Cadence(Record):
 
 @dataclass(frozen=True, slots=True)
 class VersionEvent(Record):
-    """Coordinator -> learners, on the versions stream: a new global version of a fragment is committed."""
+    """Coordinator -> learners (versions stream): a new global version of a fragment is committed."""
 
     run: str
     fragment: int
@@ -695,7 +684,7 @@ class VersionEvent(Record):
     params_key: str
     params_sha256: str
     manifest_key: str
-    """The version's `Manifest`: a learner reads it only when it needs more than the params."""
+    """The version's `Manifest`, which a learner reads only when it needs more than the params."""
     contributions: tuple[str, ...] = field(default=())
     """contribution_ids merged into this version."""
     committed_at: float = 0.0
@@ -705,8 +694,8 @@ class VersionEvent(Record):
 
 @dataclass(frozen=True, slots=True)
 class LearnerFinished(Record):
-    """A learner that has finished its part in the run (`finished_learners` hash), written as it
-    leaves, after its final pieces were announced."""
+    """A learner that finished its part (`finished_learners` hash), written as it leaves, after its
+    final pieces were announced."""
 
     learner: str
     finished_at: float
@@ -722,8 +711,8 @@ class LearnerFinished(Record):
 
 @dataclass(frozen=True, slots=True)
 class LearnerLeft(Record):
-    """A learner that left the run without finishing (`left` hash): preempted (SIGTERM, its progress
-    sent; it may come back) or failed (its training loop raised; nothing sent)."""
+    """A learner that left without finishing (`left` hash): preempted (SIGTERM, its progress sent; it
+    may come back) or failed (its training loop raised; nothing sent)."""
 
     learner: str
     left_at: float
@@ -731,7 +720,7 @@ class LearnerLeft(Record):
     steps: int
     """Inner steps it trained in that incarnation."""
     preempted: bool
-    """True: left on SIGTERM with its progress sent; false: closed without sending (its loop raised)."""
+    """True: preempted; false: failed."""
 
     def __post_init__(self) -> None:
         check_id("learner", self.learner)
@@ -744,8 +733,8 @@ MAX_LOSS_SAMPLES = 4096
 
 @dataclass(frozen=True, slots=True)
 class LossLog(Record):
-    """Some of a learner's reported losses (`losses/{learner}/{seq}`, create-only): parallel arrays,
-    one sample per entry, in time order."""
+    """Some of a learner's reported losses (`losses/{learner}/{seq}`, create-only): parallel arrays, one
+    sample per entry, in time order."""
 
     learner: str
     incarnation: str
@@ -771,9 +760,9 @@ class LossLog(Record):
 
 @dataclass(frozen=True, slots=True)
 class LearnerStats(Record):
-    """A learner's progress, sent with every heartbeat (`learner_stats` hash). The coordinator sets
-    the round clock from `step_time_s`; `diloco demo`, the benchmarks and the tests read the rest.
-    A record that fails these checks is skipped by its reader, with a warning."""
+    """A learner's progress, sent with every heartbeat (`learner_stats` hash): the round clock uses
+    `step_time_s`; `diloco demo`, the benchmarks and the tests read the rest. Readers skip, with a
+    warning, a record failing its checks."""
 
     learner: str
     step: int = 0
@@ -787,9 +776,9 @@ class LearnerStats(Record):
     adopted: int = 0
     """Global versions merged into the local model."""
     steps_through: int = 0
-    """Inner steps trained on the old base before a take (since the last send or take of that fragment),
-    summed over the takes: the training on through rounds (mean per take: steps_through / adopted);
-    with the adopt rule, the steps dropped."""
+    """Inner steps trained on the old base before a take (since the fragment's last send or take),
+    summed over takes: the training on through rounds (mean per take: steps_through / adopted); with the
+    adopt rule, the steps dropped."""
     uploaded: int = 0
     """Contributions stored and announced."""
     upload_failed: int = 0
@@ -807,10 +796,10 @@ class LearnerStats(Record):
     wall_s: float = 0.0
     """Wall time since the end of the first step."""
     link_round_s: float = 0.0
-    """Seconds of each round period its S3 transfers keep its link's busier direction in use
-    (`storage.linkuse`; 0: not measured). The round clock stretches for it (`max_link_share`)."""
+    """Seconds per round period its S3 transfers keep its link's busier direction in use
+    (`storage.linkuse`; 0: not measured); the round clock stretches for it (`max_link_share`)."""
     pid: int = 0
-    """Of the learner's process, for a person looking at the machine."""
+    """The learner's process id, for a person looking at the machine."""
     incarnation: str = ""
     """Random per process: tells a restarted learner of the same id from its previous life."""
 
@@ -848,8 +837,8 @@ RUN_ENDERS = ("learners", "operator", "budget")
 
 @dataclass(frozen=True, slots=True)
 class RunEnd(Record):
-    """The end of a run (`finished.msgpack`, create-only, and the `finished` key): no contribution
-    is merged after it, and `versions` are the model to take."""
+    """The end of a run (`finished.msgpack`, create-only, and the `finished` key): no contribution is
+    merged after it; `versions` are the model to take."""
 
     run: str
     finished_at: float
