@@ -2,8 +2,8 @@
 
 One process trains a GPT-2-small-shaped model (`transformers.GPT2LMHeadModel`, 12 blocks of width
 768, the 50257-token vocabulary: 124M parameters; random init and random tokens, AdamW, bf16
-autocast on a GPU) twice from the same initial weights: as a plain loop, then through a `Learner`
-of a run served by a coordinator process on a local stack (or the stack the environment names, as
+autocast on a GPU) from the same initial weights: as a plain loop, then through a `Learner` of a
+run served by a coordinator process on a local stack (or the stack the environment names, as
 every other command reads it: DILOCO_REDIS_URL, DILOCO_S3_BUCKET...). The run has every default
 (P, H, tau, codec, cadence) unless a flag changes it; one learner, so the coordinator's quorum is 1.
 The coordinator and the local stack's servers run at nice 19 (their scheduling groups too): in a
@@ -24,7 +24,10 @@ own CPU, the process's other threads', or neither: `Arm.where_slow`), and for th
 the versions taken in the timed window (and how many came ready from the fetcher's thread), and the
 transfer threads' CPU per step. The verdict holds the Learner's synchronized mean to within 5% of
 the plain loop's on the CPU and 2% on a GPU, and no step over 1.5x the median, and gives the plain
-loop's own worst step beside it: where that breaks the goal too, the machine stalls by itself.
+loop's own worst step beside it: where that breaks the goal too, the machine stalls by itself. The
+plain loop runs again after the Learner arms (`--plain-after`): the Learner is held to both plain
+runs' steps pooled, and the verdict says how far apart they were: the machine's drift over the bench
+(a VM's plain loop has moved by 10% between runs of it), not the hook's cost.
 `--transfer-threads 0,1,16` runs one Learner arm per value of `LearnerConfig.transfer_threads`,
 each a run of its own; `--transfer-nice` and `--transfer-share` the same per pair of values of
 `LearnerConfig.transfer_nice` and `transfer_share` (default: the learner's choice for the device,
@@ -64,6 +67,9 @@ HELP = "the step hook's cost to a training loop (124M GPT-2 shape) on a GPU or t
 SPIKE = 1.5
 """A step longer than this many medians is a stall."""
 
+PLAIN = "plain"
+"""The plain loop's arms: "plain", then "plain after" (`--plain-after`)."""
+
 SLOW = 1.25
 """Steps over this many times the median are the slow ones `Arm.where_slow` accounts for (below
 SPIKE, so that a plain loop's own have a few)."""
@@ -91,6 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settle-s", type=float, default=300.0,
                         help="before timing a Learner arm, train on (untimed) until it has taken as many versions as "
                              "there are fragments, at most this long (default: %(default)s)")
+    parser.add_argument("--plain-after", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the plain loop again after the Learner arms; the Learner is then held to the mean "
+                             "of both plain runs, so that the machine's drift over the bench (a VM's neighbours, its "
+                             "memory returned to the host) shows as the plain runs' spread, not as the hook's cost "
+                             "(default: %(default)s)")
     parser.add_argument("--transfer-threads", default="0",
                         help="one Learner arm per comma-separated value of LearnerConfig.transfer_threads (default: "
                              "%(default)s, the learner's default: a quarter of the CPUs beside a GPU, one on the CPU "
@@ -179,7 +190,7 @@ class Arm:
                 f"{self.spikes} steps > {SPIKE}x median")
         if self.unsynced_s is not None and plain.unsynced_s:
             line += f"; unsynced {1e3 * self.unsynced_s:.2f} ms ({self.unsynced_s / plain.unsynced_s:.3f}x)"
-        if self is not plain:
+        if not self.name.startswith(PLAIN):
             line += (f"; hook {1e3 * self.hook_s / len(self.steps_s):.2f} ms/step, taken {self.taken_ready}/{self.taken} "
                      f"ready, {self.settle_steps} settling steps")
         return line
@@ -258,8 +269,28 @@ class DeviceResult:
     settings: dict
     arms: list[Arm] = field(default_factory=list)
 
+    @property
+    def plain_arms(self) -> list[Arm]:
+        """The plain loop's runs: before the Learner arms, and after them unless `--no-plain-after`."""
+        return [a for a in self.arms if a.name.startswith(PLAIN)]
+
+    @property
+    def learner_arms(self) -> list[Arm]:
+        return [a for a in self.arms if not a.name.startswith(PLAIN)]
+
+    @property
+    def reference(self) -> Arm:
+        """The plain loop every ratio is against: its one run, or its runs before and after the
+        Learner arms pooled (their steps together, so a mean of the two means)."""
+        runs = self.plain_arms
+        if len(runs) == 1:
+            return runs[0]
+        return Arm(PLAIN, [s for a in runs for s in a.steps_s],
+                   unsynced_s=None if any(a.unsynced_s is None for a in runs)
+                   else statistics.fmean(a.unsynced_s for a in runs))
+
     def table(self) -> str:
-        plain = self.arms[0]
+        plain = self.reference
         rows = []
         for arm in self.arms:
             n = len(arm.steps_s)
@@ -267,19 +298,20 @@ class DeviceResult:
                          arm.worst, arm.spikes, arm.mean / plain.mean,
                          None if arm.unsynced_s is None else 1e3 * arm.unsynced_s,
                          None if arm.unsynced_s is None or plain.unsynced_s is None else arm.unsynced_s / plain.unsynced_s,
-                         1e3 * arm.hook_s / n if arm.name != "plain" else None,
-                         f"{arm.taken_ready}/{arm.taken}" if arm.name != "plain" else None,
-                         1e3 * arm.transfer_cpu_s / n if arm.name != "plain" else None, arm.page_faults // n])
+                         1e3 * arm.hook_s / n if arm in self.learner_arms else None,
+                         f"{arm.taken_ready}/{arm.taken}" if arm in self.learner_arms else None,
+                         1e3 * arm.transfer_cpu_s / n if arm in self.learner_arms else None, arm.page_faults // n])
         head = (f"{self.device_name}: {self.params / 1e6:.1f}M parameters, "
                 + ", ".join(f"{k} {v}" for k, v in self.settings.items()))
         table = figures_table(["arm", "mean ms", "median ms", "p90 ms", "max ms", "max/median",
                                f"steps > {SPIKE}x median", "mean ratio", "unsynced ms", "unsynced ratio",
                                "hook ms/step", "taken (ready)", "transfer CPU ms/step", "page faults/step"], rows)
-        if (where := plain.where_slow()):
-            table += f"\nplain: {where}"
-        for learner in self.arms[1:]:
+        for run in self.plain_arms:
+            if (where := run.where_slow()):
+                table += f"\n{run.name}: {where}"
+        for learner in self.learner_arms:
             table += f"\n{learner.name}: " + learner.details()
-        learner = self.arms[1]
+        learner = self.learner_arms[0]
         goal = 0.02 if self.device != "cpu" else 0.05
         ratio = learner.mean / plain.mean
         worst = learner.worst
@@ -287,11 +319,23 @@ class DeviceResult:
             verdict = "no version taken in the timed window: merges not measured (more --steps, or --settle-s)\n"
         else:
             verdict = ""
-        verdict += (f"mean {100 * (ratio - 1):+.1f}% against the plain loop (goal within {100 * goal:.0f}%: "
-                   f"{'met' if ratio <= 1 + goal else 'NOT met'}); worst step {worst:.2f}x the median "
-                   f"(goal <= {SPIKE}: {'met' if worst <= SPIKE else 'NOT met'}; the plain loop's own: "
-                   f"{plain.worst:.2f}x{self._noise(plain)})")
+        runs = self.plain_arms
+        own = max(runs, key=lambda a: a.worst)
+        verdict += (f"mean {100 * (ratio - 1):+.1f}% against the plain loop ({self._drift(runs)}goal within "
+                    f"{100 * goal:.0f}%: {'met' if ratio <= 1 + goal else 'NOT met'}); worst step {worst:.2f}x the "
+                    f"median (goal <= {SPIKE}: {'met' if worst <= SPIKE else 'NOT met'}; the plain loop's own: "
+                    f"{own.worst:.2f}x{self._noise(own)})")
         return f"{head}\n{table}\n{verdict}"
+
+    @staticmethod
+    def _drift(runs: list[Arm]) -> str:
+        """The plain runs before and after the Learner arms, when both were timed: how far apart the
+        machine put them."""
+        if len(runs) < 2:
+            return ""
+        before, after = runs[0].mean, runs[-1].mean
+        return (f"its runs before and after: {1e3 * before:.0f} and {1e3 * after:.0f} ms, "
+                f"{100 * (after / before - 1):+.1f}%; ")
 
     @staticmethod
     def _noise(plain: Arm) -> str:
@@ -496,7 +540,7 @@ def run(args: argparse.Namespace) -> DeviceResult:
     params = sum(p.numel() for p in loop.model.parameters())
     result = DeviceResult(device.type, name, params, settings)
     log.info("device: %s, %s parameters; the plain loop first", name, f"{params:,}")
-    result.arms.append(_arm("plain", loop, args))
+    result.arms.append(_arm(PLAIN, loop, args))
     log.info("%s", result.arms[-1].summary(result.arms[0]))
     del loop
     if gpu:
@@ -524,6 +568,10 @@ def run(args: argparse.Namespace) -> DeviceResult:
                                             helpers, result.arms[0]))
             if gpu:
                 torch.get_device_module(device).empty_cache()
+    if args.plain_after:
+        log.info("the plain loop again, after the Learner arms")
+        result.arms.append(_arm(f"{PLAIN} after", Loop(args, device, helpers), args))
+        log.info("%s", result.arms[-1].summary(result.arms[0]))
     return result
 
 

@@ -59,6 +59,20 @@ def test_the_verdict_holds_the_mean_to_2_percent_on_a_gpu_and_5_on_the_cpu_and_n
     assert "no version taken in the timed window: merges not measured" in idle.table()
 
 
+def test_the_learner_is_held_to_the_plain_runs_before_and_after_it_pooled_and_their_drift_is_said():
+    result = _result("cpu", [1.0] * 20, [1.1] * 20, [0.0] * 20)
+    result.arms.append(Arm("plain after", [1.2] * 20))
+    table = result.table()
+    assert "mean +0.0% against the plain loop (its runs before and after: 1000 and 1200 ms, +20.0%; goal" in table
+    rows = {line[:11].strip(): line[11:].split() for line in table.splitlines()[3:6]}
+    assert rows["plain after"][0] == "1200" and rows["plain after"][6] == "1.091"  # its mean against the pooled 1.1 s
+    assert rows["plain after"][10] == "-" and rows["learner"][10] == "2/2"  # a plain run has no takes
+    result.arms[2].steps_s = [1.0] * 19 + [1.7]  # the stalls of the run after count as the plain loop's own
+    assert "the plain loop's own: 1.70x, 1 of its steps over 1.5x" in result.table()
+    one = _result("cpu", [1.0] * 20, [1.1] * 20, [0.0] * 20).table()
+    assert "mean +10.0% against the plain loop (goal" in one  # --no-plain-after: its one run
+
+
 def test_the_verdict_gives_the_plain_loops_own_worst_step_and_says_when_the_machine_alone_breaks_the_goal():
     calm = [1.0] * 20
     quiet = _result("cpu", calm, [1.01] * 20, [0.0] * 20).table()
@@ -168,9 +182,9 @@ def test_a_small_run_on_the_cpu_times_both_arms_in_the_steady_state_and_every_ta
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    plain, learner = result["arms"]
-    assert [plain["name"], learner["name"]] == ["plain", "learner"]
-    assert len(plain["steps_s"]) == len(learner["steps_s"]) == len(learner["hook_steps_s"]) == 40
+    plain, learner, after = result["arms"]
+    assert [plain["name"], learner["name"], after["name"]] == ["plain", "learner", "plain after"]
+    assert len(plain["steps_s"]) == len(learner["steps_s"]) == len(learner["hook_steps_s"]) == len(after["steps_s"]) == 40
     # Timed once every fragment had been taken (the steady state); at H = 4 a fragment is sent every
     # 4 steps, before its round commits: the versions taken were made ready again after those sends.
     assert learner["sent"] >= 2 and learner["settle_steps"] >= 1
@@ -178,7 +192,7 @@ def test_a_small_run_on_the_cpu_times_both_arms_in_the_steady_state_and_every_ta
     # A take still waited for after takes.STAGE_WAIT_STEPS is computed by the hook (at H = 4 the next send
     # may come first); the deterministic same-step test holds every take there to the stager's value.
     assert learner["taken"] >= 2 and 2 * learner["taken_ready"] >= learner["taken"]
-    assert "mean ratio" in done.stdout and "against the plain loop" in done.stdout
+    assert "mean ratio" in done.stdout and "against the plain loop (its runs before and after: " in done.stdout
     assert "the plain loop's own: " in done.stdout and learner["page_faults"] > 0
 
 
