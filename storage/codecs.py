@@ -776,29 +776,41 @@ def encode_decoded(tensors: Mapping[str, torch.Tensor], codec: str, *, compress:
 
 def encode_lost(tensors: Mapping[str, torch.Tensor], codec: str, *, plus: Mapping[str, torch.Tensor] | None = None,
                 compress: bool = False, meta: Mapping[str, str | int | float] | None = None,
-                block_size: int | None = None) -> tuple[bytes, dict[str, torch.Tensor]]:
+                block_size: int | None = None, into: Mapping[str, torch.Tensor] | None = None
+                ) -> tuple[bytes, dict[str, torch.Tensor]]:
     """Error feedback's encoder: the object `encode` writes for each float32 tensor plus its
     `plus` (the residual carried; none: the tensor alone), and what the codec lost of each sum (the
     next residual): the sum less the values `encode_decoded` gives for it, the same bits, in float32
-    tensors of their own. The sums and the decoded values are never made whole: a blocked codec
-    adds, encodes and subtracts a chunk at a time. Neither input changes. ValueError for a tensor
-    that is not float32 (its sum with `plus` would round in its own dtype first: make it, then
-    encode it) or a `plus` of another shape."""
+    tensors of their own, or written into `into`'s (contiguous float32 CPU tensors of the same
+    shapes, overwritten whole: a thread's reused buffers, `workers.scratch`). The sums and the
+    decoded values are never made whole: a blocked codec adds, encodes and subtracts a chunk at a
+    time. Neither input changes. ValueError for a tensor that is not float32 (its sum with `plus`
+    would round in its own dtype first: make it, then encode it), a `plus` of another shape, or an
+    `into` that does not fit."""
     plus = plus or {}
     for name, t in tensors.items():
         p = plus.get(name)
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or (p is not None and p.shape != t.shape):
             raise ValueError(f"tensor {name!r}: encode_lost takes float32 tensors, each with a residual of its "
                              f"shape, got {t!r:.80}")
-    blob, lost = _encode(tensors, codec, compress, meta, block_size, values="lost", plus=plus)
+        if into is not None and not _fits(into.get(name), t.shape):
+            raise ValueError(f"tensor {name!r}: encode_lost writes its loss into a contiguous float32 CPU tensor "
+                             f"of shape {tuple(t.shape)}, got {into.get(name)!r:.80}")
+    blob, lost = _encode(tensors, codec, compress, meta, block_size, values="lost", plus=plus, into=into)
     assert lost is not None
     return blob, lost
 
 
+def _fits(out: torch.Tensor | None, shape: torch.Size) -> bool:
+    """Whether `out` can be written whole with a float32 tensor of `shape`'s values."""
+    return (isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == shape
+            and out.device.type == "cpu" and out.is_contiguous())
+
+
 def _encode(tensors: Mapping[str, torch.Tensor], codec: str, compress: bool,
             meta: Mapping[str, str | int | float] | None, block_size: int | None, *,
-            values: Literal["none", "decoded", "lost"], plus: Mapping[str, torch.Tensor] | None = None
-            ) -> tuple[bytes, dict[str, torch.Tensor] | None]:
+            values: Literal["none", "decoded", "lost"], plus: Mapping[str, torch.Tensor] | None = None,
+            into: Mapping[str, torch.Tensor] | None = None) -> tuple[bytes, dict[str, torch.Tensor] | None]:
     found = get(codec)
     block = found.default_block if block_size is None or not found.max_block else block_size
     if found.max_block and not 1 <= block <= found.max_block:
@@ -817,7 +829,7 @@ def _encode(tensors: Mapping[str, torch.Tensor], codec: str, compress: bool,
             made[spec.name] = found.encode_values(out, x, block, spec).view(spec.shape)
         else:
             p = (plus or {}).get(spec.name)
-            made[spec.name] = torch.empty(spec.shape)
+            made[spec.name] = into[spec.name] if into is not None else torch.empty(spec.shape)
             found.encode_lost(out, x, None if p is None else p.detach().to(device="cpu").reshape(-1),
                               made[spec.name].view(-1), block, spec)
         pace()

@@ -62,12 +62,13 @@ def encode_carrying(tensors: Mapping[str, Tensor], residual: Mapping[str, Tensor
 
 
 def encode_piece(tensors: Mapping[str, Tensor], residual: Mapping[str, Tensor], codec: str, *, compress: bool,
-                 meta: Mapping[str, str | int | float] | None = None) -> tuple[bytes, dict[str, Tensor]]:
+                 meta: Mapping[str, str | int | float] | None = None,
+                 into: Mapping[str, Tensor] | None = None) -> tuple[bytes, dict[str, Tensor]]:
     """`encode_carrying`'s object and next residual (float32), the same bits, without the decoded
     tensors: what a learner sends. Float32 tensors are summed with the residual, encoded and turned
     into what the codec lost a chunk at a time (`codecs.encode_lost`): neither the sum nor the
     decoded values are made whole, two passes over the fragment less. `tensors` and `residual` are
-    not changed."""
+    not changed; the next residual is written into `into`'s tensors when given (`codecs.encode_lost`)."""
     sums, plus = {}, {}
     for name, t in tensors.items():
         r = residual.get(name)
@@ -77,7 +78,7 @@ def encode_piece(tensors: Mapping[str, Tensor], residual: Mapping[str, Tensor], 
         sums[name] = t.float()  # t itself when float32
         if r is not None:
             plus[name] = r
-    return codecs.encode_lost(sums, codec, plus=plus, compress=compress, meta=meta)
+    return codecs.encode_lost(sums, codec, plus=plus, compress=compress, meta=meta, into=into)
 
 
 def _plus(t: Tensor, r: Tensor | None, in_place: bool) -> Tensor:

@@ -44,6 +44,7 @@ from diloco.storage.objects import ObjectMissing, ObjectStore, ObjectUnreadable
 from diloco.storage.protocol import Announcement, Layout, Manifest, ObjectMeta, RunSpec, VersionEvent
 from diloco.storage.updates import apply_update, chain_worth_it, encode_piece, params_body
 from diloco.workers.hostcopy import Snapshot
+from diloco.workers.scratch import Scratch
 from diloco.workers.staging import Slot, Stager
 from diloco.workers.threads import ThreadLimits
 
@@ -87,6 +88,10 @@ class UploadJob:
     in the model (no take came between the two sends): it goes out with this piece."""
     seq: int = 0
     attempts: int = 0
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    """The `Scratch` buffers `delta`'s tensors are views of (`settle`), given back once it is stored."""
+    residual_buffer: torch.Tensor | None = None
+    """The `Scratch` buffer `residual`'s tensors are views of (None: tensors of their own)."""
     pending: list[tuple[Snapshot, Snapshot]] = field(default_factory=list)
     """(anchor, local) pairs of sends whose deltas, anchor - local, are not computed yet: `local` may
     still be on its way from the device. The uploader's thread computes them (`settle`), so the
@@ -96,19 +101,27 @@ class UploadJob:
     """Pairs a job holds unsettled (each two host copies of the fragment): an uploader that falls
     further behind has the oldest settled by the send that absorbs one more."""
 
-    def settle(self) -> dict[str, torch.Tensor]:
-        """Add the pending deltas into `delta` (waiting for their snapshots) and return `delta`."""
+    def settle(self, scratch: Scratch | None = None) -> dict[str, torch.Tensor]:
+        """Add the pending deltas into `delta` (waiting for their snapshots) and return `delta`; its
+        new tensors are views of a buffer from `scratch` when given (`buffers`)."""
         while self.pending:
-            self._settle_one()
+            self._settle_one(scratch)
         return self.delta
 
-    def _settle_one(self) -> None:
+    def _settle_one(self, scratch: Scratch | None = None) -> None:
         anchor, local = (s.wait() for s in self.pending.pop(0))
+        new = {name: value.shape for name, value in local.items() if name not in self.delta}
+        if new:  # in fp32, whatever the model's dtype
+            if scratch is not None:
+                buffer, views = scratch.views(new)
+                self.buffers.append(buffer)
+            else:
+                views = {name: torch.empty(shape, dtype=torch.float32) for name, shape in new.items()}
         for name, value in local.items():
             self.dtypes[name] = value.dtype
             base, flat = anchor[name].reshape(-1), value.reshape(-1)
-            if name not in self.delta:  # in fp32, whatever the model's dtype
-                self.delta[name] = torch.empty(value.shape, dtype=torch.float32)
+            if name in new:
+                self.delta[name] = views[name]
                 into = self.delta[name].view(-1)
                 for part in paced_slices(flat.numel()):  # in parts: the uploader's thread is paced
                     torch.sub(base[part].float(), flat[part], out=into[part])
@@ -225,6 +238,9 @@ class Uploader(threading.Thread):
         self._dropped: dict[int, dict[str, torch.Tensor]] = {}  # fragment -> its last piece's loss, for the take
         self._takes: dict[int, int] = {}  # fragment -> takes so far (`taken`)
         self._ef_lock = threading.Lock()
+        self.scratch = Scratch()
+        """The buffers of its pieces' deltas and residuals, reused from piece to piece (`workers.scratch`)."""
+        self._residual_buffers: dict[int, torch.Tensor] = {}  # fragment -> the Scratch buffer of its residual
         self.keys = RunKeys(bus.keys.prefix, spec.run)
         self._jobs: list[UploadJob] = []  # FIFO
         self._cv = threading.Condition()
@@ -359,7 +375,7 @@ class Uploader(threading.Thread):
                           contribution_id=job.contribution_id, base_version=job.base_version, tokens=job.tokens,
                           steps=job.steps, step_time_s=job.step_time_s, deadline=job.deadline,
                           final=job.final).to_meta()
-        job.settle()
+        job.settle(self.scratch)
         if job.kind != "delta" or codec == "fp32" or not self.error_feedback:
             return codecs.encode(job.delta, codec, compress=compress, meta=meta)
         # Error feedback: what the codec lost of the previous sends of this fragment goes out with
@@ -370,8 +386,14 @@ class Uploader(threading.Thread):
                 untaken = self._dropped.pop(job.fragment, {})
             job.untaken = _summed(job.untaken, untaken)  # kept across a re-encode
             carried = _summed(carried, job.untaken)
-        blob, residual = encode_piece(job.delta, carried, codec, compress=compress, meta=meta)
+        if job.residual_buffer is not None:  # encoded before, not stored: that residual is replaced
+            self.scratch.give(job.residual_buffer)
+        job.residual_buffer, into = self.scratch.views({n: t.shape for n, t in job.delta.items()})
+        blob, residual = encode_piece(job.delta, carried, codec, compress=compress, meta=meta, into=into)
         job.residual = {n: r.to(job.dtypes.get(n, r.dtype)) for n, r in residual.items()}
+        if all(job.residual[n] is not r for n, r in residual.items()):  # each copied (a bf16 model's): done with it
+            self.scratch.give(job.residual_buffer)
+            job.residual_buffer = None
         return blob
 
     def _store(self, job: UploadJob) -> None:
@@ -393,17 +415,26 @@ class Uploader(threading.Thread):
                     break
                 continue  # a sequence number from an earlier incarnation: take the next one
         job.key, job.seq = key, self._seq
+        buffers, job.buffers, job.delta = job.buffers, [], {}  # stored: nothing reads the delta again
+        for buffer in buffers:
+            self.scratch.give(buffer)
         if job.residual is None:
             return
-        if not self.keep_dropped:
-            self._residual[job.fragment] = job.residual
-            return
         with self._ef_lock:
-            if self._takes.get(job.fragment, 0) == job.takes_seen:  # its take is still to come: left to it
+            if self.keep_dropped and self._takes.get(job.fragment, 0) == job.takes_seen:
+                # Its take is still to come: left to it, on the training thread (not reused).
                 self._dropped[job.fragment] = job.residual
                 self._residual.pop(job.fragment, None)
+                kept = None
             else:
                 self._residual[job.fragment] = job.residual
+                kept = job.residual_buffer
+        # The fragment's previous residual was carried by this piece (encoded, now stored): read no more.
+        old = self._residual_buffers.pop(job.fragment, None)
+        if kept is not None:
+            self._residual_buffers[job.fragment] = kept
+        if old is not None:
+            self.scratch.give(old)
 
     def taken(self, fragment: int) -> dict[str, torch.Tensor] | None:
         """The training thread takes a version of `fragment` (rebase): what the codec dropped of the

@@ -1,0 +1,52 @@
+"""`workers.scratch`: buffers handed out as views, given back and handed out again, bounded; and
+`codecs.encode_lost` writing a piece's loss into them with the bits of fresh tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.storage import codecs
+from diloco.workers.scratch import Scratch
+
+
+def test_a_buffer_given_back_is_handed_out_again_as_views_of_the_shapes_asked():
+    scratch = Scratch(keep=2, min_elements=16)
+    base, views = scratch.views({"w": (4, 8), "b": (3,)})
+    assert base.numel() == 35 and views["w"].shape == (4, 8) and views["b"].shape == (3,)
+    assert views["w"].is_contiguous() and views["b"].data_ptr() == base.data_ptr() + 32 * 4
+    scratch.give(base)
+    again, views = scratch.views({"x": (30,)})  # smaller: the same buffer serves it, whole
+    assert again is base and views["x"].data_ptr() == base.data_ptr() and scratch.reused == 1
+    larger, _ = scratch.views({"x": (40,)})  # none large enough is free: a new one
+    assert larger is not base and larger.numel() == 40
+    with pytest.raises(ValueError, match="twice"):
+        scratch.give(again)
+        scratch.give(again)
+
+
+def test_the_smallest_fitting_buffer_is_taken_and_at_most_keep_wait_the_largest_kept():
+    scratch = Scratch(keep=2, min_elements=16)
+    a, b, c = (scratch.views({"x": (n,)})[0] for n in (100, 50, 70))
+    for buffer in (a, b, c):
+        scratch.give(buffer)
+    assert scratch.held_bytes == (100 + 70) * 4  # the smallest went
+    assert scratch.views({"x": (60,)})[0] is c and scratch.views({"x": (60,)})[0] is a
+    tiny, _ = scratch.views({"x": (8,)})  # under min_elements: never kept
+    scratch.give(tiny)
+    assert scratch.held_bytes == 0
+
+
+def test_encode_lost_writes_the_loss_into_buffers_given_with_the_bits_of_its_own():
+    gen = torch.Generator().manual_seed(0)
+    x = {"w": torch.randn(3000, generator=gen), "b": torch.randn(5, 3, generator=gen)}
+    plus = {"w": 0.01 * torch.randn(3000, generator=gen)}
+    blob, lost = codecs.encode_lost(x, "int4", plus=plus, compress=True)
+    base, into = Scratch(min_elements=1).views({n: t.shape for n, t in x.items()})
+    base.fill_(float("nan"))  # what a reused buffer held before: overwritten whole
+    again, written = codecs.encode_lost(x, "int4", plus=plus, compress=True, into=into)
+    assert again == blob and all(written[n] is into[n] and torch.equal(written[n], lost[n]) for n in x)
+    for bad in ({"w": into["w"]}, {"w": into["w"], "b": torch.empty(15)}, {"w": into["w"], "b": into["b"].double()},
+                {"w": into["w"], "b": torch.empty(3, 5).t()}):
+        with pytest.raises(ValueError, match="contiguous float32 CPU tensor"):
+            codecs.encode_lost(x, "int4", plus=plus, into=bad)
