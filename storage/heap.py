@@ -11,7 +11,9 @@ a quarter of its time (226 ms against 167 ms).
 
 `reuse_freed_memory` sets the two thresholds where glibc's own dynamic rule tops out: allocations
 up to MMAP_THRESHOLD come from the heap, and up to TRIM_THRESHOLD of freed heap is kept for reuse
-rather than returned. Bigger tensors are still mapped and unmapped each time. Every `diloco`
+rather than returned. Bigger tensors are still mapped and unmapped each time, as is any block over
+64 MiB that a thread other than the main one allocates (its arena's heaps are at most that):
+`workers.scratch` keeps the uploader's. Every `diloco`
 command but `learner` calls it at start (`infra.cli`); a `Learner` calls it when it joins unless
 `LearnerConfig.reuse_freed_memory` is off (`diloco learner --no-reuse-freed-memory`). A process
 started with glibc's own variables for these set (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
