@@ -981,8 +981,7 @@ def open_object(blob: bytes | bytearray, *, max_bytes: int, expect: Mapping[str,
     if in_place and header.compression == "none" and isinstance(blob, bytearray):
         buf: bytearray | memoryview = body  # a writable view of the caller's buffer
     else:
-        buf = _decompress(header, body)
-        pace()
+        buf = _decompress(header, body)  # paced inside, a part at a time
     if hashed:
         return Opened(header, buf)
     digest = _sha256_hex(buf)

@@ -14,8 +14,9 @@ thread on the main arena (`MALLOC_ARENA_MAX=1`: no faults).
 
 `Scratch` keeps the buffers instead. A piece's tensors are views of one flat buffer per use, the
 smallest free one that is large enough (fragments are balanced, so one fragment's buffer serves
-another's), and the buffer is given back once nothing reads it. At most `keep` buffers wait,
-bounded in bytes, so what is kept is what the next piece would allocate anyway.
+another's), and the buffer is given back once nothing reads it. At most `keep` buffers wait (and
+at most `max_bytes` of them), so what is kept is what the next piece would allocate anyway. The
+stager's host buffers (`workers.staging`) are kept the same way.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ MIN_ELEMENTS = 1 << 20
 class Scratch:
     """Flat float32 CPU buffers taken (`views`) and given back (`give`) by their one user. Thread-safe."""
 
-    def __init__(self, keep: int = 2, min_elements: int = MIN_ELEMENTS) -> None:
-        self.keep, self.min_elements = keep, min_elements
+    def __init__(self, keep: int | None = 2, *, max_bytes: int | None = None, min_elements: int = MIN_ELEMENTS) -> None:
+        self.keep, self.max_bytes, self.min_elements = keep, max_bytes, min_elements
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self.reused = 0
@@ -55,15 +56,17 @@ class Scratch:
 
     def give(self, base: torch.Tensor) -> None:
         """Take back a buffer from `views`. The caller guarantees that nothing reads it, or any view
-        of it, from now on: the next `views` overwrites it. The smallest go first when over `keep`."""
+        of it, from now on: the next `views` overwrites it. One that would pass `keep` or `max_bytes`
+        is not kept (freed)."""
         if base.numel() < self.min_elements:
             return
         with self._lock:
             if any(b is base for b in self._free):
                 raise ValueError("a scratch buffer given back twice")
+            full = self.keep is not None and len(self._free) >= self.keep
+            if full or (self.max_bytes is not None and _bytes(self._free) + _bytes([base]) > self.max_bytes):
+                return
             self._free.append(base)
-            self._free.sort(key=torch.Tensor.numel)
-            del self._free[:max(0, len(self._free) - self.keep)]
 
     def _take(self, n: int) -> torch.Tensor:
         if n >= self.min_elements:
@@ -80,4 +83,8 @@ class Scratch:
     def held_bytes(self) -> int:
         """Bytes of the buffers waiting to be reused."""
         with self._lock:
-            return sum(b.numel() * 4 for b in self._free)
+            return _bytes(self._free)
+
+
+def _bytes(buffers: list[torch.Tensor]) -> int:
+    return sum(b.numel() * b.element_size() for b in buffers)

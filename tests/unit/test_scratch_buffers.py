@@ -25,16 +25,22 @@ def test_a_buffer_given_back_is_handed_out_again_as_views_of_the_shapes_asked():
         scratch.give(again)
 
 
-def test_the_smallest_fitting_buffer_is_taken_and_at_most_keep_wait_the_largest_kept():
+def test_the_smallest_fitting_buffer_is_taken_and_one_past_keep_or_max_bytes_is_freed():
     scratch = Scratch(keep=2, min_elements=16)
-    a, b, c = (scratch.views({"x": (n,)})[0] for n in (100, 50, 70))
+    a, b, c = (scratch.views({"x": (n,)})[0] for n in (100, 70, 50))
     for buffer in (a, b, c):
         scratch.give(buffer)
-    assert scratch.held_bytes == (100 + 70) * 4  # the smallest went
-    assert scratch.views({"x": (60,)})[0] is c and scratch.views({"x": (60,)})[0] is a
+    assert scratch.held_bytes == (100 + 70) * 4  # the third was freed
+    assert scratch.views({"x": (60,)})[0] is b and scratch.views({"x": (60,)})[0] is a
+    fresh = scratch.views({"x": (60,)})[0]  # none free fits: a new one
+    assert all(fresh is not t for t in (a, b, c))
     tiny, _ = scratch.views({"x": (8,)})  # under min_elements: never kept
     scratch.give(tiny)
     assert scratch.held_bytes == 0
+    bounded = Scratch(keep=None, max_bytes=150 * 4, min_elements=0)
+    for buffer in (a, b, c):
+        bounded.give(buffer)
+    assert bounded.held_bytes == (100 + 50) * 4  # b would have passed max_bytes
 
 
 def test_encode_lost_writes_the_loss_into_buffers_given_with_the_bits_of_its_own():

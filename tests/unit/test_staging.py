@@ -83,7 +83,7 @@ def test_on_the_cpu_the_buffers_kept_for_reuse_stay_under_pool_bytes_over_all_fr
     for s in staged:
         s.release()
     again = [stager.stage(f, 2, g, ["w"], Snapshot({"w": torch.ones(64)})).values["w"].data_ptr() for f in range(3)]
-    assert again[:2] == ptrs[:2] and stager._pooled_bytes == 0  # noqa: SLF001 (the two kept are in use again)
+    assert again[:2] == ptrs[:2] and stager.scratch.held_bytes == 0  # the two kept are in use again
 
 
 def test_a_version_asked_again_after_a_send_is_made_ready_against_the_new_anchor_and_the_old_value_freed():
