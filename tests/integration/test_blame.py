@@ -81,22 +81,38 @@ def train_fleet(endpoints: Endpoints, run_id: str, poison: dict[str, str]) -> No
         finally:
             for _, learner, *_ in fleet:
                 learner.close()
-        time.sleep(1.0)  # the last round merges
+        left_merged(coord)
 
 
 def merged_everything(coord: Coordinator, learners: list[Learner], timeout_s: float = 60.0) -> None:
-    """Wait until every piece the learners uploaded has been merged: leaving one by one would lower
-    the quorum for the last round, and a piece still uploading would then merge in a round of its own."""
+    """Wait until every piece the learners uploaded has been merged, or can only merge once they
+    leave: leaving one by one would lower the quorum for the last round, and a piece still uploading
+    would then merge in a round of its own.
+
+    A learner whose piece reached a busy coordinator a round late has it merged beside its next one
+    (one version holds two of its pieces), so its last piece of a fragment can find the others'
+    already merged: with min_quorum 4 it waits until the fleet leaves. That is the end of this fleet's
+    training, not a lost piece: every learner has sent as many pieces as the others (a fleet in
+    lockstep), and nothing moves."""
     deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
     while time.monotonic() < deadline:
-        now = (sum(learner.progress().uploaded for learner in learners),
-               coord.bus.counters().get("contributions_applied"), coord.bus.backlog().waiting)
+        sent = [learner.progress().uploaded for learner in learners]
+        now = (sum(sent), coord.bus.counters().get("contributions_applied"), coord.bus.backlog().waiting)
         if now != last:
             last, since = now, time.monotonic()
-        elif now[2] == 0 and time.monotonic() - since > 2.0:
+        elif time.monotonic() - since > 2.0 and (now[2] == 0 or len(set(sent)) == 1):
             return
         time.sleep(0.2)
     raise AssertionError(f"the learners' pieces were not all merged after {timeout_s:.0f}s: {last}")
+
+
+def left_merged(coord: Coordinator, timeout_s: float = 30.0) -> None:
+    """Wait until the pieces that waited for the fleet to leave have merged."""
+    deadline = time.monotonic() + timeout_s
+    while coord.bus.backlog().waiting and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not coord.bus.backlog().waiting, "pieces still wait after every learner left"
+    time.sleep(1.0)  # the last round's version is published
 
 
 def blame(tmp_path, *argv: str) -> dict:  # noqa: ANN001
