@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import sys
 import threading
 import time
 import uuid
@@ -10,9 +13,11 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from diloco.coordinator.config import CoordinatorConfig, RunSettings
 from diloco.coordinator.policy import RoundConfig
@@ -50,6 +55,17 @@ def serving(coord: Coordinator) -> Iterator[None]:
         thread.join(timeout=10)
     if failure:
         raise failure[0]
+
+
+def leave_process_group() -> NoReturn:
+    """End a spawned gloo rank whose results are written: wait for the other ranks, then exit
+    without running C++ destructors. gloo's teardown aborts now and then ("terminate called without
+    an active exception", SIGABRT), in destroy_process_group or at exit, on ranks that finished."""
+    dist.barrier()  # nobody closes its connections while another rank still reads from them
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def fresh_endpoints(stack: LocalStack, monkeypatch: pytest.MonkeyPatch) -> Endpoints:

@@ -43,7 +43,7 @@ from diloco.storage.objects import ObjectStore
 from diloco.storage.settings import Endpoints
 from diloco.workers.learner import Learner, LearnerConfig
 from diloco.workers.state import LearnerState
-from harness import serving
+from harness import leave_process_group, serving
 
 WORLD = 2
 MIN_STEPS = 12
@@ -143,9 +143,10 @@ def rank_main(rank: int, mode: str, endpoints_by_rank: list[Endpoints], run_id: 
         result = {"before": before, "started": started, "final": checksum(full_state(model)), "steps": steps,
                   "adopted": learner.adopted, "checked": checked, "mismatched": mismatched}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()  # tear down together: rank 0 holds the rendezvous store the others still talk to
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_process_group()
 
 
 def unusable(endpoints: Endpoints) -> Endpoints:
@@ -252,9 +253,10 @@ def state_rank_main(rank: int, phase: str, endpoints_by_rank: list[Endpoints], r
         result |= {"step": learner.step, "position": position.state_dict(), "optimizer": optimizer_checksum(opt)}
         learner.finish(preempted=phase == "before")  # the state is saved on leaving as preempted
         Path(out_dir, f"{phase}{rank}.json").write_text(json.dumps(result))
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_process_group()
 
 
 def run_island(target, phase: str, endpoints: Endpoints, run_id: str, out_dir: Path) -> list[dict]:

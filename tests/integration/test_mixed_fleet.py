@@ -28,7 +28,7 @@ from diloco.storage.history import read_layout, read_manifest, read_run_end
 from diloco.storage.objects import ObjectStore
 from diloco.storage.settings import Endpoints
 from diloco.workers.learner import Learner
-from harness import serving
+from harness import leave_process_group, serving
 
 WORLD = 2
 STEPS = 24
@@ -77,9 +77,10 @@ def island_rank(rank: int, endpoints: Endpoints, run_id: str, init_port: int, ou
         train(learner, model, opt, seed=100 + rank)
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
         torch.save(state, Path(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_process_group()
 
 
 @pytest.mark.slow
