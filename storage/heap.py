@@ -19,6 +19,11 @@ command but `learner` calls it at start (`infra.cli`); a `Learner` calls it when
 started with glibc's own variables for these set (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
 MALLOC_TOP_PAD_), or with another allocator preloaded, keeps its own choice; so does one whose C
 library is not glibc.
+
+Keeping buffers trades memory for CPU, which a process near its memory's end cannot afford (a
+1B-parameter learner on 24 GB has under 1 GB to spare; its uploader kept two 252 MB buffers):
+`spare_memory` says whether a quarter of what the process may use, on the machine or in its memory
+cgroup, is still free, and `workers.scratch` keeps a freed buffer only then.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ MMAP_THRESHOLD = 32 << 20
 """Allocations up to this size come from the heap (glibc's dynamic threshold stops here on 64-bit)."""
 TRIM_THRESHOLD = 256 << 20
 """The heap keeps up to this much freed memory at its top for reuse before handing it back."""
+SPARE_SHARE = 0.25
+"""What `spare_memory` wants free, as a share of the memory this process may use: below it, buffers
+kept for reuse (`workers.scratch`) are given back."""
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
@@ -56,3 +64,70 @@ def reuse_freed_memory(environ: dict[str, str] | None = None) -> str:
     if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
         return "left as is: mallopt refused the thresholds"
     return f"heap allocations up to {MMAP_THRESHOLD >> 20} MiB, up to {TRIM_THRESHOLD >> 20} MiB of freed heap kept"
+
+
+
+def memory_left() -> tuple[int, int] | None:
+    """(bytes this process could still allocate before the machine or its memory cgroup runs short,
+    the memory it may use in all), or None where that is not known (not Linux). The machine's from
+    /proc/meminfo (MemAvailable, MemTotal); a cgroup's with a limit below that (v2 memory.max, v1
+    memory.limit_in_bytes) less what its tasks use but could not give back (its usage less the
+    inactive page cache, as container runtimes count a working set)."""
+    try:
+        with open("/proc/meminfo", "rb") as fh:
+            info = {line.split(b":")[0]: int(line.split()[1]) * 1024 for line in fh if line.startswith(b"Mem")}
+        left, total = info[b"MemAvailable"], info[b"MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+    limited = _cgroup_left()
+    if limited is not None and limited[1] < total:
+        left, total = min(left, limited[0]), limited[1]
+    return max(0, left), total
+
+
+def _cgroup_left() -> tuple[int, int] | None:
+    """(limit - working set, limit) of this process's memory cgroup, v2 or v1; None if it has no limit."""
+    try:
+        with open("/proc/self/cgroup") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: "0::/path"
+            found = _read_cgroup(("/sys/fs/cgroup" + path.rstrip("/"), "/sys/fs/cgroup"),
+                                 "memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            found = _read_cgroup(("/sys/fs/cgroup/memory" + path.rstrip("/"), "/sys/fs/cgroup/memory"),
+                                 "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def _read_cgroup(dirs: tuple[str, ...], limit_file: str, usage_file: str, inactive: str) -> tuple[int, int] | None:
+    """From the first of `dirs` that holds `limit_file` (a cgroup namespace shows its own as the root)."""
+    for d in dirs:
+        try:
+            with open(f"{d}/{limit_file}") as fh:
+                raw = fh.read().strip()
+            if raw == "max":
+                return None
+            limit = int(raw)
+            with open(f"{d}/{usage_file}") as fh:
+                usage = int(fh.read())
+            with open(f"{d}/memory.stat") as fh:
+                stat = dict(line.split() for line in fh if line.strip())
+            return limit - (usage - int(stat.get(inactive, 0))), limit
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def spare_memory() -> bool:
+    """Whether at least SPARE_SHARE of the memory this process may use is free (`memory_left`): then a
+    freed buffer may be kept for reuse. True where that is not known."""
+    left = memory_left()
+    return left is None or left[0] >= SPARE_SHARE * left[1]

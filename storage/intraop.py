@@ -15,7 +15,9 @@ second, up to BURST_S in hand, and spends its own CPU time (`time.thread_time`);
 until it is even again. Occasional small work (a small model's pieces) never waits; a burst (a 31M-value
 piece: about half a CPU second) is spread over 1/share times as long, so that a training loop it
 shares a core with is slowed by about `share` over several steps instead of twice as long for one
-(`workers.threads`).
+(`workers.threads`). Pacing spreads bursts; it must not hold back work that keeps coming faster than
+the share allows, which would only pile up: a thread whose work queues up rushes (`Pacer.rushing`),
+unpaced, until it has caught up.
 """
 
 from __future__ import annotations
@@ -117,6 +119,11 @@ class Pacer:
         self.share = self.budget.share
         self.slept_s = 0.0
         """Seconds the thread has slept to keep to its share."""
+        self.rushing = False
+        """Set from any thread: while True the thread works unpaced and spends nothing of the budget
+        (its work is queuing up behind the pacing: a burst spread out is one thing, a backlog another)."""
+        self.rushed_s = 0.0
+        """CPU seconds the thread spent rushing."""
         self._thread_cpu, self._sleep = cpu, sleep
         self._stopped = False
         self._cpu = cpu()
@@ -134,6 +141,10 @@ class Pacer:
         if self._stopped:
             return
         cpu = self._thread_cpu()
+        if self.rushing:
+            self.rushed_s += cpu - self._cpu
+            self._cpu = cpu
+            return
         pause = self.budget.spend(cpu - self._cpu)
         self._cpu = cpu
         if pause > 0.0:

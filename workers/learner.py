@@ -154,7 +154,9 @@ class LearnerConfig:
     version) is spread out instead of slowing one step of a loop it shares a core with by up to
     twice. 1: not paced. 0: chosen for the device (`threads.transfer_share`): 0.25 on the CPU, not
     paced beside a GPU (where they run on cores of their own, below the loop). Their average load
-    must stay below it, or pieces queue: a 124M model on 2 CPUs uses 4% of one. Version 0's
+    should stay below it (a 124M model on 2 CPUs uses 4% of one); where it does not, pieces queue
+    and the uploader rushes, unpaced, until its queue is empty (`Uploader._rush`: a 1B model on 2
+    CPUs needs 0.42 of one). Version 0's
     proposal and the final pieces of a learner leaving are not paced: no loop trains beside them."""
     reuse_freed_memory: bool = True
     """Tune this process's malloc (glibc) to keep freed fragment-sized buffers for reuse instead of
@@ -483,6 +485,8 @@ class Learner:
             return  # never joined (refused, or failed to start), or left already
         self._leave_by = time.monotonic() + self.config.close_timeout_s  # sending and leaving, together
         self._stop_pacing()  # the loop is done: the final pieces go out as fast as they can
+        if self.is_leader:
+            self.fetcher.done_taking()  # nor does it take a version again: none is downloaded for it
         final = self._send_progress(final=True)
         if preempted and self._saves_state and self.replica.share(
                 [int(self._run_end is None)] if self.is_leader else None, 1)[0]:

@@ -17,15 +17,21 @@ smallest free one that is large enough (fragments are balanced, so one fragment'
 another's), and the buffer is given back once nothing reads it. At most `keep` buffers wait (and
 at most `max_bytes` of them), so what is kept is what the next piece would allocate anyway. The
 stager's host buffers (`workers.staging`) are kept the same way.
+
+A kept buffer is memory the process could do without: none is kept, and those kept are freed, while
+less than a quarter of the memory the process may use is free (`storage.heap.spare_memory`): a
+1B-parameter learner on 24 GB has under 1 GB to spare, and its uploader kept two 252 MB buffers.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
+
+from diloco.storage.heap import spare_memory
 
 MIN_ELEMENTS = 1 << 20
 """A buffer of fewer elements is not kept: glibc reuses small blocks by itself."""
@@ -34,12 +40,17 @@ MIN_ELEMENTS = 1 << 20
 class Scratch:
     """Flat float32 CPU buffers taken (`views`) and given back (`give`) by their one user. Thread-safe."""
 
-    def __init__(self, keep: int | None = 2, *, max_bytes: int | None = None, min_elements: int = MIN_ELEMENTS) -> None:
+    def __init__(self, keep: int | None = 2, *, max_bytes: int | None = None, min_elements: int = MIN_ELEMENTS,
+                 spare: Callable[[], bool] = spare_memory) -> None:
         self.keep, self.max_bytes, self.min_elements = keep, max_bytes, min_elements
+        self.spare = spare
+        """Whether memory is plentiful enough to keep a freed buffer (asked at each `give`)."""
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self.reused = 0
         """Buffers handed out again instead of allocated."""
+        self.released = 0
+        """Buffers freed because memory ran short (`spare`), kept ones included."""
 
     def views(self, shapes: Mapping[str, tuple[int, ...] | torch.Size]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """A flat buffer of at least `shapes`' elements, and a contiguous view of it per name in order.
@@ -57,12 +68,16 @@ class Scratch:
     def give(self, base: torch.Tensor) -> None:
         """Take back a buffer from `views`. The caller guarantees that nothing reads it, or any view
         of it, from now on: the next `views` overwrites it. One that would pass `keep` or `max_bytes`
-        is not kept (freed)."""
+        is not kept (freed); while memory is short (`spare`), neither it nor any kept one is."""
         if base.numel() < self.min_elements:
             return
         with self._lock:
             if any(b is base for b in self._free):
                 raise ValueError("a scratch buffer given back twice")
+            if not self.spare():
+                self.released += 1 + len(self._free)
+                self._free = []
+                return
             full = self.keep is not None and len(self._free) >= self.keep
             if full or (self.max_bytes is not None and _bytes(self._free) + _bytes([base]) > self.max_bytes):
                 return

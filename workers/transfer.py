@@ -37,6 +37,7 @@ import redis
 from diloco.storage import codecs
 from diloco.storage.bus import Bus
 from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
+from diloco.storage.heap import spare_memory
 from diloco.storage.history import params_limit, params_match, read_manifest, read_params, read_verified, sha256_hex
 from diloco.storage.intraop import Pacer, paced_slices, unpaced
 from diloco.storage.keys import RunKeys
@@ -246,6 +247,7 @@ class Uploader(threading.Thread):
         self._cv = threading.Condition()
         self._busy = False
         self._closed = False
+        self._rushing = False  # `_rush`
         # Sequence numbers stay unique across restarts of the same learner id: start from the clock.
         self._seq = int(time.time() * 1000) * 1000
 
@@ -261,9 +263,12 @@ class Uploader(threading.Thread):
                 open_job.absorb(job)
                 open_job.blob = None  # re-encode with the new content
                 self.stats.coalesced += 1
+                self._rush(True)
                 job = open_job
             else:
                 self._jobs.append(job)
+                if len(self._jobs) + self._busy > 1 and not spare_memory():
+                    self._rush(True)  # each queued piece holds host copies the machine is short of
             self._cv.notify()
             return job.contribution_id
 
@@ -289,6 +294,9 @@ class Uploader(threading.Thread):
 
     def run(self) -> None:
         self.pacer = self.limits.apply()
+        with self._cv:
+            if self.pacer is not None:
+                self.pacer.rushing = self._rushing
         while True:
             with self._cv:
                 while not self._jobs and not self._closed:
@@ -311,6 +319,8 @@ class Uploader(threading.Thread):
             with self._cv:
                 if retry:
                     self._jobs.insert(0, job)  # first in line again: keeps a fragment's order
+                if not self._jobs:
+                    self._rush(False)
                 self._busy = False
                 self._cv.notify_all()
                 if retry and not self._closed:
@@ -320,6 +330,17 @@ class Uploader(threading.Thread):
                     job.on_done(sent)
                 except Exception:  # noqa: BLE001 (never kill the thread)
                     log.exception("after the upload to fragment %d", job.fragment)
+
+    def _rush(self, on: bool) -> None:
+        """A send found its fragment's previous piece still queued, or queued behind another while
+        memory is short (`submit`): the thread works unpaced until its queue is empty. Held to its
+        share while pieces come faster than that lets them out, it would fall further behind with
+        every send, its pieces arriving later and later and each queued one holding the fragment's
+        host copies (a 1B model's learner on 2 CPUs, its transfer work 0.42 of a CPU against a
+        share of 0.25, grew by a 126 MB copy every few seconds until it was killed for memory)."""
+        self._rushing = on
+        if self.pacer is not None:
+            self.pacer.rushing = on
 
     def _failed(self, job: UploadJob, exc: BaseException) -> bool:
         """True to retry the job; False when it is past its deadline (then dropped)."""
@@ -502,6 +523,7 @@ class Fetcher(threading.Thread):
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._closing = threading.Event()
+        self._done_taking = False  # `done_taking`
         self._last_id = "$"
         self._max_staleness: int | None = None  # as the newest manifest read records it
         self._update_share: float | None = None
@@ -541,6 +563,8 @@ class Fetcher(threading.Thread):
 
     def want(self, fragment: int, newer_than: int) -> None:
         with self._lock:
+            if self._done_taking:
+                return
             at = self._at(fragment)
             if at.ready is not None and at.ready.version > newer_than:
                 return
@@ -578,6 +602,19 @@ class Fetcher(threading.Thread):
         with self._lock:
             fetched = self._at(fragment).ready
         return fetched is not None and fetched.slot.pending
+
+    def done_taking(self) -> None:
+        """The learner is leaving: it takes no version again, so none is downloaded from now on
+        (wants dropped and ignored) and those waiting to be taken are released. At 1B parameters
+        each staged version is a fragment's fp32 delta, 252 MB: the versions that merge a leaving
+        learner's final pieces, all of them staged for nothing, took its learner past 24 GB."""
+        with self._lock:
+            self._done_taking = True
+            waiting = [at.ready for at in self._fragments.values() if at.ready is not None]
+            for at in self._fragments.values():
+                at.want, at.ready = None, None
+        for fetched in waiting:
+            fetched.release()
 
     def restage(self, fragment: int) -> None:
         """The fragment's anchor changed (a send): the version waiting to be taken, if any, is made

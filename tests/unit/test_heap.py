@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from diloco.storage.heap import reuse_freed_memory
+from diloco.storage.heap import SPARE_SHARE, _read_cgroup, memory_left, reuse_freed_memory, spare_memory
 
 # Six 4 MiB buffers made, touched and freed together, three times over (a piece's tensors, decoded
 # and merged): the page faults of the third time. glibc's default trims the heap after each time.
 _CHILD = """
 import resource, sys
-from diloco.storage.heap import reuse_freed_memory
+from diloco.storage.heap import SPARE_SHARE, _read_cgroup, memory_left, reuse_freed_memory, spare_memory
 if sys.argv[1] == "tuned":
     print(reuse_freed_memory({}), file=sys.stderr)
 for _ in range(2):
@@ -55,3 +55,29 @@ def test_every_command_but_learner_tunes_malloc_at_start_and_a_learner_leaves_it
     caplog.clear()
     main(["-v", "learner", "--run", "r", "--id", "x", "--steps", "1"])
     assert "malloc:" not in caplog.text  # `Learner` decides when it joins (LearnerConfig.reuse_freed_memory)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/meminfo: Linux only")
+def test_the_memory_left_is_read_from_the_machine():
+    left, total = memory_left()
+    assert 0 <= left <= total and total > 1 << 20
+    assert spare_memory() == (left >= SPARE_SHARE * total)
+
+
+def test_a_memory_cgroups_limit_less_its_working_set_is_what_is_left(tmp_path):
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("1000000000\n")
+    (v2 / "memory.current").write_text("700000000\n")
+    (v2 / "memory.stat").write_text("anon 500000000\nfile 200000000\ninactive_file 150000000\n")
+    missing = str(tmp_path / "not-mounted-here")  # the cgroup's own path, outside a cgroup namespace
+    assert _read_cgroup((missing, str(v2)), "memory.max", "memory.current", "inactive_file") == (450000000, 1000000000)
+    (v2 / "memory.max").write_text("max\n")
+    assert _read_cgroup((str(v2),), "memory.max", "memory.current", "inactive_file") is None  # no limit
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text("2000000000\n")
+    (v1 / "memory.usage_in_bytes").write_text("1500000000\n")
+    (v1 / "memory.stat").write_text("cache 600000000\ntotal_inactive_file 400000000\n")
+    assert _read_cgroup((str(v1),), "memory.limit_in_bytes", "memory.usage_in_bytes",
+                        "total_inactive_file") == (900000000, 2000000000)

@@ -1,5 +1,6 @@
-"""`workers.scratch`: buffers handed out as views, given back and handed out again, bounded; and
-`codecs.encode_lost` writing a piece's loss into them with the bits of fresh tensors."""
+"""`workers.scratch`: buffers handed out as views, given back and handed out again, bounded, and
+none kept while memory is short; and `codecs.encode_lost` writing a piece's loss into them with the
+bits of fresh tensors."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ from diloco.storage import codecs
 from diloco.workers.scratch import Scratch
 
 
+def _plenty() -> bool:
+    return True  # memory to spare, whatever this machine has free now
+
+
 def test_a_buffer_given_back_is_handed_out_again_as_views_of_the_shapes_asked():
-    scratch = Scratch(keep=2, min_elements=16)
+    scratch = Scratch(keep=2, min_elements=16, spare=_plenty)
     base, views = scratch.views({"w": (4, 8), "b": (3,)})
     assert base.numel() == 35 and views["w"].shape == (4, 8) and views["b"].shape == (3,)
     assert views["w"].is_contiguous() and views["b"].data_ptr() == base.data_ptr() + 32 * 4
@@ -26,7 +31,7 @@ def test_a_buffer_given_back_is_handed_out_again_as_views_of_the_shapes_asked():
 
 
 def test_the_smallest_fitting_buffer_is_taken_and_one_past_keep_or_max_bytes_is_freed():
-    scratch = Scratch(keep=2, min_elements=16)
+    scratch = Scratch(keep=2, min_elements=16, spare=_plenty)
     a, b, c = (scratch.views({"x": (n,)})[0] for n in (100, 70, 50))
     for buffer in (a, b, c):
         scratch.give(buffer)
@@ -37,10 +42,27 @@ def test_the_smallest_fitting_buffer_is_taken_and_one_past_keep_or_max_bytes_is_
     tiny, _ = scratch.views({"x": (8,)})  # under min_elements: never kept
     scratch.give(tiny)
     assert scratch.held_bytes == 0
-    bounded = Scratch(keep=None, max_bytes=150 * 4, min_elements=0)
+    bounded = Scratch(keep=None, max_bytes=150 * 4, min_elements=0, spare=_plenty)
     for buffer in (a, b, c):
         bounded.give(buffer)
     assert bounded.held_bytes == (100 + 50) * 4  # b would have passed max_bytes
+
+
+def test_while_memory_is_short_no_buffer_is_kept_and_the_kept_ones_are_freed():
+    plenty = [True]
+    scratch = Scratch(keep=4, min_elements=16, spare=lambda: plenty[0])
+    a, b, c = (scratch.views({"x": (n,)})[0] for n in (100, 70, 50))
+    scratch.give(a)
+    scratch.give(b)
+    assert scratch.held_bytes == (100 + 70) * 4
+    plenty[0] = False  # the machine runs short: c is not kept, and a and b go too
+    scratch.give(c)
+    assert scratch.held_bytes == 0 and scratch.released == 3
+    fresh = scratch.views({"x": (60,)})[0]
+    assert all(fresh is not t for t in (a, b, c)) and scratch.reused == 0
+    plenty[0] = True  # memory again: kept as before
+    scratch.give(fresh)
+    assert scratch.views({"x": (60,)})[0] is fresh and scratch.reused == 1
 
 
 def test_encode_lost_writes_the_loss_into_buffers_given_with_the_bits_of_its_own():

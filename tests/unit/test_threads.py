@@ -147,6 +147,24 @@ def test_threads_paced_from_one_budget_take_its_share_between_them_not_each():
     assert sum(p.slept_s for p in pacers) == pytest.approx(sum(clocks.sleeps))
 
 
+def test_a_rushing_thread_is_not_paced_and_leaves_the_budget_to_the_others():
+    clocks = _Clocks()
+    pacer = clocks.pacer(0.25)
+    pacer.rushing = True  # its work queues up: a backlog, not a burst
+    for _ in range(200):
+        clocks.work(0.005)
+        pacer.step()
+    assert clocks.sleeps == [] and pacer.rushed_s == pytest.approx(1.0)
+    pacer.rushing = False  # caught up: paced again, owing nothing for the rush
+    clocks.work(0.005)
+    pacer.step()
+    assert clocks.sleeps == []
+    for _ in range(100):
+        clocks.work(0.005)
+        pacer.step()
+    assert pacer.slept_s > 0 and pacer.rushed_s == pytest.approx(1.0)
+
+
 def test_a_learners_limits_give_its_threads_one_budget():
     cpu = ThreadLimits.for_device("cpu", 2)
     assert cpu.budget is not None and cpu.budget.share == CPU_SHARE
