@@ -711,6 +711,8 @@ class Fetcher(threading.Thread):
             return
         fetched = Fetched(version, params)
         with self._lock:
+            if self._done_taking:
+                return  # downloaded as the learner left: nothing will take it
             at = self._at(fragment)
             if at.want is not None and version > at.want.newer_than:
                 at.want = None
