@@ -29,6 +29,7 @@ cgroup, is still free, and `workers.scratch` keeps a freed buffer only then.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 
@@ -66,7 +67,6 @@ def reuse_freed_memory(environ: dict[str, str] | None = None) -> str:
     return f"heap allocations up to {MMAP_THRESHOLD >> 20} MiB, up to {TRIM_THRESHOLD >> 20} MiB of freed heap kept"
 
 
-
 def memory_left() -> tuple[int, int] | None:
     """(bytes this process could still allocate before the machine or its memory cgroup runs short,
     the memory it may use in all), or None where that is not known (not Linux). The machine's from
@@ -87,6 +87,14 @@ def memory_left() -> tuple[int, int] | None:
 
 def _cgroup_left() -> tuple[int, int] | None:
     """(limit - working set, limit) of this process's memory cgroup, v2 or v1; None if it has no limit."""
+    found = _cgroup()
+    return None if found is None else _read_cgroup((found[0],), *found[1:])
+
+
+@functools.cache
+def _cgroup() -> tuple[str, str, str, str] | None:
+    """This process's memory cgroup: its directory and the names of its limit, usage and inactive
+    page cache figures (v2 or v1), looked up once; None where there is none to read."""
     try:
         with open("/proc/self/cgroup") as fh:
             lines = fh.read().splitlines()
@@ -95,20 +103,21 @@ def _cgroup_left() -> tuple[int, int] | None:
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2: "0::/path"
-            found = _read_cgroup(("/sys/fs/cgroup" + path.rstrip("/"), "/sys/fs/cgroup"),
-                                 "memory.max", "memory.current", "inactive_file")
+            root, names = "/sys/fs/cgroup", ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
-            found = _read_cgroup(("/sys/fs/cgroup/memory" + path.rstrip("/"), "/sys/fs/cgroup/memory"),
-                                 "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            root, names = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                    "total_inactive_file")
         else:
             continue
-        if found is not None:
-            return found
+        for d in (root + path.rstrip("/"), root):  # a cgroup namespace shows its own as the root
+            if os.path.exists(f"{d}/{names[0]}"):
+                return d, *names
     return None
 
 
 def _read_cgroup(dirs: tuple[str, ...], limit_file: str, usage_file: str, inactive: str) -> tuple[int, int] | None:
-    """From the first of `dirs` that holds `limit_file` (a cgroup namespace shows its own as the root)."""
+    """(limit - working set, limit) from the first of `dirs` whose figures read; None if none does or
+    the limit is "max" (none)."""
     for d in dirs:
         try:
             with open(f"{d}/{limit_file}") as fh:

@@ -71,10 +71,11 @@ class Scratch:
         is not kept (freed); while memory is short (`spare`), neither it nor any kept one is."""
         if base.numel() < self.min_elements:
             return
+        plenty = self.spare()  # reads the machine's figures: outside the lock
         with self._lock:
             if any(b is base for b in self._free):
                 raise ValueError("a scratch buffer given back twice")
-            if not self.spare():
+            if not plenty:
                 self.released += 1 + len(self._free)
                 self._free = []
                 return

@@ -336,8 +336,8 @@ class Uploader(threading.Thread):
         memory is short (`submit`): the thread works unpaced until its queue is empty. Held to its
         share while pieces come faster than that lets them out, it would fall further behind with
         every send, its pieces arriving later and later and each queued one holding the fragment's
-        host copies (a 1B model's learner on 2 CPUs, its transfer work 0.42 of a CPU against a
-        share of 0.25, grew by a 126 MB copy every few seconds until it was killed for memory)."""
+        host copies (a 1B model's learner on 2 CPUs, its transfer work about 0.42 of a CPU against
+        a share of 0.25, grew through its training; rushing, it held level)."""
         self._rushing = on
         if self.pacer is not None:
             self.pacer.rushing = on
@@ -605,9 +605,9 @@ class Fetcher(threading.Thread):
 
     def done_taking(self) -> None:
         """The learner is leaving: it takes no version again, so none is downloaded from now on
-        (wants dropped and ignored) and those waiting to be taken are released. At 1B parameters
-        each staged version is a fragment's fp32 delta, 252 MB: the versions that merge a leaving
-        learner's final pieces, all of them staged for nothing, took its learner past 24 GB."""
+        (wants dropped and ignored) and those waiting to be taken are released. Each final piece
+        used to ask for the version that merges it, and every such version was staged for nothing:
+        at 1B parameters a fragment's fp32 delta, 252 MB, each."""
         with self._lock:
             self._done_taking = True
             waiting = [at.ready for at in self._fragments.values() if at.ready is not None]
