@@ -23,15 +23,23 @@ library is not glibc.
 Keeping buffers trades memory for CPU, which a process near its memory's end cannot afford (a
 1B-parameter learner on 24 GB has under 1 GB to spare; its uploader kept two 252 MB buffers):
 `spare_memory` says whether a quarter of what the process may use, on the machine or in its memory
-cgroup, is still free, and `workers.scratch` keeps a freed buffer only then.
+cgroup, is still free, and `workers.scratch` keeps a freed buffer only then. `fit` goes further for
+a process this module tuned: while memory is short its malloc gives freed memory back (blocks over
+1 MiB mapped on their own, unmapped when freed; `malloc_trim` at most once a second hands back the
+free pages inside its heaps), and keeps it again once memory is plentiful. A 1B-parameter learner
+on 24 GB held up to 3.3 GB more than its live tensors (freed blocks under 32 MiB waiting in its
+heaps) when it was killed for memory.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import sys
+import threading
+import time
 
 MMAP_THRESHOLD = 32 << 20
 """Allocations up to this size come from the heap (glibc's dynamic threshold stops here on 64-bit)."""
@@ -40,6 +48,14 @@ TRIM_THRESHOLD = 256 << 20
 SPARE_SHARE = 0.25
 """What `spare_memory` wants free, as a share of the memory this process may use: below it, buffers
 kept for reuse (`workers.scratch`) are given back."""
+
+GIVE_BACK_MMAP_THRESHOLD = 1 << 20
+"""While memory is short (`fit`), allocations over this size are mapped on their own: freed, they go
+back to the OS at once."""
+GIVE_BACK_TRIM_THRESHOLD = 128 << 10
+"""While memory is short, freed heap above this at a heap's top goes back (glibc's default)."""
+TRIM_EVERY_S = 1.0
+"""While memory is short, `fit` trims the heaps at most this often."""
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
@@ -55,16 +71,80 @@ def reuse_freed_memory(environ: dict[str, str] | None = None) -> str:
         return f"left as is: {', '.join(mine)} set"
     if any(name in env.get("LD_PRELOAD", "") for name in _OTHER_ALLOCATORS):
         return "left as is: another allocator is preloaded"
-    try:
-        libc = ctypes.CDLL(None)  # the C library this process already runs on
-        mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # noqa: B018 (glibc only; musl has a mallopt that does nothing)
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         return "left as is: the C library is not glibc"
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
-        return "left as is: mallopt refused the thresholds"
+    with _tuning.lock:
+        if not _set_thresholds(libc, MMAP_THRESHOLD, TRIM_THRESHOLD):
+            return "left as is: mallopt refused the thresholds"
+        _tuning.tuned, _tuning.giving_back = True, False
     return f"heap allocations up to {MMAP_THRESHOLD >> 20} MiB, up to {TRIM_THRESHOLD >> 20} MiB of freed heap kept"
+
+
+class _Tuning:
+    """What this module did to the process's malloc (`reuse_freed_memory`, `fit`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tuned = False
+        """`reuse_freed_memory` set the thresholds: `fit` may move them."""
+        self.giving_back = False
+        """Memory was short at the last `fit`: the give-back thresholds are set."""
+        self.trimmed_at = -math.inf
+        self.trims = 0
+        """Times `fit` trimmed the heaps."""
+
+
+_tuning = _Tuning()
+
+
+def fit(spare: bool | None = None) -> bool:
+    """Fit the process's malloc to the memory left, in a process `reuse_freed_memory` tuned: while
+    memory is short (`spare`, else `spare_memory()`, is False) freed memory goes back to the OS
+    (GIVE_BACK_MMAP_THRESHOLD and GIVE_BACK_TRIM_THRESHOLD, and `malloc_trim` at most every
+    TRIM_EVERY_S); once it is plentiful again the reuse thresholds are back. Cheap: call it where a
+    thread has just freed a fragment's worth. Returns whether memory is plentiful."""
+    spare = spare_memory() if spare is None else spare
+    if not _tuning.tuned:
+        return spare
+    libc = _glibc()
+    assert libc is not None  # tuned: it was found
+    with _tuning.lock:
+        if spare:
+            if _tuning.giving_back and _set_thresholds(libc, MMAP_THRESHOLD, TRIM_THRESHOLD):
+                _tuning.giving_back = False
+            return True
+        if not _tuning.giving_back:
+            _tuning.giving_back = _set_thresholds(libc, GIVE_BACK_MMAP_THRESHOLD, GIVE_BACK_TRIM_THRESHOLD)
+        now = time.monotonic()
+        if now - _tuning.trimmed_at < TRIM_EVERY_S:
+            return False
+        _tuning.trimmed_at = now
+        _tuning.trims += 1
+    libc.malloc_trim(0)  # outside the lock: it walks every heap
+    return False
+
+
+def fit_stats() -> dict[str, object]:
+    """What `fit` did so far: whether the give-back thresholds are set and how many trims it made."""
+    return {"tuned": _tuning.tuned, "giving_back": _tuning.giving_back, "trims": _tuning.trims}
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library this process runs on, if it is glibc (musl has a mallopt that does nothing)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018
+        libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _set_thresholds(libc: ctypes.CDLL, mmap_threshold: int, trim_threshold: int) -> bool:
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
 def memory_left() -> tuple[int, int] | None:

@@ -111,6 +111,15 @@ class GenesisProposer:
             self.bus.release_genesis(self.learner, sorted(self.claimed))
             self.claimed.clear()
 
+    def joined(self) -> None:
+        """The learner joined (every fragment has a version 0): it proposes nothing more, and lets go
+        of its initial values, a full copy of the model (2 GB at 1B parameters in bf16) that would
+        otherwise stay alive for the whole run. A proposal still on its way keeps its own tensors.
+        Its claims lapse (CLAIM_TTL_S): they are not extended any more."""
+        with self._lock:
+            self._released = True
+            self.initial = {}
+
     def _submit(self, layout: Layout, fragment: int) -> None:
         if not self._layout_stored:  # the first proposal the coordinator reads fixes the run's layout: ours, if it is this one
             self.store.put(self.bus.keys.genesis_layout(self.learner), layout.to_wire(), create_only=False)

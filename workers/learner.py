@@ -738,6 +738,7 @@ class Learner:
         self.fetcher.start()
         self.bus.join(self.learner_id)
         self._joined = True
+        genesis.joined()
         log.info("learner %s joined run %s at versions %s", self.learner_id, self.run,
                  [heads[f] for f in sorted(heads)])
         return values, heads

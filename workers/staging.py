@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from diloco.storage import heap
 from diloco.storage.intraop import Pacer, pace, paced_slices
 from diloco.workers.hostcopy import HostCopies, Snapshot
 from diloco.workers.scratch import Scratch
@@ -197,6 +198,8 @@ class Stager(threading.Thread):
                             "compute it", fragment, version, exc)
             slot.offer(staged, generation)
             self.cpu_s += time.thread_time() - cpu
+            del params, staged
+            heap.fit()
 
     def stage(self, fragment: int, version: int, params: Mapping[str, torch.Tensor], names: Sequence[str],
               anchor: Snapshot | None) -> Staged:

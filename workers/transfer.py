@@ -37,6 +37,7 @@ import redis
 from diloco.storage import codecs
 from diloco.storage.bus import Bus
 from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
+from diloco.storage import heap
 from diloco.storage.heap import spare_memory
 from diloco.storage.history import params_limit, params_match, read_manifest, read_params, read_verified, sha256_hex
 from diloco.storage.intraop import Pacer, paced_slices, unpaced
@@ -330,6 +331,8 @@ class Uploader(threading.Thread):
                     job.on_done(sent)
                 except Exception:  # noqa: BLE001 (never kill the thread)
                     log.exception("after the upload to fragment %d", job.fragment)
+            del job  # a piece's host copies and buffers freed: memory short, malloc gives them back
+            heap.fit()
 
     def _rush(self, on: bool) -> None:
         """A send found its fragment's previous piece still queued, or queued behind another while
@@ -659,6 +662,7 @@ class Fetcher(threading.Thread):
                    and at.unreadable != at.head]
         for fragment, head in due:
             self._download(fragment, head)
+            heap.fit()  # the version it replaced is freed once taken; memory short, malloc gives it back
         for entry_id, event in self.bus.read_versions(self._last_id, block_ms=500):
             self._last_id = entry_id
             if not isinstance(event, VersionEvent):

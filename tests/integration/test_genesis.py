@@ -4,17 +4,21 @@ holder died lapses."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
+import torch
 
 from diloco.storage.bus import Bus
 from diloco.storage.history import read_manifest
 from diloco.storage.keys import RunKeys
 from diloco.storage.objects import ObjectStore
 from diloco.workers import genesis
-from harness import make_coordinator, tiny_learner
+from diloco.workers.learner import Learner
+from harness import Tiny, make_coordinator, start_beside, tiny_learner
 
 
 def _start_all(coord, learners, *, before=None) -> None:  # noqa: ANN001
@@ -65,6 +69,32 @@ def test_learners_that_start_at_once_upload_each_fragment_of_version_0_once_and_
     assert [learner.stats.uploaded for learner in learners].count(0) >= 1  # three learners, two fragments
     for learner in learners:
         learner.close()
+    coord.close()
+
+
+def test_a_learner_that_proposed_version_0_lets_go_of_its_initial_copy_of_the_model_once_joined(
+        endpoints, run_id, monkeypatch):
+    # The initial values it may propose are a full copy of the model, held while joining: 2 GB of a
+    # 1B-parameter bf16 model, which used to stay alive for the whole run. (A bf16 model: its fp32
+    # version 0 is made from them, so the copy is its own.)
+    initial: list[weakref.ref] = []
+    made = genesis.GenesisProposer.__init__
+
+    def spy(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        made(self, *args, **kwargs)
+        initial.extend(weakref.ref(t) for t in self.initial.values())
+
+    monkeypatch.setattr(genesis.GenesisProposer, "__init__", spy)
+    coord = make_coordinator(endpoints, run_id)
+    torch.manual_seed(0)
+    model = Tiny().to(torch.bfloat16)
+    learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.1), run=run_id, endpoints=endpoints,
+                      learner_id="proposer", tokens_per_step=10)
+    start_beside(coord, learner)
+    assert learner.stats.joined_own == 2  # its initial values are version 0
+    gc.collect()
+    assert len(initial) == 4 and all(ref() is None for ref in initial), "the initial copy is still held"
+    learner.close()
     coord.close()
 
 
