@@ -27,8 +27,7 @@ cgroup, is still free, and `workers.scratch` keeps a freed buffer only then. `fi
 a process this module tuned: while memory is short its malloc gives freed memory back (blocks over
 1 MiB mapped on their own, unmapped when freed; `malloc_trim` at most once a second hands back the
 free pages inside its heaps), and keeps it again once memory is plentiful. A 1B-parameter learner
-on 24 GB held up to 3.3 GB more than its live tensors (freed blocks under 32 MiB waiting in its
-heaps) when it was killed for memory.
+on 24 GB, killed for memory, was resident for up to 3.3 GB more than its live tensors.
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ Measured, per learner:
   counted inside them;
 - peak resident memory (VmHWM) against the baseline's: the learner's memory overhead;
 - bytes up and down (heartbeats), and the size of a contribution, an update and a params object.
-Per coordinator: peak resident memory, CPU per committed version, and the wall time of each
-publish (its log's `committed fragment F version V ... in X s`).
+Per coordinator (`--shards K`: K processes, each merging its share of the fragments): peak
+resident memory, CPU per committed version, and the wall time of each publish (its log's
+`committed fragment F version V ... in X s`). The learners' takes (`adopted`) say whether the
+coordinators keep up: a learner takes a fragment's version only once its piece is merged.
 
 Not measured here: a GPU (none on these machines), objects above the 5 GB single-PUT limit (a
 fragment of this model is ~125 MB; multipart is tested with a lowered threshold).
@@ -74,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold-state", action=argparse.BooleanOptionalAction, default=True,
                         help="the coordinator's --hold-state (default: on, the coordinator's default); "
                              "--no-hold-state: one fragment in its memory at a time")
+    parser.add_argument("--shards", type=int, default=1,
+                        help="coordinator processes, each merging its share of the fragments (default: %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the learners' parameters (default: %(default)s); the global model is float32. "
                              "About 1B parameters: --n-layer 18 --n-embd 2048 --n-head 16 --dtype bfloat16")
@@ -196,7 +200,8 @@ class ScaleResult:
     baseline: Baseline
     learner_stats: dict[str, dict]
     usage: dict[str, Usage]
-    publish_s: list[float]
+    publish_s: dict[str, list[float]]
+    """Coordinator (one per shard) -> the wall time of each of its publishes."""
     versions: int
     sizes: dict[str, int] = field(default_factory=dict)
     """Mean bytes of a contribution, an update and a params object (one fragment)."""
@@ -216,19 +221,22 @@ class ScaleResult:
                          None if cpu is None else cpu - b.cpu_s / b.steps, s.get("background_cpu_s", 0.0) / steps,
                          human_bytes(u.peak_rss), human_bytes(u.peak_rss - b.peak_rss),
                          human_bytes(int(s.get("bytes_uploaded", 0))), human_bytes(int(s.get("bytes_downloaded", 0)))])
-        coord = self.usage.get("coordinator", Usage())
-        publish = sorted(self.publish_s)
         head = (f"scale: {self.params:,} parameters, P = {self.fragments}, M = {self.learners}, "
                 f"{self.steps} steps per learner, {self.codec} both ways; a contribution "
                 f"{human_bytes(self.sizes.get('contribution', 0))}, an update {human_bytes(self.sizes.get('update', 0))}, "
                 f"a params object {human_bytes(self.sizes.get('params', 0))} (one fragment)")
-        tail = (f"coordinator: {self.versions} versions committed, publish {_mean(publish):.2f} s mean / "
-                f"{publish[-1] if publish else 0:.2f} s max, {coord.cpu_s / max(1, self.versions):.2f} CPU s per "
-                f"version (start-up and genesis included), peak memory {human_bytes(coord.peak_rss)}"
-                + (f" (reached {coord.peak_at - self.started_at:.0f} s after the start)" if coord.peak_at else ""))
+        tails = []
+        for name, publish in sorted(self.publish_s.items()):
+            coord, publish = self.usage.get(name, Usage()), sorted(publish)
+            tails.append(f"{name}: {len(publish)} versions committed, publish {_mean(publish):.2f} s mean / "
+                         f"{publish[-1] if publish else 0:.2f} s max, {coord.cpu_s / max(1, len(publish)):.2f} CPU s "
+                         f"per version (start-up and genesis included), peak memory {human_bytes(coord.peak_rss)}"
+                         + (f" (reached {coord.peak_at - self.started_at:.0f} s after the start)" if coord.peak_at else ""))
+        takes = ", ".join(f"{name} took {int(s.get('adopted', 0))} versions in {int(s.get('step', 0))} steps"
+                          for name, s in sorted(self.learner_stats.items()))
         return "\n".join([head, figures_table(["process", "wall s/step", "hook s/step", "CPU s/step", "CPU overhead",
                                                "transfer threads CPU", "peak memory", "memory overhead", "up",
-                                               "down"], rows), tail])
+                                               "down"], rows), *tails, takes])
 
     def to_json(self) -> dict:
         return {"bench": NAME, "params": self.params, "fragments": self.fragments, "learners": self.learners,
@@ -236,6 +244,11 @@ class ScaleResult:
                 "baseline": self.baseline.__dict__, "learner_stats": self.learner_stats,
                 "usage": {k: v.__dict__ for k, v in self.usage.items()}, "publish_s": self.publish_s,
                 "versions": self.versions, "sizes": self.sizes, "started_at": self.started_at}
+
+
+def coordinator_names(shards: int) -> list[str]:
+    """The coordinator processes' names: "coordinator" alone, else one per shard."""
+    return ["coordinator"] if shards == 1 else [f"coordinator-{k}" for k in range(shards)]
 
 
 def _mean(xs: list[float]) -> float:
@@ -255,20 +268,22 @@ def run(args: argparse.Namespace) -> ScaleResult:
     base = baseline(task_path, args.steps)
     run_id = f"scale-{int(time.time())}"
     names = [f"learner-{i}" for i in range(args.learners)]
+    coordinators = coordinator_names(args.shards)
     with bench_stack(args.out, keep=args.keep_stack) as stack:
         started, started_at = time.monotonic(), time.time()
         with Supervisor(process_env(stack.env()), args.out / "logs") as fleet:
-            fleet.add("coordinator", diloco_command(
-                "coordinator", "--run", run_id, "--fragments", str(args.fragments), "--sync-every",
-                str(args.sync_every), "--overlap-steps", "1", "--codec", args.codec, "--cadence", "steps",
-                "--min-quorum", str(args.learners), "--max-grace-s", "30",
-                *([] if args.hold_state else ["--no-hold-state"])), service=True)
+            for coordinator, shard in zip(coordinators, range(args.shards), strict=True):
+                fleet.add(coordinator, diloco_command(
+                    "coordinator", "--run", run_id, "--fragments", str(args.fragments), "--sync-every",
+                    str(args.sync_every), "--overlap-steps", "1", "--codec", args.codec, "--cadence", "steps",
+                    "--min-quorum", str(args.learners), "--max-grace-s", "30", "--shards", str(args.shards),
+                    "--shard", str(shard), *([] if args.hold_state else ["--no-hold-state"])), service=True)
             for i, name in enumerate(names):
                 # A large model's last pieces take a while to encode and upload on one thread.
                 fleet.add(name, learner_argv(run_id, name, task_path, steps=args.steps, data_seed=i,
                                              extra=["--close-timeout-s", "600"]))
             bus = Bus(stack.endpoints, run_id)
-            sampler = Sampler(fleet, ["coordinator", *names],
+            sampler = Sampler(fleet, [*coordinators, *names],
                               lambda: {k: v.step for k, v in bus.learner_stats().items()})
             sampler.start()
             try:
@@ -281,14 +296,15 @@ def run(args: argparse.Namespace) -> ScaleResult:
             finally:
                 sampler.stop.set()
                 fleet.stop(names, timeout_s=10)
-                fleet.stop(["coordinator"])
+                fleet.stop(coordinators)
         wall_s = time.monotonic() - started
         store, keys = ObjectStore(stack.endpoints), RunKeys(stack.endpoints.prefix, run_id)
         layout = read_layout(store, keys)
         manifests = [read_manifest(store, keys, f, v) for f in range(len(layout.fragments))
                      for v in list_versions(store, keys, f)[1:]] if layout else []
         contributions = [n for _, n in store.list_sizes(keys.deltas_prefix())]
-    publish = [float(m.group(4)) for m in _PUBLISHED.finditer((args.out / "logs" / "coordinator.log").read_text())]
+    publish = {name: [float(m.group(4)) for m in _PUBLISHED.finditer((args.out / "logs" / f"{name}.log").read_text())]
+               for name in coordinators}
     sizes = {"contribution": int(_mean(contributions)),
              "update": int(_mean([m.update_bytes for m in manifests])),
              "params": int(_mean([m.params_bytes for m in manifests]))}
