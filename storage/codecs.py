@@ -781,8 +781,10 @@ def encode_lost(tensors: Mapping[str, torch.Tensor], codec: str, *, plus: Mappin
     """Error feedback's encoder: the object `encode` writes for each float32 tensor plus its
     `plus` (the residual carried; none: the tensor alone), and what the codec lost of each sum (the
     next residual): the sum less the values `encode_decoded` gives for it, the same bits, in float32
-    tensors of their own, or written into `into`'s (contiguous float32 CPU tensors of the same
-    shapes, overwritten whole: a thread's reused buffers, `workers.scratch`). The sums and the
+    tensors of their own, or written into `into`'s (contiguous CPU tensors of the same shapes,
+    overwritten whole: a thread's reused buffers, `workers.scratch`; float32, or a narrower float
+    dtype the loss is rounded to, nearest even, the bits `.to(dtype)` of the float32 loss has: a
+    bf16 model's residual is bf16, never made in float32 first). The sums and the
     decoded values are never made whole: a blocked codec adds, encodes and subtracts a chunk at a
     time. Neither input changes. ValueError for a tensor that is not float32 (its sum with `plus`
     would round in its own dtype first: make it, then encode it), a `plus` of another shape, or an
@@ -794,16 +796,21 @@ def encode_lost(tensors: Mapping[str, torch.Tensor], codec: str, *, plus: Mappin
             raise ValueError(f"tensor {name!r}: encode_lost takes float32 tensors, each with a residual of its "
                              f"shape, got {t!r:.80}")
         if into is not None and not _fits(into.get(name), t.shape):
-            raise ValueError(f"tensor {name!r}: encode_lost writes its loss into a contiguous float32 CPU tensor "
-                             f"of shape {tuple(t.shape)}, got {into.get(name)!r:.80}")
+            raise ValueError(f"tensor {name!r}: encode_lost writes its loss into a contiguous float32, bfloat16 "
+                             f"or float16 CPU tensor of shape {tuple(t.shape)}, got {into.get(name)!r:.80}")
     blob, lost = _encode(tensors, codec, compress, meta, block_size, values="lost", plus=plus, into=into)
     assert lost is not None
     return blob, lost
 
 
+LOSS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""What `encode_lost` writes a loss into (`into`)."""
+
+
 def _fits(out: torch.Tensor | None, shape: torch.Size) -> bool:
-    """Whether `out` can be written whole with a float32 tensor of `shape`'s values."""
-    return (isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == shape
+    """Whether `out` can be written whole with a float32 tensor of `shape`'s values (rounded to its
+    dtype, one of LOSS_DTYPES)."""
+    return (isinstance(out, torch.Tensor) and out.dtype in LOSS_DTYPES and out.shape == shape
             and out.device.type == "cpu" and out.is_contiguous())
 
 

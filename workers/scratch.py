@@ -1,8 +1,9 @@
 """Fragment-sized float32 buffers that the uploader's thread reuses from one piece to the next.
 
-Each piece needs two fragments' worth of float32 temporaries: the delta (`global - local`,
-`UploadJob.settle`) and what the codec lost of it (the next residual, `codecs.encode_lost`). Both are
-freed after the piece is stored, so without reuse each piece maps them fresh.
+Each piece needs up to two fragments' worth of float32 temporaries: the delta (`global - local`,
+`UploadJob.settle`) and, for float32 parameters, what the codec lost of it (the next residual,
+`codecs.encode_lost`; a bf16 parameter's is written in bf16, a tensor of its own). Both are freed
+after the piece is stored, so without reuse each piece maps them fresh.
 
 A large tensor that a thread other than the main one allocates does not come from glibc's main heap.
 A thread's arena grows in heaps of at most 64 MiB, so a larger block is mapped on its own and

@@ -228,7 +228,7 @@ class ScaleResult:
         tails = []
         for name, publish in sorted(self.publish_s.items()):
             coord, publish = self.usage.get(name, Usage()), sorted(publish)
-            tails.append(f"{name}: {len(publish)} versions committed, publish {_mean(publish):.2f} s mean / "
+            tails.append(f"{name}: {len(publish)} versions committed (version 0 of its fragments included), publish {_mean(publish):.2f} s mean / "
                          f"{publish[-1] if publish else 0:.2f} s max, {coord.cpu_s / max(1, len(publish)):.2f} CPU s "
                          f"per version (start-up and genesis included), peak memory {human_bytes(coord.peak_rss)}"
                          + (f" (reached {coord.peak_at - self.started_at:.0f} s after the start)" if coord.peak_at else ""))

@@ -638,6 +638,15 @@ def test_encode_lost_gives_what_the_codec_lost_of_each_tensor_plus_its_residual(
             want = s - decoded[name]
             assert lost[name].dtype == torch.float32 and lost[name].shape == s.shape
             assert torch.equal(lost[name].view(torch.int32), want.view(torch.int32)), (name, block)
+        # Written into a narrower float (a bf16 model's residual): the float32 loss rounded, the same bits.
+        for dtype in (torch.bfloat16, torch.float16):
+            into = {name: torch.full(t.shape, float("nan"), dtype=dtype) for name, t in tensors.items()}
+            narrow_blob, narrow = codecs.encode_lost(tensors, codec, plus=plus, compress=True, block_size=block,
+                                                     into=into)
+            assert narrow_blob == blob
+            for name, t in narrow.items():
+                assert t is into[name] and torch.equal(t.view(torch.int16), lost[name].to(dtype).view(torch.int16)), \
+                    (name, block, dtype)
     after = tensors | {f"plus {k}": v for k, v in plus.items()}
     assert all(torch.equal(after[k], v) for k, v in before.items())
 

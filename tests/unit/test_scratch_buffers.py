@@ -76,5 +76,5 @@ def test_encode_lost_writes_the_loss_into_buffers_given_with_the_bits_of_its_own
     assert again == blob and all(written[n] is into[n] and torch.equal(written[n], lost[n]) for n in x)
     for bad in ({"w": into["w"]}, {"w": into["w"], "b": torch.empty(15)}, {"w": into["w"], "b": into["b"].double()},
                 {"w": into["w"], "b": torch.empty(3, 5).t()}):
-        with pytest.raises(ValueError, match="contiguous float32 CPU tensor"):
+        with pytest.raises(ValueError, match="contiguous float32, bfloat16 or float16 CPU tensor"):
             codecs.encode_lost(x, "int4", plus=plus, into=bad)
