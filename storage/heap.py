@@ -27,7 +27,8 @@ cgroup, is still free, and `workers.scratch` keeps a freed buffer only then. `fi
 a process this module tuned: while memory is short its malloc gives freed memory back (blocks over
 1 MiB mapped on their own, unmapped when freed; `malloc_trim` at most once a second hands back the
 free pages inside its heaps), and keeps it again once memory is plentiful. A 1B-parameter learner
-on 24 GB, killed for memory, was resident for up to 3.3 GB more than its live tensors.
+on 24 GB, killed for memory, was once sampled resident 3.3 GB above its live tensors (0.3-0.6 GB in
+the runs after).
 """
 
 from __future__ import annotations
