@@ -91,8 +91,6 @@ class _Tuning:
         self.giving_back = False
         """Memory was short at the last `fit`: the give-back thresholds are set."""
         self.trimmed_at = -math.inf
-        self.trims = 0
-        """Times `fit` trimmed the heaps."""
 
 
 _tuning = _Tuning()
@@ -120,14 +118,8 @@ def fit(spare: bool | None = None) -> bool:
         if now - _tuning.trimmed_at < TRIM_EVERY_S:
             return False
         _tuning.trimmed_at = now
-        _tuning.trims += 1
     libc.malloc_trim(0)  # outside the lock: it walks every heap
     return False
-
-
-def fit_stats() -> dict[str, object]:
-    """What `fit` did so far: whether the give-back thresholds are set and how many trims it made."""
-    return {"tuned": _tuning.tuned, "giving_back": _tuning.giving_back, "trims": _tuning.trims}
 
 
 @functools.cache

@@ -34,10 +34,9 @@ import torch
 
 import redis
 
-from diloco.storage import codecs
+from diloco.storage import codecs, heap
 from diloco.storage.bus import Bus
 from diloco.storage.errors import Conflict, DilocoError, Refused, StorageUnavailable
-from diloco.storage import heap
 from diloco.storage.heap import spare_memory
 from diloco.storage.history import params_limit, params_match, read_manifest, read_params, read_verified, sha256_hex
 from diloco.storage.intraop import Pacer, paced_slices, unpaced

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.coordinator.config import RunSettings
-from diloco.infra.bench.trial import add_out_arguments, bench_stack
+from diloco.infra.bench.trial import add_out_arguments, bench_stack, positive_int
 from diloco.infra.local.fleet import Supervisor, diloco_command, learner_argv, process_env, wait_until
 from diloco.infra.output import figures_table, human_bytes
 from diloco.storage.bus import Bus
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold-state", action=argparse.BooleanOptionalAction, default=True,
                         help="the coordinator's --hold-state (default: on, the coordinator's default); "
                              "--no-hold-state: one fragment in its memory at a time")
-    parser.add_argument("--shards", type=int, default=1,
+    parser.add_argument("--shards", type=positive_int, default=1,
                         help="coordinator processes, each merging its share of the fragments (default: %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the learners' parameters (default: %(default)s); the global model is float32. "
@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> ScaleResult:
     with bench_stack(args.out, keep=args.keep_stack) as stack:
         started, started_at = time.monotonic(), time.time()
         with Supervisor(process_env(stack.env()), args.out / "logs") as fleet:
-            for coordinator, shard in zip(coordinators, range(args.shards), strict=True):
+            for shard, coordinator in enumerate(coordinators):
                 fleet.add(coordinator, diloco_command(
                     "coordinator", "--run", run_id, "--fragments", str(args.fragments), "--sync-every",
                     str(args.sync_every), "--overlap-steps", "1", "--codec", args.codec, "--cadence", "steps",
